@@ -1,0 +1,64 @@
+"""Per-sequence bookkeeping of one CTA (the seed's BlockInfo) and its key-block range.
+
+Dense batches index sequence b at `b * batch_stride`; packed varlen batches at
+`cu_seqlens[b] * row_stride` with lengths from the prefix sums (and `seqused_k`). Everything
+downstream (tiles, masks, n-block range) only reads `seqlen_q`, `seqlen_k` and the two
+offsets, so varlen and paged KV plug in here without touching the kernel body.
+"""
+import cutlass
+import cutlass.cute as cute
+
+
+class BlockInfo:
+    def __init__(self, bidb, seqlen_q, seqlen_k, mCuSeqlensQ=None, mCuSeqlensK=None, mSeqUsedK=None):
+        self.sum_s_q = None
+        self.sum_s_k = None
+        self.seqlen_q = seqlen_q
+        self.seqlen_k = seqlen_k
+        if cutlass.const_expr(mCuSeqlensQ is not None):
+            self.sum_s_q = mCuSeqlensQ[bidb]
+            self.seqlen_q = mCuSeqlensQ[bidb + 1] - self.sum_s_q
+        if cutlass.const_expr(mCuSeqlensK is not None):
+            self.sum_s_k = mCuSeqlensK[bidb]
+            self.seqlen_k = mCuSeqlensK[bidb + 1] - self.sum_s_k
+        if cutlass.const_expr(mSeqUsedK is not None):
+            self.seqlen_k = mSeqUsedK[bidb]
+
+    def q_offset(self, batch_stride, row_stride, bidb):
+        if cutlass.const_expr(self.sum_s_q is None):
+            return bidb * batch_stride
+        return cutlass.Int64(self.sum_s_q) * row_stride
+
+    def k_offset(self, batch_stride, row_stride, bidb):
+        if cutlass.const_expr(self.sum_s_k is None):
+            return bidb * batch_stride
+        return cutlass.Int64(self.sum_s_k) * row_stride
+
+    def n_block_range(self, m_block, block_m: cutlass.Constexpr, block_n: cutlass.Constexpr,
+                      window_left, window_right, has_left: cutlass.Constexpr, has_right: cutlass.Constexpr):
+        """[n_block_min, n_block_max): key blocks that hold any key visible from this m-block.
+
+        Query i sees key j in [i + sk - sq - left, i + sk - sq + right]; causal is right = 0.
+        """
+        shift = self.seqlen_k - self.seqlen_q
+        n_block_max = cute.ceil_div(self.seqlen_k, block_n)
+        if cutlass.const_expr(has_right):
+            last_col = (m_block + 1) * block_m + shift + window_right
+            n_block_max = cutlass.min(n_block_max, cute.ceil_div(cutlass.max(last_col, 0), block_n))
+        n_block_min = 0
+        if cutlass.const_expr(has_left):
+            first_col = m_block * block_m + shift - window_left
+            n_block_min = cutlass.max(first_col, 0) // block_n
+        return n_block_min, n_block_max
+
+    def unmasked_range(self, m_block, block_m: cutlass.Constexpr, block_n: cutlass.Constexpr,
+                       window_left, window_right, has_left: cutlass.Constexpr, has_right: cutlass.Constexpr):
+        """[lo, hi): key blocks every row of this m-block sees whole, so no mask is applied there."""
+        shift = self.seqlen_k - self.seqlen_q
+        hi = self.seqlen_k // block_n
+        if cutlass.const_expr(has_right):
+            hi = cutlass.min(hi, cutlass.max(m_block * block_m + shift + window_right + 1, 0) // block_n)
+        lo = 0
+        if cutlass.const_expr(has_left):
+            lo = cute.ceil_div(cutlass.max((m_block + 1) * block_m - 1 + shift - window_left, 0), block_n)
+        return lo, hi

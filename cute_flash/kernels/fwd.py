@@ -1,0 +1,387 @@
+"""The FA2 forward kernel (the seed's compute_attn_1rowblock) and its torch-side launcher.
+
+One CTA computes O and LSE for kBlockM query rows of one (batch, head): it streams the key
+blocks that the masks leave visible, in reverse order, through a two-stage cp.async pipeline:
+
+    load Q, K[last]                       (rows past the sequence end zero-filled)
+    for n = last .. first:
+        wait K[n]; barrier; issue V[n]
+        S = Q K^T                         (ldmatrix + mma.sync over the head dim)
+        wait V[n]; barrier; issue K[n-1]  (overlaps the softmax and P V)
+        mask / ALiBi / softcap; online softmax -> P in registers
+        O += P V                          (P re-viewed as the A operand, no smem round trip)
+    O /= rowsum; O -> sO -> 128-bit stores; LSE
+
+Reverse order means only the first block processed can run past seqlen_k. Blocks that a
+diagonal or window edge crosses are masked; the rest run a mask-free step.
+"""
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.runtime import make_ptr
+
+from cute_flash.kernels.block_info import BlockInfo
+from cute_flash.kernels.gemm import gemm_rs, gemm_ss
+from cute_flash.kernels.mask import Mask, apply_alibi
+from cute_flash.kernels.softmax import OnlineSoftmax
+from cute_flash.kernels.tile_copy import column_predicate, copy_tile
+from layouts import copy as lcopy
+from layouts import mma as lmma
+from layouts import smem as lsmem
+from layouts.traits import FwdTraits, element_type
+
+LOG2E = math.log2(math.e)
+
+
+class FlashFwd:
+    """Compile-time configuration: traits plus the mask/modifier flags (each combination is one
+    compiled kernel). Everything else (lengths, strides, window sizes, scales) is a run-time
+    argument."""
+
+    def __init__(self, traits: FwdTraits, has_left: bool = False, has_right: bool = False,
+                 has_alibi: bool = False, has_softcap: bool = False, even_k: bool = True):
+        self.t = traits
+        self.has_left = has_left
+        self.has_right = has_right
+        self.has_alibi = has_alibi
+        self.has_softcap = has_softcap
+        self.even_k = even_k
+        self.dtype = element_type(traits)
+
+    @cute.jit
+    def __call__(self, q_ptr: cute.Pointer, k_ptr: cute.Pointer, v_ptr: cute.Pointer,
+                 o_ptr: cute.Pointer, lse_ptr: cute.Pointer, alibi_ptr: cute.Pointer,
+                 batch: cutlass.Int32, seqlen_q: cutlass.Int32, seqlen_k: cutlass.Int32,
+                 nheads: cutlass.Int32, nheads_k: cutlass.Int32, head_dim: cutlass.Int32,
+                 q_stride_b: cutlass.Int64, q_stride_s: cutlass.Int64, q_stride_h: cutlass.Int64,
+                 k_stride_b: cutlass.Int64, k_stride_s: cutlass.Int64, k_stride_h: cutlass.Int64,
+                 v_stride_b: cutlass.Int64, v_stride_s: cutlass.Int64, v_stride_h: cutlass.Int64,
+                 o_stride_b: cutlass.Int64, o_stride_s: cutlass.Int64, o_stride_h: cutlass.Int64,
+                 alibi_stride_b: cutlass.Int32,
+                 scale_log2: cutlass.Float32, score_premul: cutlass.Float32, alibi_div: cutlass.Float32,
+                 window_left: cutlass.Int32, window_right: cutlass.Int32, stream):
+        t = self.t
+
+        def gmem(ptr, shape, sb, ss, sh):
+            # (batch, seqlen, heads, head_dim); 16-byte aligned rows are a precondition the
+            # launcher checks, stated here so the 128-bit copies compile to single instructions.
+            stride = (cute.assume(sb, divby=8), cute.assume(ss, divby=8), cute.assume(sh, divby=8), 1)
+            return cute.make_tensor(ptr, cute.make_layout(shape, stride=stride))
+
+        mQ = gmem(q_ptr, (batch, seqlen_q, nheads, head_dim), q_stride_b, q_stride_s, q_stride_h)
+        mK = gmem(k_ptr, (batch, seqlen_k, nheads_k, head_dim), k_stride_b, k_stride_s, k_stride_h)
+        mV = gmem(v_ptr, (batch, seqlen_k, nheads_k, head_dim), v_stride_b, v_stride_s, v_stride_h)
+        mO = gmem(o_ptr, (batch, seqlen_q, nheads, head_dim), o_stride_b, o_stride_s, o_stride_h)
+        # (batch, heads, seqlen_q), contiguous
+        mLSE = cute.make_tensor(
+            lse_ptr, cute.make_layout((batch, nheads, seqlen_q), stride=(nheads * seqlen_q, seqlen_q, 1))
+        )
+        mAlibi = cute.make_tensor(alibi_ptr, cute.make_layout((batch, nheads), stride=(alibi_stride_b, 1)))
+
+        sQ_layout = lsmem.smem_layout_q(t)
+        sKV_layout = lsmem.smem_layout_kv(t)
+
+        @cute.struct
+        class SharedStorage:
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
+
+        self.kernel(
+            mQ, mK, mV, mO, mLSE, mAlibi, sQ_layout, sKV_layout,
+            lcopy.gmem_tiled_copy_qkv(t), lcopy.gmem_tiled_copy_o(t), lmma.tiled_mma(t),
+            scale_log2, score_premul, alibi_div, window_left, window_right, SharedStorage,
+        ).launch(
+            grid=(cute.ceil_div(seqlen_q, t.block_m), batch, nheads),
+            block=[t.num_threads, 1, 1],
+            smem=SharedStorage.size_in_bytes(),
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+               mLSE: cute.Tensor, mAlibi: cute.Tensor,
+               sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
+               gmem_tiled_copy_QKV: cute.TiledCopy, gmem_tiled_copy_O: cute.TiledCopy,
+               tiled_mma: cute.TiledMma, scale_log2: cutlass.Float32, score_premul: cutlass.Float32,
+               alibi_div: cutlass.Float32, window_left: cutlass.Int32, window_right: cutlass.Int32,
+               SharedStorage: cutlass.Constexpr):
+        t = self.t
+        bm, bn, d = t.block_m, t.block_n, t.head_dim
+        tidx, _, _ = cute.arch.thread_idx()
+        m_block, bidb, bidh = cute.arch.block_idx()
+        seqlen_q, nheads, head_dim = mQ.shape[1], mQ.shape[2], mQ.shape[3]
+        seqlen_k = mK.shape[1]
+        bidh_kv = bidh // (nheads // mK.shape[2])
+
+        binfo = BlockInfo(bidb, seqlen_q, seqlen_k)
+        n_block_min, n_block_max = binfo.n_block_range(
+            m_block, bm, bn, window_left, window_right, self.has_left, self.has_right)
+
+        # (bm, d) tiles of this CTA's rows
+        gQ = cute.local_tile(mQ[bidb, None, bidh, None], (bm, d), (m_block, 0))
+        gO = cute.local_tile(mO[bidb, None, bidh, None], (bm, d), (m_block, 0))
+        # (bn, d, n_blocks)
+        gK = cute.local_tile(mK[bidb, None, bidh_kv, None], (bn, d), (None, 0))
+        gV = cute.local_tile(mV[bidb, None, bidh_kv, None], (bn, d), (None, 0))
+        cQ = cute.make_identity_tensor((bm, d))   # tile coordinates (row, col)
+        cKV = cute.make_identity_tensor((bn, d))
+        rows_q = binfo.seqlen_q - m_block * bm
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        sQ = storage.sQ.get_tensor(sQ_layout)
+        sK = storage.sK.get_tensor(sKV_layout)
+        sV = storage.sV.get_tensor(sKV_layout)
+        sVt = lsmem.transposed_view(sV)  # (d, bn)
+
+        gmem_thr_copy_QKV = gmem_tiled_copy_QKV.get_slice(tidx)
+        tQgQ = gmem_thr_copy_QKV.partition_S(gQ)
+        tQsQ = gmem_thr_copy_QKV.partition_D(sQ)
+        tQcQ = gmem_thr_copy_QKV.partition_S(cQ)
+        tKgK = gmem_thr_copy_QKV.partition_S(gK)  # (KCPY, KCPY_N, KCPY_K, n_blocks)
+        tKsK = gmem_thr_copy_QKV.partition_D(sK)
+        tVgV = gmem_thr_copy_QKV.partition_S(gV)
+        tVsV = gmem_thr_copy_QKV.partition_D(sV)
+        tKVcKV = gmem_thr_copy_QKV.partition_S(cKV)
+        tQpQ = column_predicate(tQcQ, head_dim)
+        tKVpKV = column_predicate(tKVcKV, head_dim)
+
+        thr_mma = tiled_mma.get_slice(tidx)
+        tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ))     # (MMA, MMA_M, MMA_K)
+        tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK))     # (MMA, MMA_N, MMA_K)
+        tOrVt = thr_mma.make_fragment_B(thr_mma.partition_B(sVt))   # (MMA, MMA_K, MMA_N)
+        acc_o = cute.make_rmem_tensor(thr_mma.partition_shape_C((bm, d)), cutlass.Float32)
+        acc_o.fill(0.0)
+        acc_o_mn = lmma.acc_mn_view(acc_o)
+        tOcO_mn = lmma.acc_mn_view(thr_mma.partition_C(cQ))
+        tScS_mn = lmma.acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((bm, bn))))
+
+        smem_thr_copy_Q = lcopy.smem_tiled_copy_q(t, tiled_mma).get_slice(tidx)
+        smem_thr_copy_K = lcopy.smem_tiled_copy_k(t, tiled_mma).get_slice(tidx)
+        smem_thr_copy_V = lcopy.smem_tiled_copy_vt(t, tiled_mma).get_slice(tidx)
+        # (tiled copy, smem partition, register view) per MMA operand
+        ops = (
+            smem_thr_copy_Q, smem_thr_copy_Q.partition_S(sQ), smem_thr_copy_Q.retile(tSrQ),
+            smem_thr_copy_K, smem_thr_copy_K.partition_S(sK), smem_thr_copy_K.retile(tSrK),
+            smem_thr_copy_V, smem_thr_copy_V.partition_S(sVt), smem_thr_copy_V.retile(tOrVt),
+        )
+
+        softmax = OnlineSoftmax(cute.size(acc_o_mn.shape[0]), scale_log2)
+        softmax.init_empty()
+        mask = Mask(binfo.seqlen_q, binfo.seqlen_k, window_left, window_right, self.has_left, self.has_right)
+        slope = cutlass.Float32(0.0)
+        if cutlass.const_expr(self.has_alibi):
+            slope = mAlibi[bidb, bidh] * alibi_div
+
+        if n_block_max > n_block_min:
+            self.mainloop(
+                n_block_min, n_block_max, m_block, rows_q, binfo, window_left, window_right,
+                tiled_mma, gmem_tiled_copy_QKV, tQgQ, tQsQ, tQcQ, tQpQ,
+                tKgK, tKsK, tVgV, tVsV, tKVcKV, tKVpKV, tSrQ, tSrK, tOrVt, acc_o, acc_o_mn, tScS_mn,
+                ops, softmax, mask, score_premul, slope)
+
+        # Epilogue (also the early exit: no visible key leaves O = 0 and LSE = +inf).
+        lse = cute.make_rmem_tensor(softmax.row_max.layout, cutlass.Float32)
+        softmax.finalize(acc_o_mn, lse)
+        rO = cute.make_fragment_like(acc_o, self.dtype)
+        rO.store(acc_o.load().to(self.dtype))
+        sO = cute.make_tensor(sQ.iterator, sQ_layout)
+        # Every warp must be past its last ldmatrix of sQ rows that another warp's O rows alias.
+        cute.arch.barrier()
+        smem_thr_copy_O = lcopy.smem_tiled_copy_o(t, tiled_mma).get_slice(tidx)
+        cute.copy(smem_thr_copy_O, smem_thr_copy_O.retile(rO), smem_thr_copy_O.partition_D(sO))
+
+        if tOcO_mn[0, 0][1] == 0:  # one thread of each quad writes its rows' LSE
+            for r in cutlass.range_constexpr(cute.size(lse)):
+                row = tOcO_mn[r, 0][0]
+                if row < rows_q:
+                    mLSE[bidb, bidh, m_block * bm + row] = lse[r]
+
+        gmem_thr_copy_O = gmem_tiled_copy_O.get_slice(tidx)
+        tOsO = gmem_thr_copy_O.partition_S(sO)
+        tOgO = gmem_thr_copy_O.partition_D(gO)
+        tOcO = gmem_thr_copy_O.partition_D(cQ)
+        tOrO = cute.make_fragment_like(tOsO, self.dtype)
+        cute.arch.barrier()
+        cute.copy(gmem_tiled_copy_O, tOsO, tOrO)
+        copy_tile(gmem_tiled_copy_O, tOrO, tOgO, tOcO, column_predicate(tOcO, head_dim), rows_q,
+                  True, self.even_k, False)
+
+    @cute.jit
+    def mainloop(self, n_block_min, n_block_max, m_block, rows_q, binfo, window_left, window_right,
+                 tiled_mma, gmem_tiled_copy_QKV, tQgQ, tQsQ, tQcQ, tQpQ,
+                 tKgK, tKsK, tVgV, tVsV, tKVcKV, tKVpKV, tSrQ, tSrK, tOrVt, acc_o, acc_o_mn, tScS_mn,
+                 ops, softmax, mask, score_premul, slope):
+        """Prologue loads, the first (masked) block, then right-masked, mask-free and
+        left-masked blocks in decreasing n."""
+        t = self.t
+        bm, bn = t.block_m, t.block_n
+        # Prologue: Q and the last K block, rows past the sequence ends zero-filled.
+        n_last = n_block_max - 1
+        copy_tile(gmem_tiled_copy_QKV, tQgQ, tQsQ, tQcQ, tQpQ, rows_q, True, self.even_k, True)
+        copy_tile(gmem_tiled_copy_QKV, tKgK[None, None, None, n_last], tKsK, tKVcKV, tKVpKV,
+                  binfo.seqlen_k - n_last * bn, True, self.even_k, True)
+        cute.arch.cp_async_commit_group()
+
+        step_args = (tiled_mma, gmem_tiled_copy_QKV, tKgK, tKsK, tVgV, tVsV, tKVcKV, tKVpKV,
+                     tSrQ, tSrK, tOrVt, acc_o, acc_o_mn, tScS_mn, ops, softmax, mask,
+                     binfo, m_block, n_block_min, score_premul, slope)
+        self.step(n_last, *step_args, is_first=True, masked=True)
+
+        unmasked_lo, unmasked_hi = binfo.unmasked_range(
+            m_block, bm, bn, window_left, window_right, self.has_left, self.has_right)
+        right_end = cutlass.max(cutlass.min(unmasked_hi, n_last), n_block_min)
+        left_end = cutlass.max(cutlass.min(unmasked_lo, right_end), n_block_min)
+        for i in cutlass.range(n_last - right_end, unroll=1):
+            self.step(n_last - 1 - i, *step_args, is_first=False, masked=True)
+        for i in cutlass.range(right_end - left_end, unroll=1):
+            self.step(right_end - 1 - i, *step_args, is_first=False, masked=False)
+        for i in cutlass.range(left_end - n_block_min, unroll=1):
+            self.step(left_end - 1 - i, *step_args, is_first=False, masked=True)
+
+    @cute.jit
+    def step(self, n_block, tiled_mma, gmem_tiled_copy_QKV, tKgK, tKsK, tVgV, tVsV, tKVcKV, tKVpKV,
+             tSrQ, tSrK, tOrVt, acc_o, acc_o_mn, tScS_mn, ops, softmax, mask, binfo, m_block,
+             n_block_min, score_premul, slope, is_first: cutlass.Constexpr, masked: cutlass.Constexpr):
+        """One key block: S = Q K^T, modifiers, online softmax, O += P V, with the next K in flight."""
+        t = self.t
+        copy_Q, tSsQ, tSrQ_view, copy_K, tSsK, tSrK_view, copy_V, tOsVt, tOrVt_view = ops
+        acc_s = cute.make_rmem_tensor(tiled_mma.get_slice(0).partition_shape_C((t.block_m, t.block_n)),
+                                      cutlass.Float32)
+        acc_s.fill(0.0)
+
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.barrier()
+        # V[n]: only the first block processed can run past seqlen_k.
+        copy_tile(gmem_tiled_copy_QKV, tVgV[None, None, None, n_block], tVsV, tKVcKV, tKVpKV,
+                  binfo.seqlen_k - n_block * t.block_n, is_first, self.even_k, True)
+        cute.arch.cp_async_commit_group()
+
+        gemm_ss(tiled_mma, acc_s, copy_Q, tSsQ, tSrQ_view, tSrQ, copy_K, tSsK, tSrK_view, tSrK)
+
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.barrier()
+        if n_block > n_block_min:
+            copy_tile(gmem_tiled_copy_QKV, tKgK[None, None, None, n_block - 1], tKsK, tKVcKV, tKVpKV,
+                      0, False, self.even_k, True)
+            cute.arch.cp_async_commit_group()
+
+        acc_s_mn = lmma.acc_mn_view(acc_s)
+        if cutlass.const_expr(self.has_softcap):
+            for i in cutlass.range_constexpr(cute.size(acc_s)):
+                acc_s[i] = cute.math.tanh(acc_s[i] * score_premul, fastmath=True)
+        row0 = m_block * t.block_m
+        col0 = n_block * t.block_n
+        if cutlass.const_expr(self.has_alibi):
+            apply_alibi(acc_s_mn, tScS_mn, row0, col0, binfo.seqlen_k - binfo.seqlen_q, slope)
+        if cutlass.const_expr(masked):
+            mask.apply(acc_s_mn, tScS_mn, row0, col0)
+        softmax.step(acc_s_mn, acc_o_mn, is_first, masked)
+
+        rP = cute.make_fragment_like(acc_s, self.dtype)
+        rP.store(acc_s.load().to(self.dtype))
+        tOrP = lmma.acc_as_a_operand(rP)
+        gemm_rs(tiled_mma, acc_o, tOrP, copy_V, tOsVt, tOrVt_view, tOrVt)
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side: compile (cached) and launch on torch tensors.
+
+_ALIGN = 8  # elements per 16-byte copy
+
+
+def _arch_option(arch: int | None) -> str:
+    return "" if arch is None else f"--gpu-arch=sm_{arch}{'a' if arch >= 90 else ''}"
+
+
+def compile_fwd(kernel: FlashFwd, arch: int | None = None):
+    """Build the cubin for `kernel`. arch=None targets the current GPU; an explicit arch (80, 90)
+    compiles without one, with placeholder pointers (nothing is launched)."""
+    import cuda.bindings.driver as cuda  # noqa: F401  (the stream argument type)
+    from cutlass.cute.runtime import make_fake_stream
+
+    def ptr(dtype, align=16):
+        return make_ptr(dtype, 1 << 20, cute.AddressSpace.gmem, assumed_align=align)
+
+    el = kernel.dtype
+    args = [ptr(el), ptr(el), ptr(el), ptr(el), ptr(cutlass.Float32, 4), ptr(cutlass.Float32, 4)]
+    args += [1] * 6 + [8] * 12 + [1]
+    args += [1.0, 1.0, 1.0, -1, -1, make_fake_stream()]
+    return cute.compile(kernel, *args, options=_arch_option(arch))
+
+
+def fwd_kernel_key(traits: FwdTraits, has_left, has_right, has_alibi, has_softcap, even_k):
+    return ("fwd", traits, bool(has_left), bool(has_right), bool(has_alibi), bool(has_softcap), bool(even_k))
+
+
+def _aligned(x):
+    """x as (.., head_dim) with the last dim padded to a multiple of 8 and every other stride
+    and the base address 16-byte aligned: a view when that already holds, else a copy."""
+    import torch
+
+    d = x.shape[-1]
+    if d % _ALIGN:
+        x = torch.nn.functional.pad(x, (0, _ALIGN - d % _ALIGN))
+    if x.data_ptr() % 16 or any(s % _ALIGN for s in x.stride()[:-1]):
+        x = x.contiguous()
+    return x
+
+
+def flash_fwd(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1), softcap=0.0,
+              alibi_slopes=None):
+    """Dense forward on CUDA tensors already validated by the interface: returns (out, lse)."""
+    import torch
+    from cute_flash.compile_cache import get_or_compile
+    from layouts.traits import choose_fwd_traits
+
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    q, k, v = _aligned(q), _aligned(k), _aligned(v)
+    d_pad = q.shape[-1]
+    out = torch.empty((b, sq, h, d_pad), dtype=q.dtype, device=q.device)
+    lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
+
+    left, right = window_size
+    if causal:
+        right = 0
+    major, minor = torch.cuda.get_device_capability(q.device)
+    arch = major * 10 + minor
+    traits = choose_fwd_traits(d_pad, "bf16" if q.dtype == torch.bfloat16 else "fp16", min(arch, 90), causal)
+    flags = dict(has_left=left >= 0, has_right=right >= 0, has_alibi=alibi_slopes is not None,
+                 has_softcap=softcap > 0, even_k=d_pad == traits.head_dim)
+    compiled = get_or_compile(fwd_kernel_key(traits, **flags) + (arch,),
+                              lambda: compile_fwd(FlashFwd(traits, **flags)))
+
+    if softcap > 0:
+        scale_log2, premul, alibi_div = softcap * LOG2E, softmax_scale / softcap, 1.0 / softcap
+    else:
+        scale_log2, premul, alibi_div = softmax_scale * LOG2E, 1.0, 1.0 / softmax_scale
+    if alibi_slopes is not None:
+        alibi_slopes = alibi_slopes if alibi_slopes.dim() == 2 else alibi_slopes.unsqueeze(0).expand(b, h)
+        alibi_ptr, alibi_stride_b = alibi_slopes.data_ptr(), alibi_slopes.stride(0)
+    else:
+        alibi_ptr, alibi_stride_b = lse.data_ptr(), 0
+
+    el = element_type(traits)
+    gptr = cute.AddressSpace.gmem
+    import cuda.bindings.driver as cuda
+
+    compiled(
+        make_ptr(el, q.data_ptr(), gptr, assumed_align=16),
+        make_ptr(el, k.data_ptr(), gptr, assumed_align=16),
+        make_ptr(el, v.data_ptr(), gptr, assumed_align=16),
+        make_ptr(el, out.data_ptr(), gptr, assumed_align=16),
+        make_ptr(cutlass.Float32, lse.data_ptr(), gptr, assumed_align=4),
+        make_ptr(cutlass.Float32, alibi_ptr, gptr, assumed_align=4),
+        b, sq, sk, h, hk, d_pad,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], alibi_stride_b,
+        scale_log2, premul, alibi_div, left, right,
+        cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream),
+    )
+    if d_pad != d:
+        out = out[..., :d]
+    return out, lse

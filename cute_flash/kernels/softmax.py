@@ -1,0 +1,80 @@
+"""Online softmax on register tiles.
+
+Each thread holds two rows per MMA_M step of S and O; the other three threads of its quad hold
+the remaining columns, so row maxima are completed with two butterfly shuffles. Row sums stay
+per-thread partial until the end (one reduction instead of one per block). Scores are kept
+unscaled: exp2(s * scale_log2 - max * scale_log2) is one FFMA and one EX2 per element.
+"""
+import math
+
+import cutlass
+import cutlass.cute as cute
+
+LN2 = math.log(2.0)
+
+
+@cute.jit
+def quad_allreduce_max(val: cutlass.Float32) -> cutlass.Float32:
+    val = cute.arch.fmax(val, cute.arch.shuffle_sync_bfly(val, offset=2))
+    return cute.arch.fmax(val, cute.arch.shuffle_sync_bfly(val, offset=1))
+
+
+@cute.jit
+def quad_allreduce_sum(val: cutlass.Float32) -> cutlass.Float32:
+    val = val + cute.arch.shuffle_sync_bfly(val, offset=2)
+    return val + cute.arch.shuffle_sync_bfly(val, offset=1)
+
+
+class OnlineSoftmax:
+    def __init__(self, num_rows: cutlass.Constexpr, scale_log2: cutlass.Float32):
+        self.row_max = cute.make_rmem_tensor((num_rows,), cutlass.Float32)
+        self.row_sum = cute.make_rmem_tensor((num_rows,), cutlass.Float32)
+        self.scale_log2 = scale_log2
+
+    @cute.jit
+    def step(self, acc_S_mn: cute.Tensor, acc_O_mn: cute.Tensor,
+             is_first: cutlass.Constexpr, check_inf: cutlass.Constexpr):
+        """Turn S into unnormalised P in place and rescale O by exp(old max - new max).
+
+        check_inf: a masked tile can leave a row all -inf; its max is then taken as 0 so that
+        exp2 gives 0 instead of NaN.
+        """
+        for r in cutlass.range_constexpr(cute.size(self.row_max)):
+            s_row = acc_S_mn[r, None].load()
+            row_max = quad_allreduce_max(s_row.reduce(cute.ReductionOp.MAX, -cutlass.Float32.inf, 0))
+            if cutlass.const_expr(not is_first):
+                row_max = cute.arch.fmax(self.row_max[r], row_max)
+            max_scaled = row_max * self.scale_log2
+            if cutlass.const_expr(check_inf):
+                max_scaled = 0.0 if row_max == -cutlass.Float32.inf else max_scaled
+            p_row = cute.math.exp2(s_row * self.scale_log2 - max_scaled, fastmath=True)
+            row_sum = p_row.reduce(cute.ReductionOp.ADD, cutlass.Float32.zero, 0)
+            if cutlass.const_expr(is_first):
+                self.row_sum[r] = row_sum
+            else:
+                correction = cute.math.exp2(self.row_max[r] * self.scale_log2 - max_scaled, fastmath=True)
+                self.row_sum[r] = self.row_sum[r] * correction + row_sum
+                acc_O_mn[r, None] = acc_O_mn[r, None].load() * correction
+            self.row_max[r] = row_max
+            acc_S_mn[r, None] = p_row
+
+    def init_empty(self):
+        self.row_max.fill(-cutlass.Float32.inf)
+        self.row_sum.fill(0.0)
+
+    @cute.jit
+    def finalize(self, acc_O_mn: cute.Tensor, lse: cute.Tensor):
+        """Normalise O and write the natural-log LSE per row into `lse` (registers).
+
+        A row that saw no key has sum 0: O stays 0 and its LSE is +inf (flash-attn's convention).
+        """
+        for r in cutlass.range_constexpr(cute.size(self.row_max)):
+            row_sum = quad_allreduce_sum(self.row_sum[r])
+            empty = row_sum == 0.0 or row_sum != row_sum
+            inv = 0.0 if empty else cute.arch.rcp_approx(row_sum)
+            acc_O_mn[r, None] = acc_O_mn[r, None].load() * inv
+            lse[r] = (
+                cutlass.Float32.inf
+                if empty
+                else (self.row_max[r] * self.scale_log2 + cute.math.log2(row_sum, fastmath=True)) * LN2
+            )

@@ -1,0 +1,49 @@
+"""The TiledMMA: SM80 mma.sync 16x8x16, fp16/bf16 in, fp32 accumulate.
+
+Warps are stacked along M (`(kNWarps, 1, 1)`), so each warp owns 16 query rows of every
+MMA_M step and the row statistics of the softmax never leave a warp. The permutation
+`(16 * kNWarps, 16, 16)` makes one tile step cover 16 columns of N, i.e. two 8-wide atoms,
+so that an ldmatrix x4 feeds a whole step of B.
+"""
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.nvgpu import warp
+
+from layouts.traits import FwdTraits, element_type
+
+
+def tiled_mma(traits: FwdTraits):
+    op = warp.MmaF16BF16Op(element_type(traits), cutlass.Float32, (16, 8, 16))
+    return cute.make_tiled_mma(
+        op, (traits.num_warps, 1, 1), permutation_mnk=(16 * traits.num_warps, 16, 16)
+    )
+
+
+def acc_mn_view(acc):
+    """((2, MMA_M), (2, MMA_N)) row/column view of an accumulator fragment ((2, 2), MMA_M, MMA_N).
+
+    The atom's C values are (2 adjacent columns, 2 rows 8 apart): regrouping them with the
+    repeat modes gives `acc_mn[r, c]` = row r, column c of what this thread holds, which is what
+    masks and row reductions index.
+    """
+    col_major = cute.make_layout(acc.layout.shape)
+    mn = cute.make_layout(
+        ((col_major.shape[0][1], col_major.shape[1]), (col_major.shape[0][0], col_major.shape[2])),
+        stride=((col_major.stride[0][1], col_major.stride[1]), (col_major.stride[0][0], col_major.stride[2])),
+    )
+    return cute.make_tensor(acc.iterator, cute.composition(acc.layout, mn))
+
+
+def acc_as_a_operand(acc):
+    """((2, 2, 2), MMA_M, MMA_N / 2) view of a C fragment ((2, 2), MMA_M, MMA_N) for use as A.
+
+    The A fragment of a 16x8x16 MMA holds the C values of two neighbouring 8-column atoms, so P
+    feeds O += P V straight from registers, with no smem round trip (the seed's
+    convert_layout_acc_Aregs).
+    """
+    div = cute.logical_divide(acc.layout, (None, None, 2))
+    view = cute.make_layout(
+        ((div.shape[0], div.shape[2][0]), div.shape[1], div.shape[2][1]),
+        stride=((div.stride[0], div.stride[2][0]), div.stride[1], div.stride[2][1]),
+    )
+    return cute.make_tensor(acc.iterator, view)

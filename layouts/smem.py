@@ -1,0 +1,48 @@
+"""Swizzled shared-memory layouts for Q, K, V, V-transposed and the O staging tile.
+
+The atom is `Swizzle<B,3,3> o (8, kBlockKSmem):(kBlockKSmem, 1)`: eight rows of one 128 B (or
+64 B) line, with the 16-byte chunk index XORed by the row index, so that the eight rows an
+ldmatrix phase reads, or a cp.async phase writes, land in eight different bank groups.
+`tile_to_shape` repeats the atom over the tile, column-atoms innermost, as the seed's
+`tile_to_shape(SmemLayoutAtomQ{}, Shape<kBlockM, kHeadDim>)`.
+"""
+import cutlass.cute as cute
+
+from layouts.traits import FwdTraits
+
+
+def smem_layout_atom(traits: FwdTraits):
+    """(8, kBlockKSmem) swizzled atom."""
+    k = traits.block_k_smem
+    return cute.make_composed_layout(
+        cute.make_swizzle(traits.swizzle_bits, 3, 3), 0, cute.make_layout((8, k), stride=(k, 1))
+    )
+
+
+def smem_layout_q(traits: FwdTraits):
+    """(kBlockM, kHeadDim)"""
+    return cute.tile_to_shape(smem_layout_atom(traits), (traits.block_m, traits.head_dim), (0, 1))
+
+
+def smem_layout_kv(traits: FwdTraits):
+    """(kBlockN, kHeadDim), shared by sK and sV."""
+    return cute.tile_to_shape(smem_layout_atom(traits), (traits.block_n, traits.head_dim), (0, 1))
+
+
+def smem_layout_o(traits: FwdTraits):
+    """(kBlockM, kHeadDim): O is staged through sQ's storage before the 128-bit stores."""
+    return smem_layout_q(traits)
+
+
+def transposed_view(s_v):
+    """(kHeadDim, kBlockN) view of a (kBlockN, kHeadDim) sV tensor or layout, no data moved.
+
+    The B operand of O = P V is V^T; ldmatrix.trans reads it from the same swizzled storage.
+    """
+    n, d = cute.size(s_v.shape[0]), cute.size(s_v.shape[1])
+    return cute.composition(s_v, cute.make_layout((d, n), stride=(n, 1)))
+
+
+def smem_layout_unswizzled(rows: int, cols: int):
+    """(rows, cols) row-major with no swizzle: the counter-example that bank checks must flag."""
+    return cute.make_layout((rows, cols), stride=(cols, 1))

@@ -1,0 +1,118 @@
+"""Compile-time parameters of the forward kernel and the heuristic that picks them.
+
+The seed's `Flash_fwd_kernel_traits<kHeadDim, kBlockM, kBlockN, kNWarps, Is_Q_in_regs,
+Share_Q_K_smem, T>` as a frozen dataclass. Pure Python: usable outside a trace, so the
+dispatcher, the compile cache key and the property tests all read the same object.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+HEAD_DIM_BUCKETS = (32, 64, 96, 128, 160, 192, 224, 256)
+DTYPES = ("fp16", "bf16")
+# Opt-in dynamic shared memory per CTA (bytes), as cudaDevAttrMaxSharedMemoryPerBlockOptin reports.
+SMEM_LIMIT = {80: 166912, 90: 232448}
+ELEMENT_BYTES = 2
+
+
+def head_dim_bucket(d: int) -> int:
+    """Smallest bucket >= d; a head dim under its bucket runs with K predicates (Is_even_K)."""
+    if not 1 <= d <= HEAD_DIM_BUCKETS[-1]:
+        raise ValueError(f"head dim must be in [1, {HEAD_DIM_BUCKETS[-1]}], got {d}")
+    return next(b for b in HEAD_DIM_BUCKETS if b >= d)
+
+
+@dataclass(frozen=True)
+class FwdTraits:
+    head_dim: int          # kHeadDim: the bucket, a multiple of 32
+    block_m: int           # kBlockM: query rows per CTA
+    block_n: int           # kBlockN: key rows per main-loop step
+    num_warps: int         # kNWarps: warps tile M, 16 rows each per MMA step
+    dtype: str = "bf16"    # "fp16" | "bf16"; accumulation is always fp32
+    q_in_regs: bool = False
+    share_qk_smem: bool = False
+
+    def __post_init__(self):
+        if self.head_dim not in HEAD_DIM_BUCKETS:
+            raise ValueError(f"head_dim {self.head_dim} is not a bucket {HEAD_DIM_BUCKETS}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.block_m % (16 * self.num_warps):
+            raise ValueError("block_m must be a multiple of 16 * num_warps (one MMA row group per warp)")
+        if self.block_n % 16:
+            raise ValueError("block_n must be a multiple of 16")
+        if self.share_qk_smem and not self.q_in_regs:
+            raise ValueError("share_qk_smem needs q_in_regs (Q must leave smem before K overwrites it)")
+
+    @property
+    def num_threads(self) -> int:
+        return 32 * self.num_warps
+
+    @property
+    def block_k_smem(self) -> int:
+        """Width of one swizzle atom row: 64 elements (128 B) when the head dim allows, else 32."""
+        return 64 if self.head_dim % 64 == 0 else 32
+
+    @property
+    def swizzle_bits(self) -> int:
+        """Swizzle<B,3,3>: B=3 permutes 8 16-byte chunks of a 128 B row, B=2 four of a 64 B row."""
+        return 3 if self.block_k_smem == 64 else 2
+
+    @property
+    def gmem_threads_per_row(self) -> int:
+        return self.block_k_smem // 8  # 8 elements = 16 bytes per cp.async
+
+    @property
+    def smem_bytes(self) -> int:
+        q = self.block_m * self.head_dim
+        kv = 2 * self.block_n * self.head_dim
+        return ELEMENT_BYTES * (kv if self.share_qk_smem else q + kv)
+
+    def fits(self, arch: int) -> bool:
+        return self.smem_bytes <= SMEM_LIMIT[arch]
+
+    @property
+    def name(self) -> str:
+        flags = ("_qreg" if self.q_in_regs else "") + ("_shqk" if self.share_qk_smem else "")
+        return f"d{self.head_dim}_m{self.block_m}_n{self.block_n}_w{self.num_warps}_{self.dtype}{flags}"
+
+
+def choose_fwd_traits(head_dim: int, dtype: str = "bf16", arch: int = 90, causal: bool = False) -> FwdTraits:
+    """Tile sizes per head-dim bucket.
+
+    flash-attn 2.8.3 (non-dropout, A100/H100 path) uses 128x128/4 warps up to d=64, 128x64/4 warps
+    for d=96..128, 128x32/4 warps at d=160 and 128x64/8 warps for d=192..256. We follow it,
+    with one difference recorded in docs/perf.md: d=160 uses 128x64 with 8 warps, since 128x32
+    leaves the S tile too narrow for the softmax to amortise its row reductions.
+    `causal` is accepted so the heuristic can specialise per mask later; it does not change
+    the choice yet.
+    """
+    d = head_dim_bucket(head_dim)
+    if d <= 64:
+        m, n, w = 128, 128, 4
+    elif d <= 128:
+        m, n, w = 128, 64, 4
+    else:
+        m, n, w = 128, 64, 8
+    t = FwdTraits(head_dim=d, block_m=m, block_n=n, num_warps=w, dtype=dtype)
+    if not t.fits(arch):
+        t = FwdTraits(head_dim=d, block_m=64, block_n=64, num_warps=4, dtype=dtype)
+    return t
+
+
+def shipped_fwd_traits(arch: int = 90) -> list[FwdTraits]:
+    """Every traits the heuristic can return for `arch` (what `python -m layouts report` checks)."""
+    seen = {}
+    for d in HEAD_DIM_BUCKETS:
+        for dtype in DTYPES:
+            for causal in (False, True):
+                t = choose_fwd_traits(d, dtype, arch, causal)
+                seen[t] = None
+    return list(seen)
+
+
+def element_type(traits: FwdTraits):
+    """The DSL numeric type of Q/K/V/O (imported lazily: traits stay usable without the DSL)."""
+    import cutlass
+
+    return {"fp16": cutlass.Float16, "bf16": cutlass.BFloat16}[traits.dtype]
