@@ -158,7 +158,6 @@ class FlashFwd:
         acc_o.fill(0.0)
         acc_o_mn = lmma.acc_mn_view(acc_o)
         tOcO_mn = lmma.acc_mn_view(thr_mma.partition_C(cQ))
-        tScS_mn = lmma.acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((bm, bn))))
 
         smem_thr_copy_Q = lcopy.smem_tiled_copy_q(t, tiled_mma).get_slice(tidx)
         smem_thr_copy_K = lcopy.smem_tiled_copy_k(t, tiled_mma).get_slice(tidx)
@@ -181,7 +180,7 @@ class FlashFwd:
             self.mainloop(
                 n_block_min, n_block_max, m_block, rows_q, binfo, window_left, window_right,
                 tiled_mma, gmem_tiled_copy_QKV, tQgQ, tQsQ, tQcQ, tQpQ,
-                tKgK, tKsK, tVgV, tVsV, tKVcKV, tKVpKV, tSrQ, tSrK, tOrVt, acc_o, acc_o_mn, tScS_mn,
+                tKgK, tKsK, tVgV, tVsV, tKVcKV, tKVpKV, tSrQ, tSrK, tOrVt, acc_o, acc_o_mn,
                 ops, softmax, mask, score_premul, slope)
 
         # Epilogue (also the early exit: no visible key leaves O = 0 and LSE = +inf).
@@ -214,7 +213,7 @@ class FlashFwd:
     @cute.jit
     def mainloop(self, n_block_min, n_block_max, m_block, rows_q, binfo, window_left, window_right,
                  tiled_mma, gmem_tiled_copy_QKV, tQgQ, tQsQ, tQcQ, tQpQ,
-                 tKgK, tKsK, tVgV, tVsV, tKVcKV, tKVpKV, tSrQ, tSrK, tOrVt, acc_o, acc_o_mn, tScS_mn,
+                 tKgK, tKsK, tVgV, tVsV, tKVcKV, tKVpKV, tSrQ, tSrK, tOrVt, acc_o, acc_o_mn,
                  ops, softmax, mask, score_premul, slope):
         """Prologue loads, the first (masked) block, then right-masked, mask-free and
         left-masked blocks in decreasing n."""
@@ -228,7 +227,7 @@ class FlashFwd:
         cute.arch.cp_async_commit_group()
 
         step_args = (tiled_mma, gmem_tiled_copy_QKV, tKgK, tKsK, tVgV, tVsV, tKVcKV, tKVpKV,
-                     tSrQ, tSrK, tOrVt, acc_o, acc_o_mn, tScS_mn, ops, softmax, mask,
+                     tSrQ, tSrK, tOrVt, acc_o, acc_o_mn, ops, softmax, mask,
                      binfo, m_block, n_block_min, score_premul, slope)
         self.step(n_last, *step_args, is_first=True, masked=True)
 
@@ -245,7 +244,7 @@ class FlashFwd:
 
     @cute.jit
     def step(self, n_block, tiled_mma, gmem_tiled_copy_QKV, tKgK, tKsK, tVgV, tVsV, tKVcKV, tKVpKV,
-             tSrQ, tSrK, tOrVt, acc_o, acc_o_mn, tScS_mn, ops, softmax, mask, binfo, m_block,
+             tSrQ, tSrK, tOrVt, acc_o, acc_o_mn, ops, softmax, mask, binfo, m_block,
              n_block_min, score_premul, slope, is_first: cutlass.Constexpr, masked: cutlass.Constexpr):
         """One key block: S = Q K^T, modifiers, online softmax, O += P V, with the next K in flight."""
         t = self.t
@@ -276,6 +275,13 @@ class FlashFwd:
                 acc_s[i] = cute.math.tanh(acc_s[i] * score_premul, fastmath=True)
         row0 = m_block * t.block_m
         col0 = n_block * t.block_n
+        # (row, col) of each S element this thread holds; built here, not hoisted out of the
+        # loop, so the coordinates are rematerialised instead of occupying registers.
+        tScS_mn = None
+        if cutlass.const_expr(masked or self.has_alibi):
+            tidx, _, _ = cute.arch.thread_idx()
+            cS = cute.make_identity_tensor((t.block_m, t.block_n))
+            tScS_mn = lmma.acc_mn_view(tiled_mma.get_slice(tidx).partition_C(cS))
         if cutlass.const_expr(self.has_alibi):
             apply_alibi(acc_s_mn, tScS_mn, row0, col0, binfo.seqlen_k - binfo.seqlen_q, slope)
         if cutlass.const_expr(masked):
@@ -298,7 +304,7 @@ def _arch_option(arch: int | None) -> str:
     return "" if arch is None else f"--gpu-arch=sm_{arch}{'a' if arch >= 90 else ''}"
 
 
-def compile_fwd(kernel: FlashFwd, arch: int | None = None):
+def compile_fwd(kernel: FlashFwd, arch: int | None = None, extra_options: str = ""):
     """Build the cubin for `kernel`. arch=None targets the current GPU; an explicit arch (80, 90)
     compiles without one, with placeholder pointers (nothing is launched)."""
     import cuda.bindings.driver as cuda  # noqa: F401  (the stream argument type)
@@ -311,7 +317,7 @@ def compile_fwd(kernel: FlashFwd, arch: int | None = None):
     args = [ptr(el), ptr(el), ptr(el), ptr(el), ptr(cutlass.Float32, 4), ptr(cutlass.Float32, 4)]
     args += [1] * 6 + [8] * 12 + [1]
     args += [1.0, 1.0, 1.0, -1, -1, make_fake_stream()]
-    return cute.compile(kernel, *args, options=_arch_option(arch))
+    return cute.compile(kernel, *args, options=f"{_arch_option(arch)} {extra_options}".strip())
 
 
 def fwd_kernel_key(traits: FwdTraits, has_left, has_right, has_alibi, has_softcap, even_k):
@@ -319,15 +325,16 @@ def fwd_kernel_key(traits: FwdTraits, has_left, has_right, has_alibi, has_softca
 
 
 def _aligned(x):
-    """x as (.., head_dim) with the last dim padded to a multiple of 8 and every other stride
-    and the base address 16-byte aligned: a view when that already holds, else a copy."""
+    """x itself when its rows suit 128-bit copies (unit last stride, every other stride and the
+    base address 16-byte aligned, head dim a multiple of 8), else a copy that does: zero-padded
+    to a multiple of 8 in the head dim, as flash-attn pads."""
     import torch
 
     d = x.shape[-1]
     if d % _ALIGN:
-        x = torch.nn.functional.pad(x, (0, _ALIGN - d % _ALIGN))
-    if x.data_ptr() % 16 or any(s % _ALIGN for s in x.stride()[:-1]):
-        x = x.contiguous()
+        return torch.nn.functional.pad(x, (0, _ALIGN - d % _ALIGN))
+    if x.stride(-1) != 1 or x.data_ptr() % 16 or any(s % _ALIGN for s in x.stride()[:-1]):
+        return x.contiguous()
     return x
 
 
@@ -385,3 +392,28 @@ def flash_fwd(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1), sof
     if d_pad != d:
         out = out[..., :d]
     return out, lse
+
+
+FLAG_NAMES = ("has_left", "has_right", "has_alibi", "has_softcap", "even_k")
+
+
+def fwd_variants(arch: int, full: bool = False):
+    """(traits, flags) pairs the dispatcher can choose on `arch`.
+
+    full: every shipped traits times every flag combination. Otherwise a covering subset for
+    CI (a compile takes 4-14 s on its 2 cores): every shipped traits with causal flags, and on
+    sm_90 every flag combination on one traits too (the flags change the same code on both archs).
+    """
+    import itertools
+
+    from layouts.traits import choose_fwd_traits, shipped_fwd_traits
+
+    combos = [dict(zip(FLAG_NAMES, bits)) for bits in itertools.product((False, True), repeat=len(FLAG_NAMES))]
+    if full:
+        return [(t, f) for t in shipped_fwd_traits(arch) for f in combos]
+    causal = dict(has_left=False, has_right=True, has_alibi=False, has_softcap=False, even_k=True)
+    pivot = choose_fwd_traits(128, "bf16", arch)
+    subset = [(t, causal) for t in shipped_fwd_traits(arch)]
+    if arch >= 90:
+        subset += [(pivot, f) for f in combos if f != causal]
+    return subset

@@ -1,0 +1,136 @@
+"""`python -m cute_flash [compile|check|bench|overhead]`.
+
+With no command: on a machine with a GPU, `check` then `bench`; without one, `compile` (every
+kernel variant for sm_80 and sm_90a, with its resource report) and the layout checks.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def cmd_compile(archs, full):
+    from cute_flash.kernels.fwd import FLAG_NAMES, FlashFwd, compile_fwd, fwd_variants
+    from cute_flash.resources import compile_with_report, find_ptxas
+    from layouts.traits import SMEM_LIMIT
+
+    print(f"ptxas for resource numbers: {find_ptxas() or 'not found (registers not reported)'}")
+    print(f"{'arch':5} {'traits':28} {'flags':22} {'smem':>7} {'regs':>5} {'spill':>6} {'s':>5}")
+    worst = 0
+    for arch in archs:
+        for traits, flags in fwd_variants(arch, full):
+            t0 = time.time()
+            _, rep = compile_with_report(
+                lambda opts: compile_fwd(FlashFwd(traits, **flags), arch, opts), arch)
+            on = "".join(n.split("_", 1)[1][0].upper() if flags[n] else "." for n in FLAG_NAMES)
+            spill = rep.get("spill_stores", 0) + rep.get("spill_loads", 0)
+            worst = max(worst, spill)
+            print(f"sm_{arch:<2} {traits.name:28} {on + ' (LRASK)':22} {traits.smem_bytes:>7} "
+                  f"{rep.get('registers', '-'):>5} {spill if rep else '-':>6} {time.time() - t0:5.1f}",
+                  flush=True)
+            assert traits.smem_bytes <= SMEM_LIMIT[arch]
+    print(f"flags: L=left window, R=right window (causal), A=ALiBi, S=softcap, K=even head dim; "
+          f"largest spill: {worst} bytes")
+
+
+def cmd_check():
+    """A quick GPU correctness pass by the SPEC's criterion (the full suite is `pytest -m gpu`)."""
+    import torch
+
+    from cute_flash import flash_attn_func
+    from cute_flash.reference import attention_ref
+
+    bad = 0
+    for (b, sq, sk, h, hk, d, causal) in [(2, 129, 257, 4, 2, 64, False), (1, 255, 100, 4, 1, 128, True),
+                                          (2, 77, 77, 2, 2, 40, True), (1, 300, 513, 2, 2, 256, False)]:
+        for dtype in (torch.float16, torch.bfloat16):
+            q = torch.randn(b, sq, h, d, device="cuda", dtype=dtype)
+            k, v = (torch.randn(b, sk, hk, d, device="cuda", dtype=dtype) for _ in range(2))
+            out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+            ref, ref_lse = attention_ref(q, k, v, causal=causal)
+            ref_lp, _ = attention_ref(q, k, v, causal=causal, upcast=False)
+            err = (out.float() - ref.float()).abs().max().item()
+            bar = 2 * (ref_lp.float() - ref.float()).abs().max().item() + 1e-5
+            fin = torch.isfinite(ref_lse)
+            lse_err = (lse[fin] - ref_lse[fin]).abs().max().item()
+            ok = err <= bar and lse_err <= 1e-3
+            bad += not ok
+            print(f"{'ok ' if ok else 'BAD'} b{b} sq{sq} sk{sk} h{h}/{hk} d{d} causal={causal} "
+                  f"{str(dtype)[6:]}: err {err:.2e} <= {bar:.2e}, lse {lse_err:.1e}")
+    print(f"check: {bad} failed")
+    return bad
+
+
+def cmd_overhead():
+    """Host cost of a cached call on a tiny input, against SDPA's FLASH backend on the same input."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from cute_flash import flash_attn_func
+
+    q, k, v = (torch.randn(1, 8, 1, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+
+    def per_call_us(fn, n=2000):
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / n * 1e6
+
+    ours = per_call_us(lambda: flash_attn_func(q, k, v))
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        sdpa = per_call_us(lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt))
+    print(f"host overhead per call (1x8x1x64 bf16): ours {ours:.1f} us, SDPA FLASH {sdpa:.1f} us, "
+          f"ratio {ours / sdpa:.2f}")
+    return ours, sdpa
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m cute_flash", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd")
+    c = sub.add_parser("compile", help="compile every kernel variant without a GPU; print resources")
+    c.add_argument("--arch", type=int, nargs="+", default=[80, 90])
+    c.add_argument("--full", action="store_true", help="every traits x every flag combination")
+    sub.add_parser("check", help="quick GPU correctness against cute_flash.reference")
+    b = sub.add_parser("bench", help="TFLOP/s against torch SDPA FLASH and CUDNN (GPU)")
+    b.add_argument("--quick", action="store_true")
+    b.add_argument("--out", default=None, help="directory for bench.json, bench.md, bench.png")
+    b.add_argument("--no-extra", action="store_true", help="skip the window/softcap rows")
+    sub.add_parser("overhead", help="host cost of a cached call vs SDPA (GPU)")
+    args = p.parse_args(argv)
+
+    cmd = args.cmd
+    if cmd is None:
+        import torch
+
+        if torch.cuda.is_available():
+            bad = cmd_check()
+            from cute_flash.bench import main as bench
+
+            bench()
+            return int(bad > 0)
+        cmd_compile([80, 90], False)
+        from layouts.__main__ import main as layouts_main
+
+        return layouts_main(["report", "--arch", "all"])
+    if cmd == "compile":
+        cmd_compile(args.arch, args.full)
+    elif cmd == "check":
+        return int(cmd_check() > 0)
+    elif cmd == "bench":
+        from cute_flash.bench import main as bench
+
+        bench(args.out, args.quick, not args.no_extra)
+    elif cmd == "overhead":
+        cmd_overhead()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,372 @@
+"""Argument checks for the public API in `cute_flash.interface`.
+
+One function per family of rules. Each raises TypeError (wrong type, dtype or device) or
+ValueError (wrong shape, stride or option) with a message that names the argument and says
+what was expected, so that misuse fails in Python before any kernel launch and before any
+tensor the caller owns is written. None of them reads tensor data (no device sync), and only
+`check_cuda` looks at devices: the interface calls it last, so every other rule can be
+exercised on CPU tensors in CI.
+
+`named` arguments are sequences of `(name, tensor_or_None)` pairs; the first pair is the
+reference (q) and `None` entries (optional arguments not given) are skipped.
+"""
+
+import math
+import numbers
+
+import torch
+
+MAX_HEAD_DIM = 256
+# The kernels move global memory with 128-bit copies: 8 fp16/bf16 elements, 16 bytes.
+ALIGN_ELEMS = 8
+ALIGN_BYTES = 16
+# A page of a paged KV cache must hold whole K/V tiles of 16 rows.
+PAGE_MULTIPLE = 16
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+_Q4 = ("batch", "seqlen_q", "nheads", "headdim")
+
+
+def _given(named):
+    return [(name, t) for name, t in named if t is not None]
+
+
+def _is_int(x):
+    """Python/NumPy integers, but not bools (True is an int to Python, never a length to us)."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _require_tensor(t, name):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+
+
+def _require_dtype(t, name, dtype):
+    _require_tensor(t, name)
+    if t.dtype != dtype:
+        raise TypeError(f"{name} must have dtype {dtype}, got {t.dtype}")
+
+
+def _fmt(dims):
+    return "(" + ", ".join(dims) + ")"
+
+
+# --- dtype / device -------------------------------------------------------------------------
+
+
+def check_dtypes(named, optional=()):
+    """All tensors are torch tensors of one dtype, float16 or bfloat16 (the MMA input types);
+    only the arguments named in `optional` may be None."""
+    named = [(name, t) for name, t in named if not (t is None and name in optional)]
+    for name, t in named:
+        _require_tensor(t, name)
+    ref_name, ref = named[0]
+    if ref.dtype not in HALF_DTYPES:
+        raise TypeError(f"{ref_name} must be float16 or bfloat16, got {ref.dtype}")
+    for name, t in named[1:]:
+        if t.dtype != ref.dtype:
+            raise TypeError(
+                f"{name} must have the same dtype as {ref_name} ({ref.dtype}), got {t.dtype}"
+            )
+
+
+def check_cuda(named):
+    """All tensors on one CUDA device. Called last so the other rules are testable on CPU."""
+    named = [(name, t) for name, t in _given(named) if isinstance(t, torch.Tensor)]
+    ref_name, ref = named[0]
+    for name, t in named[1:]:
+        if t.device != ref.device:
+            raise TypeError(
+                f"{name} must be on the same device as {ref_name} ({ref.device}), got {t.device}"
+            )
+    if ref.device.type != "cuda":
+        names = ", ".join(dict.fromkeys(name for name, _ in named))
+        raise TypeError(f"{names} must be CUDA tensors, got device {ref.device}")
+
+
+# --- shapes ---------------------------------------------------------------------------------
+
+
+def check_packed(t, name, dim, count, dims):
+    """A packed qkv / kv tensor has `count` slices along `dim`, split into views by the caller."""
+    _require_tensor(t, name)
+    if t.dim() != len(dims) or t.shape[dim] != count:
+        raise ValueError(f"{name} must have shape {_fmt(dims)}, got {tuple(t.shape)}")
+
+
+def check_shapes(q, k, v, names, q_dims, kv_dims):
+    """q has len(q_dims) dims, k and v len(kv_dims) dims and the same shape up to the head dim;
+    when both layouts start with "batch" the batch sizes agree. Head dims: `check_head_dim`."""
+    for t, name, dims in ((q, names[0], q_dims), (k, names[1], kv_dims), (v, names[2], kv_dims)):
+        if t.dim() != len(dims):
+            raise ValueError(
+                f"{name} must be {len(dims)}-D {_fmt(dims)}, got shape {tuple(t.shape)}"
+            )
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(
+            f"{names[2]} must have the same shape as {names[1]} {tuple(k.shape)} "
+            f"(up to the head dim), got {tuple(v.shape)}"
+        )
+    if q_dims[0] == kv_dims[0] == "batch" and k.shape[0] != q.shape[0]:
+        raise ValueError(
+            f"{names[1]} must have the batch size of {names[0]} ({q.shape[0]}), got {k.shape[0]}"
+        )
+
+
+def check_kvcache_shapes(q, k_cache, v_cache, k, v, paged):
+    """q (batch, seqlen_q, nheads, d); caches 4-D, paged or not; the new k and v, given together
+    or not at all, are (batch, seqlen_new, nheads_k, d) with the caches' nheads_k."""
+    cache_dims = (
+        ("num_blocks", "page_size", "nheads_k", "headdim")
+        if paged
+        else ("batch_cache", "seqlen_cache", "nheads_k", "headdim")
+    )
+    check_shapes(q, k_cache, v_cache, ("q", "k_cache", "v_cache"), _Q4, cache_dims)
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together (the new keys and values to append)")
+    if k is None:
+        return
+    check_shapes(q, k, v, ("q", "k", "v"), _Q4, ("batch", "seqlen_new", "nheads_k", "headdim"))
+    if k.shape[2] != k_cache.shape[2]:
+        raise ValueError(
+            f"k must have the nheads_k of k_cache ({k_cache.shape[2]}), got {k.shape[2]}"
+        )
+
+
+def check_head_dim(named):
+    """One head dim for all of q, k, v, between 1 and 256 (the largest kernel bucket)."""
+    named = _given(named)
+    ref_name, ref = named[0]
+    d = ref.shape[-1]
+    if not 1 <= d <= MAX_HEAD_DIM:
+        raise ValueError(f"{ref_name} head dim must be between 1 and {MAX_HEAD_DIM}, got {d}")
+    for name, t in named[1:]:
+        if t.shape[-1] != d:
+            raise ValueError(
+                f"{name} head dim must equal the head dim of {ref_name} ({d}), got {t.shape[-1]}"
+            )
+
+
+def check_gqa(q, k, q_name, k_name):
+    """MQA/GQA: each kv head serves nheads // nheads_k query heads, so the ratio is whole."""
+    nheads, nheads_k = q.shape[-2], k.shape[-2]
+    if nheads < 1 or nheads_k < 1:
+        raise ValueError(
+            f"{q_name} and {k_name} must have at least one head, got nheads={nheads}, "
+            f"nheads_k={nheads_k}"
+        )
+    if nheads % nheads_k != 0:
+        raise ValueError(
+            f"nheads of {q_name} ({nheads}) must be a multiple of nheads_k of {k_name} ({nheads_k})"
+        )
+
+
+def check_strides(named):
+    """For tensors the kernel updates in place (the KV caches), which therefore cannot be copied
+    into a friendlier layout: the last dim must be unit-stride, and the data pointer and every
+    other stride must allow 128-bit (8-element) copies. Size-1 dims are never stepped.
+    q, k, v are not held to this: the launcher pads or copies them when they break it."""
+    for name, t in _given(named):
+        if t.shape[-1] > 1 and t.stride(-1) != 1:
+            raise ValueError(
+                f"{name} must have a contiguous last dimension (stride 1), "
+                f"got stride {t.stride(-1)}"
+            )
+        bad = [s for n, s in zip(t.shape[:-1], t.stride()[:-1]) if n > 1 and s % ALIGN_ELEMS]
+        if bad:
+            raise ValueError(
+                f"{name} strides except the last must be multiples of {ALIGN_ELEMS} elements "
+                f"({ALIGN_BYTES} bytes), got strides {tuple(t.stride())}"
+            )
+        if t.data_ptr() % ALIGN_BYTES:
+            raise ValueError(
+                f"{name} data pointer must be {ALIGN_BYTES}-byte aligned, got address "
+                f"{t.data_ptr():#x}"
+            )
+
+
+# --- options --------------------------------------------------------------------------------
+
+
+def check_dropout(dropout_p):
+    """Only inference-style attention for now: dropout is refused rather than ignored."""
+    if not isinstance(dropout_p, numbers.Real) or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
+    if dropout_p != 0.0:
+        raise NotImplementedError(
+            f"dropout is not implemented: dropout_p must be 0.0, got {dropout_p!r}"
+        )
+
+
+def check_window(window_size):
+    """(left, right) integers; -1 means unbounded on that side."""
+    try:
+        left, right = window_size
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"window_size must be a pair (left, right) of ints >= -1, got {window_size!r}"
+        ) from None
+    if not (_is_int(left) and _is_int(right) and left >= -1 and right >= -1):
+        raise ValueError(
+            f"window_size must be a pair (left, right) of ints >= -1, got {window_size!r}"
+        )
+
+
+def check_softcap(softcap):
+    """0 disables softcapping; a cap must be a finite positive number."""
+    if not isinstance(softcap, numbers.Real) or not (math.isfinite(softcap) and softcap >= 0):
+        raise ValueError(f"softcap must be a finite float >= 0 (0 disables it), got {softcap!r}")
+
+
+def check_alibi(alibi_slopes, batch, nheads):
+    """One fp32 slope per head, shared by the batch (nheads,) or per sequence (batch, nheads)."""
+    if alibi_slopes is None:
+        return
+    _require_dtype(alibi_slopes, "alibi_slopes", torch.float32)
+    if tuple(alibi_slopes.shape) not in ((nheads,), (batch, nheads)):
+        raise ValueError(
+            f"alibi_slopes must have shape ({nheads},) or ({batch}, {nheads}), "
+            f"got {tuple(alibi_slopes.shape)}"
+        )
+    if nheads > 1 and alibi_slopes.stride(-1) != 1:
+        raise ValueError(
+            f"alibi_slopes must have a contiguous last dimension, got strides "
+            f"{tuple(alibi_slopes.stride())}"
+        )
+
+
+# --- variable length ------------------------------------------------------------------------
+
+
+def check_int32_vector(t, name, length):
+    """A per-sequence int32 vector the kernel indexes directly, so dense and of known length."""
+    _require_dtype(t, name, torch.int32)
+    if t.dim() != 1 or t.shape[0] != length:
+        raise ValueError(f"{name} must have shape ({length},), got {tuple(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous, got strides {tuple(t.stride())}")
+
+
+def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, names):
+    """int32 prefix sums of one batch (batch + 1 entries each) and non-negative int maxima.
+    Their values live on the device and are not read here (that would sync)."""
+    name_q, name_k, name_mq, name_mk = names
+    _require_dtype(cu_seqlens_q, name_q, torch.int32)
+    if cu_seqlens_q.dim() != 1 or cu_seqlens_q.shape[0] < 1:
+        raise ValueError(
+            f"{name_q} must be 1-D of length batch + 1, got shape {tuple(cu_seqlens_q.shape)}"
+        )
+    check_int32_vector(cu_seqlens_q, name_q, cu_seqlens_q.shape[0])
+    check_int32_vector(cu_seqlens_k, name_k, cu_seqlens_q.shape[0])
+    for name, m in ((name_mq, max_seqlen_q), (name_mk, max_seqlen_k)):
+        if not _is_int(m) or m < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {m!r}")
+
+
+def check_block_table(block_table, batch, k_cache, k_name):
+    """Paged KV: an int32 (batch, max_blocks) table of page indices into caches whose pages hold
+    a multiple of 16 rows."""
+    _require_dtype(block_table, "block_table", torch.int32)
+    if block_table.dim() != 2 or block_table.shape[0] != batch:
+        raise ValueError(
+            f"block_table must have shape ({batch}, max_blocks), got {tuple(block_table.shape)}"
+        )
+    if block_table.shape[1] > 1 and block_table.stride(-1) != 1:
+        raise ValueError(
+            f"block_table must have a contiguous last dimension, got strides "
+            f"{tuple(block_table.stride())}"
+        )
+    page_size = k_cache.shape[1]
+    if page_size < 1 or page_size % PAGE_MULTIPLE:
+        raise ValueError(
+            f"{k_name} page size (dim 1) must be a positive multiple of {PAGE_MULTIPLE}, "
+            f"got {page_size}"
+        )
+
+
+# --- kv cache -------------------------------------------------------------------------------
+
+
+def check_kvcache_args(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+                       num_splits, seqlen_k):
+    """The per-sequence arguments of flash_attn_with_kvcache and what they imply about each
+    other; `seqlen_k` is the cache capacity (max_blocks * page_size when paged)."""
+    batch = q.shape[0]
+    if k is not None and k.shape[1] > seqlen_k:
+        raise ValueError(
+            f"k must fit in the cache: seqlen_new ({k.shape[1]}) must be at most the cache "
+            f"length ({seqlen_k})"
+        )
+    if k is not None and q.shape[1] > seqlen_k:
+        raise ValueError(
+            f"q seqlen_q ({q.shape[1]}) must be at most the cache length ({seqlen_k}) when k "
+            "and v are appended (as flash-attn requires)"
+        )
+    if cache_seqlens is None:
+        if k is not None:
+            raise ValueError("cache_seqlens must be given with k and v (where to append them)")
+    elif _is_int(cache_seqlens):
+        room = seqlen_k - (0 if k is None else k.shape[1])
+        if not 0 <= cache_seqlens <= room:
+            raise ValueError(
+                f"cache_seqlens must be in [0, {room}] (cache length {seqlen_k} minus the "
+                f"appended length), got {cache_seqlens}"
+            )
+    elif isinstance(cache_seqlens, torch.Tensor):
+        check_int32_vector(cache_seqlens, "cache_seqlens", batch)
+    else:
+        raise TypeError(
+            f"cache_seqlens must be an int or an int32 tensor, got {type(cache_seqlens).__name__}"
+        )
+    if block_table is not None:
+        for name, t in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
+            if t is not None:
+                raise ValueError(f"{name} is not supported with a paged KV cache (block_table)")
+    elif cache_batch_idx is None and k_cache.shape[0] < batch:
+        raise ValueError(
+            f"k_cache must hold at least batch ({batch}) sequences when cache_batch_idx is not "
+            f"given, got {k_cache.shape[0]}"
+        )
+    if cache_batch_idx is not None:
+        check_int32_vector(cache_batch_idx, "cache_batch_idx", batch)
+    if cache_leftpad is not None:
+        check_int32_vector(cache_leftpad, "cache_leftpad", batch)
+    if not _is_int(num_splits) or num_splits < 0:
+        raise ValueError(f"num_splits must be an int >= 0 (0: heuristic), got {num_splits!r}")
+
+
+def check_rotary(rotary_cos, rotary_sin, q, k, seqlen_k):
+    """Rotary tables for the appended keys (and q): q's dtype, (seqlen_ro, rotary_dim / 2) with
+    rotary_dim <= head dim, and a row for every cache position."""
+    if rotary_cos is None and rotary_sin is None:
+        return
+    if rotary_cos is None or rotary_sin is None:
+        raise ValueError("rotary_cos and rotary_sin must be given together")
+    if k is None:
+        raise ValueError(
+            "rotary_cos and rotary_sin rotate the appended keys: k and v must be given"
+        )
+    for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+        _require_dtype(t, name, q.dtype)
+        if t.dim() != 2 or t.shape[1] < 1:
+            raise ValueError(
+                f"{name} must be 2-D (seqlen_ro, rotary_dim / 2), got {tuple(t.shape)}"
+            )
+    if rotary_sin.shape != rotary_cos.shape:
+        raise ValueError(
+            f"rotary_sin must have the shape of rotary_cos {tuple(rotary_cos.shape)}, "
+            f"got {tuple(rotary_sin.shape)}"
+        )
+    seqlen_ro, rotary_dim = rotary_cos.shape[0], 2 * rotary_cos.shape[1]
+    if rotary_dim > q.shape[-1]:
+        raise ValueError(
+            f"rotary_cos rotary_dim (2 * {rotary_cos.shape[1]}) must be at most the head dim "
+            f"({q.shape[-1]})"
+        )
+    if seqlen_ro < seqlen_k:
+        raise ValueError(
+            f"rotary_cos must have a row per cache position: seqlen_ro ({seqlen_ro}) must be at "
+            f"least the cache length ({seqlen_k})"
+        )
+    for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous, got strides {tuple(t.stride())}")

@@ -1,0 +1,373 @@
+"""Public API: a drop-in for `flash_attn.flash_attn_interface` (v2.8.3), forward only.
+
+Each function validates its arguments (`cute_flash._validate`, the CUDA check last), answers
+empty problems without a launch, normalises the mask options as flash-attn's `mha_fwd` does,
+and hands the tensors, never copied (packed inputs become views), to `cute_flash.kernels.fwd`.
+`deterministic` is accepted for compatibility: the forward pass is deterministic anyway.
+"""
+
+import importlib
+import math
+
+import torch
+
+from cute_flash import _validate
+
+__all__ = [
+    "flash_attn_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_varlen_func",
+    "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_with_kvcache",
+]
+
+_Q_DIMS = ("batch", "seqlen_q", "nheads", "headdim")
+_KV_DIMS = ("batch", "seqlen_k", "nheads_k", "headdim")
+_VARLEN_Q_DIMS = ("total_q", "nheads", "headdim")
+_VARLEN_KV_DIMS = ("total_k", "nheads_k", "headdim")
+_PAGED_KV_DIMS = ("num_blocks", "page_size", "nheads_k", "headdim")
+
+
+def _kernels():
+    """`cute_flash.kernels.fwd`, imported at the first launch so that this module imports
+    without the CuTe DSL; importlib takes a module already in sys.modules as it stands."""
+    return importlib.import_module("cute_flash.kernels.fwd")
+
+
+def _scale(softmax_scale, headdim):
+    return headdim ** -0.5 if softmax_scale is None else float(softmax_scale)
+
+
+def _mask(causal, window_size, seqlen_q, seqlen_k):
+    """Mask options in one canonical form, as flash-attn's mha_fwd makes them: a window edge
+    that excludes no key is unbounded (-1), causal with one query row masks nothing, and causal
+    sets the window's right edge to 0, keeping its left edge. flash-attn drops a right edge
+    >= seqlen_k; that excludes no key only if it is also >= seqlen_q - 1 (row 0 sees up to key
+    seqlen_k - seqlen_q + right), so both are required and the SPEC's formula holds for
+    seqlen_q > seqlen_k + 1 too."""
+    left, right = (int(w) for w in window_size)
+    if left >= seqlen_k:
+        left = -1
+    if right >= seqlen_k and right >= seqlen_q - 1:
+        right = -1
+    causal = bool(causal) and seqlen_q != 1
+    if causal:
+        right = 0
+    return causal, (left, right)
+
+
+def _empty(q, lse_shape):
+    """No query rows: nothing to compute."""
+    return torch.empty_like(q), torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+
+
+def _no_keys(q, lse_shape):
+    """Rows that see no key: output 0 and LSE +inf, as the kernels write for a fully masked row."""
+    lse = torch.full(lse_shape, math.inf, dtype=torch.float32, device=q.device)
+    return torch.zeros_like(q), lse
+
+
+def _check_qkv(q, k, v, names, q_dims, kv_dims):
+    named = list(zip(names, (q, k, v)))
+    _validate.check_dtypes(named)
+    _validate.check_shapes(q, k, v, names, q_dims, kv_dims)
+    _validate.check_head_dim(named)
+    _validate.check_gqa(q, k, names[0], names[1])
+    return named
+
+
+def _check_options(dropout_p, window_size, softcap):
+    _validate.check_dropout(dropout_p)
+    _validate.check_window(window_size)
+    _validate.check_softcap(softcap)
+
+
+def _flash_attn(q, k, v, names, dropout_p, softmax_scale, causal, window_size, softcap,
+                alibi_slopes, return_attn_probs):
+    """Shared body of the fixed-length functions; `names` are the caller's argument names."""
+    named = _check_qkv(q, k, v, names, _Q_DIMS, _KV_DIMS)
+    _check_options(dropout_p, window_size, softcap)
+    batch, seqlen_q, nheads, headdim = q.shape
+    _validate.check_alibi(alibi_slopes, batch, nheads)
+    _validate.check_cuda(named + [("alibi_slopes", alibi_slopes)])
+
+    seqlen_k = k.shape[1]
+    lse_shape = (batch, nheads, seqlen_q)
+    if batch == 0 or seqlen_q == 0:
+        out, lse = _empty(q, lse_shape)
+    elif seqlen_k == 0:
+        out, lse = _no_keys(q, lse_shape)
+    else:
+        causal, window = _mask(causal, window_size, seqlen_q, seqlen_k)
+        out, lse = _kernels().flash_fwd(
+            q, k, v,
+            softmax_scale=_scale(softmax_scale, headdim),
+            causal=causal,
+            window_size=window,
+            softcap=float(softcap),
+            alibi_slopes=alibi_slopes,
+        )
+    return (out, lse, None) if return_attn_probs else out
+
+
+def _flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, names,
+                       dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                       return_attn_probs, block_table, seqused_k):
+    """Shared body of the variable-length functions; `names` name q, k, v, the two cu_seqlens
+    and the two max_seqlen as the caller spelled them."""
+    paged = block_table is not None
+    kv_dims = _PAGED_KV_DIMS if paged else _VARLEN_KV_DIMS
+    named = _check_qkv(q, k, v, names[:3], _VARLEN_Q_DIMS, kv_dims)
+    _check_options(dropout_p, window_size, softcap)
+    _validate.check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, names[3:])
+    batch = cu_seqlens_q.shape[0] - 1
+    if seqused_k is not None:
+        _validate.check_int32_vector(seqused_k, "seqused_k", batch)
+    if paged:
+        _validate.check_block_table(block_table, batch, k, names[1])
+    total_q, nheads, headdim = q.shape
+    _validate.check_alibi(alibi_slopes, batch, nheads)
+    _validate.check_cuda(named + [
+        (names[3], cu_seqlens_q), (names[4], cu_seqlens_k), ("seqused_k", seqused_k),
+        ("block_table", block_table), ("alibi_slopes", alibi_slopes),
+    ])
+
+    lse_shape = (nheads, total_q)
+    if batch == 0 or total_q == 0:
+        out, lse = _empty(q, lse_shape)
+    elif k.shape[0] == 0 or (paged and block_table.shape[1] == 0):
+        out, lse = _no_keys(q, lse_shape)
+    else:
+        causal, window = _mask(causal, window_size, max_seqlen_q, max_seqlen_k)
+        out, lse = _kernels().flash_fwd_varlen(
+            q, k, v,
+            cu_seqlens_q=cu_seqlens_q,
+            cu_seqlens_k=cu_seqlens_k,
+            max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k,
+            softmax_scale=_scale(softmax_scale, headdim),
+            causal=causal,
+            window_size=window,
+            softcap=float(softcap),
+            alibi_slopes=alibi_slopes,
+            block_table=block_table,
+            seqused_k=seqused_k,
+        )
+    return (out, lse, None) if return_attn_probs else out
+
+
+def flash_attn_qkvpacked_func(
+    qkv,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    """Attention over qkv (batch, seqlen, 3, nheads, headdim); q, k, v are views of it.
+    Returns out (batch, seqlen, nheads, headdim), or (out, softmax_lse, None)."""
+    _validate.check_packed(qkv, "qkv", 2, 3, ("batch", "seqlen", "3", "nheads", "headdim"))
+    q, k, v = qkv.unbind(dim=2)
+    return _flash_attn(q, k, v, ("qkv",) * 3, dropout_p, softmax_scale, causal, window_size,
+                       softcap, alibi_slopes, return_attn_probs)
+
+
+def flash_attn_kvpacked_func(
+    q,
+    kv,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    """Attention of q (batch, seqlen_q, nheads, headdim) over kv (batch, seqlen_k, 2, nheads_k,
+    headdim); k, v are views of kv. Returns out, or (out, softmax_lse, None)."""
+    _validate.check_packed(kv, "kv", 2, 2, ("batch", "seqlen_k", "2", "nheads_k", "headdim"))
+    k, v = kv.unbind(dim=2)
+    return _flash_attn(q, k, v, ("q", "kv", "kv"), dropout_p, softmax_scale, causal,
+                       window_size, softcap, alibi_slopes, return_attn_probs)
+
+
+def flash_attn_func(
+    q,
+    k,
+    v,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    """Attention of q (batch, seqlen_q, nheads, headdim) over k, v (batch, seqlen_k, nheads_k,
+    headdim). Returns out like q, or (out, softmax_lse (batch, nheads, seqlen_q), None)."""
+    return _flash_attn(q, k, v, ("q", "k", "v"), dropout_p, softmax_scale, causal, window_size,
+                       softcap, alibi_slopes, return_attn_probs)
+
+
+def flash_attn_varlen_qkvpacked_func(
+    qkv,
+    cu_seqlens,
+    max_seqlen,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    """Variable-length attention over qkv (total, 3, nheads, headdim), sequences delimited by
+    cu_seqlens; q, k, v are views of qkv. Returns out, or (out, softmax_lse, None)."""
+    _validate.check_packed(qkv, "qkv", 1, 3, ("total", "3", "nheads", "headdim"))
+    q, k, v = qkv.unbind(dim=1)
+    names = ("qkv", "qkv", "qkv", "cu_seqlens", "cu_seqlens", "max_seqlen", "max_seqlen")
+    return _flash_attn_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, names,
+                              dropout_p, softmax_scale, causal, window_size, softcap,
+                              alibi_slopes, return_attn_probs, None, None)
+
+
+def flash_attn_varlen_kvpacked_func(
+    q,
+    kv,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    """Variable-length attention of q (total_q, nheads, headdim) over kv (total_k, 2, nheads_k,
+    headdim); k, v are views of kv. Returns out, or (out, softmax_lse, None)."""
+    _validate.check_packed(kv, "kv", 1, 2, ("total_k", "2", "nheads_k", "headdim"))
+    k, v = kv.unbind(dim=1)
+    names = ("q", "kv", "kv", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
+    return _flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                              names, dropout_p, softmax_scale, causal, window_size, softcap,
+                              alibi_slopes, return_attn_probs, None, None)
+
+
+def flash_attn_varlen_func(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    block_table=None,
+    *,
+    seqused_k=None,
+):
+    """Variable-length attention of q (total_q, nheads, headdim) over k, v (total_k, nheads_k,
+    headdim), or over a paged cache (num_blocks, page_size, nheads_k, headdim) with block_table.
+    seqused_k (batch,) int32, keyword-only (not in flash-attn 2.8.3's Python API), caps the keys
+    used per sequence. Returns out, or (out, softmax_lse (nheads, total_q), None)."""
+    names = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
+    return _flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                              names, dropout_p, softmax_scale, causal, window_size, softcap,
+                              alibi_slopes, return_attn_probs, block_table, seqused_k)
+
+
+def flash_attn_with_kvcache(
+    q,
+    k_cache,
+    v_cache,
+    k=None,
+    v=None,
+    rotary_cos=None,
+    rotary_sin=None,
+    cache_seqlens=None,
+    cache_batch_idx=None,
+    cache_leftpad=None,
+    block_table=None,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    rotary_interleaved=True,
+    alibi_slopes=None,
+    num_splits=0,
+    return_softmax_lse=False,
+):
+    """Attention of q (batch, seqlen_q, nheads, headdim) over a KV cache, after the kernel
+    appends k, v (rotated when rotary_cos/sin are given) at cache_seqlens. All checks run
+    before the launch, so a refused call leaves the caches untouched. Returns out, or
+    (out, softmax_lse (batch, nheads, seqlen_q))."""
+    paged = block_table is not None
+    named = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)]
+    _validate.check_dtypes(named, optional=("k", "v"))
+    _validate.check_kvcache_shapes(q, k_cache, v_cache, k, v, paged)
+    _validate.check_head_dim(named)
+    _validate.check_gqa(q, k_cache, "q", "k_cache")
+    _validate.check_strides([("k_cache", k_cache), ("v_cache", v_cache)])
+    _validate.check_window(window_size)
+    _validate.check_softcap(softcap)
+    batch, seqlen_q, nheads, headdim = q.shape
+    _validate.check_alibi(alibi_slopes, batch, nheads)
+    if paged:
+        _validate.check_block_table(block_table, batch, k_cache, "k_cache")
+        seqlen_k = block_table.shape[1] * k_cache.shape[1]
+    else:
+        seqlen_k = k_cache.shape[1]
+    _validate.check_kvcache_args(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad,
+                                 block_table, num_splits, seqlen_k)
+    _validate.check_rotary(rotary_cos, rotary_sin, q, k, seqlen_k)
+    _validate.check_cuda(named + [
+        ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin), ("cache_seqlens", cache_seqlens),
+        ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad),
+        ("block_table", block_table), ("alibi_slopes", alibi_slopes),
+    ])
+
+    lse_shape = (batch, nheads, seqlen_q)
+    if batch == 0 or seqlen_q == 0:
+        out, lse = _empty(q, lse_shape)
+    elif seqlen_k == 0:
+        out, lse = _no_keys(q, lse_shape)
+    else:
+        causal, window = _mask(causal, window_size, seqlen_q, seqlen_k)
+        out, lse = _kernels().flash_fwd_kvcache(
+            q, k_cache, v_cache,
+            k=k,
+            v=v,
+            rotary_cos=rotary_cos,
+            rotary_sin=rotary_sin,
+            cache_seqlens=cache_seqlens,
+            cache_batch_idx=cache_batch_idx,
+            cache_leftpad=cache_leftpad,
+            block_table=block_table,
+            softmax_scale=_scale(softmax_scale, headdim),
+            causal=causal,
+            window_size=window,
+            softcap=float(softcap),
+            rotary_interleaved=bool(rotary_interleaved),
+            alibi_slopes=alibi_slopes,
+            num_splits=num_splits,
+        )
+    return (out, lse) if return_softmax_lse else out

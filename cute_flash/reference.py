@@ -1,0 +1,244 @@
+"""Plain-torch attention that defines what the kernels must compute.
+
+Semantics are flash-attn 2.8.3's (see SPEC.md): the GPU tests compare our kernels against these
+functions, computed in float32 on upcast inputs, and bound the kernel error by the error of the
+same functions run in the input dtype (``upcast=False``). Only torch is imported, so this module
+works without a GPU or the CuTe DSL. Nothing here is fast; everything here is meant to be obvious.
+"""
+
+import math
+
+import torch
+
+
+def attention_ref(
+    q,
+    k,
+    v,
+    *,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    upcast=True,
+    query_padding_mask=None,
+    key_padding_mask=None,
+    key_leftpad=None,
+):
+    """Dense attention: q (b, sq, h, d), k/v (b, sk, hk, d) -> out (b, sq, h, d), lse (b, h, sq).
+
+    ``key_padding_mask`` / ``query_padding_mask`` (b, s) bool mark the valid rows (a prefix) and
+    ``key_leftpad`` (b,) hides the first key columns; the valid counts are the per-batch "sk" and
+    "sq" of the bottom-right causal / window / ALiBi formulas, and key column j sits at logical
+    position j - leftpad. Rows with no visible key (padded query rows included) give out 0 and
+    lse +inf, as the kernel does. lse is float32 whatever ``upcast`` is.
+
+    ALiBi is always ``-slope * |i + sk - sq - j|`` (SPEC). flash-attn's causal kernel adds
+    ``slope * j`` instead: the same softmax, but its lse differs by a per-row constant.
+    """
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    if h % hk != 0:
+        raise ValueError(f"nheads ({h}) must be a multiple of nheads_k ({hk})")
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
+    out_dtype = q.dtype
+    if upcast:
+        q, k, v = q.float(), k.float(), v.float()
+    k = k.repeat_interleave(h // hk, dim=2)
+    v = v.repeat_interleave(h // hk, dim=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q * scale, k)
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+
+    dev = q.device
+    row = torch.arange(sq, device=dev).view(1, 1, sq, 1)
+    col = torch.arange(sk, device=dev).view(1, 1, 1, sk)
+    leftpad = torch.zeros(b, 1, 1, 1, dtype=torch.long, device=dev)
+    if key_leftpad is not None:
+        leftpad = key_leftpad.long().view(b, 1, 1, 1)
+    key_ok = col >= leftpad
+    if key_padding_mask is not None:
+        key_ok = key_ok & key_padding_mask.view(b, 1, 1, sk)
+    query_ok = torch.ones(b, 1, sq, 1, dtype=torch.bool, device=dev)
+    if query_padding_mask is not None:
+        query_ok = query_padding_mask.view(b, 1, sq, 1)
+    len_k = key_ok.sum(-1, keepdim=True)
+    len_q = query_ok.sum(-2, keepdim=True)
+    # diag[i, j] = (i + sk - sq) - (logical key position of column j)
+    diag = row + len_k - len_q - (col - leftpad)
+
+    left, right = (window_size[0], 0) if causal else window_size
+    visible = key_ok & query_ok
+    if left >= 0:
+        visible = visible & (diag <= left)
+    if right >= 0:
+        visible = visible & (diag >= -right)
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.float().expand(b, h).reshape(b, h, 1, 1)
+        scores = scores - (slopes * diag.abs()).to(scores.dtype)
+
+    scores = scores.masked_fill(~visible, float("-inf"))
+    empty = ~visible.any(-1)
+    lse = torch.logsumexp(scores.float(), dim=-1).masked_fill(empty, float("inf"))
+    probs = torch.softmax(scores, dim=-1).masked_fill(empty.unsqueeze(-1), 0.0)
+    out = torch.einsum("bhqk,bkhd->bqhd", probs.to(v.dtype), v)
+    return out.to(out_dtype), lse
+
+
+def gather_paged(cache, block_table, seqlen):
+    """Paged cache (num_blocks, page_size, hk, d) -> contiguous (b, seqlen, hk, d), page by page."""
+    page_size = cache.shape[1]
+    num_pages = -(-seqlen // page_size)
+    pages = cache[block_table[:, :num_pages].long()]
+    return pages.flatten(1, 2)[:, :seqlen]
+
+
+def attention_varlen_ref(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    *,
+    seqused_k=None,
+    block_table=None,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    upcast=True,
+):
+    """Packed sequences: q (total_q, h, d) -> out (total_q, h, d), lse (h, total_q).
+
+    Each sequence is run through :func:`attention_ref` on its own. Its keys are
+    k[cu_seqlens_k[b]:][:n], or with ``block_table`` the first n rows of its pages (k/v then are
+    paged caches), where n = seqused_k[b] if given, else cu_seqlens_k[b+1] - cu_seqlens_k[b].
+    Query rows outside every sequence keep out 0 and lse +inf.
+    """
+    h = q.shape[1]
+    out = torch.zeros_like(q)
+    lse = torch.full((h, q.shape[0]), float("inf"), dtype=torch.float32, device=q.device)
+    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for i in range(len(cu_q) - 1):
+        q0, q1, k0 = cu_q[i], cu_q[i + 1], cu_k[i]
+        n = int(seqused_k[i]) if seqused_k is not None else cu_k[i + 1] - k0
+        if block_table is None:
+            ki, vi = k[None, k0 : k0 + n], v[None, k0 : k0 + n]
+        else:
+            ki = gather_paged(k, block_table[i : i + 1], n)
+            vi = gather_paged(v, block_table[i : i + 1], n)
+        slopes = alibi_slopes
+        if slopes is not None and slopes.dim() == 2:
+            slopes = slopes[i : i + 1]
+        o, l = attention_ref(
+            q[None, q0:q1], ki, vi, softmax_scale=softmax_scale, causal=causal,
+            window_size=window_size, softcap=softcap, alibi_slopes=slopes, upcast=upcast,
+        )
+        out[q0:q1] = o[0]
+        lse[:, q0:q1] = l[0]
+    return out, lse
+
+
+def apply_rotary_ref(x, cos, sin, *, seqlen_offsets=0, interleaved=False):
+    """Rotary embedding of x (b, s, h, d) at positions seqlen_offsets[b] + s, computed in float32.
+
+    cos/sin (seqlen_ro, rotary_dim / 2). interleaved rotates pairs (x0, x1), (x2, x3), ...;
+    otherwise (GPT-NeoX) pairs (x[i], x[i + rotary_dim / 2]). Features past rotary_dim pass
+    through; the result has x's dtype, as the kernel stores it.
+    """
+    b, s = x.shape[:2]
+    rot = 2 * cos.shape[-1]
+    offsets = torch.as_tensor(seqlen_offsets, device=x.device).long().reshape(-1, 1)
+    pos = offsets + torch.arange(s, device=x.device)
+    c = cos.float()[pos].expand(b, s, -1).unsqueeze(2)
+    sn = sin.float()[pos].expand(b, s, -1).unsqueeze(2)
+    xr = x[..., :rot].float()
+    x1, x2 = (xr[..., 0::2], xr[..., 1::2]) if interleaved else xr.chunk(2, dim=-1)
+    y1, y2 = x1 * c - x2 * sn, x1 * sn + x2 * c
+    y = torch.stack((y1, y2), dim=-1).flatten(-2) if interleaved else torch.cat((y1, y2), dim=-1)
+    return torch.cat((y.to(x.dtype), x[..., rot:]), dim=-1)
+
+
+def attention_kvcache_ref(
+    q,
+    k_cache,
+    v_cache,
+    k=None,
+    v=None,
+    *,
+    rotary_cos=None,
+    rotary_sin=None,
+    cache_seqlens=None,
+    cache_batch_idx=None,
+    cache_leftpad=None,
+    block_table=None,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    rotary_interleaved=True,
+    alibi_slopes=None,
+    upcast=True,
+):
+    """``flash_attn_with_kvcache`` without side effects -> (out, lse, k_cache_new, v_cache_new).
+
+    New k/v rows (rotated at positions cache_seqlens[b] + i when rotary is given) are written at
+    cache_seqlens[b] of updated copies of the caches, then q attends over the first
+    cache_seqlens[b] + seqlen_new keys (keys before cache_leftpad[b] hidden). q is rotated at
+    cache_seqlens[b] + i when causal or local, else every row at cache_seqlens[b], as flash-attn
+    does; "local" follows flash-attn's clamp: a window side >= the cache length is unbounded.
+    """
+    b, sq = q.shape[:2]
+    dev = q.device
+    if block_table is not None and cache_batch_idx is not None:
+        raise ValueError("cache_batch_idx cannot be used with block_table")
+    page_size = k_cache.shape[1]
+    cache_len = page_size * block_table.shape[1] if block_table is not None else k_cache.shape[1]
+    batch_idx = torch.arange(b, device=dev) if cache_batch_idx is None else cache_batch_idx.long()
+    if cache_seqlens is None:
+        cache_seqlens = cache_len
+    seqlens = torch.as_tensor(cache_seqlens, device=dev).long().expand(b)
+
+    if rotary_cos is not None:
+        def rope(x):
+            return apply_rotary_ref(
+                x, rotary_cos, rotary_sin, seqlen_offsets=seqlens, interleaved=rotary_interleaved
+            )
+
+        left, right = (window_size[0], 0) if causal else window_size
+        if causal or 0 <= left < cache_len or 0 <= right < cache_len:
+            q = rope(q)
+        else:
+            q = rope(q.reshape(b, 1, -1, q.shape[-1])).reshape(q.shape)
+        if k is not None:
+            k = rope(k)
+
+    k_cache_new, v_cache_new = k_cache.clone(), v_cache.clone()
+    seqlen_new = 0
+    if k is not None:
+        seqlen_new = k.shape[1]
+        for i in range(b):
+            pos = seqlens[i] + torch.arange(seqlen_new, device=dev)
+            if int(seqlens[i]) + seqlen_new > cache_len:
+                raise ValueError(f"batch {i}: cache_seqlens + seqlen_new exceeds {cache_len}")
+            if block_table is None:
+                dst = (batch_idx[i], pos)
+            else:
+                dst = (block_table[i, pos // page_size].long(), pos % page_size)
+            k_cache_new[dst] = k[i]
+            v_cache_new[dst] = v[i]
+
+    if block_table is None:
+        keys, values = k_cache_new[batch_idx], v_cache_new[batch_idx]
+    else:
+        keys = gather_paged(k_cache_new, block_table, cache_len)
+        values = gather_paged(v_cache_new, block_table, cache_len)
+    key_padding_mask = torch.arange(cache_len, device=dev) < (seqlens + seqlen_new).unsqueeze(1)
+    out, lse = attention_ref(
+        q, keys, values, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+        softcap=softcap, alibi_slopes=alibi_slopes, upcast=upcast,
+        key_padding_mask=key_padding_mask, key_leftpad=cache_leftpad,
+    )
+    return out, lse, k_cache_new, v_cache_new

@@ -1,0 +1,51 @@
+"""Compile kernels without a GPU and read their resource use (registers, spills, smem) from ptxas.
+
+The DSL compiles to a cubin in-process; with `--keep-ptx` it also leaves the PTX, which the
+CUDA toolkit's `ptxas -v` (when installed) turns into the usual resource line. Spills and a
+255-register ceiling are what to look at first when a kernel is slower than predicted.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+
+_PTXAS_CANDIDATES = ("ptxas", "/usr/local/cuda/bin/ptxas")
+
+
+def find_ptxas() -> str | None:
+    for c in _PTXAS_CANDIDATES:
+        p = shutil.which(c)
+        if p:
+            return p
+    hits = sorted(glob.glob("/usr/local/cuda*/bin/ptxas"))
+    return hits[-1] if hits else None
+
+
+def ptxas_report(ptx_path: str, arch: int) -> dict:
+    ptxas = find_ptxas()
+    if ptxas is None:
+        return {}
+    sm = f"sm_{arch}{'a' if arch >= 90 else ''}"
+    res = subprocess.run([ptxas, f"-arch={sm}", "-v", ptx_path, "-o", os.devnull],
+                         capture_output=True, text=True)
+    text = res.stderr + res.stdout
+    out = {}
+    for key, pat in (("registers", r"Used (\d+) registers"), ("spill_stores", r"(\d+) bytes spill stores"),
+                     ("spill_loads", r"(\d+) bytes spill loads"), ("stack", r"(\d+) bytes stack frame")):
+        m = re.search(pat, text)
+        if m:
+            out[key] = int(m.group(1))
+    return out
+
+
+def compile_with_report(compile_fn, arch: int) -> tuple[object, dict]:
+    """compile_fn(extra_options) -> compiled; returns it and its ptxas resource numbers."""
+    with tempfile.TemporaryDirectory() as tmp:
+        compiled = compile_fn(f"--keep-ptx --dump-dir={tmp}")
+        ptx = glob.glob(os.path.join(tmp, "*.ptx"))
+        report = ptxas_report(ptx[0], arch) if ptx else {}
+    return compiled, report

@@ -1,0 +1,89 @@
+"""`python -m layouts report [--arch 80|90|all] [--draw DIR]`
+
+Checks every traits the heuristic ships (layouts.inspect) and prints one row per traits; exits 1
+if any check fails, so CI can gate on it. Bank columns give the worst phase's conflicts (ways - 1)
+and, in parentheses when nonzero, the extra wavefronts summed over the CTA: ldsmQ/ldsmK/ldsmVt are
+the ldmatrix reads of sQ, sK and sV^T, cpQ/cpKV the cp.async writes into sQ and sK/sV, stO the
+32-bit accumulator stores into sO and ldO the 128-bit reads of sO for the gmem store.
+"""
+import argparse
+import sys
+from pathlib import Path
+
+from layouts import inspect
+from layouts.traits import ELEMENT_BYTES, SMEM_LIMIT, shipped_fwd_traits
+
+BANK_COLUMNS = {"ldsm_q": "ldsmQ", "ldsm_k": "ldsmK", "ldsm_vt": "ldsmVt", "cpasync_q": "cpQ",
+                "cpasync_kv": "cpKV", "sts_o": "stO", "lds_o": "ldO"}
+
+
+def _ok(flag: bool) -> str:
+    return "ok" if flag else "FAIL"
+
+
+def _failed_names(checks: dict) -> str:
+    bad = [name for name, good in checks.items() if not good]
+    return "ok" if not bad else "FAIL " + ",".join(bad)
+
+
+def _banks(b: dict) -> str:
+    text = str(b["worst"]) + (f"(+{b['extra_wavefronts']})" if b["extra_wavefronts"] else "")
+    return text if b["vector_ok"] else text + "!vec"
+
+
+def _gmem(gmem: dict) -> str:
+    runs = sorted({r for g in gmem.values() for r in g["run_bytes"]})
+    vec = {g["vector_bytes"] for g in gmem.values()}
+    text = f"{'/'.join(map(str, vec))}B/{'+'.join(map(str, runs))}B"
+    return text + (" ok" if all(g["ok"] for g in gmem.values()) else " FAIL")
+
+
+def _failed_coverage(cover: dict) -> str:
+    bad = [f"{name}(-{c['missing']} x{c['duplicated']} out{c['outside']})" for name, c in cover.items() if not c["ok"]]
+    return "ok" if not bad else "FAIL " + " ".join(bad)
+
+
+def print_report(arch: int) -> bool:
+    rows = [inspect.report(t, arch) for t in shipped_fwd_traits(arch)]
+    header = ["traits", "smem B", "fits", "bij", *BANK_COLUMNS.values(), "gmem", "cover"]
+    table = [[r["name"], f"{r['smem_bytes']}", _ok(r["fits"]), _failed_names(r["bijection"]),
+              *(_banks(r["banks"][k]) for k in BANK_COLUMNS), _gmem(r["gmem"]), _failed_coverage(r["coverage"])]
+             for r in rows]
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *table)]
+    print(f"sm{arch}: smem limit {SMEM_LIMIT[arch]} B; bank conflicts = worst phase ways-1 (+extra wavefronts/CTA)")
+    for line in [header, *table]:
+        print("  ".join(str(x).ljust(w) for x, w in zip(line, widths)).rstrip())
+    failed = [r["name"] for r in rows if not r["ok"]]
+    summary = f"sm{arch}: {len(rows) - len(failed)}/{len(rows)} traits pass"
+    print(summary + (f"; FAILED: {', '.join(failed)}" if failed else ""))
+    return not failed
+
+
+def draw(traits, out: Path) -> None:
+    """sQ's 16-byte bank group per element (the swizzle) and the Q ldmatrix thread map."""
+    out.mkdir(parents=True, exist_ok=True)
+    for t in traits:
+        group = inspect.smem_table("sQ", t) * ELEMENT_BYTES // 16 % 8
+        inspect.draw_layout(group, out / f"{t.name}_sQ_bankgroup.png", f"{t.name}: sQ 16-byte bank group")
+        owner = inspect.ownership(inspect.partitions(t)["ldsm_q"])
+        inspect.draw_layout(owner, out / f"{t.name}_ldsm_q_threads.png", f"{t.name}: ldmatrix Q thread")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m layouts")
+    sub = parser.add_subparsers(dest="command", required=True)
+    rep = sub.add_parser("report", help="check every shipped traits")
+    rep.add_argument("--arch", choices=("80", "90", "all"), default="all")
+    rep.add_argument("--draw", type=Path, metavar="DIR", help="write PNGs of the sQ swizzle and ldmatrix thread map")
+    args = parser.parse_args(argv)
+    archs = (80, 90) if args.arch == "all" else (int(args.arch),)
+    ok = True
+    for arch in archs:
+        ok &= print_report(arch)
+    if args.draw:
+        draw(dict.fromkeys(t for arch in archs for t in shipped_fwd_traits(arch)), args.draw)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""The forward kernel against `cute_flash.reference` on the GPU (issues: forward kernel, score
+modifiers). Shapes are drawn by hypothesis; every output is checked by the SPEC's criterion on
+fresh inputs with the allocator poisoned first."""
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.gpu_utils import assert_matches_reference, poison_allocator
+
+pytestmark = pytest.mark.gpu
+
+ODD_LENGTHS = [1, 2, 17, 63, 64, 65, 113, 128, 255, 256, 257, 1023]
+BUCKETS = [32, 64, 96, 128, 160, 192, 224, 256]
+GPU_SETTINGS = settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
+
+
+def _run(q, k, v, **opts):
+    from cute_flash import flash_attn_func
+
+    poison_allocator()
+    out, lse, _ = flash_attn_func(q, k, v, return_attn_probs=True, **opts)
+    torch.cuda.synchronize()
+    return out, lse
+
+
+def _inputs(b, sq, sk, h, hk, d, dtype, layout="bshd"):
+    def make(s, heads):
+        if layout == "bhsd":  # (b, h, s, d) storage viewed as (b, s, h, d): strided, read in place
+            return torch.randn(b, heads, s, d, device="cuda", dtype=dtype).transpose(1, 2)
+        return torch.randn(b, s, heads, d, device="cuda", dtype=dtype)
+
+    return make(sq, h), make(sk, hk), make(sk, hk)
+
+
+lengths = st.one_of(st.sampled_from(ODD_LENGTHS), st.integers(1, 700))
+head_dims = st.one_of(st.sampled_from(BUCKETS), st.integers(1, 256))
+heads = st.sampled_from([(1, 1), (2, 2), (4, 1), (4, 2), (6, 3), (8, 1)])
+
+
+# Parametrized outside hypothesis so that pytest-xdist can spread the drawn cases (and their
+# kernel compilations) over workers.
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+@GPU_SETTINGS
+@given(b=st.integers(1, 3), sq=lengths, sk=lengths, hh=heads, d=head_dims,
+       layout=st.sampled_from(["bshd", "bhsd"]))
+def test_dense_matches_reference(b, sq, sk, hh, d, causal, dtype, layout):
+    q, k, v = _inputs(b, sq, sk, *hh, d, dtype, layout)
+    out, lse = _run(q, k, v, causal=causal)
+    assert_matches_reference(out, lse, q, k, v, causal=causal)
+
+
+@pytest.mark.parametrize("d", BUCKETS + [8, 40, 72, 100, 136, 200, 250])
+@pytest.mark.parametrize("causal", [False, True])
+def test_every_head_dim_bucket(d, causal):
+    q, k, v = _inputs(2, 200, 333, 4, 2, d, torch.bfloat16)
+    out, lse = _run(q, k, v, causal=causal)
+    assert_matches_reference(out, lse, q, k, v, causal=causal)
+
+
+def test_packed_qkv_is_read_in_place():
+    from cute_flash import flash_attn_qkvpacked_func
+
+    qkv = torch.randn(2, 300, 3, 4, 64, device="cuda", dtype=torch.float16)
+    poison_allocator()
+    out, lse, _ = flash_attn_qkvpacked_func(qkv, causal=True, return_attn_probs=True)
+    q, k, v = qkv.unbind(2)
+    assert_matches_reference(out, lse, q, k, v, causal=True)
+
+
+def test_custom_scale_and_deterministic_rerun():
+    q, k, v = _inputs(2, 511, 777, 8, 2, 128, torch.bfloat16)
+    out1, lse1 = _run(q, k, v, softmax_scale=0.3, causal=True)
+    out2, lse2 = _run(q, k, v, softmax_scale=0.3, causal=True)
+    assert torch.equal(out1, out2) and torch.equal(lse1, lse2)
+    assert_matches_reference(out1, lse1, q, k, v, softmax_scale=0.3, causal=True)
+
+
+def test_rows_without_keys_give_zero_and_inf_lse():
+    q, k, v = _inputs(1, 300, 40, 2, 2, 64, torch.float16)  # causal, sq > sk: 260 rows see nothing
+    out, lse = _run(q, k, v, causal=True)
+    assert (out[:, :260] == 0).all() and (lse[:, :, :260] == float("inf")).all()
+    assert_matches_reference(out, lse, q, k, v, causal=True)
+
+
+# --- score modifiers: window, ALiBi, softcap ---------------------------------------------------
+
+windows = st.one_of(
+    st.just((-1, -1)),
+    st.tuples(st.integers(-1, 300), st.integers(-1, 300)),
+    st.tuples(st.just(0), st.integers(-1, 50)),           # zero width on one side
+    st.tuples(st.integers(-1, 50), st.just(0)),
+    st.tuples(st.integers(2000, 5000), st.integers(2000, 5000)),  # wider than the sequence
+)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("alibi", [None, "h", "bh"])
+@GPU_SETTINGS
+@given(b=st.integers(1, 2), sq=lengths, sk=lengths, hh=heads, d=st.sampled_from([32, 64, 80, 128, 256]),
+       window=windows, softcap=st.sampled_from([0.0, 5.0, 30.0]))
+def test_modifiers_match_reference(b, sq, sk, hh, d, causal, window, alibi, softcap, dtype):
+    h = hh[0]
+    q, k, v = _inputs(b, sq, sk, *hh, d, dtype)
+    slopes = None
+    if alibi:
+        shape = (h,) if alibi == "h" else (b, h)
+        slopes = torch.rand(shape, device="cuda", dtype=torch.float32) * 0.5
+    opts = dict(causal=causal, window_size=window, softcap=softcap, alibi_slopes=slopes)
+    out, lse = _run(q, k, v, **opts)
+    assert_matches_reference(out, lse, q, k, v, **opts)
+
+
+def test_window_leaving_rows_without_keys():
+    # window (0, 0) with sq > sk: only rows whose diagonal lands on a key see exactly that key
+    q, k, v = _inputs(1, 200, 50, 2, 1, 64, torch.bfloat16)
+    out, lse = _run(q, k, v, window_size=(0, 0))
+    assert (lse[:, :, :150] == float("inf")).all() and (out[:, :150] == 0).all()
+    assert_matches_reference(out, lse, q, k, v, window_size=(0, 0))

@@ -1,0 +1,273 @@
+"""Property tests of the forward kernel's compile-time design, on the CPU (layouts.inspect).
+
+Every chosen traits must fit in shared memory, use bijective smem layouts, read and write smem
+without bank conflicts, move global memory in coalesced 16-byte vectors and split every tile
+exactly once among threads. Counter-examples (an unswizzled layout, a strided gmem copy, broken
+partitions) show each checker can fail. inspect caches per traits, so the explicit bucket sweep
+and the hypothesis draws share the expensive traces (~2-5 s per traits).
+"""
+import math
+
+import cutlass
+import cutlass.cute as cute
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from layouts import inspect, smem
+from layouts.traits import (DTYPES, ELEMENT_BYTES, HEAD_DIM_BUCKETS, SMEM_LIMIT, FwdTraits,
+                            choose_fwd_traits, head_dim_bucket)
+
+ARCHS = (80, 90)
+CASES = [(d, dtype, arch) for d in HEAD_DIM_BUCKETS for dtype in DTYPES for arch in ARCHS]
+CASE_IDS = [f"d{d}-{dtype}-sm{arch}" for d, dtype, arch in CASES]
+# head dims 8..256 map onto the buckets, so the draws reuse the bucket sweep's cached traces
+head_dims = st.integers(8, 256)
+dtypes = st.sampled_from(DTYPES)
+archs = st.sampled_from(ARCHS)
+FEW = settings(max_examples=10, deadline=None)
+
+
+def _assert_bijections(t):
+    assert {name: inspect.is_bijection(inspect.smem_table(name, t)) for name in inspect.SMEM_LAYOUTS} == \
+        dict.fromkeys(inspect.SMEM_LAYOUTS, True)
+
+
+def _assert_bank_conflict_free(t):
+    banks = inspect.inspect_traits(t)["banks"]
+    assert {k: (b["worst"], b["vector_ok"]) for k, b in banks.items()} == dict.fromkeys(banks, (0, True))
+
+
+def _assert_gmem(t):
+    gmem = inspect.inspect_traits(t)["gmem"]
+    assert {k: (g["vector_bytes"], g["vector_ok"], g["coalesced"]) for k, g in gmem.items()} == \
+        dict.fromkeys(gmem, (16, True, True))
+    runs = {r for g in gmem.values() for r in g["run_bytes"]}
+    assert runs == {t.block_k_smem * ELEMENT_BYTES}
+
+
+def _assert_coverage(t):
+    cover = inspect.inspect_traits(t)["coverage"]
+    assert {k: c["ok"] for k, c in cover.items()} == dict.fromkeys(inspect.PARTITIONS, True)
+
+
+# --- smem budget -----------------------------------------------------------------------------
+
+
+@given(d=head_dims, dtype=dtypes, arch=archs)
+@settings(max_examples=200, deadline=None)
+def test_chosen_traits_fit_smem(d, dtype, arch):
+    t = choose_fwd_traits(d, dtype, arch)
+    assert t.head_dim == head_dim_bucket(d) >= d
+    assert t.smem_bytes <= SMEM_LIMIT[arch] and t.fits(arch)
+
+
+@pytest.mark.parametrize("d,dtype,arch", CASES, ids=CASE_IDS)
+def test_smem_bytes_match_layout_cosizes(d, dtype, arch):
+    """The budget `fits` checks must be what the layouts really occupy (cosize, in bytes)."""
+    t = choose_fwd_traits(d, dtype, arch)
+    q = inspect.smem_table("sQ", t).max() + 1
+    kv = inspect.smem_table("sKV", t).max() + 1
+    assert t.smem_bytes == ELEMENT_BYTES * ((0 if t.share_qk_smem else q) + 2 * kv)
+    assert t.smem_bytes <= SMEM_LIMIT[arch]
+
+
+# --- the checks on every chosen traits: explicit buckets and hypothesis draws -----------------
+
+
+@pytest.mark.parametrize("d,dtype,arch", CASES, ids=CASE_IDS)
+def test_smem_layouts_are_bijections(d, dtype, arch):
+    _assert_bijections(choose_fwd_traits(d, dtype, arch))
+
+
+@pytest.mark.parametrize("d,dtype,arch", CASES, ids=CASE_IDS)
+def test_ldmatrix_and_cp_async_are_bank_conflict_free(d, dtype, arch):
+    _assert_bank_conflict_free(choose_fwd_traits(d, dtype, arch))
+
+
+@pytest.mark.parametrize("d,dtype,arch", CASES, ids=CASE_IDS)
+def test_gmem_copies_are_16_byte_and_coalesced(d, dtype, arch):
+    _assert_gmem(choose_fwd_traits(d, dtype, arch))
+
+
+@pytest.mark.parametrize("d,dtype,arch", CASES, ids=CASE_IDS)
+def test_copy_and_mma_partitions_cover_tiles_once(d, dtype, arch):
+    _assert_coverage(choose_fwd_traits(d, dtype, arch))
+
+
+@given(d=head_dims, dtype=dtypes, arch=archs)
+@FEW
+def test_any_head_dim_passes_every_check(d, dtype, arch):
+    t = choose_fwd_traits(d, dtype, arch)
+    _assert_bijections(t)
+    _assert_bank_conflict_free(t)
+    _assert_gmem(t)
+    _assert_coverage(t)
+    assert inspect.report(t, arch)["ok"]
+
+
+# --- the bank model and its counter-examples --------------------------------------------------
+
+
+def test_bank_model_on_hand_made_addresses():
+    """16-byte accesses: phases of 8 lanes; 4-byte: one phase of 32; same word = broadcast."""
+    lanes = np.arange(32)
+    one = lambda addr, size: inspect.bank_ways(np.asarray(addr).reshape(32, 1), size)  # noqa: E731
+    assert one(lanes * 16, 16).tolist() == [[[1, 1, 1, 1]]]            # 4 x 128 B contiguous
+    assert one(lanes * 128, 16).tolist() == [[[8, 8, 8, 8]]]           # same 16 B column: 8-way
+    assert one((lanes % 8) * 16 + (lanes // 8) * 4096, 16).tolist() == [[[1, 1, 1, 1]]]
+    assert one(np.zeros(32, int), 16).tolist() == [[[1, 1, 1, 1]]]     # broadcast
+    assert one(lanes * 4, 4).tolist() == [[[1]]]
+    assert one(lanes * 8, 4).tolist() == [[[2]]]                      # stride 2 words: 2-way
+
+
+def _unswizzled_vt(rows, cols):
+    return smem.transposed_view(smem.smem_layout_unswizzled(rows, cols))
+
+
+def test_unswizzled_layout_is_flagged_by_the_bank_checker():
+    """Row-major (64, 128) bf16: rows are 256 B apart, so the 8 rows of an ldmatrix phase share
+    one bank group (8-way); cp.async still writes whole 128 B lines (conflict-free)."""
+    t = FwdTraits(head_dim=128, block_m=64, block_n=64, num_warps=4)
+    parts = inspect.partitions(t)
+    flat = inspect.layout_table(smem.smem_layout_unswizzled, 64, 128)
+    assert inspect.is_bijection(flat)
+    for name, table in [("ldsm_q", flat), ("ldsm_k", flat), ("ldsm_vt", inspect.layout_table(_unswizzled_vt, 64, 128))]:
+        b = inspect.bank_conflicts(parts[name], table)
+        assert (b["worst"], b["ok"], b["vector_ok"]) == (7, False, True), name
+    for name in ("cpasync_q", "cpasync_kv"):
+        assert inspect.bank_conflicts(parts[name], flat)["worst"] == 0
+    # the same copies are conflict-free on the swizzled layouts of the same traits
+    assert inspect.bank_conflicts(parts["ldsm_q"], inspect.smem_table("sQ", t))["worst"] == 0
+
+
+# --- gmem and coverage counter-examples ------------------------------------------------------
+
+
+def _universal_copy(thr_shape, thr_stride, val_shape):
+    bits = 16 * math.prod(val_shape)
+    atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.BFloat16, num_bits_per_copy=bits)
+    return cute.make_tiled_copy_tv(atom, cute.make_layout(thr_shape, stride=thr_stride), cute.make_layout(val_shape))
+
+
+def _column_major_threads():
+    """128-bit copy with consecutive threads going down rows: each row gets 2 x 16 B per warp."""
+    return _universal_copy((16, 8), (1, 16), (1, 8))
+
+
+def _column_vectors():
+    """Each thread's 8 values run down a column: not 16 contiguous bytes."""
+    return _universal_copy((2, 64), (64, 1), (8, 1))
+
+
+def _collapsed_threads():
+    """Thread layout with a stride-0 mode: 8 thread columns share an id, a duplicated map."""
+    return _universal_copy((16, 8), (8, 0), (1, 8))
+
+
+def test_gmem_checker_flags_uncoalesced_and_unvectorised_copies():
+    strided = inspect.gmem_access(inspect.capture_partition(_column_major_threads, (), "partition_S", (128, 128)))
+    assert (strided["vector_ok"], strided["coalesced"], strided["run_bytes"]) == (True, False, [32])
+    columns = inspect.gmem_access(inspect.capture_partition(_column_vectors, (), "partition_S", (128, 128)))
+    assert not columns["vector_ok"] and not columns["ok"]
+
+
+def test_coverage_checker_flags_broken_partitions():
+    t = choose_fwd_traits(128)
+    good = inspect.partitions(t)["gmem_q"]
+    assert inspect.coverage(good)["ok"]
+
+    collapsed = inspect.coverage(inspect.capture_partition(_collapsed_threads, (), "partition_S", good.tile))
+    assert not collapsed["ok"] and collapsed["missing"] and collapsed["duplicated"]
+
+    half = good.threads // 2  # the upper half of the threads repeats the lower half: half the tile
+    halved = inspect.Partition(np.concatenate([good.coords[:half], good.coords[:half]]), good.tile)
+    assert inspect.coverage(halved) == {"ok": False, "missing": good.coords[:half].size // 2,
+                                        "duplicated": good.coords[:half].size // 2, "outside": 0}
+
+    shifted = inspect.Partition(good.coords + np.array([1, 0]), good.tile)
+    assert inspect.coverage(shifted)["outside"] == good.tile[1]
+
+    b = inspect.partitions(t)["mma_b_qk"]  # every warp reads all of B: a duplicate unless per warp
+    assert inspect.coverage(b)["ok"] and b.replicas == t.num_warps
+    assert inspect.coverage(inspect.Partition(b.coords, b.tile))["duplicated"] == b.tile[0] * b.tile[1]
+
+
+# --- the host evaluator agrees with the DSL --------------------------------------------------
+
+
+@cute.jit
+def _dsl_layout_at(build: cutlass.Constexpr, args: cutlass.Constexpr, coords: cutlass.Constexpr):
+    return _evaluate(build(*args), coords)
+
+
+def _evaluate(layout, coords):
+    return [int(layout(c)) for c in coords]
+
+
+@cute.jit
+def _dsl_partition_at(build: cutlass.Constexpr, args: cutlass.Constexpr, method: cutlass.Constexpr,
+                      tile: cutlass.Constexpr, points: cutlass.Constexpr):
+    return _partition_points(build(*args), method, tile, points)
+
+
+def _partition_points(tiled, method, tile, points):
+    ident = cute.make_identity_tensor(tile)
+    return [tuple(int(x) for x in getattr(tiled.get_slice(t), method)(ident)[i]) for t, i in points]
+
+
+@given(data=st.data(), d=st.sampled_from(HEAD_DIM_BUCKETS), name=st.sampled_from(sorted(inspect.SMEM_LAYOUTS)))
+@FEW
+def test_smem_tables_match_dsl_at_natural_coordinates(data, d, name):
+    t = choose_fwd_traits(d)
+    table = inspect.smem_table(name, t)
+    rows = data.draw(st.lists(st.integers(0, table.shape[0] - 1), min_size=6, max_size=6))
+    cols = data.draw(st.lists(st.integers(0, table.shape[1] - 1), min_size=6, max_size=6))
+    coords = tuple(zip(rows, cols))
+    assert _dsl_layout_at(inspect.SMEM_LAYOUTS[name], (t,), coords) == [int(table[c]) for c in coords]
+
+
+@given(data=st.data(), d=st.sampled_from(HEAD_DIM_BUCKETS), name=st.sampled_from(sorted(inspect.PARTITIONS)))
+@FEW
+def test_partitions_match_dsl_for_any_thread(data, d, name):
+    t = choose_fwd_traits(d)
+    part = inspect.partitions(t)[name]
+    _, vec, accesses, _ = part.coords.shape
+    points = tuple((data.draw(st.integers(0, part.threads - 1)), data.draw(st.integers(0, vec * accesses - 1)))
+                   for _ in range(4))
+    build, method, _, _ = inspect.PARTITIONS[name]
+    want = [tuple(int(x) for x in part.coords[th, i % vec, i // vec]) for th, i in points]
+    assert _dsl_partition_at(build, (t,), method, part.tile, points) == want
+
+
+def _swizzled(bits, base, shift, shape, stride):
+    return cute.make_composed_layout(cute.make_swizzle(bits, base, shift), 0, cute.make_layout(shape, stride=stride))
+
+
+@given(data=st.data(), bits=st.integers(1, 3), base=st.integers(0, 3), rows=st.sampled_from([2, 4, 8, 16]),
+       cols=st.sampled_from([4, 8, 16, (4, 2), (2, 8)]), row_major=st.booleans())
+@FEW
+def test_host_swizzle_matches_dsl_everywhere(data, bits, base, rows, cols, row_major):
+    """Whole-domain comparison (a capture itself re-checks only 8 points); CuTe needs |S| >= B."""
+    shift = data.draw(st.integers(bits, 4)) * data.draw(st.sampled_from([1, -1]))
+    n_cols = math.prod(cols) if isinstance(cols, tuple) else cols
+    if row_major:
+        stride = (n_cols, (1, cols[0]) if isinstance(cols, tuple) else 1)
+    else:
+        stride = (1, (rows, rows * cols[0]) if isinstance(cols, tuple) else rows)
+    args = (bits, base, shift, (rows, cols), stride)
+    table = inspect.layout_table(_swizzled, *args)
+    coords = tuple((r, c) for r in range(rows) for c in range(n_cols))
+    assert _dsl_layout_at(_swizzled, args, coords) == [int(table[c]) for c in coords]
+
+
+def test_report_cli_exits_1_when_a_check_fails(monkeypatch, capsys):
+    from layouts import __main__ as cli
+
+    t = choose_fwd_traits(128)
+    monkeypatch.setattr(cli, "shipped_fwd_traits", lambda arch: [t])
+    assert cli.main(["report", "--arch", "90"]) == 0
+    monkeypatch.setitem(SMEM_LIMIT, 90, 1024)  # the same traits no longer fits
+    assert cli.main(["report", "--arch", "90"]) == 1
+    assert capsys.readouterr().out.rstrip().endswith(f"0/1 traits pass; FAILED: {t.name}")
