@@ -63,17 +63,23 @@ def cmd_check():
 
 
 def cmd_overhead():
-    """Host cost of a cached call on a tiny input, against SDPA's FLASH backend on the same input."""
+    """Host cost of a cached call on a tiny input, split into the interface (validation), the
+    launcher (alignment, allocation, kernel lookup) and the TVM-FFI call itself, against SDPA's
+    FLASH backend on the same input."""
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from cute_flash import flash_attn_func
+    from cute_flash.kernels.fwd import LOG2E, _kernel_for, _no_alibi, flash_fwd
 
     q, k, v = (torch.randn(1, 8, 1, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    out, lse = torch.empty_like(q), torch.empty(1, 1, 8, device="cuda")
+    index = torch.cuda.current_device()
+    compiled = _kernel_for(64, q.dtype, index, False, False, False, False, False, None)
 
-    def per_call_us(fn, n=2000):
-        for _ in range(20):
+    def per_call_us(fn, n=3000):
+        for _ in range(50):
             fn()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -82,12 +88,19 @@ def cmd_overhead():
         torch.cuda.synchronize()
         return (time.perf_counter() - t0) / n * 1e6
 
-    ours = per_call_us(lambda: flash_attn_func(q, k, v))
+    rows = {
+        "flash_attn_func": per_call_us(lambda: flash_attn_func(q, k, v)),
+        "launcher (flash_fwd)": per_call_us(lambda: flash_fwd(q, k, v, softmax_scale=0.125)),
+        "TVM-FFI call alone": per_call_us(
+            lambda: compiled(q, k, v, out, lse, _no_alibi(index), 0.125 * LOG2E, 1.0, 8.0, -1, -1)),
+    }
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        sdpa = per_call_us(lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt))
-    print(f"host overhead per call (1x8x1x64 bf16): ours {ours:.1f} us, SDPA FLASH {sdpa:.1f} us, "
-          f"ratio {ours / sdpa:.2f}")
-    return ours, sdpa
+        rows["SDPA FLASH"] = per_call_us(lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt))
+    for name, us in rows.items():
+        print(f"{name:22} {us:7.1f} us/call")
+    ratio = rows["flash_attn_func"] / rows["SDPA FLASH"]
+    print(f"host overhead (1x8x1x64 bf16): ours/SDPA {ratio:.2f}")
+    return rows
 
 
 def main(argv=None):
@@ -103,6 +116,7 @@ def main(argv=None):
     b.add_argument("--out", default=None, help="directory for bench.json, bench.md, bench.png")
     b.add_argument("--no-extra", action="store_true", help="skip the window/softcap rows")
     sub.add_parser("overhead", help="host cost of a cached call vs SDPA (GPU)")
+    sub.add_parser("tune", help="TFLOP/s of each tile candidate per head dim (GPU)")
     args = p.parse_args(argv)
 
     cmd = args.cmd
@@ -129,6 +143,10 @@ def main(argv=None):
         bench(args.out, args.quick, not args.no_extra)
     elif cmd == "overhead":
         cmd_overhead()
+    elif cmd == "tune":
+        from cute_flash.bench import tune
+
+        tune()
     return 0
 
 

@@ -32,6 +32,8 @@ def _given(named):
 
 def _is_int(x):
     """Python/NumPy integers, but not bools (True is an int to Python, never a length to us)."""
+    if type(x) is int:  # the common case, without the ABC machinery (a hot path per call)
+        return True
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
@@ -189,6 +191,8 @@ def check_strides(named):
 
 def check_dropout(dropout_p):
     """Only inference-style attention for now: dropout is refused rather than ignored."""
+    if type(dropout_p) is float and dropout_p == 0.0:
+        return
     if not isinstance(dropout_p, numbers.Real) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
     if dropout_p != 0.0:
@@ -213,6 +217,8 @@ def check_window(window_size):
 
 def check_softcap(softcap):
     """0 disables softcapping; a cap must be a finite positive number."""
+    if type(softcap) is float and softcap == 0.0:
+        return
     if not isinstance(softcap, numbers.Real) or not (math.isfinite(softcap) and softcap >= 0):
         raise ValueError(f"softcap must be a finite float >= 0 (0 disables it), got {softcap!r}")
 

@@ -92,6 +92,35 @@ def run_extra(seqlens=(8192, 16384)):
     return rows
 
 
+# (block_m, block_n, warps) tried per head dim by `tune`; the first is the shipped choice.
+TUNE_CANDIDATES = {
+    64: [(128, 128, 4), (128, 64, 4), (128, 128, 8), (64, 128, 4)],
+    128: [(128, 64, 4), (128, 128, 8), (128, 64, 8), (64, 64, 4), (64, 128, 4)],
+}
+
+
+def tune(seqlens=(1024, 4096, 16384)):
+    """TFLOP/s of each tile candidate on the SPEC grid's shapes (bf16), for choosing traits."""
+    import torch
+
+    from cute_flash.kernels.fwd import flash_fwd
+    from layouts.traits import FwdTraits
+
+    rows = []
+    for d, cands in TUNE_CANDIDATES.items():
+        for causal in (False, True):
+            for s in seqlens:
+                b, h = max(1, TOKENS // s), HIDDEN // d
+                q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+                flops = 4 * b * h * d * visible_pairs(s, s, causal)
+                for m, n, w in cands:
+                    t = FwdTraits(d, m, n, w, "bf16")
+                    ms = _time_ms(lambda: flash_fwd(q, k, v, softmax_scale=d ** -0.5, causal=causal, traits=t))
+                    rows.append(dict(d=d, causal=causal, seqlen=s, traits=t.name, tflops=flops / ms / 1e9))
+                    print(f"d{d} causal={causal!s:5} s{s:6} {t.name:26} {rows[-1]['tflops']:6.0f}", flush=True)
+    return rows
+
+
 def format_grid(rows) -> str:
     out = ["| d | causal | seqlen | batch x heads | ours | FLASH | CUDNN | ours/FLASH |",
            "|---|---|---|---|---|---|---|---|"]

@@ -8,6 +8,7 @@ and hands the tensors, never copied (packed inputs become views), to `cute_flash
 
 import importlib
 import math
+import sys
 
 import torch
 
@@ -30,10 +31,13 @@ _VARLEN_KV_DIMS = ("total_k", "nheads_k", "headdim")
 _PAGED_KV_DIMS = ("num_blocks", "page_size", "nheads_k", "headdim")
 
 
+_KERNELS = "cute_flash.kernels.fwd"
+
+
 def _kernels():
     """`cute_flash.kernels.fwd`, imported at the first launch so that this module imports
     without the CuTe DSL; importlib takes a module already in sys.modules as it stands."""
-    return importlib.import_module("cute_flash.kernels.fwd")
+    return sys.modules.get(_KERNELS) or importlib.import_module(_KERNELS)
 
 
 def _scale(softmax_scale, headdim):

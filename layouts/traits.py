@@ -6,6 +6,7 @@ dispatcher, the compile cache key and the property tests all read the same objec
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 HEAD_DIM_BUCKETS = (32, 64, 96, 128, 160, 192, 224, 256)
@@ -77,20 +78,19 @@ class FwdTraits:
         return f"d{self.head_dim}_m{self.block_m}_n{self.block_n}_w{self.num_warps}_{self.dtype}{flags}"
 
 
+@functools.lru_cache(maxsize=None)
 def choose_fwd_traits(head_dim: int, dtype: str = "bf16", arch: int = 90, causal: bool = False) -> FwdTraits:
     """Tile sizes per head-dim bucket.
 
-    flash-attn 2.8.3 (non-dropout, A100/H100 path) uses 128x128/4 warps up to d=64, 128x64/4 warps
-    for d=96..128, 128x32/4 warps at d=160 and 128x64/8 warps for d=192..256. We follow it,
-    with one difference recorded in docs/perf.md: d=160 uses 128x64 with 8 warps, since 128x32
-    leaves the S tile too narrow for the softmax to amortise its row reductions.
-    `causal` is accepted so the heuristic can specialise per mask later; it does not change
-    the choice yet.
+    flash-attn 2.8.3 (non-dropout, A100/H100 path) uses 128x128/4 warps up to d=64, 128x64/4
+    warps for d=96..128, 128x32/4 warps at d=160 and 128x64/8 warps for d=192..256. Ours, from
+    `python -m cute_flash tune` on the H200 (docs/perf.md): 128x64/4 warps up to d=128 (at
+    d<=64, 128x128 spills ~600 B and runs 2-5% slower), and 128x64/8 warps above, d=160
+    included (128x32 leaves the S tile too narrow to amortise the softmax's row reductions).
+    `causal` is accepted so the heuristic can specialise per mask; no tile won there yet.
     """
     d = head_dim_bucket(head_dim)
-    if d <= 64:
-        m, n, w = 128, 128, 4
-    elif d <= 128:
+    if d <= 128:
         m, n, w = 128, 64, 4
     else:
         m, n, w = 128, 64, 8

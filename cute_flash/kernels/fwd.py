@@ -17,12 +17,14 @@ diagonal or window edge crosses are masked; the rest run a mask-free step.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import cutlass
 import cutlass.cute as cute
-from cutlass.cute.runtime import make_ptr
+import torch
 
+from cute_flash.compile_cache import get_or_compile
 from cute_flash.kernels.block_info import BlockInfo
 from cute_flash.kernels.gemm import gemm_rs, gemm_ss
 from cute_flash.kernels.mask import Mask, apply_alibi
@@ -31,7 +33,7 @@ from cute_flash.kernels.tile_copy import column_predicate, copy_tile
 from layouts import copy as lcopy
 from layouts import mma as lmma
 from layouts import smem as lsmem
-from layouts.traits import FwdTraits, element_type
+from layouts.traits import FwdTraits, choose_fwd_traits, element_type
 
 LOG2E = math.log2(math.e)
 
@@ -52,35 +54,14 @@ class FlashFwd:
         self.dtype = element_type(traits)
 
     @cute.jit
-    def __call__(self, q_ptr: cute.Pointer, k_ptr: cute.Pointer, v_ptr: cute.Pointer,
-                 o_ptr: cute.Pointer, lse_ptr: cute.Pointer, alibi_ptr: cute.Pointer,
-                 batch: cutlass.Int32, seqlen_q: cutlass.Int32, seqlen_k: cutlass.Int32,
-                 nheads: cutlass.Int32, nheads_k: cutlass.Int32, head_dim: cutlass.Int32,
-                 q_stride_b: cutlass.Int64, q_stride_s: cutlass.Int64, q_stride_h: cutlass.Int64,
-                 k_stride_b: cutlass.Int64, k_stride_s: cutlass.Int64, k_stride_h: cutlass.Int64,
-                 v_stride_b: cutlass.Int64, v_stride_s: cutlass.Int64, v_stride_h: cutlass.Int64,
-                 o_stride_b: cutlass.Int64, o_stride_s: cutlass.Int64, o_stride_h: cutlass.Int64,
-                 alibi_stride_b: cutlass.Int32,
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+                 mLSE: cute.Tensor, mAlibi: cute.Tensor,
                  scale_log2: cutlass.Float32, score_premul: cutlass.Float32, alibi_div: cutlass.Float32,
                  window_left: cutlass.Int32, window_right: cutlass.Int32, stream):
+        """mQ/mO (batch, seqlen_q, heads, d), mK/mV (batch, seqlen_k, heads_k, d) with strides the
+        compiler may take as multiples of 8 (one 128-bit copy per 8 elements); mLSE (batch, heads,
+        seqlen_q) fp32; mAlibi (batch, heads) fp32 slopes (any tensor when has_alibi is off)."""
         t = self.t
-
-        def gmem(ptr, shape, sb, ss, sh):
-            # (batch, seqlen, heads, head_dim); 16-byte aligned rows are a precondition the
-            # launcher checks, stated here so the 128-bit copies compile to single instructions.
-            stride = (cute.assume(sb, divby=8), cute.assume(ss, divby=8), cute.assume(sh, divby=8), 1)
-            return cute.make_tensor(ptr, cute.make_layout(shape, stride=stride))
-
-        mQ = gmem(q_ptr, (batch, seqlen_q, nheads, head_dim), q_stride_b, q_stride_s, q_stride_h)
-        mK = gmem(k_ptr, (batch, seqlen_k, nheads_k, head_dim), k_stride_b, k_stride_s, k_stride_h)
-        mV = gmem(v_ptr, (batch, seqlen_k, nheads_k, head_dim), v_stride_b, v_stride_s, v_stride_h)
-        mO = gmem(o_ptr, (batch, seqlen_q, nheads, head_dim), o_stride_b, o_stride_s, o_stride_h)
-        # (batch, heads, seqlen_q), contiguous
-        mLSE = cute.make_tensor(
-            lse_ptr, cute.make_layout((batch, nheads, seqlen_q), stride=(nheads * seqlen_q, seqlen_q, 1))
-        )
-        mAlibi = cute.make_tensor(alibi_ptr, cute.make_layout((batch, nheads), stride=(alibi_stride_b, 1)))
-
         sQ_layout = lsmem.smem_layout_q(t)
         sKV_layout = lsmem.smem_layout_kv(t)
 
@@ -95,7 +76,7 @@ class FlashFwd:
             lcopy.gmem_tiled_copy_qkv(t), lcopy.gmem_tiled_copy_o(t), lmma.tiled_mma(t),
             scale_log2, score_premul, alibi_div, window_left, window_right, SharedStorage,
         ).launch(
-            grid=(cute.ceil_div(seqlen_q, t.block_m), batch, nheads),
+            grid=(cute.ceil_div(mQ.shape[1], t.block_m), mQ.shape[0], mQ.shape[2]),
             block=[t.num_threads, 1, 1],
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
@@ -298,26 +279,37 @@ class FlashFwd:
 # Host side: compile (cached) and launch on torch tensors.
 
 _ALIGN = 8  # elements per 16-byte copy
+_DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
 def _arch_option(arch: int | None) -> str:
     return "" if arch is None else f"--gpu-arch=sm_{arch}{'a' if arch >= 90 else ''}"
 
 
+def fake_fwd_args(dtype):
+    """Placeholders for compiling FlashFwd: every extent dynamic, every stride but the last a
+    multiple of 8 (the launcher guarantees it), plus a stream taken from the caller (torch's
+    current stream) at call time."""
+    from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+
+    def seq_tensor():
+        shape = tuple(cute.sym_int() for _ in range(4))
+        stride = tuple(cute.sym_int64(divisibility=_ALIGN) for _ in range(3)) + (1,)
+        return make_fake_tensor(dtype, shape, stride, assumed_align=16)
+
+    lse = make_fake_tensor(cutlass.Float32, tuple(cute.sym_int() for _ in range(3)),
+                           (cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4)
+    alibi = make_fake_tensor(cutlass.Float32, (cute.sym_int(), cute.sym_int()), (cute.sym_int64(), 1),
+                             assumed_align=4)
+    return [seq_tensor() for _ in range(4)] + [lse, alibi, 1.0, 1.0, 1.0, -1, -1,
+                                               make_fake_stream(use_tvm_ffi_env_stream=True)]
+
+
 def compile_fwd(kernel: FlashFwd, arch: int | None = None, extra_options: str = ""):
-    """Build the cubin for `kernel`. arch=None targets the current GPU; an explicit arch (80, 90)
-    compiles without one, with placeholder pointers (nothing is launched)."""
-    import cuda.bindings.driver as cuda  # noqa: F401  (the stream argument type)
-    from cutlass.cute.runtime import make_fake_stream
-
-    def ptr(dtype, align=16):
-        return make_ptr(dtype, 1 << 20, cute.AddressSpace.gmem, assumed_align=align)
-
-    el = kernel.dtype
-    args = [ptr(el), ptr(el), ptr(el), ptr(el), ptr(cutlass.Float32, 4), ptr(cutlass.Float32, 4)]
-    args += [1] * 6 + [8] * 12 + [1]
-    args += [1.0, 1.0, 1.0, -1, -1, make_fake_stream()]
-    return cute.compile(kernel, *args, options=f"{_arch_option(arch)} {extra_options}".strip())
+    """Build the cubin for `kernel`, callable through TVM-FFI with torch tensors. arch=None
+    targets the current GPU; an explicit arch (80, 90) needs no GPU (nothing is launched)."""
+    options = f"--enable-tvm-ffi {_arch_option(arch)} {extra_options}".strip()
+    return cute.compile(kernel, *fake_fwd_args(kernel.dtype), options=options)
 
 
 def fwd_kernel_key(traits: FwdTraits, has_left, has_right, has_alibi, has_softcap, even_k):
@@ -327,26 +319,53 @@ def fwd_kernel_key(traits: FwdTraits, has_left, has_right, has_alibi, has_softca
 def _aligned(x):
     """x itself when its rows suit 128-bit copies (unit last stride, every other stride and the
     base address 16-byte aligned, head dim a multiple of 8), else a copy that does: zero-padded
-    to a multiple of 8 in the head dim, as flash-attn pads."""
-    import torch
+    to a multiple of 8 in the head dim, as flash-attn pads. Size-1 dims get stride 0 (never
+    stepped, and trivially aligned)."""
 
-    d = x.shape[-1]
-    if d % _ALIGN:
-        return torch.nn.functional.pad(x, (0, _ALIGN - d % _ALIGN))
-    if x.stride(-1) != 1 or x.data_ptr() % 16 or any(s % _ALIGN for s in x.stride()[:-1]):
-        return x.contiguous()
+    shape, stride = x.shape, x.stride()
+    if shape[-1] % _ALIGN:
+        x = torch.nn.functional.pad(x, (0, _ALIGN - shape[-1] % _ALIGN))
+    elif stride[-1] != 1 or x.data_ptr() % 16 or any(
+            s % _ALIGN for n, s in zip(shape[:-1], stride[:-1]) if n > 1):
+        x = x.clone(memory_format=torch.contiguous_format)  # a fresh, aligned allocation
+    else:
+        if 1 not in shape[:-1]:
+            return x  # the common case: a view as given
+    shape, stride = x.shape, x.stride()
+    if any(n == 1 and s for n, s in zip(shape[:-1], stride[:-1])):
+        x = x.as_strided(shape, [0 if n == 1 else s for n, s in zip(shape[:-1], stride[:-1])] + [1])
     return x
 
 
+@functools.lru_cache(maxsize=None)
+def _device_arch(index: int) -> int:
+    major, minor = torch.cuda.get_device_capability(index)
+    return major * 10 + minor
+
+
+@functools.lru_cache(maxsize=None)
+def _no_alibi(index: int):
+    return torch.zeros((1, 1), dtype=torch.float32, device=f"cuda:{index}")
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_for(d_pad, dtype, device_index, causal, has_left, has_right, has_alibi, has_softcap, traits):
+    """The compiled kernel for one call signature (memoised: a cached call hashes plain values
+    once instead of rebuilding the traits and the compile-cache key)."""
+    arch = _device_arch(device_index)
+    if traits is None:
+        traits = choose_fwd_traits(d_pad, _DTYPE_NAMES[dtype], min(arch, 90), causal)
+    flags = (has_left, has_right, has_alibi, has_softcap, d_pad == traits.head_dim)
+    return get_or_compile(fwd_kernel_key(traits, *flags) + (arch,),
+                          lambda: compile_fwd(FlashFwd(traits, *flags)))
+
+
 def flash_fwd(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1), softcap=0.0,
-              alibi_slopes=None):
-    """Dense forward on CUDA tensors already validated by the interface: returns (out, lse)."""
-    import torch
-    from cute_flash.compile_cache import get_or_compile
-    from layouts.traits import choose_fwd_traits
+              alibi_slopes=None, traits: FwdTraits | None = None):
+    """Dense forward on CUDA tensors already validated by the interface: returns (out, lse).
+    `traits` overrides the heuristic (tile tuning, `python -m cute_flash tune`)."""
 
     b, sq, h, d = q.shape
-    sk, hk = k.shape[1], k.shape[2]
     q, k, v = _aligned(q), _aligned(k), _aligned(v)
     d_pad = q.shape[-1]
     out = torch.empty((b, sq, h, d_pad), dtype=q.dtype, device=q.device)
@@ -355,40 +374,19 @@ def flash_fwd(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1), sof
     left, right = window_size
     if causal:
         right = 0
-    major, minor = torch.cuda.get_device_capability(q.device)
-    arch = major * 10 + minor
-    traits = choose_fwd_traits(d_pad, "bf16" if q.dtype == torch.bfloat16 else "fp16", min(arch, 90), causal)
-    flags = dict(has_left=left >= 0, has_right=right >= 0, has_alibi=alibi_slopes is not None,
-                 has_softcap=softcap > 0, even_k=d_pad == traits.head_dim)
-    compiled = get_or_compile(fwd_kernel_key(traits, **flags) + (arch,),
-                              lambda: compile_fwd(FlashFwd(traits, **flags)))
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    compiled = _kernel_for(d_pad, q.dtype, index, causal, left >= 0, right >= 0,
+                           alibi_slopes is not None, softcap > 0, traits)
 
     if softcap > 0:
         scale_log2, premul, alibi_div = softcap * LOG2E, softmax_scale / softcap, 1.0 / softcap
     else:
         scale_log2, premul, alibi_div = softmax_scale * LOG2E, 1.0, 1.0 / softmax_scale
-    if alibi_slopes is not None:
-        alibi_slopes = alibi_slopes if alibi_slopes.dim() == 2 else alibi_slopes.unsqueeze(0).expand(b, h)
-        alibi_ptr, alibi_stride_b = alibi_slopes.data_ptr(), alibi_slopes.stride(0)
+    if alibi_slopes is None:
+        alibi = _no_alibi(index)
     else:
-        alibi_ptr, alibi_stride_b = lse.data_ptr(), 0
-
-    el = element_type(traits)
-    gptr = cute.AddressSpace.gmem
-    import cuda.bindings.driver as cuda
-
-    compiled(
-        make_ptr(el, q.data_ptr(), gptr, assumed_align=16),
-        make_ptr(el, k.data_ptr(), gptr, assumed_align=16),
-        make_ptr(el, v.data_ptr(), gptr, assumed_align=16),
-        make_ptr(el, out.data_ptr(), gptr, assumed_align=16),
-        make_ptr(cutlass.Float32, lse.data_ptr(), gptr, assumed_align=4),
-        make_ptr(cutlass.Float32, alibi_ptr, gptr, assumed_align=4),
-        b, sq, sk, h, hk, d_pad,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], alibi_stride_b,
-        scale_log2, premul, alibi_div, left, right,
-        cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream),
-    )
+        alibi = alibi_slopes if alibi_slopes.dim() == 2 else alibi_slopes.unsqueeze(0).expand(b, h)
+    compiled(q, k, v, out, lse, alibi, scale_log2, premul, alibi_div, left, right)
     if d_pad != d:
         out = out[..., :d]
     return out, lse
