@@ -11,7 +11,7 @@ import time
 
 
 def cmd_compile(archs, full):
-    from cute_flash.kernels.fwd import FLAG_NAMES, FlashFwd, compile_fwd, fwd_variants
+    from cute_flash.kernels.fwd import ALL_FLAG_NAMES, FlashFwd, compile_fwd, fwd_variants
     from cute_flash.resources import compile_with_report, find_ptxas
     from layouts.traits import SMEM_LIMIT
 
@@ -23,14 +23,15 @@ def cmd_compile(archs, full):
             t0 = time.time()
             _, rep = compile_with_report(
                 lambda opts: compile_fwd(FlashFwd(traits, **flags), arch, opts), arch)
-            on = "".join(n.split("_", 1)[1][0].upper() if flags[n] else "." for n in FLAG_NAMES)
+            on = "".join(letter if flags.get(n) else "." for letter, n in zip("LRASKVU", ALL_FLAG_NAMES))
             spill = rep.get("spill_stores", 0) + rep.get("spill_loads", 0)
             worst = max(worst, spill)
-            print(f"sm_{arch:<2} {traits.name:28} {on + ' (LRASK)':22} {traits.smem_bytes:>7} "
+            print(f"sm_{arch:<2} {traits.name:28} {on + ' (LRASKVU)':22} {traits.smem_bytes:>7} "
                   f"{rep.get('registers', '-'):>5} {spill if rep else '-':>6} {time.time() - t0:5.1f}",
                   flush=True)
             assert traits.smem_bytes <= SMEM_LIMIT[arch]
-    print(f"flags: L=left window, R=right window (causal), A=ALiBi, S=softcap, K=even head dim; "
+    print(f"flags: L=left window, R=right window (causal), A=ALiBi, S=softcap, K=even head dim, "
+          f"V=varlen, U=seqused_k; "
           f"largest spill: {worst} bytes")
 
 

@@ -7,13 +7,13 @@ import pytest
 
 pytest.importorskip("cutlass")
 
-from cute_flash.kernels.fwd import FLAG_NAMES, FlashFwd, compile_fwd, fwd_variants  # noqa: E402
+from cute_flash.kernels.fwd import ALL_FLAG_NAMES, FLAG_NAMES, FlashFwd, compile_fwd, fwd_variants  # noqa: E402
 from cute_flash.kernels.roundtrip import OPERANDS, TileRoundTrip  # noqa: E402
 from layouts.traits import SMEM_LIMIT, shipped_fwd_traits  # noqa: E402
 
 
 def _id(arch, traits, flags):
-    return f"sm{arch}-{traits.name}-" + "".join(str(int(flags[n])) for n in FLAG_NAMES)
+    return f"sm{arch}-{traits.name}-" + "".join(str(int(flags.get(n, False))) for n in ALL_FLAG_NAMES)
 
 
 def _cases(full):
@@ -40,7 +40,9 @@ def test_fwd_variant_compiles_full_sweep(arch, traits, flags):
 def test_subset_covers_every_traits_and_every_flag_combination():
     for arch in (80, 90):
         assert {t for t, _ in fwd_variants(arch)} == set(shipped_fwd_traits(arch))
-    assert len({tuple(f.values()) for _, f in fwd_variants(90)}) == 2 ** len(FLAG_NAMES)
+    assert len({tuple(f[n] for n in FLAG_NAMES) for _, f in fwd_variants(90)}) == 2 ** len(FLAG_NAMES)
+    for arch in (80, 90):
+        assert any(f.get("varlen") and f.get("has_seqused_k") for _, f in fwd_variants(arch))
 
 
 @pytest.mark.parametrize("arch", [80, 90])

@@ -44,8 +44,11 @@ class FlashFwd:
     argument."""
 
     def __init__(self, traits: FwdTraits, has_left: bool = False, has_right: bool = False,
-                 has_alibi: bool = False, has_softcap: bool = False, even_k: bool = True):
+                 has_alibi: bool = False, has_softcap: bool = False, even_k: bool = True,
+                 varlen: bool = False, has_seqused_k: bool = False):
         self.t = traits
+        self.varlen = varlen
+        self.has_seqused_k = has_seqused_k
         self.has_left = has_left
         self.has_right = has_right
         self.has_alibi = has_alibi
@@ -61,6 +64,27 @@ class FlashFwd:
         """mQ/mO (batch, seqlen_q, heads, d), mK/mV (batch, seqlen_k, heads_k, d) with strides the
         compiler may take as multiples of 8 (one 128-bit copy per 8 elements); mLSE (batch, heads,
         seqlen_q) fp32; mAlibi (batch, heads) fp32 slopes (any tensor when has_alibi is off)."""
+        self.launch(mQ, mK, mV, mO, mLSE, mAlibi, None, None, None,
+                    (cute.ceil_div(mQ.shape[1], self.t.block_m), mQ.shape[0], mQ.shape[2]),
+                    scale_log2, score_premul, alibi_div, window_left, window_right, stream)
+
+    @cute.jit
+    def call_varlen(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+                    mLSE: cute.Tensor, mAlibi: cute.Tensor, mCuSeqlensQ: cute.Tensor,
+                    mCuSeqlensK: cute.Tensor, mSeqUsedK: cute.Tensor, max_seqlen_q: cutlass.Int32,
+                    scale_log2: cutlass.Float32, score_premul: cutlass.Float32, alibi_div: cutlass.Float32,
+                    window_left: cutlass.Int32, window_right: cutlass.Int32, stream):
+        """Packed batches: mQ/mO (total_q, heads, d), mK/mV (total_k, heads_k, d), mLSE (heads,
+        total_q), int32 prefix sums mCuSeqlens* (batch + 1,) and mSeqUsedK (batch,) (ignored
+        unless has_seqused_k). The grid covers max_seqlen_q; CTAs past a sequence's end exit."""
+        self.launch(mQ, mK, mV, mO, mLSE, mAlibi, mCuSeqlensQ, mCuSeqlensK,
+                    mSeqUsedK if cutlass.const_expr(self.has_seqused_k) else None,
+                    (cute.ceil_div(max_seqlen_q, self.t.block_m), mCuSeqlensQ.shape[0] - 1, mQ.shape[1]),
+                    scale_log2, score_premul, alibi_div, window_left, window_right, stream)
+
+    @cute.jit
+    def launch(self, mQ, mK, mV, mO, mLSE, mAlibi, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, grid,
+               scale_log2, score_premul, alibi_div, window_left, window_right, stream):
         t = self.t
         sQ_layout = lsmem.smem_layout_q(t)
         sKV_layout = lsmem.smem_layout_kv(t)
@@ -72,48 +96,70 @@ class FlashFwd:
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
 
         self.kernel(
-            mQ, mK, mV, mO, mLSE, mAlibi, sQ_layout, sKV_layout,
+            mQ, mK, mV, mO, mLSE, mAlibi, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, sQ_layout, sKV_layout,
             lcopy.gmem_tiled_copy_qkv(t), lcopy.gmem_tiled_copy_o(t), lmma.tiled_mma(t),
             scale_log2, score_premul, alibi_div, window_left, window_right, SharedStorage,
-        ).launch(
-            grid=(cute.ceil_div(mQ.shape[1], t.block_m), mQ.shape[0], mQ.shape[2]),
-            block=[t.num_threads, 1, 1],
-            smem=SharedStorage.size_in_bytes(),
-            stream=stream,
-        )
+        ).launch(grid=grid, block=[t.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
-               mLSE: cute.Tensor, mAlibi: cute.Tensor,
+               mLSE: cute.Tensor, mAlibi: cute.Tensor, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK,
                sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
                gmem_tiled_copy_QKV: cute.TiledCopy, gmem_tiled_copy_O: cute.TiledCopy,
                tiled_mma: cute.TiledMma, scale_log2: cutlass.Float32, score_premul: cutlass.Float32,
                alibi_div: cutlass.Float32, window_left: cutlass.Int32, window_right: cutlass.Int32,
                SharedStorage: cutlass.Constexpr):
+        m_block, bidb, bidh = cute.arch.block_idx()
+        if cutlass.const_expr(self.varlen):
+            binfo = BlockInfo(bidb, 0, 0, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
+            bidh_kv = bidh // (mQ.shape[1] // mK.shape[1])
+            # (seqlen, d) views of this sequence and head; LSE (seqlen,)
+            mQ_s = cute.domain_offset((binfo.sum_s_q, 0), mQ[None, bidh, None])
+            mO_s = cute.domain_offset((binfo.sum_s_q, 0), mO[None, bidh, None])
+            mK_s = cute.domain_offset((binfo.sum_s_k, 0), mK[None, bidh_kv, None])
+            mV_s = cute.domain_offset((binfo.sum_s_k, 0), mV[None, bidh_kv, None])
+            mLSE_s = cute.domain_offset((binfo.sum_s_q,), mLSE[bidh, None])
+            if m_block * self.t.block_m < binfo.seqlen_q:
+                self.attend(mQ_s, mK_s, mV_s, mO_s, mLSE_s, mAlibi, binfo, m_block, bidb, bidh,
+                            mQ.shape[2], sQ_layout, sKV_layout, gmem_tiled_copy_QKV, gmem_tiled_copy_O,
+                            tiled_mma, scale_log2, score_premul, alibi_div, window_left, window_right,
+                            SharedStorage)
+        else:
+            binfo = BlockInfo(bidb, mQ.shape[1], mK.shape[1])
+            bidh_kv = bidh // (mQ.shape[2] // mK.shape[2])
+            self.attend(mQ[bidb, None, bidh, None], mK[bidb, None, bidh_kv, None],
+                        mV[bidb, None, bidh_kv, None], mO[bidb, None, bidh, None], mLSE[bidb, bidh, None],
+                        mAlibi, binfo, m_block, bidb, bidh, mQ.shape[3], sQ_layout, sKV_layout,
+                        gmem_tiled_copy_QKV, gmem_tiled_copy_O, tiled_mma, scale_log2, score_premul,
+                        alibi_div, window_left, window_right, SharedStorage)
+
+    @cute.jit
+    def attend(self, mQ_s: cute.Tensor, mK_s: cute.Tensor, mV_s: cute.Tensor, mO_s: cute.Tensor,
+               mLSE_s: cute.Tensor, mAlibi: cute.Tensor, binfo: BlockInfo, m_block, bidb, bidh, head_dim,
+               sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
+               gmem_tiled_copy_QKV: cute.TiledCopy, gmem_tiled_copy_O: cute.TiledCopy,
+               tiled_mma: cute.TiledMma, scale_log2: cutlass.Float32, score_premul: cutlass.Float32,
+               alibi_div: cutlass.Float32, window_left: cutlass.Int32, window_right: cutlass.Int32,
+               SharedStorage: cutlass.Constexpr):
+        """One CTA's work on (seqlen, d) views of its sequence and head: BlockInfo gives the
+        lengths, so dense and packed batches share everything from here on."""
         t = self.t
         bm, bn, d = t.block_m, t.block_n, t.head_dim
         tidx, _, _ = cute.arch.thread_idx()
-        m_block, bidb, bidh = cute.arch.block_idx()
-        seqlen_q, nheads, head_dim = mQ.shape[1], mQ.shape[2], mQ.shape[3]
-        seqlen_k = mK.shape[1]
-        bidh_kv = bidh // (nheads // mK.shape[2])
-
-        binfo = BlockInfo(bidb, seqlen_q, seqlen_k)
         n_block_min, n_block_max = binfo.n_block_range(
             m_block, bm, bn, window_left, window_right, self.has_left, self.has_right)
 
         # (bm, d) tiles of this CTA's rows
-        gQ = cute.local_tile(mQ[bidb, None, bidh, None], (bm, d), (m_block, 0))
-        gO = cute.local_tile(mO[bidb, None, bidh, None], (bm, d), (m_block, 0))
+        gQ = cute.local_tile(mQ_s, (bm, d), (m_block, 0))
+        gO = cute.local_tile(mO_s, (bm, d), (m_block, 0))
         # (bn, d, n_blocks)
-        gK = cute.local_tile(mK[bidb, None, bidh_kv, None], (bn, d), (None, 0))
-        gV = cute.local_tile(mV[bidb, None, bidh_kv, None], (bn, d), (None, 0))
+        gK = cute.local_tile(mK_s, (bn, d), (None, 0))
+        gV = cute.local_tile(mV_s, (bn, d), (None, 0))
         cQ = cute.make_identity_tensor((bm, d))   # tile coordinates (row, col)
         cKV = cute.make_identity_tensor((bn, d))
         rows_q = binfo.seqlen_q - m_block * bm
 
-        smem = cutlass.utils.SmemAllocator()
-        storage = smem.allocate(SharedStorage)
+        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         sQ = storage.sQ.get_tensor(sQ_layout)
         sK = storage.sK.get_tensor(sKV_layout)
         sV = storage.sV.get_tensor(sKV_layout)
@@ -179,7 +225,7 @@ class FlashFwd:
             for r in cutlass.range_constexpr(cute.size(lse)):
                 row = tOcO_mn[r, 0][0]
                 if row < rows_q:
-                    mLSE[bidb, bidh, m_block * bm + row] = lse[r]
+                    mLSE_s[m_block * bm + row] = lse[r]
 
         gmem_thr_copy_O = gmem_tiled_copy_O.get_slice(tidx)
         tOsO = gmem_thr_copy_O.partition_S(sO)
@@ -252,7 +298,7 @@ class FlashFwd:
 
         acc_s_mn = lmma.acc_mn_view(acc_s)
         if cutlass.const_expr(self.has_softcap):
-            for i in cutlass.range_constexpr(cute.size(acc_s)):
+            for i in cutlass.range(cute.size(acc_s), unroll_full=True):
                 acc_s[i] = cute.math.tanh(acc_s[i] * score_premul, fastmath=True)
         row0 = m_block * t.block_m
         col0 = n_block * t.block_n
@@ -286,54 +332,64 @@ def _arch_option(arch: int | None) -> str:
     return "" if arch is None else f"--gpu-arch=sm_{arch}{'a' if arch >= 90 else ''}"
 
 
-def fake_fwd_args(dtype):
-    """Placeholders for compiling FlashFwd: every extent dynamic, every stride but the last a
-    multiple of 8 (the launcher guarantees it), plus a stream taken from the caller (torch's
-    current stream) at call time."""
+def fake_fwd_args(dtype, varlen: bool = False):
+    """Placeholders for compiling FlashFwd (or its varlen entry): every extent dynamic, every
+    stride but the last a multiple of 8 (the launcher guarantees it), plus a stream taken from
+    the caller (torch's current stream) at call time."""
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 
+    rank = 3 if varlen else 4
+
     def seq_tensor():
-        shape = tuple(cute.sym_int() for _ in range(4))
-        stride = tuple(cute.sym_int64(divisibility=_ALIGN) for _ in range(3)) + (1,)
+        shape = tuple(cute.sym_int() for _ in range(rank))
+        stride = tuple(cute.sym_int64(divisibility=_ALIGN) for _ in range(rank - 1)) + (1,)
         return make_fake_tensor(dtype, shape, stride, assumed_align=16)
 
-    lse = make_fake_tensor(cutlass.Float32, tuple(cute.sym_int() for _ in range(3)),
-                           (cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4)
-    alibi = make_fake_tensor(cutlass.Float32, (cute.sym_int(), cute.sym_int()), (cute.sym_int64(), 1),
-                             assumed_align=4)
-    return [seq_tensor() for _ in range(4)] + [lse, alibi, 1.0, 1.0, 1.0, -1, -1,
-                                               make_fake_stream(use_tvm_ffi_env_stream=True)]
+    def f32(rank_):
+        return make_fake_tensor(cutlass.Float32, tuple(cute.sym_int() for _ in range(rank_)),
+                                tuple(cute.sym_int64() for _ in range(rank_ - 1)) + (1,), assumed_align=4)
+
+    def i32_vector():
+        return make_fake_tensor(cutlass.Int32, (cute.sym_int(),), (1,), assumed_align=4)
+
+    args = [seq_tensor() for _ in range(4)] + [f32(2 if varlen else 3), f32(2)]
+    if varlen:
+        args += [i32_vector(), i32_vector(), i32_vector(), 1]
+    return args + [1.0, 1.0, 1.0, -1, -1, make_fake_stream(use_tvm_ffi_env_stream=True)]
 
 
 def compile_fwd(kernel: FlashFwd, arch: int | None = None, extra_options: str = ""):
     """Build the cubin for `kernel`, callable through TVM-FFI with torch tensors. arch=None
     targets the current GPU; an explicit arch (80, 90) needs no GPU (nothing is launched)."""
     options = f"--enable-tvm-ffi {_arch_option(arch)} {extra_options}".strip()
-    return cute.compile(kernel, *fake_fwd_args(kernel.dtype), options=options)
+    entry = kernel.call_varlen if kernel.varlen else kernel
+    return cute.compile(entry, *fake_fwd_args(kernel.dtype, kernel.varlen), options=options)
 
 
-def fwd_kernel_key(traits: FwdTraits, has_left, has_right, has_alibi, has_softcap, even_k):
-    return ("fwd", traits, bool(has_left), bool(has_right), bool(has_alibi), bool(has_softcap), bool(even_k))
+def fwd_kernel_key(traits: FwdTraits, *flags):
+    """flags: FlashFwd's constructor flags, in order after traits."""
+    return ("fwd", traits) + tuple(bool(f) for f in flags)
 
 
 def _aligned(x):
     """x itself when its rows suit 128-bit copies (unit last stride, every other stride and the
     base address 16-byte aligned, head dim a multiple of 8), else a copy that does: zero-padded
-    to a multiple of 8 in the head dim, as flash-attn pads. Size-1 dims get stride 0 (never
-    stepped, and trivially aligned)."""
+    to a multiple of 8 in the head dim, as flash-attn pads. A size-1 dim whose stride is not a
+    multiple of 8 gets stride 0 (never stepped, and trivially aligned)."""
 
     shape, stride = x.shape, x.stride()
+    low_bits = 0
+    for s in stride[:-1]:
+        low_bits |= s
+    if shape[-1] % _ALIGN == 0 and stride[-1] == 1 and low_bits % _ALIGN == 0 and x.data_ptr() % 16 == 0:
+        return x  # the common case, checked without generators (this runs on every call)
     if shape[-1] % _ALIGN:
         x = torch.nn.functional.pad(x, (0, _ALIGN - shape[-1] % _ALIGN))
     elif stride[-1] != 1 or x.data_ptr() % 16 or any(
             s % _ALIGN for n, s in zip(shape[:-1], stride[:-1]) if n > 1):
         x = x.clone(memory_format=torch.contiguous_format)  # a fresh, aligned allocation
-    else:
-        if 1 not in shape[:-1]:
-            return x  # the common case: a view as given
-    shape, stride = x.shape, x.stride()
-    if any(n == 1 and s for n, s in zip(shape[:-1], stride[:-1])):
-        x = x.as_strided(shape, [0 if n == 1 else s for n, s in zip(shape[:-1], stride[:-1])] + [1])
+    if any(s % _ALIGN for s in x.stride()[:-1]):  # only size-1 dims can be left here
+        x = x.as_strided(x.shape, [s if s % _ALIGN == 0 else 0 for s in x.stride()[:-1]] + [1])
     return x
 
 
@@ -349,15 +405,25 @@ def _no_alibi(index: int):
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel_for(d_pad, dtype, device_index, causal, has_left, has_right, has_alibi, has_softcap, traits):
+def _kernel_for(d_pad, dtype, device_index, causal, has_left, has_right, has_alibi, has_softcap, traits,
+                varlen=False, has_seqused_k=False):
     """The compiled kernel for one call signature (memoised: a cached call hashes plain values
     once instead of rebuilding the traits and the compile-cache key)."""
     arch = _device_arch(device_index)
     if traits is None:
         traits = choose_fwd_traits(d_pad, _DTYPE_NAMES[dtype], min(arch, 90), causal)
-    flags = (has_left, has_right, has_alibi, has_softcap, d_pad == traits.head_dim)
+    flags = (has_left, has_right, has_alibi, has_softcap, d_pad == traits.head_dim, varlen, has_seqused_k)
     return get_or_compile(fwd_kernel_key(traits, *flags) + (arch,),
                           lambda: compile_fwd(FlashFwd(traits, *flags)))
+
+
+def _scales(softmax_scale, softcap):
+    """(scale_log2, score_premul, alibi_div): with softcap the kernel applies tanh(s * scale /
+    softcap) and exponentiates softcap * log2(e) * tanh; ALiBi slopes are divided by the
+    multiplier so the bias lands on the scaled score."""
+    if softcap > 0:
+        return softcap * LOG2E, softmax_scale / softcap, 1.0 / softcap
+    return softmax_scale * LOG2E, 1.0, 1.0 / softmax_scale
 
 
 def flash_fwd(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1), softcap=0.0,
@@ -378,21 +444,50 @@ def flash_fwd(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1), sof
     compiled = _kernel_for(d_pad, q.dtype, index, causal, left >= 0, right >= 0,
                            alibi_slopes is not None, softcap > 0, traits)
 
-    if softcap > 0:
-        scale_log2, premul, alibi_div = softcap * LOG2E, softmax_scale / softcap, 1.0 / softcap
-    else:
-        scale_log2, premul, alibi_div = softmax_scale * LOG2E, 1.0, 1.0 / softmax_scale
-    if alibi_slopes is None:
-        alibi = _no_alibi(index)
-    else:
-        alibi = alibi_slopes if alibi_slopes.dim() == 2 else alibi_slopes.unsqueeze(0).expand(b, h)
-    compiled(q, k, v, out, lse, alibi, scale_log2, premul, alibi_div, left, right)
+    alibi = _alibi_2d(alibi_slopes, b, h, index)
+    compiled(q, k, v, out, lse, alibi, *_scales(softmax_scale, softcap), left, right)
     if d_pad != d:
         out = out[..., :d]
     return out, lse
 
 
-FLAG_NAMES = ("has_left", "has_right", "has_alibi", "has_softcap", "even_k")
+def _alibi_2d(alibi_slopes, batch, nheads, index):
+    if alibi_slopes is None:
+        return _no_alibi(index)
+    return alibi_slopes if alibi_slopes.dim() == 2 else alibi_slopes.unsqueeze(0).expand(batch, nheads)
+
+
+def flash_fwd_varlen(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                     causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                     block_table=None, seqused_k=None):
+    """Packed-batch forward on validated CUDA tensors: q (total_q, h, d), k/v (total_k, hk, d);
+    returns (out (total_q, h, d), lse (h, total_q))."""
+    if block_table is not None:
+        raise NotImplementedError("paged KV (block_table) is not implemented yet")
+    total_q, h, d = q.shape
+    batch = cu_seqlens_q.shape[0] - 1
+    q, k, v = _aligned(q), _aligned(k), _aligned(v)
+    d_pad = q.shape[-1]
+    out = torch.empty((total_q, h, d_pad), dtype=q.dtype, device=q.device)
+    lse = torch.empty((h, total_q), dtype=torch.float32, device=q.device)
+    left, right = window_size
+    if causal:
+        right = 0
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    compiled = _kernel_for(d_pad, q.dtype, index, causal, left >= 0, right >= 0, alibi_slopes is not None,
+                           softcap > 0, None, True, seqused_k is not None)
+    cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
+    seqused = cu_seqlens_k if seqused_k is None else seqused_k.contiguous()  # read only if given
+    compiled(q, k, v, out, lse, _alibi_2d(alibi_slopes, batch, h, index), cu_seqlens_q, cu_seqlens_k,
+             seqused, max_seqlen_q,
+             *_scales(softmax_scale, softcap), left, right)
+    if d_pad != d:
+        out = out[..., :d]
+    return out, lse
+
+
+FLAG_NAMES = ("has_left", "has_right", "has_alibi", "has_softcap", "even_k")  # dense score flags
+ALL_FLAG_NAMES = FLAG_NAMES + ("varlen", "has_seqused_k")
 
 
 def fwd_variants(arch: int, full: bool = False):
@@ -408,10 +503,17 @@ def fwd_variants(arch: int, full: bool = False):
 
     combos = [dict(zip(FLAG_NAMES, bits)) for bits in itertools.product((False, True), repeat=len(FLAG_NAMES))]
     if full:
-        return [(t, f) for t in shipped_fwd_traits(arch) for f in combos]
+        varlen = [dict(f, varlen=True, has_seqused_k=u) for f in combos for u in (False, True)]
+        return [(t, f) for t in shipped_fwd_traits(arch) for f in combos + varlen]
     causal = dict(has_left=False, has_right=True, has_alibi=False, has_softcap=False, even_k=True)
     pivot = choose_fwd_traits(128, "bf16", arch)
     subset = [(t, causal) for t in shipped_fwd_traits(arch)]
     if arch >= 90:
         subset += [(pivot, f) for f in combos if f != causal]
+    subset += [(pivot, dict(causal, varlen=True)), (pivot, dict(causal, varlen=True, has_seqused_k=True))]
     return subset
+
+
+def flash_fwd_kvcache(q, k_cache, v_cache, **kwargs):
+    """The split-KV decode path (Flash-Decoding, append-KV, rotary) has no kernel yet."""
+    raise NotImplementedError("flash_attn_with_kvcache is not implemented yet (split-KV decode kernel)")

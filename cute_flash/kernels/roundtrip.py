@@ -51,7 +51,7 @@ class TileRoundTrip:
         bid, _, _ = cute.arch.block_idx()
         gX = cute.local_tile(mX, (self.rows, t.head_dim), (bid, 0))  # (rows, d)
         gY = cute.local_tile(mY, (self.rows, t.head_dim), (bid, 0))
-        storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
+        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         sX = storage.sX.get_tensor(s_layout)
 
         thr_copy = gmem_tiled_copy.get_slice(tidx)
