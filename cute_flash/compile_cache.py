@@ -22,10 +22,3 @@ def get_or_compile(key: Hashable, build: Callable[[], object]):
                 fn = _cache[key] = build()
     return fn
 
-
-def cached_keys() -> list:
-    return list(_cache)
-
-
-def clear() -> None:
-    _cache.clear()

@@ -426,35 +426,36 @@ def _scales(softmax_scale, softcap):
     return softmax_scale * LOG2E, 1.0, 1.0 / softmax_scale
 
 
-def flash_fwd(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1), softcap=0.0,
-              alibi_slopes=None, traits: FwdTraits | None = None):
-    """Dense forward on CUDA tensors already validated by the interface: returns (out, lse).
-    `traits` overrides the heuristic (tile tuning, `python -m cute_flash tune`)."""
-
-    b, sq, h, d = q.shape
+def _prepare(q, k, v, causal, window_size):
+    """What both launchers do first: 128-bit-ready q/k/v, an output buffer, the window as the
+    kernel takes it (causal = right edge 0) and the device index."""
     q, k, v = _aligned(q), _aligned(k), _aligned(v)
-    d_pad = q.shape[-1]
-    out = torch.empty((b, sq, h, d_pad), dtype=q.dtype, device=q.device)
-    lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
-
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     left, right = window_size
     if causal:
         right = 0
     index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    compiled = _kernel_for(d_pad, q.dtype, index, causal, left >= 0, right >= 0,
-                           alibi_slopes is not None, softcap > 0, traits)
-
-    alibi = _alibi_2d(alibi_slopes, b, h, index)
-    compiled(q, k, v, out, lse, alibi, *_scales(softmax_scale, softcap), left, right)
-    if d_pad != d:
-        out = out[..., :d]
-    return out, lse
+    return q, k, v, out, left, right, index
 
 
 def _alibi_2d(alibi_slopes, batch, nheads, index):
     if alibi_slopes is None:
         return _no_alibi(index)
     return alibi_slopes if alibi_slopes.dim() == 2 else alibi_slopes.unsqueeze(0).expand(batch, nheads)
+
+
+def flash_fwd(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1), softcap=0.0,
+              alibi_slopes=None, traits: FwdTraits | None = None):
+    """Dense forward on CUDA tensors already validated by the interface: returns (out, lse).
+    `traits` overrides the heuristic (tile tuning, `python -m cute_flash tune`)."""
+    b, sq, h, d = q.shape
+    q, k, v, out, left, right, index = _prepare(q, k, v, causal, window_size)
+    lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
+    compiled = _kernel_for(q.shape[-1], q.dtype, index, causal, left >= 0, right >= 0,
+                           alibi_slopes is not None, softcap > 0, traits)
+    compiled(q, k, v, out, lse, _alibi_2d(alibi_slopes, b, h, index), *_scales(softmax_scale, softcap),
+             left, right)
+    return (out if out.shape[-1] == d else out[..., :d]), lse
 
 
 def flash_fwd_varlen(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
@@ -465,25 +466,20 @@ def flash_fwd_varlen(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     if block_table is not None:
         raise NotImplementedError("paged KV (block_table) is not implemented yet")
     total_q, h, d = q.shape
-    batch = cu_seqlens_q.shape[0] - 1
-    q, k, v = _aligned(q), _aligned(k), _aligned(v)
-    d_pad = q.shape[-1]
-    out = torch.empty((total_q, h, d_pad), dtype=q.dtype, device=q.device)
+    q, k, v, out, left, right, index = _prepare(q, k, v, causal, window_size)
     lse = torch.empty((h, total_q), dtype=torch.float32, device=q.device)
-    left, right = window_size
-    if causal:
-        right = 0
-    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    compiled = _kernel_for(d_pad, q.dtype, index, causal, left >= 0, right >= 0, alibi_slopes is not None,
+    compiled = _kernel_for(q.shape[-1], q.dtype, index, causal, left >= 0, right >= 0, alibi_slopes is not None,
                            softcap > 0, None, True, seqused_k is not None)
     cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     seqused = cu_seqlens_k if seqused_k is None else seqused_k.contiguous()  # read only if given
-    compiled(q, k, v, out, lse, _alibi_2d(alibi_slopes, batch, h, index), cu_seqlens_q, cu_seqlens_k,
-             seqused, max_seqlen_q,
-             *_scales(softmax_scale, softcap), left, right)
-    if d_pad != d:
-        out = out[..., :d]
-    return out, lse
+    compiled(q, k, v, out, lse, _alibi_2d(alibi_slopes, cu_seqlens_q.shape[0] - 1, h, index),
+             cu_seqlens_q, cu_seqlens_k, seqused, max_seqlen_q, *_scales(softmax_scale, softcap), left, right)
+    return (out if out.shape[-1] == d else out[..., :d]), lse
+
+
+def flash_fwd_kvcache(q, k_cache, v_cache, **kwargs):
+    """The split-KV decode path (Flash-Decoding, append-KV, rotary) has no kernel yet."""
+    raise NotImplementedError("flash_attn_with_kvcache is not implemented yet (split-KV decode kernel)")
 
 
 FLAG_NAMES = ("has_left", "has_right", "has_alibi", "has_softcap", "even_k")  # dense score flags
@@ -513,7 +509,3 @@ def fwd_variants(arch: int, full: bool = False):
     subset += [(pivot, dict(causal, varlen=True)), (pivot, dict(causal, varlen=True, has_seqused_k=True))]
     return subset
 
-
-def flash_fwd_kvcache(q, k_cache, v_cache, **kwargs):
-    """The split-KV decode path (Flash-Decoding, append-KV, rotary) has no kernel yet."""
-    raise NotImplementedError("flash_attn_with_kvcache is not implemented yet (split-KV decode kernel)")
