@@ -216,7 +216,8 @@ class FlashFwd:
         rO = cute.make_fragment_like(acc_o, self.dtype)
         rO.store(acc_o.load().to(self.dtype))
         sO = cute.make_tensor(sQ.iterator, sQ_layout)
-        # Every warp must be past its last ldmatrix of sQ rows that another warp's O rows alias.
+        # sO reuses sQ. The A and C partitions give each warp the same rows, so no warp can
+        # overwrite Q rows another still reads; the barrier keeps that reuse safe without relying on it.
         cute.arch.barrier()
         smem_thr_copy_O = lcopy.smem_tiled_copy_o(t, tiled_mma).get_slice(tidx)
         cute.copy(smem_thr_copy_O, smem_thr_copy_O.retile(rO), smem_thr_copy_O.partition_D(sO))
