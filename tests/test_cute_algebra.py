@@ -7,11 +7,12 @@ arguments (~3 ms warm) that returns plain ints.
 """
 import math
 
-import cutlass
 import cutlass.cute as cute
 import numpy as np
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
+
+from layouts.inspect import in_trace
 
 # no shrinking: a failing DSL trace costs ~1 s, and shrinking one can take minutes
 LAWS = settings(max_examples=80, deadline=None, phases=(Phase.explicit, Phase.reuse, Phase.generate))
@@ -88,15 +89,6 @@ def _nest(shape, flat):
     return tuple(_nest(m, flat) for m in shape) if isinstance(shape, tuple) else next(flat)
 
 
-@cute.jit
-def _traced(fn: cutlass.Constexpr, args: cutlass.Constexpr):
-    return fn(*args)
-
-
-def _in_trace(fn, *args):
-    return _traced(fn, args)
-
-
 def _values(layout):
     return [int(layout(i)) for i in range(cute.size(layout))]
 
@@ -128,7 +120,7 @@ def _divide(shape, stride, tiler):
 @LAWS
 def test_layout_is_colexicographic_dot_product(layout):
     shape, stride = layout
-    flat, natural, crd2idx = _in_trace(_evaluate, shape, stride)
+    flat, natural, crd2idx = in_trace(_evaluate, shape, stride)
     want = np_eval(shape, stride, np.arange(_size(shape))).tolist()
     assert flat == want
     assert natural == want  # (c0, c1, c2) with c_k the colexicographic digits over the top modes
@@ -144,7 +136,7 @@ def test_composition_is_function_composition(a, b, extra_stride):
     grow = -(-(int(image_b.max()) + 1) // _size(a[0]))
     if grow > 1:
         a = (a[0] + (1 << (grow - 1).bit_length(),), a[1] + (extra_stride,))
-    got = _in_trace(_compose, a, b)
+    got = in_trace(_compose, a, b)
     assert got == np_eval(*a, image_b).tolist()
 
 
@@ -155,7 +147,7 @@ def test_complement_fills_the_codomain(layout, multiple):
     at 0, and A(i) + R(j) hits every offset of [0, M) exactly once."""
     shape, stride, span = layout
     cotarget = span * multiple
-    r = np.array(_in_trace(_complement, shape, stride, cotarget))
+    r = np.array(in_trace(_complement, shape, stride, cotarget))
     image_a = np_eval(shape, stride, np.arange(_size(shape)))
     assert len(set(r.tolist())) == r.size
     assert set(r.tolist()) & set(image_a.tolist()) == {0}
@@ -174,20 +166,20 @@ def test_logical_divide_keeps_the_function(layout, data):
     kind = data.draw(st.sampled_from(["whole", "by-mode", "strided"]))
     if kind == "whole":
         tile = data.draw(st.sampled_from(powers))
-        values, divided = _in_trace(_divide, shape, stride, tile)
+        values, divided = in_trace(_divide, shape, stride, tile)
         assert [_size(m) for m in divided] == [tile, n // tile]
         perm = np.arange(n)
     elif kind == "by-mode":
         sizes = [_size(m) for m in shape]
         tiles = tuple(data.draw(st.sampled_from([1 << k for k in range(s.bit_length()) if s % (1 << k) == 0]))
                       for s in sizes)
-        values, divided = _in_trace(_divide, shape, stride, tiles)
+        values, divided = in_trace(_divide, shape, stride, tiles)
         assert [[_size(m[0]), _size(m[1])] for m in divided] == [[t, s // t] for t, s in zip(tiles, sizes)]
         perm = np.arange(n)
     else:
         s = data.draw(st.sampled_from(powers))
         d = data.draw(st.sampled_from([p for p in powers if n % (s * p) == 0]))
-        values, divided = _in_trace(_divide, shape, stride, [s, d])
+        values, divided = in_trace(_divide, shape, stride, [s, d])
         i = np.arange(n)
         t, r0, r1 = i % s, (i // s) % d, i // (s * d)
         perm = t * d + r0 + s * d * r1
