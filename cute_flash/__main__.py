@@ -10,29 +10,32 @@ import sys
 import time
 
 
+FLAG_LETTERS = "LRASKVUPCXlB"  # one per ALL_FLAG_NAMES entry, in order
+
+
 def cmd_compile(archs, full):
     from cute_flash.kernels.fwd import ALL_FLAG_NAMES, FlashFwd, compile_fwd, fwd_variants
     from cute_flash.resources import compile_with_report, find_ptxas
     from layouts.traits import SMEM_LIMIT
 
     print(f"ptxas for resource numbers: {find_ptxas() or 'not found (registers not reported)'}")
-    print(f"{'arch':5} {'traits':28} {'flags':22} {'smem':>7} {'regs':>5} {'spill':>6} {'s':>5}")
+    print(f"{'arch':5} {'traits':28} {'flags':12} {'smem':>7} {'regs':>5} {'spill':>6} {'s':>5}")
     worst = 0
     for arch in archs:
         for traits, flags in fwd_variants(arch, full):
             t0 = time.time()
             _, rep = compile_with_report(
                 lambda opts: compile_fwd(FlashFwd(traits, **flags), arch, opts), arch)
-            on = "".join(letter if flags.get(n) else "." for letter, n in zip("LRASKVU", ALL_FLAG_NAMES))
+            on = "".join(letter if flags.get(n) else "." for letter, n in zip(FLAG_LETTERS, ALL_FLAG_NAMES))
             spill = rep.get("spill_stores", 0) + rep.get("spill_loads", 0)
             worst = max(worst, spill)
-            print(f"sm_{arch:<2} {traits.name:28} {on + ' (LRASKVU)':22} {traits.smem_bytes:>7} "
+            print(f"sm_{arch:<2} {traits.name:28} {on:12} {traits.smem_bytes:>7} "
                   f"{rep.get('registers', '-'):>5} {spill if rep else '-':>6} {time.time() - t0:5.1f}",
                   flush=True)
             assert traits.smem_bytes <= SMEM_LIMIT[arch]
-    print(f"flags: L=left window, R=right window (causal), A=ALiBi, S=softcap, K=even head dim, "
-          f"V=varlen, U=seqused_k; "
-          f"largest spill: {worst} bytes")
+    print(f"flags ({FLAG_LETTERS}): L=left window, R=right window (causal), A=ALiBi, S=softcap, "
+          f"K=even head dim, V=varlen, U=seqused_k, P=paged, C=KV cache, X=split, l=leftpad, "
+          f"B=cache_batch_idx; largest spill: {worst} bytes")
 
 
 def cmd_check():
@@ -101,7 +104,22 @@ def cmd_overhead():
         print(f"{name:22} {us:7.1f} us/call")
     ratio = rows["flash_attn_func"] / rows["SDPA FLASH"]
     print(f"host overhead (1x8x1x64 bf16): ours/SDPA {ratio:.2f}")
-    return rows
+
+    # Decode: one query row over a 64-token cache (32/8 heads, d 128), split in 2 and not.
+    from cute_flash import flash_attn_with_kvcache
+
+    qd = torch.randn(1, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
+    kc, vc = (torch.randn(1, 64, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    seqlens = torch.full((1,), 64, dtype=torch.int32, device="cuda")
+    qdt, kct, vct = qd.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2)
+    dec = {f"with_kvcache splits={n}": per_call_us(
+        lambda n=n: flash_attn_with_kvcache(qd, kc, vc, cache_seqlens=seqlens, num_splits=n)) for n in (1, 2)}
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        dec["SDPA FLASH (gqa)"] = per_call_us(
+            lambda: torch.nn.functional.scaled_dot_product_attention(qdt, kct, vct, enable_gqa=True))
+    for name, us in dec.items():
+        print(f"{name:22} {us:7.1f} us/call")
+    return rows | dec
 
 
 def main(argv=None):
@@ -115,7 +133,8 @@ def main(argv=None):
     b = sub.add_parser("bench", help="TFLOP/s against torch SDPA FLASH and CUDNN (GPU)")
     b.add_argument("--quick", action="store_true")
     b.add_argument("--out", default=None, help="directory for bench.json, bench.md, bench.png")
-    b.add_argument("--no-extra", action="store_true", help="skip the window/softcap rows")
+    b.add_argument("--sections", default=",".join(("grid", "extra", "varlen", "paged", "decode")),
+                   help="comma-separated: grid (SPEC grid), extra (window/softcap), varlen, paged, decode")
     sub.add_parser("overhead", help="host cost of a cached call vs SDPA (GPU)")
     sub.add_parser("tune", help="TFLOP/s of each tile candidate per head dim (GPU)")
     args = p.parse_args(argv)
@@ -141,7 +160,7 @@ def main(argv=None):
     elif cmd == "bench":
         from cute_flash.bench import main as bench
 
-        bench(args.out, args.quick, not args.no_extra)
+        bench(args.out, args.quick, tuple(args.sections.split(",")))
     elif cmd == "overhead":
         cmd_overhead()
     elif cmd == "tune":

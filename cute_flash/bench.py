@@ -8,6 +8,7 @@ normal data, larger than L2 in every grid cell.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import statistics
@@ -36,6 +37,25 @@ def _time_ms(fn) -> float:
     import triton.testing
 
     return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+
+
+def _graph_time_ms(fn):
+    """Median time of `fn` replayed from a CUDA graph: the GPU's time without the host's, as a
+    decode loop under CUDA graphs sees it. None if `fn` cannot be captured."""
+    import torch
+
+    try:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()  # compile / warm up outside the capture
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+    except RuntimeError:
+        return None
+    return _time_ms(graph.replay)
 
 
 def _sdpa(q, k, v, backend, causal):
@@ -90,6 +110,190 @@ def run_extra(seqlens=(8192, 16384)):
     for s in seqlens:
         rows.append(bench_cell(128, s, softcap=30.0, peers=False))
     return rows
+
+
+VARLEN_SEED_LENGTHS = (16, 128, 8192)  # sequences, shortest, longest
+
+
+def _varlen_lengths():
+    import random
+
+    n, lo, hi = VARLEN_SEED_LENGTHS
+    rng = random.Random(0)
+    return [rng.randint(lo, hi) for _ in range(n)]
+
+
+def run_varlen(d=128, nheads=16):
+    """A packed batch of 16 sequences of 128..8192 tokens (seeded) against the same batch padded
+    to its longest sequence, run by SDPA FLASH and by our dense kernel. TFLOP/s count only the
+    FLOPs of the real tokens, so padding shows up as lost throughput."""
+    import torch
+    from torch.nn.attention import SDPBackend
+
+    from cute_flash import flash_attn_func, flash_attn_varlen_func
+
+    lengths = _varlen_lengths()
+    total, smax, b = sum(lengths), max(lengths), len(lengths)
+    cu = torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=torch.int32, device="cuda")
+    q, k, v = (torch.randn(total, nheads, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    qp, kp, vp = (torch.randn(b, smax, nheads, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    rows = []
+    for causal in (False, True):
+        flops = sum(4 * nheads * d * visible_pairs(n, n, causal) for n in lengths)
+        row = dict(d=d, nheads=nheads, causal=causal, sequences=b, tokens=total, padded_tokens=b * smax,
+                   flops=flops)
+        row["ours_varlen"] = flops / _time_ms(
+            lambda: flash_attn_varlen_func(q, k, v, cu, cu, smax, smax, causal=causal)) / 1e9
+        row["ours_dense_padded"] = flops / _time_ms(lambda: flash_attn_func(qp, kp, vp, causal=causal)) / 1e9
+        fn = _sdpa(qp, kp, vp, SDPBackend.FLASH_ATTENTION, causal)
+        row["flash_padded"] = flops / _time_ms(fn) / 1e9 if fn else None
+        rows.append(row)
+    return rows
+
+
+def shuffled_pages(k, v, page_size):
+    """(k_pages, v_pages, block_table) holding contiguous (b, s, hk, d) caches in shuffled pages
+    of `page_size` rows (the same storage, re-viewed; only the table order differs)."""
+    import torch
+
+    b, s = k.shape[:2]
+    per_seq = s // page_size
+    table = torch.randperm(b * per_seq, device=k.device).view(b, per_seq).int()
+    return (k.view(b * per_seq, page_size, *k.shape[2:]), v.view(b * per_seq, page_size, *v.shape[2:]), table)
+
+
+PAGE_SIZES = (16, 64, 256)
+
+
+def run_paged(d=128, nheads=16, seqlen=4096, batch=8):
+    """Prefill over a paged cache (varlen entry with block_table) against the same keys stored
+    contiguously; the ratio is contiguous time / paged time (1.0 = no paging cost)."""
+    import torch
+
+    from cute_flash import flash_attn_varlen_func
+
+    cu = torch.arange(0, (batch + 1) * seqlen, seqlen, dtype=torch.int32, device="cuda")
+    q, k, v = (torch.randn(batch * seqlen, nheads, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    rows = []
+    for causal in (False, True):
+        flops = batch * 4 * nheads * d * visible_pairs(seqlen, seqlen, causal)
+        flat = _time_ms(lambda: flash_attn_varlen_func(q, k, v, cu, cu, seqlen, seqlen, causal=causal))
+        for ps in PAGE_SIZES:
+            kp, vp, table = shuffled_pages(k.view(batch, seqlen, nheads, d), v.view(batch, seqlen, nheads, d), ps)
+            paged = _time_ms(lambda: flash_attn_varlen_func(q, kp, vp, cu, cu, seqlen, seqlen, causal=causal,
+                                                           block_table=table))
+            rows.append(dict(kind="prefill", d=d, nheads=nheads, seqlen=seqlen, batch=batch, causal=causal,
+                             page_size=ps, contiguous_tflops=flops / flat / 1e9, paged_tflops=flops / paged / 1e9,
+                             ratio=flat / paged))
+    return rows
+
+
+DECODE_BATCHES = (1, 8, 32, 64)
+DECODE_CACHES = (1024, 8192, 32768, 131072)
+DECODE_HEADS = (32, 8, 128)  # nheads, nheads_k, d
+
+
+def copy_bandwidth_gbs(nbytes=4 << 30):
+    """Device copy bandwidth (bytes read + written per second), the decode ceiling."""
+    import torch
+
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * nbytes / _time_ms(lambda: dst.copy_(src)) / 1e6
+
+
+def run_decode(batches=DECODE_BATCHES, caches=DECODE_CACHES, paged_cells=((8, 32768), (64, 8192))):
+    """seqlen_q = 1 over full caches: GB/s of K/V read (2 * b * cache * nheads_k * d * 2 bytes per
+    call) for ours (num_splits heuristic), SDPA FLASH and CUDNN on the same contiguous cache (GQA
+    through enable_gqa), and ours over shuffled pages at a few cells."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from cute_flash import flash_attn_with_kvcache
+
+    h, hk, d = DECODE_HEADS
+    rows = []
+    for b in batches:
+        for cache in caches:
+            q = torch.randn(b, 1, h, d, device="cuda", dtype=torch.bfloat16)
+            kc, vc = (torch.randn(b, cache, hk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+            seqlens = torch.full((b,), cache, dtype=torch.int32, device="cuda")
+            nbytes = 2 * b * cache * hk * d * 2
+            row = dict(batch=b, cache=cache, nheads=h, nheads_k=hk, d=d, bytes=nbytes)
+            def ours():
+                return flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens)
+
+            row["ours_gbs"] = nbytes / _time_ms(ours) / 1e6
+            graph_ms = _graph_time_ms(ours)
+            row["ours_graph_gbs"] = nbytes / graph_ms / 1e6 if graph_ms else None
+            qt, kt, vt = q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2)
+            for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+                def sdpa(backend=backend):
+                    with sdpa_kernel(backend):
+                        return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
+                try:
+                    sdpa()
+                    row[f"{name}_gbs"] = nbytes / _time_ms(sdpa) / 1e6
+                    graph_ms = _graph_time_ms(sdpa)
+                    row[f"{name}_graph_gbs"] = nbytes / graph_ms / 1e6 if graph_ms else None
+                except RuntimeError:
+                    row[f"{name}_gbs"] = None
+            if (b, cache) in paged_cells:
+                for ps in PAGE_SIZES:
+                    kp, vp, table = shuffled_pages(kc, vc, ps)
+                    row[f"paged{ps}_gbs"] = nbytes / _time_ms(
+                        lambda: flash_attn_with_kvcache(q, kp, vp, cache_seqlens=seqlens, block_table=table)) / 1e6
+            rows.append(row)
+            print(row, flush=True)
+            del kc, vc
+            torch.cuda.empty_cache()
+    return rows
+
+
+def format_varlen(rows) -> str:
+    out = ["| causal | tokens (padded) | ours varlen | ours dense, padded | FLASH, padded | varlen / FLASH padded |",
+           "|---|---|---|---|---|---|"]
+    for r in rows:
+        flash = r.get("flash_padded")
+        rel = f"{r['ours_varlen'] / flash:.2f}" if flash else "-"
+        out.append(f"| {r['causal']} | {r['tokens']} ({r['padded_tokens']}) | {r['ours_varlen']:.0f} | "
+                   f"{r['ours_dense_padded']:.0f} | {flash or 0:.0f} | {rel} |")
+    return "\n".join(out)
+
+
+def format_paged(rows, decode_rows) -> str:
+    out = ["| workload | page size | contiguous | paged | contiguous time / paged time |", "|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| prefill {r['batch']}x{r['seqlen']} causal={r['causal']} (TFLOP/s) | {r['page_size']} | "
+                   f"{r['contiguous_tflops']:.0f} | {r['paged_tflops']:.0f} | {r['ratio']:.3f} |")
+    for r in decode_rows:
+        for ps in PAGE_SIZES:
+            if f"paged{ps}_gbs" in r:
+                out.append(f"| decode b{r['batch']} cache {r['cache']} (GB/s) | {ps} | {r['ours_gbs']:.0f} | "
+                           f"{r[f'paged{ps}_gbs']:.0f} | {r[f'paged{ps}_gbs'] / r['ours_gbs']:.3f} |")
+    return "\n".join(out)
+
+
+def format_decode(rows, copy_gbs) -> str:
+    def cell(x):
+        return f"{x:.0f}" if x else "-"
+
+    def ratio(a, b):
+        return f"{a / b:.2f}" if a and b else "-"
+
+    out = [f"copy bandwidth (read + write): {copy_gbs:.0f} GB/s", "",
+           "GB/s of K/V read; eager calls (host time included when the GPU waits for it), then the same "
+           "calls replayed from a CUDA graph (GPU time only):", "",
+           "| batch | cache | ours | % of copy | FLASH | CUDNN | ours/FLASH | ours/CUDNN | ours (graph) | % of copy "
+           "| FLASH (graph) | CUDNN (graph) | ours/FLASH (graph) | ours/CUDNN (graph) |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        f, c, o = r.get("flash_gbs"), r.get("cudnn_gbs"), r["ours_gbs"]
+        og, fg, cg = r.get("ours_graph_gbs"), r.get("flash_graph_gbs"), r.get("cudnn_graph_gbs")
+        out.append(f"| {r['batch']} | {r['cache']} | {o:.0f} | {100 * o / copy_gbs:.0f}% | {cell(f)} | {cell(c)} | "
+                   f"{ratio(o, f)} | {ratio(o, c)} | {cell(og)} | {100 * (og or 0) / copy_gbs:.0f}% | {cell(fg)} | "
+                   f"{cell(cg)} | {ratio(og, fg)} | {ratio(og, cg)} |")
+    return "\n".join(out)
 
 
 # (block_m, block_n, warps) tried per head dim by `tune`; the first is the shipped choice.
@@ -178,26 +382,42 @@ def plot(rows, path):
     return path
 
 
-def main(out_dir=None, quick=False, extra=True):
+SECTIONS = ("grid", "extra", "varlen", "paged", "decode")
+
+
+def main(out_dir=None, quick=False, sections=SECTIONS):
     import os
 
     import torch
 
     t0 = time.time()
-    seqlens = (1024, 4096) if quick else SEQLENS
-    grid = run_grid(seqlens)
-    extra_rows = run_extra((8192,) if quick else (8192, 16384)) if extra else []
+    result, text = {}, ""
+    if "grid" in sections:
+        result["grid"] = run_grid((1024, 4096) if quick else SEQLENS)
+        text += format_grid(result["grid"]) + "\n"
+    if "extra" in sections:
+        result["extra"] = run_extra((8192,) if quick else (8192, 16384))
+        text += "\n" + format_extra(result["extra"], result.get("grid", [])) + "\n"
+    if "varlen" in sections:
+        result["varlen"] = run_varlen()
+        text += "\n" + format_varlen(result["varlen"]) + "\n"
+    if "decode" in sections:
+        result["copy_gbs"] = copy_bandwidth_gbs()
+        result["decode"] = run_decode((1, 64) if quick else DECODE_BATCHES, (1024, 32768) if quick else DECODE_CACHES)
+        text += "\n" + format_decode(result["decode"], result["copy_gbs"]) + "\n"
+    if "paged" in sections:
+        result["paged"] = run_paged()
+        text += "\n" + format_paged(result["paged"], result.get("decode", [])) + "\n"
     meta = dict(date=time.strftime("%Y-%m-%d"), gpu=torch.cuda.get_device_name(),
                 torch=torch.__version__, seconds=round(time.time() - t0, 1))
-    text = f"{meta}\n\n{format_grid(grid)}\n"
-    if extra_rows:
-        text += "\n" + format_extra(extra_rows, grid) + "\n"
+    text = f"{meta}\n\n{text}"
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
         with open(os.path.join(out_dir, "bench.json"), "w") as f:
-            json.dump(dict(meta=meta, grid=grid, extra=extra_rows), f, indent=1)
-        plot(grid, os.path.join(out_dir, "bench.png"))
+            json.dump(dict(meta=meta, **result), f, indent=1)
+        if "grid" in result:
+            plot(result["grid"], os.path.join(out_dir, "bench.png"))
         with open(os.path.join(out_dir, "bench.md"), "w") as f:
             f.write(text)
     print(text)
-    return grid, extra_rows
+    return result

@@ -7,6 +7,7 @@ dispatcher, the compile cache key and the property tests all read the same objec
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 HEAD_DIM_BUCKETS = (32, 64, 96, 128, 160, 192, 224, 256)
@@ -101,14 +102,55 @@ def choose_fwd_traits(head_dim: int, dtype: str = "bf16", arch: int = 90, causal
     return t
 
 
+@functools.lru_cache(maxsize=None)
+def choose_decode_traits(head_dim: int, dtype: str = "bf16", arch: int = 90) -> FwdTraits:
+    """Tiles of the KV-cache (split-KV) kernel, the seed's: kBlockM 64 (decode has few query
+    rows, even after folding a GQA group into M), kBlockN 256 / 128 / 64 for d <= 64 / 128 /
+    more, 4 warps. Wide key blocks mean fewer, larger cp.async batches per main-loop step on a
+    memory-bound loop."""
+    d = head_dim_bucket(head_dim)
+    n = 256 if d <= 64 else 128 if d <= 128 else 64
+    return FwdTraits(head_dim=d, block_m=64, block_n=n, num_warps=4, dtype=dtype)
+
+
+@functools.lru_cache(maxsize=4096)
+def num_splits_heuristic(work_ctas: int, num_sms: int, num_n_blocks: int, max_splits: int = 128,
+                         ctas_per_sm: int = 2) -> int:
+    """How many splits of the key range (flash-attn's num_splits_heuristic, same rule).
+
+    work_ctas = batch * heads * m_blocks CTAs already fill `0.8 * slots` (slots = SMs x CTAs
+    resident per SM; 2 for our 4-warp kernels, limited by 255 registers x 128 threads): no split.
+    Otherwise try s = 1 .. min(max_splits, slots, num_n_blocks); a count is eligible if it changes
+    the blocks per split (ceil(n / s) != ceil(n / (s - 1)); other counts only add empty splits).
+    Its wave efficiency is w / ceil(w) with w = work_ctas * s / slots; take the smallest eligible
+    s within 85% of the best efficiency (fewer splits: less partial O to write and combine).
+    """
+    slots = num_sms * ctas_per_sm
+    if work_ctas >= 0.8 * slots:
+        return 1
+    max_splits = max(1, min(max_splits, slots, num_n_blocks))
+
+    def eligible(s):
+        return s == 1 or -(-num_n_blocks // s) != -(-num_n_blocks // (s - 1))
+
+    def efficiency(s):
+        waves = work_ctas * s / slots
+        return waves / math.ceil(waves)
+
+    effs = {s: efficiency(s) for s in range(1, max_splits + 1) if eligible(s)}
+    best = max(effs.values())
+    return next(s for s, e in effs.items() if e >= 0.85 * best)
+
+
 def shipped_fwd_traits(arch: int = 90) -> list[FwdTraits]:
-    """Every traits the heuristic can return for `arch` (what `python -m layouts report` checks)."""
+    """Every traits the heuristics can return for `arch` (what `python -m layouts report` checks):
+    the forward kernel's and the KV-cache kernel's."""
     seen = {}
     for d in HEAD_DIM_BUCKETS:
         for dtype in DTYPES:
             for causal in (False, True):
-                t = choose_fwd_traits(d, dtype, arch, causal)
-                seen[t] = None
+                seen[choose_fwd_traits(d, dtype, arch, causal)] = None
+            seen[choose_decode_traits(d, dtype, arch)] = None
     return list(seen)
 
 

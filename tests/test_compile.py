@@ -1,7 +1,8 @@
 """Every kernel variant the dispatcher can choose compiles for sm_80 and sm_90a, with no GPU.
 
-CI compiles a covering subset (each shipped traits once, each flag combination once); the full
-traits x flags sweep is marked slow: `pytest -m slow tests/test_compile.py`.
+CI compiles a covering subset (each shipped traits once, each flag combination once, the
+KV-cache variants, the combine and append kernels); the full traits x flags sweep is marked
+slow: `pytest -m slow tests/test_compile.py`.
 """
 import pytest
 
@@ -38,11 +39,42 @@ def test_fwd_variant_compiles_full_sweep(arch, traits, flags):
 
 
 def test_subset_covers_every_traits_and_every_flag_combination():
-    for arch in (80, 90):
-        assert {t for t, _ in fwd_variants(arch)} == set(shipped_fwd_traits(arch))
-    assert len({tuple(f[n] for n in FLAG_NAMES) for _, f in fwd_variants(90)}) == 2 ** len(FLAG_NAMES)
+    covered = {t for arch in (80, 90) for t, _ in fwd_variants(arch)}
+    assert covered == set(shipped_fwd_traits(80)) | set(shipped_fwd_traits(90))
+    for arch in (80, 90):  # every head-dim bucket of both kernels on both archs
+        assert {(t.head_dim, t.block_m, t.block_n) for t, _ in fwd_variants(arch)} == {
+            (t.head_dim, t.block_m, t.block_n) for t in shipped_fwd_traits(arch)}
+    assert len({tuple(f.get(n, False) for n in FLAG_NAMES) for _, f in fwd_variants(90)}) == 2 ** len(FLAG_NAMES)
+    cache = {tuple(f.get(n, False) for n in ("paged", "split", "has_leftpad", "has_batch_idx"))
+             for _, f in fwd_variants(90) if f.get("kvcache")}
+    assert len(cache) == 11  # every cache flag combination (paged excludes leftpad and batch_idx)
     for arch in (80, 90):
         assert any(f.get("varlen") and f.get("has_seqused_k") for _, f in fwd_variants(arch))
+        assert any(f.get("varlen") and f.get("paged") for _, f in fwd_variants(arch))
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+@pytest.mark.parametrize("head_dim", [32, 128, 256])
+def test_combine_kernel_compiles(arch, head_dim):
+    import cutlass
+
+    from cute_flash.kernels.combine import compile_combine
+
+    dtype = cutlass.BFloat16 if arch >= 90 else cutlass.Float16
+    assert compile_combine(head_dim, dtype, f"--gpu-arch=sm_{arch}{'a' if arch >= 90 else ''}") is not None
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+@pytest.mark.parametrize("paged, batch_idx, rotary, interleaved, q_per_row", [
+    (False, False, False, False, False), (False, True, True, True, False), (True, False, True, False, True),
+])
+def test_append_kernel_compiles(arch, paged, batch_idx, rotary, interleaved, q_per_row):
+    import cutlass
+
+    from cute_flash.kernels.append import AppendKV, compile_append
+
+    kernel = AppendKV(cutlass.Float16, paged, batch_idx, rotary, interleaved, q_per_row)
+    assert compile_append(kernel, f"--gpu-arch=sm_{arch}{'a' if arch >= 90 else ''}") is not None
 
 
 @pytest.mark.parametrize("arch", [80, 90])

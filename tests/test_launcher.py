@@ -1,4 +1,5 @@
-"""Host-side preparation of q/k/v for the 128-bit copies (CPU: no launch involved)."""
+"""Host-side launchers on CPU tensors, kernels replaced by recorders: 128-bit preparation of
+q/k/v, the kernel arguments of each entry, split counts, the GQA decode fold, append order."""
 import pytest
 import torch
 
@@ -103,11 +104,109 @@ def test_varlen_launch_arguments(recorder):
     used = torch.tensor([3, 5], dtype=torch.int32)
     out, lse = flash_fwd_varlen(q, k, k, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=5,
                                 max_seqlen_k=6, softmax_scale=0.125, seqused_k=used)
-    assert recorder.lookups[0][-2:] == (True, True)  # varlen, has_seqused_k
+    assert recorder.lookups[0][-3:] == (True, True, False)  # varlen, has_seqused_k, paged
     args = recorder.calls[0]
     assert args[3].shape == (9, 4, 64) and args[4].shape == (4, 9)
-    assert args[6] is cu_q and args[7] is cu_k and args[8] is used and args[9] == 5
+    assert args[6] is cu_q and args[7] is cu_k and args[8] is used and args[10] == 5
     assert out.shape == q.shape and lse.shape == (4, 9)
-    with pytest.raises(NotImplementedError, match="paged KV"):
-        flash_fwd_varlen(q, k, k, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=5, max_seqlen_k=6,
-                         softmax_scale=0.125, block_table=torch.zeros(2, 1, dtype=torch.int32))
+
+    pages = torch.randn(3, 16, 2, 64, dtype=torch.float16)
+    table = torch.tensor([[2, 0], [1, 2]], dtype=torch.int32)
+    flash_fwd_varlen(q, pages, pages, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=5, max_seqlen_k=6,
+                     softmax_scale=0.125, block_table=table)
+    assert recorder.lookups[1][-1] is True and recorder.calls[1][9] is table and recorder.calls[1][1] is pages
+
+
+class _CacheRecorder:
+    """Stands in for the KV-cache kernels: records (kind, split flag, args) per launch."""
+
+    def __init__(self):
+        self.calls = []
+
+    def kernel_for(self, d_pad, dtype, index, *flags):
+        from layouts.traits import choose_decode_traits
+
+        split = flags[5]
+        return choose_decode_traits(d_pad, "fp16"), lambda *args: self.calls.append(("attn", split, args))
+
+    def combine_for(self, *key):
+        return lambda *args: self.calls.append(("combine", None, args))
+
+    def append_for(self, *key):
+        return lambda *args: self.calls.append(("append", key, args))
+
+
+@pytest.fixture
+def cache_recorder(monkeypatch):
+    import cute_flash.kernels.fwd as fwd
+
+    rec = _CacheRecorder()
+    monkeypatch.setattr(fwd, "_kvcache_kernel_for", rec.kernel_for)
+    monkeypatch.setattr(fwd, "_combine_for", rec.combine_for)
+    monkeypatch.setattr(fwd, "_append_for", rec.append_for)
+    monkeypatch.setattr(fwd, "_num_sms", lambda index: 132)
+    monkeypatch.setattr(fwd, "_no_alibi", lambda index: torch.zeros(1, 1))
+    monkeypatch.setattr(fwd, "_no_table", lambda index: torch.zeros(1, 1, dtype=torch.int32))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    fwd._kvcache_plan.cache_clear()
+    yield rec
+    fwd._kvcache_plan.cache_clear()
+
+
+def test_gqa_decode_folds_the_group_into_m_and_splits(cache_recorder):
+    from cute_flash.kernels.fwd import flash_fwd_kvcache
+
+    q = torch.randn(2, 1, 8, 64, dtype=torch.float16)
+    cache = torch.randn(2, 1000, 2, 64, dtype=torch.float16)
+    seqlens = torch.tensor([1000, 3], dtype=torch.int32)
+    out, lse = flash_fwd_kvcache(q, cache, cache, cache_seqlens=seqlens, softmax_scale=0.125, num_splits=3)
+    (kind, split, args), (kind2, _, cargs) = cache_recorder.calls
+    assert (kind, split, kind2) == ("attn", True, "combine")
+    q_k, o_acc, lse_acc = args[0], args[3], args[4]
+    assert q_k.shape == (2, 4, 2, 64)  # (b, group, nheads_k, d): query head kh * 4 + g at (g, kh)
+    for g in range(4):
+        for kh in range(2):
+            assert torch.equal(q_k[:, g, kh], q[:, 0, kh * 4 + g])
+    assert o_acc.shape == (3, 2, 2, 4, 64) and lse_acc.shape == (3, 2, 2, 4)
+    assert args[11] == 3  # num_splits
+    assert cargs[0] is o_acc and cargs[1] is lse_acc
+    out_k, lse_k = cargs[2], cargs[3]
+    out_k[1, 2, 1].fill_(7.0)
+    lse_k[1, 1, 2] = 5.0
+    assert (out[1, 0, 1 * 4 + 2] == 7.0).all() and lse[1, 1 * 4 + 2, 0] == 5.0
+    assert lse.shape == (2, 8, 1) and out.shape == q.shape
+
+
+def test_heuristic_split_count_and_unsplit_path(cache_recorder):
+    from cute_flash.kernels.fwd import flash_fwd_kvcache
+    from layouts.traits import num_splits_heuristic
+
+    q = torch.randn(1, 1, 4, 128, dtype=torch.float16)
+    cache = torch.randn(1, 8192, 4, 128, dtype=torch.float16)
+    flash_fwd_kvcache(q, cache, cache, cache_seqlens=5, softmax_scale=0.1, num_splits=0)
+    kind, split, args = cache_recorder.calls[0]
+    assert kind == "attn" and split and args[11] == num_splits_heuristic(4, 132, 64)  # h_k * m_blocks = 4
+    assert torch.equal(args[6], torch.full((1,), 5, dtype=torch.int32))  # int cache_seqlens as a tensor
+
+    cache_recorder.calls.clear()
+    flash_fwd_kvcache(q, cache[:, :100], cache[:, :100], cache_seqlens=5, softmax_scale=0.1, num_splits=0)
+    (kind, split, args), = cache_recorder.calls  # one key block: no split, no combine
+    assert kind == "attn" and not split and args[3].shape == (1, 1, 4, 128)
+
+
+def test_append_is_launched_before_attention_with_rotary_options(cache_recorder):
+    from cute_flash.kernels.fwd import flash_fwd_kvcache
+
+    q = torch.randn(2, 3, 4, 64, dtype=torch.float16)
+    cache = torch.randn(2, 64, 2, 64, dtype=torch.float16)
+    k = torch.randn(2, 3, 2, 64, dtype=torch.float16)
+    cos = torch.randn(64, 16, dtype=torch.float16)
+    seqlens = torch.tensor([0, 10], dtype=torch.int32)
+    flash_fwd_kvcache(q, cache, cache, k=k, v=k, rotary_cos=cos, rotary_sin=cos, cache_seqlens=seqlens,
+                      softmax_scale=0.1, causal=True, rotary_interleaved=False, num_splits=1)
+    (kind, key, args), (kind2, _, attn) = cache_recorder.calls
+    assert kind == "append" and kind2 == "attn"
+    assert key[2:] == (False, False, True, False, True)  # paged, batch_idx, rotary, interleaved, q_per_row
+    assert args[0] is k and args[4] is seqlens and args[9] is q
+    assert attn[0] is args[10]  # attention reads the rotated q
+    assert attn[11] == 1 and attn[10] == 3  # num_splits, k_extra = seqlen_new

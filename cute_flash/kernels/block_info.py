@@ -1,20 +1,26 @@
 """Per-sequence bookkeeping of one CTA (the seed's BlockInfo) and its key-block range.
 
-Dense batches index sequence b at `b * batch_stride`; packed varlen batches at
-`cu_seqlens[b] * row_stride` with lengths from the prefix sums (and `seqused_k`). Everything
-downstream (tiles, masks, n-block range) only reads `seqlen_q`, `seqlen_k` and the two
-offsets, so varlen and paged KV plug in here without touching the kernel body.
+Dense batches index sequence b directly; packed varlen batches start at `cu_seqlens[b]` with
+lengths from the prefix sums (and `seqused_k`); KV caches take seqlen_k from cache_seqlens and
+may hide a left padding. Everything downstream (tiles, masks, n-block range) only reads
+`seqlen_q`, `seqlen_k` and the offsets, so varlen, caches and paged KV plug in here without
+touching the kernel body.
 """
 import cutlass
 import cutlass.cute as cute
 
 
 class BlockInfo:
-    def __init__(self, bidb, seqlen_q, seqlen_k, mCuSeqlensQ=None, mCuSeqlensK=None, mSeqUsedK=None):
+    def __init__(self, bidb, seqlen_q, seqlen_k, mCuSeqlensQ=None, mCuSeqlensK=None, mSeqUsedK=None,
+                 mLeftpadK=None, k_extra=0):
+        """Lengths of sequence bidb. Packed batches take them from the prefix sums; seqused_k (a KV
+        cache's cache_seqlens) overrides seqlen_k, plus `k_extra` rows appended after it; a cache's
+        leftpad hides its first keys (the key view starts there, `leftpad_k`)."""
         self.sum_s_q = None
         self.sum_s_k = None
         self.seqlen_q = seqlen_q
         self.seqlen_k = seqlen_k
+        self.leftpad_k = 0
         if cutlass.const_expr(mCuSeqlensQ is not None):
             self.sum_s_q = mCuSeqlensQ[bidb]
             self.seqlen_q = mCuSeqlensQ[bidb + 1] - self.sum_s_q
@@ -22,17 +28,10 @@ class BlockInfo:
             self.sum_s_k = mCuSeqlensK[bidb]
             self.seqlen_k = mCuSeqlensK[bidb + 1] - self.sum_s_k
         if cutlass.const_expr(mSeqUsedK is not None):
-            self.seqlen_k = mSeqUsedK[bidb]
-
-    def q_offset(self, batch_stride, row_stride, bidb):
-        if cutlass.const_expr(self.sum_s_q is None):
-            return bidb * batch_stride
-        return cutlass.Int64(self.sum_s_q) * row_stride
-
-    def k_offset(self, batch_stride, row_stride, bidb):
-        if cutlass.const_expr(self.sum_s_k is None):
-            return bidb * batch_stride
-        return cutlass.Int64(self.sum_s_k) * row_stride
+            self.seqlen_k = mSeqUsedK[bidb] + k_extra
+        if cutlass.const_expr(mLeftpadK is not None):
+            self.leftpad_k = mLeftpadK[bidb]
+            self.seqlen_k = self.seqlen_k - self.leftpad_k
 
     def n_block_range(self, m_block, block_m: cutlass.Constexpr, block_n: cutlass.Constexpr,
                       window_left, window_right, has_left: cutlass.Constexpr, has_right: cutlass.Constexpr):

@@ -14,6 +14,11 @@ blocks that the masks leave visible, in reverse order, through a two-stage cp.as
 
 Reverse order means only the first block processed can run past seqlen_k. Blocks that a
 diagonal or window edge crosses are masked; the rest run a mask-free step.
+
+The KV-cache entry (`call_kvcache`, Flash-Decoding) runs the same loop over one split's share
+of the key blocks, reading keys from a cache row or through a block table (`KVTiles`), and
+issues K[n-1] after S and V[n-1] after P V, so both travel together: decode is memory-bound.
+Split partials (fp32 O, LSE) are merged by `combine.FlashCombine`.
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ import torch
 
 from cute_flash.compile_cache import get_or_compile
 from cute_flash.kernels.block_info import BlockInfo
+from cute_flash.kernels.kv_tiles import KVTiles
 from cute_flash.kernels.gemm import gemm_rs, gemm_ss
 from cute_flash.kernels.mask import Mask, apply_alibi
 from cute_flash.kernels.softmax import OnlineSoftmax
@@ -33,7 +39,7 @@ from cute_flash.kernels.tile_copy import column_predicate, copy_tile
 from layouts import copy as lcopy
 from layouts import mma as lmma
 from layouts import smem as lsmem
-from layouts.traits import FwdTraits, choose_fwd_traits, element_type
+from layouts.traits import FwdTraits, choose_decode_traits, choose_fwd_traits, element_type, num_splits_heuristic
 
 LOG2E = math.log2(math.e)
 
@@ -45,10 +51,29 @@ class FlashFwd:
 
     def __init__(self, traits: FwdTraits, has_left: bool = False, has_right: bool = False,
                  has_alibi: bool = False, has_softcap: bool = False, even_k: bool = True,
-                 varlen: bool = False, has_seqused_k: bool = False):
+                 varlen: bool = False, has_seqused_k: bool = False, paged: bool = False,
+                 kvcache: bool = False, split: bool = False, has_leftpad: bool = False,
+                 has_batch_idx: bool = False):
+        if kvcache and varlen:
+            raise ValueError("kvcache and varlen are two different entry points")
+        if (split or has_leftpad or has_batch_idx) and not kvcache:
+            raise ValueError("split, has_leftpad and has_batch_idx belong to the kvcache entry")
+        if paged and not (varlen or kvcache):
+            raise ValueError("paged KV needs the varlen or kvcache entry")
+        if paged and (has_leftpad or has_batch_idx):
+            raise ValueError("a paged cache has neither leftpad nor cache_batch_idx (as in flash-attn)")
         self.t = traits
         self.varlen = varlen
-        self.has_seqused_k = has_seqused_k
+        self.kvcache = kvcache
+        self.has_seqused_k = has_seqused_k or kvcache
+        self.paged = paged
+        self.split = split
+        self.has_leftpad = has_leftpad
+        self.has_batch_idx = has_batch_idx
+        # KV-cache kernels are memory-bound with few key blocks per split: keep K[n-1] and
+        # V[n-1] in flight together (one memory latency per block instead of two), at the
+        # price of two more barriers per block.
+        self.overlap_kv = kvcache
         self.has_left = has_left
         self.has_right = has_right
         self.has_alibi = has_alibi
@@ -64,26 +89,51 @@ class FlashFwd:
         """mQ/mO (batch, seqlen_q, heads, d), mK/mV (batch, seqlen_k, heads_k, d) with strides the
         compiler may take as multiples of 8 (one 128-bit copy per 8 elements); mLSE (batch, heads,
         seqlen_q) fp32; mAlibi (batch, heads) fp32 slopes (any tensor when has_alibi is off)."""
-        self.launch(mQ, mK, mV, mO, mLSE, mAlibi, None, None, None,
+        self.launch(mQ, mK, mV, mO, mLSE, mAlibi, None, None, None, None, None, None, 0, 1,
                     (cute.ceil_div(mQ.shape[1], self.t.block_m), mQ.shape[0], mQ.shape[2]),
                     scale_log2, score_premul, alibi_div, window_left, window_right, stream)
 
     @cute.jit
     def call_varlen(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                     mLSE: cute.Tensor, mAlibi: cute.Tensor, mCuSeqlensQ: cute.Tensor,
-                    mCuSeqlensK: cute.Tensor, mSeqUsedK: cute.Tensor, max_seqlen_q: cutlass.Int32,
+                    mCuSeqlensK: cute.Tensor, mSeqUsedK: cute.Tensor, mBlockTable: cute.Tensor,
+                    max_seqlen_q: cutlass.Int32,
                     scale_log2: cutlass.Float32, score_premul: cutlass.Float32, alibi_div: cutlass.Float32,
                     window_left: cutlass.Int32, window_right: cutlass.Int32, stream):
-        """Packed batches: mQ/mO (total_q, heads, d), mK/mV (total_k, heads_k, d), mLSE (heads,
-        total_q), int32 prefix sums mCuSeqlens* (batch + 1,) and mSeqUsedK (batch,) (ignored
-        unless has_seqused_k). The grid covers max_seqlen_q; CTAs past a sequence's end exit."""
+        """Packed batches: mQ/mO (total_q, heads, d), mK/mV (total_k, heads_k, d) or, paged,
+        (num_blocks, page_size, heads_k, d) with mBlockTable (batch, max_blocks) int32; mLSE
+        (heads, total_q), int32 prefix sums mCuSeqlens* (batch + 1,) and mSeqUsedK (batch,)
+        (ignored unless has_seqused_k). The grid covers max_seqlen_q; CTAs past a sequence's end exit."""
         self.launch(mQ, mK, mV, mO, mLSE, mAlibi, mCuSeqlensQ, mCuSeqlensK,
-                    mSeqUsedK if cutlass.const_expr(self.has_seqused_k) else None,
+                    mSeqUsedK if cutlass.const_expr(self.has_seqused_k) else None, None, None,
+                    mBlockTable if cutlass.const_expr(self.paged) else None, 0, 1,
                     (cute.ceil_div(max_seqlen_q, self.t.block_m), mCuSeqlensQ.shape[0] - 1, mQ.shape[1]),
                     scale_log2, score_premul, alibi_div, window_left, window_right, stream)
 
     @cute.jit
-    def launch(self, mQ, mK, mV, mO, mLSE, mAlibi, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, grid,
+    def call_kvcache(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+                     mLSE: cute.Tensor, mAlibi: cute.Tensor, mCacheSeqlens: cute.Tensor,
+                     mLeftpadK: cute.Tensor, mBatchIdx: cute.Tensor, mBlockTable: cute.Tensor,
+                     k_extra: cutlass.Int32, num_splits: cutlass.Int32,
+                     scale_log2: cutlass.Float32, score_premul: cutlass.Float32, alibi_div: cutlass.Float32,
+                     window_left: cutlass.Int32, window_right: cutlass.Int32, stream):
+        """Attention over a KV cache: mQ (batch, seqlen_q, heads, d); mK/mV (batch_cache,
+        seqlen_cache, heads_k, d) or paged (num_blocks, page_size, heads_k, d); sequence b uses
+        keys [leftpad[b], cache_seqlens[b] + k_extra) of cache row batch_idx[b] (or b).
+        Unsplit: mO like mQ, mLSE (batch, heads, seqlen_q). Split (Flash-Decoding): the grid's
+        z holds num_splits x heads, and each split writes its normalised partial O to mO
+        (num_splits, batch, heads, seqlen_q, kHeadDim) fp32 and its LSE (-inf when it saw no
+        key) to mLSE (num_splits, batch, heads, seqlen_q) for the combine kernel."""
+        self.launch(mQ, mK, mV, mO, mLSE, mAlibi, None, None, mCacheSeqlens,
+                    mLeftpadK if cutlass.const_expr(self.has_leftpad) else None,
+                    mBatchIdx if cutlass.const_expr(self.has_batch_idx) else None,
+                    mBlockTable if cutlass.const_expr(self.paged) else None, k_extra, num_splits,
+                    (cute.ceil_div(mQ.shape[1], self.t.block_m), mQ.shape[0], mQ.shape[2] * num_splits),
+                    scale_log2, score_premul, alibi_div, window_left, window_right, stream)
+
+    @cute.jit
+    def launch(self, mQ, mK, mV, mO, mLSE, mAlibi, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mLeftpadK,
+               mBatchIdx, mBlockTable, k_extra, num_splits, grid,
                scale_log2, score_premul, alibi_div, window_left, window_right, stream):
         t = self.t
         sQ_layout = lsmem.smem_layout_q(t)
@@ -96,65 +146,91 @@ class FlashFwd:
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
 
         self.kernel(
-            mQ, mK, mV, mO, mLSE, mAlibi, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, sQ_layout, sKV_layout,
+            mQ, mK, mV, mO, mLSE, mAlibi, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mLeftpadK, mBatchIdx,
+            mBlockTable, k_extra, num_splits, sQ_layout, sKV_layout,
             lcopy.gmem_tiled_copy_qkv(t), lcopy.gmem_tiled_copy_o(t), lmma.tiled_mma(t),
             scale_log2, score_premul, alibi_div, window_left, window_right, SharedStorage,
         ).launch(grid=grid, block=[t.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
-               mLSE: cute.Tensor, mAlibi: cute.Tensor, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK,
+               mLSE: cute.Tensor, mAlibi: cute.Tensor, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mLeftpadK,
+               mBatchIdx, mBlockTable, k_extra, num_splits,
                sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
                gmem_tiled_copy_QKV: cute.TiledCopy, gmem_tiled_copy_O: cute.TiledCopy,
                tiled_mma: cute.TiledMma, scale_log2: cutlass.Float32, score_premul: cutlass.Float32,
                alibi_div: cutlass.Float32, window_left: cutlass.Int32, window_right: cutlass.Int32,
                SharedStorage: cutlass.Constexpr):
-        m_block, bidb, bidh = cute.arch.block_idx()
+        m_block, bidb, bidz = cute.arch.block_idx()
+        head_axis = 1 if cutlass.const_expr(self.varlen) else 2
+        nheads = mQ.shape[head_axis]
+        kv_head_axis = 2 if cutlass.const_expr(self.paged or not self.varlen) else 1
+        split_idx = 0
+        bidh = bidz
+        if cutlass.const_expr(self.split):
+            split_idx = bidz // nheads
+            bidh = bidz - split_idx * nheads
+        bidh_kv = bidh // (nheads // mK.shape[kv_head_axis])
+        # (seqlen, d) views of this sequence and head; LSE (seqlen,)
         if cutlass.const_expr(self.varlen):
             binfo = BlockInfo(bidb, 0, 0, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
-            bidh_kv = bidh // (mQ.shape[1] // mK.shape[1])
-            # (seqlen, d) views of this sequence and head; LSE (seqlen,)
             mQ_s = cute.domain_offset((binfo.sum_s_q, 0), mQ[None, bidh, None])
             mO_s = cute.domain_offset((binfo.sum_s_q, 0), mO[None, bidh, None])
+            mLSE_s = cute.domain_offset((binfo.sum_s_q,), mLSE[bidh, None])
+        else:
+            binfo = BlockInfo(bidb, mQ.shape[1], mK.shape[1], None, None, mSeqUsedK, mLeftpadK, k_extra)
+            mQ_s = mQ[bidb, None, bidh, None]
+            if cutlass.const_expr(self.split):
+                mO_s = mO[split_idx, bidb, bidh, None, None]
+                mLSE_s = mLSE[split_idx, bidb, bidh, None]
+            else:
+                mO_s = mO[bidb, None, bidh, None]
+                mLSE_s = mLSE[bidb, bidh, None]
+        mTable = None
+        if cutlass.const_expr(self.paged):
+            # (num_blocks, page_size, d) pages of this kv head and the sequence's page list
+            mK_s = mK[None, None, bidh_kv, None]
+            mV_s = mV[None, None, bidh_kv, None]
+            mTable = mBlockTable[bidb, None]
+        elif cutlass.const_expr(self.varlen):
             mK_s = cute.domain_offset((binfo.sum_s_k, 0), mK[None, bidh_kv, None])
             mV_s = cute.domain_offset((binfo.sum_s_k, 0), mV[None, bidh_kv, None])
-            mLSE_s = cute.domain_offset((binfo.sum_s_q,), mLSE[bidh, None])
-            if m_block * self.t.block_m < binfo.seqlen_q:
-                self.attend(mQ_s, mK_s, mV_s, mO_s, mLSE_s, mAlibi, binfo, m_block, bidb, bidh,
-                            mQ.shape[2], sQ_layout, sKV_layout, gmem_tiled_copy_QKV, gmem_tiled_copy_O,
-                            tiled_mma, scale_log2, score_premul, alibi_div, window_left, window_right,
-                            SharedStorage)
         else:
-            binfo = BlockInfo(bidb, mQ.shape[1], mK.shape[1])
-            bidh_kv = bidh // (mQ.shape[2] // mK.shape[2])
-            self.attend(mQ[bidb, None, bidh, None], mK[bidb, None, bidh_kv, None],
-                        mV[bidb, None, bidh_kv, None], mO[bidb, None, bidh, None], mLSE[bidb, bidh, None],
-                        mAlibi, binfo, m_block, bidb, bidh, mQ.shape[3], sQ_layout, sKV_layout,
+            bidb_kv = bidb
+            if cutlass.const_expr(self.has_batch_idx):
+                bidb_kv = mBatchIdx[bidb]
+            mK_s = cute.domain_offset((binfo.leftpad_k, 0), mK[bidb_kv, None, bidh_kv, None])
+            mV_s = cute.domain_offset((binfo.leftpad_k, 0), mV[bidb_kv, None, bidh_kv, None])
+        if m_block * self.t.block_m < binfo.seqlen_q:
+            self.attend(mQ_s, mK_s, mV_s, mTable, mO_s, mLSE_s, mAlibi, binfo, m_block, bidb, bidh,
+                        split_idx, num_splits, mQ.shape[head_axis + 1], sQ_layout, sKV_layout,
                         gmem_tiled_copy_QKV, gmem_tiled_copy_O, tiled_mma, scale_log2, score_premul,
                         alibi_div, window_left, window_right, SharedStorage)
 
     @cute.jit
-    def attend(self, mQ_s: cute.Tensor, mK_s: cute.Tensor, mV_s: cute.Tensor, mO_s: cute.Tensor,
-               mLSE_s: cute.Tensor, mAlibi: cute.Tensor, binfo: BlockInfo, m_block, bidb, bidh, head_dim,
+    def attend(self, mQ_s: cute.Tensor, mK_s: cute.Tensor, mV_s: cute.Tensor, mTable, mO_s: cute.Tensor,
+               mLSE_s: cute.Tensor, mAlibi: cute.Tensor, binfo: BlockInfo, m_block, bidb, bidh,
+               split_idx, num_splits, head_dim,
                sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
                gmem_tiled_copy_QKV: cute.TiledCopy, gmem_tiled_copy_O: cute.TiledCopy,
                tiled_mma: cute.TiledMma, scale_log2: cutlass.Float32, score_premul: cutlass.Float32,
                alibi_div: cutlass.Float32, window_left: cutlass.Int32, window_right: cutlass.Int32,
                SharedStorage: cutlass.Constexpr):
-        """One CTA's work on (seqlen, d) views of its sequence and head: BlockInfo gives the
-        lengths, so dense and packed batches share everything from here on."""
+        """One CTA's work on (seqlen, d) views of its sequence and head (keys: contiguous, or
+        pages through mTable): BlockInfo gives the lengths, so dense, packed and cached batches
+        share everything from here on. A split takes its share of the visible key blocks."""
         t = self.t
         bm, bn, d = t.block_m, t.block_n, t.head_dim
         tidx, _, _ = cute.arch.thread_idx()
         n_block_min, n_block_max = binfo.n_block_range(
             m_block, bm, bn, window_left, window_right, self.has_left, self.has_right)
+        if cutlass.const_expr(self.split):
+            per_split = cute.ceil_div(n_block_max - n_block_min, num_splits)
+            n_block_min = n_block_min + split_idx * per_split
+            n_block_max = cutlass.min(n_block_max, n_block_min + per_split)
 
         # (bm, d) tiles of this CTA's rows
         gQ = cute.local_tile(mQ_s, (bm, d), (m_block, 0))
-        gO = cute.local_tile(mO_s, (bm, d), (m_block, 0))
-        # (bn, d, n_blocks)
-        gK = cute.local_tile(mK_s, (bn, d), (None, 0))
-        gV = cute.local_tile(mV_s, (bn, d), (None, 0))
         cQ = cute.make_identity_tensor((bm, d))   # tile coordinates (row, col)
         cKV = cute.make_identity_tensor((bn, d))
         rows_q = binfo.seqlen_q - m_block * bm
@@ -169,13 +245,12 @@ class FlashFwd:
         tQgQ = gmem_thr_copy_QKV.partition_S(gQ)
         tQsQ = gmem_thr_copy_QKV.partition_D(sQ)
         tQcQ = gmem_thr_copy_QKV.partition_S(cQ)
-        tKgK = gmem_thr_copy_QKV.partition_S(gK)  # (KCPY, KCPY_N, KCPY_K, n_blocks)
-        tKsK = gmem_thr_copy_QKV.partition_D(sK)
-        tVgV = gmem_thr_copy_QKV.partition_S(gV)
+        tKsK = gmem_thr_copy_QKV.partition_D(sK)  # (KCPY, KCPY_N, KCPY_K)
         tVsV = gmem_thr_copy_QKV.partition_D(sV)
         tKVcKV = gmem_thr_copy_QKV.partition_S(cKV)
         tQpQ = column_predicate(tQcQ, head_dim)
         tKVpKV = column_predicate(tKVcKV, head_dim)
+        kv = KVTiles.make(gmem_thr_copy_QKV, mK_s, mV_s, binfo.seqlen_k, bn, d, self.even_k, mTable)
 
         thr_mma = tiled_mma.get_slice(tidx)
         tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ))     # (MMA, MMA_M, MMA_K)
@@ -207,12 +282,41 @@ class FlashFwd:
             self.mainloop(
                 n_block_min, n_block_max, m_block, rows_q, binfo, window_left, window_right,
                 tiled_mma, gmem_tiled_copy_QKV, tQgQ, tQsQ, tQcQ, tQpQ,
-                tKgK, tKsK, tVgV, tVsV, tKVcKV, tKVpKV, tSrQ, tSrK, tOrVt, acc_o, acc_o_mn,
+                kv, tKsK, tVsV, tKVcKV, tKVpKV, tSrQ, tSrK, tOrVt, acc_o, acc_o_mn,
                 ops, softmax, mask, score_premul, slope)
 
-        # Epilogue (also the early exit: no visible key leaves O = 0 and LSE = +inf).
+        # Epilogue (also the early exit: no visible key leaves O = 0 and LSE = +inf, or -inf
+        # for a split's partial so that the combine gives it no weight).
         lse = cute.make_rmem_tensor(softmax.row_max.layout, cutlass.Float32)
-        softmax.finalize(acc_o_mn, lse)
+        softmax.finalize(acc_o_mn, lse, -cutlass.Float32.inf if cutlass.const_expr(self.split)
+                         else cutlass.Float32.inf)
+        if cutlass.const_expr(self.split):
+            self.store_partial(acc_o_mn, lse, tOcO_mn, mO_s, mLSE_s, m_block, rows_q)
+        else:
+            self.store(acc_o, lse, tOcO_mn, sQ, sQ_layout, mO_s, mLSE_s, cQ, m_block, rows_q, head_dim,
+                       tiled_mma, gmem_tiled_copy_O)
+
+    @cute.jit
+    def store_partial(self, acc_o_mn, lse, tOcO_mn, mO_s, mLSE_s, m_block, rows_q):
+        """A split's normalised fp32 O and its LSE, straight from the accumulator: decode tiles
+        have few rows, so the smem staging of `store` would buy nothing."""
+        row0 = m_block * self.t.block_m
+        for r in cutlass.range_constexpr(cute.size(acc_o_mn.shape[0])):
+            row = tOcO_mn[r, 0][0]
+            if row < rows_q:
+                for c in cutlass.range_constexpr(cute.size(acc_o_mn.shape[1])):
+                    mO_s[row0 + row, tOcO_mn[0, c][1]] = acc_o_mn[r, c]
+                if tOcO_mn[0, 0][1] == 0:
+                    mLSE_s[row0 + row] = lse[r]
+
+    @cute.jit
+    def store(self, acc_o, lse, tOcO_mn, sQ, sQ_layout, mO_s, mLSE_s, cQ, m_block, rows_q, head_dim,
+              tiled_mma, gmem_tiled_copy_O):
+        """O through smem (reusing sQ) to 128-bit stores; one thread of each quad writes its rows' LSE."""
+        t = self.t
+        bm, d = t.block_m, t.head_dim
+        tidx, _, _ = cute.arch.thread_idx()
+        gO = cute.local_tile(mO_s, (bm, d), (m_block, 0))
         rO = cute.make_fragment_like(acc_o, self.dtype)
         rO.store(acc_o.load().to(self.dtype))
         sO = cute.make_tensor(sQ.iterator, sQ_layout)
@@ -241,7 +345,7 @@ class FlashFwd:
     @cute.jit
     def mainloop(self, n_block_min, n_block_max, m_block, rows_q, binfo, window_left, window_right,
                  tiled_mma, gmem_tiled_copy_QKV, tQgQ, tQsQ, tQcQ, tQpQ,
-                 tKgK, tKsK, tVgV, tVsV, tKVcKV, tKVpKV, tSrQ, tSrK, tOrVt, acc_o, acc_o_mn,
+                 kv, tKsK, tVsV, tKVcKV, tKVpKV, tSrQ, tSrK, tOrVt, acc_o, acc_o_mn,
                  ops, softmax, mask, score_premul, slope):
         """Prologue loads, the first (masked) block, then right-masked, mask-free and
         left-masked blocks in decreasing n."""
@@ -250,11 +354,13 @@ class FlashFwd:
         # Prologue: Q and the last K block, rows past the sequence ends zero-filled.
         n_last = n_block_max - 1
         copy_tile(gmem_tiled_copy_QKV, tQgQ, tQsQ, tQcQ, tQpQ, rows_q, True, self.even_k, True)
-        copy_tile(gmem_tiled_copy_QKV, tKgK[None, None, None, n_last], tKsK, tKVcKV, tKVpKV,
-                  binfo.seqlen_k - n_last * bn, True, self.even_k, True)
+        kv.load(gmem_tiled_copy_QKV, False, n_last, tKsK, tKVcKV, tKVpKV, True)
         cute.arch.cp_async_commit_group()
+        if cutlass.const_expr(self.overlap_kv):
+            kv.load(gmem_tiled_copy_QKV, True, n_last, tVsV, tKVcKV, tKVpKV, True)
+            cute.arch.cp_async_commit_group()
 
-        step_args = (tiled_mma, gmem_tiled_copy_QKV, tKgK, tKsK, tVgV, tVsV, tKVcKV, tKVpKV,
+        step_args = (tiled_mma, gmem_tiled_copy_QKV, kv, tKsK, tVsV, tKVcKV, tKVpKV,
                      tSrQ, tSrK, tOrVt, acc_o, acc_o_mn, ops, softmax, mask,
                      binfo, m_block, n_block_min, score_premul, slope)
         self.step(n_last, *step_args, is_first=True, masked=True)
@@ -271,7 +377,7 @@ class FlashFwd:
             self.step(left_end - 1 - i, *step_args, is_first=False, masked=True)
 
     @cute.jit
-    def step(self, n_block, tiled_mma, gmem_tiled_copy_QKV, tKgK, tKsK, tVgV, tVsV, tKVcKV, tKVpKV,
+    def step(self, n_block, tiled_mma, gmem_tiled_copy_QKV, kv, tKsK, tVsV, tKVcKV, tKVpKV,
              tSrQ, tSrK, tOrVt, acc_o, acc_o_mn, ops, softmax, mask, binfo, m_block,
              n_block_min, score_premul, slope, is_first: cutlass.Constexpr, masked: cutlass.Constexpr):
         """One key block: S = Q K^T, modifiers, online softmax, O += P V, with the next K in flight."""
@@ -281,21 +387,29 @@ class FlashFwd:
                                       cutlass.Float32)
         acc_s.fill(0.0)
 
-        cute.arch.cp_async_wait_group(0)
-        cute.arch.barrier()
-        # V[n]: only the first block processed can run past seqlen_k.
-        copy_tile(gmem_tiled_copy_QKV, tVgV[None, None, None, n_block], tVsV, tKVcKV, tKVpKV,
-                  binfo.seqlen_k - n_block * t.block_n, is_first, self.even_k, True)
-        cute.arch.cp_async_commit_group()
+        if cutlass.const_expr(self.overlap_kv):
+            cute.arch.cp_async_wait_group(1)  # K[n] (V[n] may still be in flight)
+            cute.arch.barrier()
+        else:
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.barrier()
+            # V[n]: only the first block processed can run past seqlen_k.
+            kv.load(gmem_tiled_copy_QKV, True, n_block, tVsV, tKVcKV, tKVpKV, is_first)
+            cute.arch.cp_async_commit_group()
 
         gemm_ss(tiled_mma, acc_s, copy_Q, tSsQ, tSrQ_view, tSrQ, copy_K, tSsK, tSrK_view, tSrK)
 
-        cute.arch.cp_async_wait_group(0)
-        cute.arch.barrier()
-        if n_block > n_block_min:
-            copy_tile(gmem_tiled_copy_QKV, tKgK[None, None, None, n_block - 1], tKsK, tKVcKV, tKVpKV,
-                      0, False, self.even_k, True)
-            cute.arch.cp_async_commit_group()
+        if cutlass.const_expr(self.overlap_kv):
+            cute.arch.barrier()  # every warp is done with sK
+            if n_block > n_block_min:
+                kv.load(gmem_tiled_copy_QKV, False, n_block - 1, tKsK, tKVcKV, tKVpKV, False)
+            cute.arch.cp_async_commit_group()  # possibly empty: keeps the group count fixed
+        else:
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.barrier()
+            if n_block > n_block_min:
+                kv.load(gmem_tiled_copy_QKV, False, n_block - 1, tKsK, tKVcKV, tKVpKV, False)
+                cute.arch.cp_async_commit_group()
 
         acc_s_mn = lmma.acc_mn_view(acc_s)
         if cutlass.const_expr(self.has_softcap):
@@ -319,7 +433,15 @@ class FlashFwd:
         rP = cute.make_fragment_like(acc_s, self.dtype)
         rP.store(acc_s.load().to(self.dtype))
         tOrP = lmma.acc_as_a_operand(rP)
+        if cutlass.const_expr(self.overlap_kv):
+            cute.arch.cp_async_wait_group(1)  # V[n] (K[n-1] may still be in flight)
+            cute.arch.barrier()
         gemm_rs(tiled_mma, acc_o, tOrP, copy_V, tOsVt, tOrVt_view, tOrVt)
+        if cutlass.const_expr(self.overlap_kv):
+            cute.arch.barrier()  # every warp is done with sV
+            if n_block > n_block_min:
+                kv.load(gmem_tiled_copy_QKV, True, n_block - 1, tVsV, tKVcKV, tKVpKV, False)
+            cute.arch.cp_async_commit_group()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -327,49 +449,57 @@ class FlashFwd:
 
 _ALIGN = 8  # elements per 16-byte copy
 _DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+_ELEMENT = {torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16}
 
 
 def _arch_option(arch: int | None) -> str:
     return "" if arch is None else f"--gpu-arch=sm_{arch}{'a' if arch >= 90 else ''}"
 
 
-def fake_fwd_args(dtype, varlen: bool = False):
-    """Placeholders for compiling FlashFwd (or its varlen entry): every extent dynamic, every
-    stride but the last a multiple of 8 (the launcher guarantees it), plus a stream taken from
-    the caller (torch's current stream) at call time."""
+def fake_fwd_args(kernel: FlashFwd):
+    """Placeholders for compiling `kernel`'s entry: every extent dynamic, every element-tensor
+    stride but the last a multiple of 8 (the launcher guarantees it), int32 vectors and tables
+    dense in their last dim, plus a stream taken from the caller (torch's current stream) at
+    call time."""
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 
-    rank = 3 if varlen else 4
-
-    def seq_tensor():
+    def tensor(dtype, rank, align_stride, assumed_align):
         shape = tuple(cute.sym_int() for _ in range(rank))
-        stride = tuple(cute.sym_int64(divisibility=_ALIGN) for _ in range(rank - 1)) + (1,)
-        return make_fake_tensor(dtype, shape, stride, assumed_align=16)
+        stride = tuple(cute.sym_int64(divisibility=align_stride) for _ in range(rank - 1)) + (1,)
+        return make_fake_tensor(dtype, shape, stride, assumed_align=assumed_align)
 
-    def f32(rank_):
-        return make_fake_tensor(cutlass.Float32, tuple(cute.sym_int() for _ in range(rank_)),
-                                tuple(cute.sym_int64() for _ in range(rank_ - 1)) + (1,), assumed_align=4)
+    def elems(rank):
+        return tensor(kernel.dtype, rank, _ALIGN, 16)
 
-    def i32_vector():
-        return make_fake_tensor(cutlass.Int32, (cute.sym_int(),), (1,), assumed_align=4)
+    def f32(rank):
+        return tensor(cutlass.Float32, rank, 1, 4)
 
-    args = [seq_tensor() for _ in range(4)] + [f32(2 if varlen else 3), f32(2)]
-    if varlen:
-        args += [i32_vector(), i32_vector(), i32_vector(), 1]
-    return args + [1.0, 1.0, 1.0, -1, -1, make_fake_stream(use_tvm_ffi_env_stream=True)]
+    def i32(rank):
+        return tensor(cutlass.Int32, rank, 1, 4)
+
+    scalars = [1.0, 1.0, 1.0, -1, -1, make_fake_stream(use_tvm_ffi_env_stream=True)]
+    kv_rank = 4 if kernel.paged or not kernel.varlen else 3
+    if kernel.varlen:
+        return ([elems(3), elems(kv_rank), elems(kv_rank), elems(3), f32(2), f32(2)]
+                + [i32(1), i32(1), i32(1), i32(2), 1] + scalars)
+    if kernel.kvcache:
+        out = [f32(5), f32(4)] if kernel.split else [elems(4), f32(3)]
+        return ([elems(4), elems(4), elems(4)] + out + [f32(2)]
+                + [i32(1), i32(1), i32(1), i32(2), 0, 1] + scalars)
+    return [elems(4) for _ in range(4)] + [f32(3), f32(2)] + scalars
 
 
 def compile_fwd(kernel: FlashFwd, arch: int | None = None, extra_options: str = ""):
     """Build the cubin for `kernel`, callable through TVM-FFI with torch tensors. arch=None
     targets the current GPU; an explicit arch (80, 90) needs no GPU (nothing is launched)."""
     options = f"--enable-tvm-ffi {_arch_option(arch)} {extra_options}".strip()
-    entry = kernel.call_varlen if kernel.varlen else kernel
-    return cute.compile(entry, *fake_fwd_args(kernel.dtype, kernel.varlen), options=options)
+    entry = kernel.call_varlen if kernel.varlen else kernel.call_kvcache if kernel.kvcache else kernel
+    return cute.compile(entry, *fake_fwd_args(kernel), options=options)
 
 
-def fwd_kernel_key(traits: FwdTraits, *flags):
-    """flags: FlashFwd's constructor flags, in order after traits."""
-    return ("fwd", traits) + tuple(bool(f) for f in flags)
+def fwd_kernel_key(traits: FwdTraits, **flags):
+    """flags: FlashFwd's constructor flags by name (those left out are off)."""
+    return ("fwd", traits) + tuple(sorted((name, bool(on)) for name, on in flags.items() if on))
 
 
 def _aligned(x):
@@ -407,15 +537,16 @@ def _no_alibi(index: int):
 
 @functools.lru_cache(maxsize=None)
 def _kernel_for(d_pad, dtype, device_index, causal, has_left, has_right, has_alibi, has_softcap, traits,
-                varlen=False, has_seqused_k=False):
+                varlen=False, has_seqused_k=False, paged=False):
     """The compiled kernel for one call signature (memoised: a cached call hashes plain values
     once instead of rebuilding the traits and the compile-cache key)."""
     arch = _device_arch(device_index)
     if traits is None:
         traits = choose_fwd_traits(d_pad, _DTYPE_NAMES[dtype], min(arch, 90), causal)
-    flags = (has_left, has_right, has_alibi, has_softcap, d_pad == traits.head_dim, varlen, has_seqused_k)
-    return get_or_compile(fwd_kernel_key(traits, *flags) + (arch,),
-                          lambda: compile_fwd(FlashFwd(traits, *flags)))
+    flags = dict(zip(ALL_FLAG_NAMES, (has_left, has_right, has_alibi, has_softcap, d_pad == traits.head_dim,
+                                      varlen, has_seqused_k, paged)))
+    return get_or_compile(fwd_kernel_key(traits, **flags) + (arch,),
+                          lambda: compile_fwd(FlashFwd(traits, **flags)))
 
 
 def _scales(softmax_scale, softcap):
@@ -464,49 +595,206 @@ def flash_fwd_varlen(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
                      block_table=None, seqused_k=None):
     """Packed-batch forward on validated CUDA tensors: q (total_q, h, d), k/v (total_k, hk, d);
     returns (out (total_q, h, d), lse (h, total_q))."""
-    if block_table is not None:
-        raise NotImplementedError("paged KV (block_table) is not implemented yet")
     total_q, h, d = q.shape
+    paged = block_table is not None
     q, k, v, out, left, right, index = _prepare(q, k, v, causal, window_size)
     lse = torch.empty((h, total_q), dtype=torch.float32, device=q.device)
     compiled = _kernel_for(q.shape[-1], q.dtype, index, causal, left >= 0, right >= 0, alibi_slopes is not None,
-                           softcap > 0, None, True, seqused_k is not None)
+                           softcap > 0, None, True, seqused_k is not None, paged)
     cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     seqused = cu_seqlens_k if seqused_k is None else seqused_k.contiguous()  # read only if given
     compiled(q, k, v, out, lse, _alibi_2d(alibi_slopes, cu_seqlens_q.shape[0] - 1, h, index),
-             cu_seqlens_q, cu_seqlens_k, seqused, max_seqlen_q, *_scales(softmax_scale, softcap), left, right)
+             cu_seqlens_q, cu_seqlens_k, seqused, block_table if paged else cu_seqlens_k.view(-1, 1),
+             max_seqlen_q, *_scales(softmax_scale, softcap), left, right)
     return (out if out.shape[-1] == d else out[..., :d]), lse
 
 
-def flash_fwd_kvcache(q, k_cache, v_cache, **kwargs):
-    """The split-KV decode path (Flash-Decoding, append-KV, rotary) has no kernel yet."""
-    raise NotImplementedError("flash_attn_with_kvcache is not implemented yet (split-KV decode kernel)")
+@functools.lru_cache(maxsize=None)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def _kvcache_kernel_for(d_pad, dtype, device_index, has_left, has_right, has_alibi, has_softcap, paged,
+                        split, has_leftpad, has_batch_idx):
+    arch = _device_arch(device_index)
+    traits = choose_decode_traits(d_pad, _DTYPE_NAMES[dtype], min(arch, 90))
+    flags = dict(has_left=has_left, has_right=has_right, has_alibi=has_alibi, has_softcap=has_softcap,
+                 even_k=d_pad == traits.head_dim, paged=paged, kvcache=True, split=split,
+                 has_leftpad=has_leftpad, has_batch_idx=has_batch_idx)
+    key = fwd_kernel_key(traits, **flags) + (arch,)
+    return traits, get_or_compile(key, lambda: compile_fwd(FlashFwd(traits, **flags)))
+
+
+@functools.lru_cache(maxsize=None)
+def _combine_for(head_dim, dtype, device_index):
+    from cute_flash.kernels.combine import compile_combine
+
+    arch = _device_arch(device_index)
+    key = ("combine", head_dim, dtype, arch)
+    return get_or_compile(key, lambda: compile_combine(head_dim, _ELEMENT[dtype]))
+
+
+@functools.lru_cache(maxsize=None)
+def _append_for(dtype, device_index, paged, has_batch_idx, rotary, interleaved, q_per_row):
+    from cute_flash.kernels.append import AppendKV, compile_append
+
+    arch = _device_arch(device_index)
+    flags = (paged, has_batch_idx, rotary, interleaved, q_per_row)
+    return get_or_compile(("append", dtype, arch) + flags,
+                          lambda: compile_append(AppendKV(_ELEMENT[dtype], *flags)))
+
+
+def _int32_per_batch(value, batch, device):
+    """cache_seqlens as the kernels read it: a (batch,) int32 tensor."""
+    if isinstance(value, torch.Tensor):
+        return value
+    return torch.full((batch,), value, dtype=torch.int32, device=device)
+
+
+def flash_fwd_kvcache(q, k_cache, v_cache, *, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                      cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
+                      softmax_scale, causal=False, window_size=(-1, -1), softcap=0.0,
+                      rotary_interleaved=True, alibi_slopes=None, num_splits=0):
+    """`flash_attn_with_kvcache` on validated CUDA tensors: append (rotary) k/v into the caches in
+    place, then split-KV attention over them and the combine. Returns (out, lse (b, h, sq))."""
+    b, sq, h, d = q.shape
+    if d % _ALIGN:
+        # Caches whose rows break 128-bit copies: work on padded copies as flash-attn does, and
+        # copy the appended rows back into the caller's caches.
+        pad = _ALIGN - d % _ALIGN
+        q, k_pad, v_pad, k, v = (None if x is None else torch.nn.functional.pad(x, (0, pad))
+                                 for x in (q, k_cache, v_cache, k, v))
+        out, lse = flash_fwd_kvcache(
+            q, k_pad, v_pad, k=k, v=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+            cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
+            block_table=block_table, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+            softcap=softcap, rotary_interleaved=rotary_interleaved, alibi_slopes=alibi_slopes,
+            num_splits=num_splits)
+        if k is not None:  # only appended rows differ; copying whole caches keeps this path simple
+            k_cache.copy_(k_pad[..., :d])
+            v_cache.copy_(v_pad[..., :d])
+        return out[..., :d], lse
+
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    paged = block_table is not None
+    hk = k_cache.shape[2]
+    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    seqlens = _int32_per_batch(capacity if cache_seqlens is None else cache_seqlens, b, q.device)
+    left, right = window_size
+    if causal:
+        right = 0
+    q = _aligned(q)
+    if k is not None:
+        rotary = rotary_cos is not None
+        k, v = k.contiguous(), v.contiguous()
+        q_new = torch.empty_like(q) if rotary else q
+        cos = rotary_cos.contiguous() if rotary else q.new_empty((1, 1))
+        sin = rotary_sin.contiguous() if rotary else cos
+        append = _append_for(q.dtype, index, paged, cache_batch_idx is not None, rotary,
+                             bool(rotary_interleaved), causal or left >= 0 or right >= 0)
+        append(k, v, k_cache, v_cache, seqlens, cache_batch_idx if cache_batch_idx is not None else seqlens,
+               block_table if paged else _no_table(index), cos, sin, q, q_new)
+        q = q_new
+    k_extra = 0 if k is None else k.shape[1]
+
+    dq = q.shape[-1]
+    # GQA decode: the group of query heads sharing a kv head becomes M (the seed's
+    # seqlenq_ngroups_swapped), so one CTA reads each K/V tile once for the whole group.
+    swap = sq == 1 and h > hk and left < 0 and right < 0 and alibi_slopes is None
+    flags = (left >= 0, right >= 0, alibi_slopes is not None, softcap > 0, paged,
+             cache_leftpad is not None, cache_batch_idx is not None)
+    traits, num_splits, compiled, combine, sq_k, h_k = _kvcache_plan(
+        dq, q.dtype, index, b, sq, h, hk, capacity, swap, num_splits, *flags)
+    out = torch.empty((b, sq, h, dq), dtype=q.dtype, device=q.device)
+    lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
+    q_k, out_k, lse_k = q, out, lse
+    if swap:  # (b, 1, hk * g, d) viewed as (b, g, hk, d); lse (b, hk * g, 1) as (b, hk, g)
+        sh = q.stride(2)
+        q_k = q.as_strided((b, sq_k, h_k, dq), (q.stride(0), sh, sq_k * sh, 1))
+        out_k = out.as_strided((b, sq_k, h_k, dq), (h * dq, dq, sq_k * dq, 1))
+        lse_k = lse.as_strided((b, h_k, sq_k), (h, sq_k, 1))
+
+    vectors = (seqlens, seqlens if cache_leftpad is None else cache_leftpad,
+               seqlens if cache_batch_idx is None else cache_batch_idx,
+               block_table if paged else _no_table(index))
+    args = (_alibi_2d(alibi_slopes, b, h, index), *vectors, k_extra, num_splits, *_scales(softmax_scale, softcap),
+            left, right)
+    if num_splits == 1:
+        compiled(q_k, k_cache, v_cache, out_k, lse_k, *args)
+    else:
+        # Partial O (num_splits, b, h, sq, kHeadDim) and LSE (num_splits, b, h, sq), one allocation.
+        rows = num_splits * b * h_k * sq_k
+        dp = traits.head_dim
+        acc = torch.empty(rows * (dp + 1), dtype=torch.float32, device=q.device)
+        o_acc = acc.as_strided((num_splits, b, h_k, sq_k, dp),
+                               (b * h_k * sq_k * dp, h_k * sq_k * dp, sq_k * dp, dp, 1))
+        lse_acc = acc.as_strided((num_splits, b, h_k, sq_k), (b * h_k * sq_k, h_k * sq_k, sq_k, 1), rows * dp)
+        compiled(q_k, k_cache, v_cache, o_acc, lse_acc, *args)
+        combine(o_acc, lse_acc, out_k, lse_k)
+    return (out if dq == d else out[..., :d]), lse
+
+
+@functools.lru_cache(maxsize=None)
+def _no_table(index: int):
+    return torch.zeros((1, 1), dtype=torch.int32, device=f"cuda:{index}")
+
+
+@functools.lru_cache(maxsize=4096)
+def _kvcache_plan(d_pad, dtype, index, b, sq, h, hk, capacity, swap, num_splits, *flags):
+    """Everything a KV-cache call decides from its shapes and options alone (memoised: decode
+    calls repeat one signature): traits, split count, the kernels, and the (seqlen_q, heads)
+    the kernel sees, (g, nheads_k) after the GQA swap."""
+    sq_k, h_k = (h // hk, hk) if swap else (sq, h)
+    traits, _ = _kvcache_kernel_for(d_pad, dtype, index, *flags[:5], False, *flags[5:])
+    n_blocks = -(-capacity // traits.block_n)
+    if num_splits == 0:
+        num_splits = num_splits_heuristic(b * h_k * -(-sq_k // traits.block_m), _num_sms(index), n_blocks)
+    num_splits = max(1, min(num_splits, n_blocks, 128))
+    _, compiled = _kvcache_kernel_for(d_pad, dtype, index, *flags[:5], num_splits > 1, *flags[5:])
+    combine = _combine_for(traits.head_dim, dtype, index) if num_splits > 1 else None
+    return traits, num_splits, compiled, combine, sq_k, h_k
 
 
 FLAG_NAMES = ("has_left", "has_right", "has_alibi", "has_softcap", "even_k")  # dense score flags
-ALL_FLAG_NAMES = FLAG_NAMES + ("varlen", "has_seqused_k")
+ALL_FLAG_NAMES = FLAG_NAMES + ("varlen", "has_seqused_k", "paged", "kvcache", "split", "has_leftpad",
+                               "has_batch_idx")
 
 
 def fwd_variants(arch: int, full: bool = False):
     """(traits, flags) pairs the dispatcher can choose on `arch`.
 
-    full: every shipped traits times every flag combination. Otherwise a covering subset for
-    CI (a compile takes 4-14 s on its 2 cores): every shipped traits with causal flags, and on
-    sm_90 every flag combination on one traits too (the flags change the same code on both archs).
+    full: every forward traits times every dense and varlen flag combination, and every
+    KV-cache traits times every cache flag combination (causal or not). Otherwise a covering
+    subset for CI (a compile takes 4-14 s on its 2 cores): every shipped traits once (causal),
+    on sm_90 every score-flag combination on one traits, and the varlen, paged, split, leftpad
+    and batch-index variants on one traits each (the flags change the same code on both archs).
     """
     import itertools
 
-    from layouts.traits import choose_fwd_traits, shipped_fwd_traits
+    from layouts.traits import HEAD_DIM_BUCKETS, DTYPES
 
     combos = [dict(zip(FLAG_NAMES, bits)) for bits in itertools.product((False, True), repeat=len(FLAG_NAMES))]
-    if full:
-        varlen = [dict(f, varlen=True, has_seqused_k=u) for f in combos for u in (False, True)]
-        return [(t, f) for t in shipped_fwd_traits(arch) for f in combos + varlen]
     causal = dict(has_left=False, has_right=True, has_alibi=False, has_softcap=False, even_k=True)
+    fwd_traits = list(dict.fromkeys(choose_fwd_traits(d, dt, arch, c) for d in HEAD_DIM_BUCKETS
+                                    for dt in DTYPES for c in (False, True)))
+    decode_traits = list(dict.fromkeys(choose_decode_traits(d, dt, arch) for d in HEAD_DIM_BUCKETS for dt in DTYPES))
+    cache_flags = [dict(zip(("paged", "split", "has_leftpad", "has_batch_idx"), bits))
+                   for bits in itertools.product((False, True), repeat=4) if not (bits[0] and (bits[2] or bits[3]))]
+    if full:
+        varlen = [dict(f, varlen=True, has_seqused_k=u, paged=p) for f in combos
+                  for u in (False, True) for p in (False, True)]
+        cache = [dict(has_right=r, kvcache=True, **c) for r in (False, True) for c in cache_flags]
+        return [(t, f) for t in fwd_traits for f in combos + varlen] + [(t, f) for t in decode_traits for f in cache]
     pivot = choose_fwd_traits(128, "bf16", arch)
-    subset = [(t, causal) for t in shipped_fwd_traits(arch)]
+    decode_pivot = choose_decode_traits(128, "bf16", arch)
+    subset = [(t, causal) for t in fwd_traits]
+    # KV-cache tiles per head dim, fp16 on sm_80 and bf16 on sm_90 (the dtype only changes the MMA atom).
+    subset += [(t, dict(kvcache=True, split=True)) for t in decode_traits
+               if t.dtype == ("bf16" if arch >= 90 else "fp16")]
+    subset += [(pivot, dict(causal, varlen=True)), (pivot, dict(causal, varlen=True, has_seqused_k=True)),
+               (pivot, dict(causal, varlen=True, paged=True))]
     if arch >= 90:
         subset += [(pivot, f) for f in combos if f != causal]
-    subset += [(pivot, dict(causal, varlen=True)), (pivot, dict(causal, varlen=True, has_seqused_k=True))]
+        subset += [(decode_pivot, dict(causal, kvcache=True, **c)) for c in cache_flags]
     return subset
-

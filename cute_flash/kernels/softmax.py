@@ -63,10 +63,11 @@ class OnlineSoftmax:
         self.row_sum.fill(0.0)
 
     @cute.jit
-    def finalize(self, acc_O_mn: cute.Tensor, lse: cute.Tensor):
+    def finalize(self, acc_O_mn: cute.Tensor, lse: cute.Tensor, empty_lse: cutlass.Float32):
         """Normalise O and write the natural-log LSE per row into `lse` (registers).
 
-        A row that saw no key has sum 0: O stays 0 and its LSE is +inf (flash-attn's convention).
+        A row that saw no key has sum 0: O stays 0 and its LSE is `empty_lse` (+inf for a final
+        result, flash-attn's convention; -inf for a split's partial).
         """
         for r in cutlass.range_constexpr(cute.size(self.row_max)):
             row_sum = quad_allreduce_sum(self.row_sum[r])
@@ -74,7 +75,7 @@ class OnlineSoftmax:
             inv = 0.0 if empty else cute.arch.rcp_approx(row_sum)
             acc_O_mn[r, None] = acc_O_mn[r, None].load() * inv
             lse[r] = (
-                cutlass.Float32.inf
+                empty_lse
                 if empty
                 else (self.row_max[r] * self.scale_log2 + cute.math.log2(row_sum, fastmath=True)) * LN2
             )

@@ -1,0 +1,133 @@
+"""Append-KV with rotary embedding: write the new keys and values of `flash_attn_with_kvcache`
+into the cache at cache_seqlens[b] (contiguous rows or pages), rotating k on the way, and rotate
+q into a fresh buffer.
+
+One CTA per (token, batch, head); threads walk the head dim. Rotary works in fp32 and rounds
+once, like the reference: interleaved rotates pairs (x[2j], x[2j + 1]), the GPT-NeoX form pairs
+(x[j], x[j + rotary_dim / 2]), both by the angle of row `pos`, column j of cos/sin; features past
+rotary_dim are copied. Keys are rotated at their cache positions cache_seqlens[b] + i; q rows
+at cache_seqlens[b] + i when the mask is causal or local, else all at cache_seqlens[b]
+(flash-attn's rule).
+
+flash-attn 2.8.3 does this inside its split-KV kernel; here it is a separate launch just before
+it on the same stream (see docs/perf.md for what that costs at decode sizes).
+"""
+import cutlass
+import cutlass.cute as cute
+
+NUM_THREADS = 128
+
+
+class AppendKV:
+    def __init__(self, dtype, paged: bool, has_batch_idx: bool, rotary: bool, interleaved: bool,
+                 q_per_row: bool):
+        self.dtype = dtype
+        self.paged = paged
+        self.has_batch_idx = has_batch_idx
+        self.rotary = rotary
+        self.interleaved = interleaved
+        self.q_per_row = q_per_row
+
+    @cute.jit
+    def __call__(self, mKnew: cute.Tensor, mVnew: cute.Tensor, mKcache: cute.Tensor, mVcache: cute.Tensor,
+                 mCacheSeqlens: cute.Tensor, mBatchIdx: cute.Tensor, mBlockTable: cute.Tensor,
+                 mCos: cute.Tensor, mSin: cute.Tensor, mQ: cute.Tensor, mQrot: cute.Tensor, stream):
+        """mKnew/mVnew (batch, seqlen_new, heads_k, d); caches (batch_cache, seqlen_cache, heads_k,
+        d) or paged (num_blocks, page_size, heads_k, d) with mBlockTable (batch, max_blocks);
+        mCos/mSin (seqlen_ro, rotary_dim / 2); mQ -> mQrot (batch, seqlen_q, heads, d), touched
+        only when rotary is on."""
+        rows = mKnew.shape[1]
+        if cutlass.const_expr(self.rotary):
+            rows = rows + mQ.shape[1]
+        self.kernel(mKnew, mVnew, mKcache, mVcache, mCacheSeqlens,
+                    mBatchIdx if cutlass.const_expr(self.has_batch_idx) else None,
+                    mBlockTable if cutlass.const_expr(self.paged) else None,
+                    mCos, mSin, mQ, mQrot).launch(
+            grid=[rows, mKnew.shape[0], mQ.shape[2]], block=[NUM_THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mKnew: cute.Tensor, mVnew: cute.Tensor, mKcache: cute.Tensor, mVcache: cute.Tensor,
+               mCacheSeqlens: cute.Tensor, mBatchIdx, mBlockTable, mCos: cute.Tensor, mSin: cute.Tensor,
+               mQ: cute.Tensor, mQrot: cute.Tensor):
+        x, bidb, bidh = cute.arch.block_idx()
+        seqlen_new = mKnew.shape[1]
+        start = mCacheSeqlens[bidb]
+        if x < seqlen_new:
+            if bidh < mKnew.shape[2]:
+                pos = start + x
+                if cutlass.const_expr(self.paged):
+                    page_size = mKcache.shape[1]
+                    page = mBlockTable[bidb, pos // page_size]
+                    self.write_row(mKnew[bidb, x, bidh, None], mVnew[bidb, x, bidh, None],
+                                   mKcache[page, pos % page_size, bidh, None],
+                                   mVcache[page, pos % page_size, bidh, None], mCos, mSin, pos)
+                else:
+                    row_b = bidb
+                    if cutlass.const_expr(self.has_batch_idx):
+                        row_b = mBatchIdx[bidb]
+                    self.write_row(mKnew[bidb, x, bidh, None], mVnew[bidb, x, bidh, None],
+                                   mKcache[row_b, pos, bidh, None], mVcache[row_b, pos, bidh, None],
+                                   mCos, mSin, pos)
+        else:
+            if cutlass.const_expr(self.rotary):
+                i = x - seqlen_new
+                pos = start
+                if cutlass.const_expr(self.q_per_row):
+                    pos = start + i
+                self.rotate(mQ[bidb, i, bidh, None], mQrot[bidb, i, bidh, None], mCos, mSin, pos)
+
+    @cute.jit
+    def write_row(self, k_row, v_row, k_dst, v_dst, mCos, mSin, pos):
+        tidx, _, _ = cute.arch.thread_idx()
+        for c in cutlass.range(tidx, v_row.shape[0], NUM_THREADS, unroll=1):
+            v_dst[c] = v_row[c]
+        self.rotate(k_row, k_dst, mCos, mSin, pos)
+
+    @cute.jit
+    def rotate(self, src, dst, mCos, mSin, pos):
+        """dst = src rotated at position `pos` (or copied when rotary is off)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        half = mCos.shape[1]
+        for c in cutlass.range(tidx, src.shape[0], NUM_THREADS, unroll=1):
+            if cutlass.const_expr(not self.rotary):
+                dst[c] = src[c]
+            else:
+                if c < 2 * half:
+                    val = src[c].to(cutlass.Float32)
+                    if cutlass.const_expr(self.interleaved):
+                        cos = mCos[pos, c // 2].to(cutlass.Float32)
+                        sin = mSin[pos, c // 2].to(cutlass.Float32)
+                        if c % 2 == 0:
+                            dst[c] = (val * cos - src[c + 1].to(cutlass.Float32) * sin).to(self.dtype)
+                        else:
+                            dst[c] = (val * cos + src[c - 1].to(cutlass.Float32) * sin).to(self.dtype)
+                    else:
+                        if c < half:
+                            cos = mCos[pos, c].to(cutlass.Float32)
+                            sin = mSin[pos, c].to(cutlass.Float32)
+                            dst[c] = (val * cos - src[c + half].to(cutlass.Float32) * sin).to(self.dtype)
+                        else:
+                            cos = mCos[pos, c - half].to(cutlass.Float32)
+                            sin = mSin[pos, c - half].to(cutlass.Float32)
+                            dst[c] = (val * cos + src[c - half].to(cutlass.Float32) * sin).to(self.dtype)
+                else:
+                    dst[c] = src[c]
+
+
+def fake_append_args(kernel: AppendKV):
+    from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+
+    def tensor(dt, rank, align=4):
+        shape = tuple(cute.sym_int() for _ in range(rank))
+        stride = tuple(cute.sym_int64() for _ in range(rank - 1)) + (1,)
+        return make_fake_tensor(dt, shape, stride, assumed_align=align)
+
+    el = kernel.dtype
+    return ([tensor(el, 4) for _ in range(4)] + [tensor(cutlass.Int32, 1), tensor(cutlass.Int32, 1),
+            tensor(cutlass.Int32, 2), tensor(el, 2), tensor(el, 2), tensor(el, 4), tensor(el, 4),
+            make_fake_stream(use_tvm_ffi_env_stream=True)])
+
+
+def compile_append(kernel: AppendKV, arch_option: str = ""):
+    options = f"--enable-tvm-ffi {arch_option}".strip()
+    return cute.compile(kernel, *fake_append_args(kernel), options=options)

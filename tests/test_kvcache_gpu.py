@@ -1,0 +1,173 @@
+"""`flash_attn_with_kvcache` against `cute_flash.reference.attention_kvcache_ref` on the GPU:
+decode and chunked prefill, ragged cache_seqlens, cache_batch_idx permutations, leftpad, paged
+caches with shuffled tables, GQA ratios 1..16, rotary (interleaved or not), forced num_splits;
+the caches after the append are checked element by element (appended rows against the
+reference, every other element unchanged), and every num_splits agrees with num_splits=1."""
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cute_flash.reference import attention_kvcache_ref
+from tests.gpu_utils import assert_matches_reference, poison_allocator
+
+pytestmark = pytest.mark.gpu
+
+GPU_SETTINGS = settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck))
+SPLITS = [0, 1, 2, 7, 32]
+
+
+def _ref_with(k, v):
+    """The reference as assert_matches_reference calls it: (q, k_cache, v_cache, **opts), with
+    the appended k, v bound here."""
+    def ref(q, k_cache, v_cache, upcast=True, **opts):
+        out, lse, _, _ = attention_kvcache_ref(q, k_cache, v_cache, k, v, upcast=upcast, **opts)
+        return out, lse
+    return ref
+
+
+def _rotary(capacity, rotary_dim, dtype):
+    angle = torch.rand(capacity, rotary_dim // 2, device="cuda") * 6.3
+    return angle.cos().to(dtype), angle.sin().to(dtype)
+
+
+def _appended_rows(shape, cache_seqlens, seqlen_new, batch_idx=None, block_table=None):
+    """Boolean (rows, seqlen) mask of the cache rows the append writes."""
+    mask = torch.zeros(shape[:2], dtype=torch.bool, device="cuda")
+    for i, start in enumerate(cache_seqlens.tolist()):
+        pos = torch.arange(start, start + seqlen_new, device="cuda")
+        if block_table is None:
+            row = i if batch_idx is None else int(batch_idx[i])
+            mask[row, pos] = True
+        else:
+            mask[block_table[i, pos // shape[1]].long(), pos % shape[1]] = True
+    return mask
+
+
+def run_case(b, sq, h, hk, d, dtype, capacity, seqlens, seqlen_new, num_splits, page_size=None,
+             batch_idx=False, leftpad=None, rotary=None, causal=False, window=(-1, -1), softcap=0.0,
+             alibi=False):
+    """Build a cache, run flash_attn_with_kvcache once with num_splits and once with 1, and
+    check output, LSE and both caches."""
+    from cute_flash import flash_attn_with_kvcache
+
+    cache_seqlens = torch.tensor(seqlens, dtype=torch.int32, device="cuda")
+    block_table = None
+    if page_size is None:
+        rows = b + 2 if batch_idx else b
+        k_cache = torch.randn(rows, capacity, hk, d, device="cuda", dtype=dtype)
+    else:
+        per_seq = capacity // page_size
+        num_blocks = b * per_seq + 3
+        k_cache = torch.randn(num_blocks, page_size, hk, d, device="cuda", dtype=dtype)
+        block_table = torch.randperm(num_blocks, device="cuda")[: b * per_seq].view(b, per_seq).int()
+    v_cache = torch.randn_like(k_cache)
+    q = torch.randn(b, sq, h, d, device="cuda", dtype=dtype)
+    k = v = None
+    if seqlen_new:
+        k, v = (torch.randn(b, seqlen_new, hk, d, device="cuda", dtype=dtype) for _ in range(2))
+    opts = dict(cache_seqlens=cache_seqlens, block_table=block_table, causal=causal, window_size=window,
+                softcap=softcap)
+    if batch_idx:
+        opts["cache_batch_idx"] = torch.randperm(b + 2, device="cuda")[:b].int()
+    if leftpad is not None:
+        opts["cache_leftpad"] = torch.tensor(leftpad, dtype=torch.int32, device="cuda")
+    if rotary is not None:
+        rotary_dim, interleaved = rotary
+        opts["rotary_cos"], opts["rotary_sin"] = _rotary(capacity, rotary_dim, dtype)
+        opts["rotary_interleaved"] = interleaved
+    if alibi:
+        opts["alibi_slopes"] = torch.rand(h, device="cuda", dtype=torch.float32)
+
+    k_orig, v_orig = k_cache.clone(), v_cache.clone()
+    _, _, k_ref, v_ref = attention_kvcache_ref(q, k_orig, v_orig, k, v, **opts)
+    poison_allocator()
+    out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, num_splits=num_splits,
+                                       return_softmax_lse=True, **opts)
+    torch.cuda.synchronize()
+    assert_matches_reference(out, lse, q, k_orig, v_orig, ref_fn=_ref_with(k, v), **opts)
+
+    # The caches: appended rows as the reference writes them (rotary rounding may differ by an
+    # ulp of the element type), everything else untouched.
+    appended = _appended_rows(k_cache.shape, cache_seqlens, seqlen_new, opts.get("cache_batch_idx"),
+                              block_table)
+    for ours, orig, ref in ((k_cache, k_orig, k_ref), (v_cache, v_orig, v_ref)):
+        assert torch.equal(ours[~appended], orig[~appended]), "cache changed outside the appended rows"
+        torch.testing.assert_close(ours[appended], ref[appended], rtol=2 ** -7, atol=2 ** -7)
+    assert torch.equal(v_cache[appended], v_ref[appended])
+
+    # Appending the same rows again writes the same values: rerun unsplit and compare.
+    one, one_lse = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, num_splits=1,
+                                           return_softmax_lse=True, **opts)
+    _, bar = assert_matches_reference(one, one_lse, q, k_orig, v_orig, ref_fn=_ref_with(k, v), **opts)
+    assert (out.float() - one.float()).abs().max().item() <= bar
+    fin = torch.isfinite(one_lse)
+    assert torch.equal(torch.isfinite(lse), fin)
+    if fin.any():
+        assert (lse[fin] - one_lse[fin]).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("num_splits", SPLITS)
+@pytest.mark.parametrize("paged", [False, True])
+@GPU_SETTINGS
+@given(data=st.data(), b=st.integers(1, 4), ratio=st.sampled_from([1, 2, 4, 8, 16]), hk=st.sampled_from([1, 2]),
+       d=st.one_of(st.sampled_from([64, 128, 256]), st.integers(1, 32).map(lambda x: 8 * x)),
+       sq=st.one_of(st.just(1), st.integers(1, 128)), dtype=st.sampled_from([torch.float16, torch.bfloat16]),
+       mask=st.sampled_from(["none", "causal", "window", "softcap", "alibi"]))
+def test_kvcache_matches_reference(data, b, ratio, hk, d, sq, dtype, mask, paged, num_splits):
+    page_size = data.draw(st.sampled_from([16, 48, 64, 256])) if paged else None
+    capacity = data.draw(st.sampled_from([1, 2, 8, 32, 64, 100, 160]).map(lambda n: n * (page_size or 16)))
+    seqlen_new = data.draw(st.sampled_from([0, 0, 1, sq, min(sq, 5)]))
+    seqlen_new = min(seqlen_new, capacity)
+    if seqlen_new:
+        sq = min(sq, capacity)
+    seqlens = data.draw(st.lists(st.integers(0, capacity - seqlen_new), min_size=b, max_size=b))
+    batch_idx = not paged and data.draw(st.booleans())
+    leftpad = None
+    if not paged and data.draw(st.booleans()):
+        leftpad = [data.draw(st.integers(0, s)) for s in seqlens]
+    rotary = None
+    if seqlen_new == sq and data.draw(st.booleans()):
+        # Rotary reads cos/sin at the query positions too (cache_seqlens + i when causal or
+        # local), which only stay inside the table when the queries are the appended tokens.
+        rotary = (data.draw(st.sampled_from([d, d // 2, min(16, d)])), data.draw(st.booleans()))
+    opts = dict(causal=mask == "causal", alibi=mask == "alibi",
+                softcap=20.0 if mask == "softcap" else 0.0,
+                window=(data.draw(st.integers(0, 300)), data.draw(st.integers(0, 40))) if mask == "window" else (-1, -1))
+    run_case(b, sq, hk * ratio, hk, d, dtype, capacity, seqlens, seqlen_new, num_splits, page_size,
+             batch_idx, leftpad, rotary, **opts)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("num_splits", [0, 1, 32])
+def test_long_cache_decode(paged, num_splits):
+    """32k-token caches, ragged, one query row, GQA 32/8, d 128: the decode shape."""
+    run_case(2, 1, 32, 8, 128, torch.bfloat16, 32768, [32767, 5000], 1, num_splits,
+             256 if paged else None, rotary=(128, False))
+
+
+@pytest.mark.parametrize("opts", [
+    dict(causal=True, rotary=(64, True)), dict(window=(100, 0), rotary=(32, False)),
+    dict(leftpad=[3, 0, 40], causal=True, rotary=(64, False)), dict(batch_idx=True, alibi=True),
+])
+def test_chunked_prefill(opts):
+    run_case(3, 77, 8, 2, 64, torch.float16, 512, [100, 0, 300], 77, 0, **opts)
+
+
+def test_unaligned_head_dim_cache_is_updated_in_place():
+    """A d=20 cache stored in rows of 24 (strides allow 128-bit copies, the head dim does not):
+    the launcher works on padded copies and must still leave the append in the caller's cache."""
+    from cute_flash import flash_attn_with_kvcache
+
+    storage = torch.randn(2, 64, 2, 24, device="cuda", dtype=torch.bfloat16)
+    k_cache, v_cache = storage[..., :20], storage.clone()[..., :20]
+    q = torch.randn(2, 3, 4, 20, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 3, 2, 20, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    seqlens = torch.tensor([5, 60], dtype=torch.int32, device="cuda")
+    ref, ref_lse, k_ref, v_ref = attention_kvcache_ref(q, k_cache.clone(), v_cache.clone(), k, v,
+                                                       cache_seqlens=seqlens, causal=True)
+    out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens, causal=True,
+                                       return_softmax_lse=True)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    assert (out.float() - ref.float()).abs().max().item() < 2e-2
+    assert (lse - ref_lse).abs().max().item() < 1e-3

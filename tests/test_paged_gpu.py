@@ -1,0 +1,92 @@
+"""Paged KV through `flash_attn_varlen_func(..., block_table=...)` on the GPU: shuffled block
+tables, page sizes from 16 to 512 (smaller and larger than a key block), against the reference
+and bitwise against the same keys stored contiguously."""
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cute_flash.reference import attention_varlen_ref
+from tests.gpu_utils import assert_matches_reference, poison_allocator
+
+pytestmark = pytest.mark.gpu
+
+GPU_SETTINGS = settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+PAGE_SIZES = [16, 32, 48, 64, 80, 128, 256, 512]
+
+
+def _cu(lengths):
+    return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+
+
+def paged_cache(lk, page_size, hk, d, dtype, generator=None, spare_pages=3):
+    """A paged cache holding sequences of lengths lk in shuffled pages, plus the same keys and
+    values packed contiguously: (k_pages, v_pages, block_table, k_packed, v_packed). Table
+    entries past a sequence's pages point at real (unrelated) pages: the kernel must not read them."""
+    pages_per_seq = [max(1, -(-n // page_size)) for n in lk]
+    max_pages = max(pages_per_seq) + 1
+    num_blocks = sum(pages_per_seq) + spare_pages
+    k_pages = torch.randn(num_blocks, page_size, hk, d, device="cuda", dtype=dtype)
+    v_pages = torch.randn(num_blocks, page_size, hk, d, device="cuda", dtype=dtype)
+    perm = torch.randperm(num_blocks, generator=generator).tolist()
+    table = torch.randint(0, num_blocks, (len(lk), max_pages), dtype=torch.int32)
+    ks, vs = [], []
+    for i, (n, p) in enumerate(zip(lk, pages_per_seq)):
+        ids = [perm.pop() for _ in range(p)]
+        table[i, :p] = torch.tensor(ids, dtype=torch.int32)
+        ks.append(k_pages[ids].flatten(0, 1)[:n])
+        vs.append(v_pages[ids].flatten(0, 1)[:n])
+    return k_pages, v_pages, table.cuda(), torch.cat(ks), torch.cat(vs)
+
+
+def _run(q, k, v, cu_q, cu_k, lq, lk, **opts):
+    from cute_flash import flash_attn_varlen_func
+
+    poison_allocator()
+    out, lse, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lq), max(lk), return_attn_probs=True, **opts)
+    torch.cuda.synchronize()
+    return out, lse
+
+
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+@pytest.mark.parametrize("causal", [False, True])
+@GPU_SETTINGS
+@given(data=st.data(), hh=st.sampled_from([(2, 2), (4, 1), (8, 2)]),
+       d=st.one_of(st.sampled_from([64, 128, 256]), st.integers(1, 256)),
+       dtype=st.sampled_from([torch.float16, torch.bfloat16]))
+def test_paged_matches_reference_and_contiguous(data, hh, d, causal, page_size, dtype):
+    lq = data.draw(st.lists(st.one_of(st.sampled_from([0, 1, 17, 64, 129]), st.integers(0, 400)),
+                            min_size=1, max_size=5))
+    lk = data.draw(st.lists(st.one_of(st.sampled_from([1, 15, 16, 17, 63, 64, 65]), st.integers(0, 700)),
+                            min_size=len(lq), max_size=len(lq)))
+    if max(lk) == 0:
+        lk[0] = 1
+    h, hk = hh
+    k_pages, v_pages, table, k, v = paged_cache(lk, page_size, hk, d, dtype)
+    q = torch.randn(sum(lq), h, d, device="cuda", dtype=dtype)
+    cu_q, cu_k = _cu(lq), _cu(lk)
+    out, lse = _run(q, k_pages, v_pages, cu_q, cu_k, lq, lk, causal=causal, block_table=table)
+    assert_matches_reference(out, lse, q, k_pages, v_pages, ref_fn=attention_varlen_ref, cu_seqlens_q=cu_q,
+                             cu_seqlens_k=cu_k, block_table=table, causal=causal)
+    flat, flat_lse = _run(q, k, v, cu_q, cu_k, lq, lk, causal=causal)
+    assert torch.equal(out, flat) and torch.equal(lse, flat_lse)
+
+
+@pytest.mark.parametrize("opts", [
+    dict(window_size=(70, 10)), dict(softcap=15.0), dict(alibi=True, causal=True),
+    dict(seqused=True, causal=True),
+])
+@pytest.mark.parametrize("page_size", [16, 256])
+def test_paged_modifiers(opts, page_size):
+    lq, lk = [1, 100, 257, 33], [300, 1, 129, 600]
+    k_pages, v_pages, table, _, _ = paged_cache(lk, page_size, 2, 128, torch.bfloat16)
+    q = torch.randn(sum(lq), 4, 128, device="cuda", dtype=torch.bfloat16)
+    opts = dict(opts)
+    if opts.pop("alibi", False):
+        opts["alibi_slopes"] = torch.rand(4, device="cuda", dtype=torch.float32)
+    if opts.pop("seqused", False):
+        opts["seqused_k"] = torch.tensor([0, 1, 100, 599], dtype=torch.int32, device="cuda")
+    cu_q, cu_k = _cu(lq), _cu(lk)
+    out, lse = _run(q, k_pages, v_pages, cu_q, cu_k, lq, lk, block_table=table, **opts)
+    assert_matches_reference(out, lse, q, k_pages, v_pages, ref_fn=attention_varlen_ref, cu_seqlens_q=cu_q,
+                             cu_seqlens_k=cu_k, block_table=table, **opts)
