@@ -765,36 +765,41 @@ def fwd_variants(arch: int, full: bool = False):
     """(traits, flags) pairs the dispatcher can choose on `arch`.
 
     full: every forward traits times every dense and varlen flag combination, and every
-    KV-cache traits times every cache flag combination (causal or not). Otherwise a covering
-    subset for CI (a compile takes 4-14 s on its 2 cores): every shipped traits once (causal),
-    on sm_90 every score-flag combination on one traits, and the varlen, paged, split, leftpad
-    and batch-index variants on one traits each (the flags change the same code on both archs).
+    KV-cache traits times every cache flag combination (causal or not).
+    Otherwise a covering subset for CI (a compile takes 5-20 s on its 2 cores): every head-dim
+    bucket of both kernels (forward and KV-cache), fp16 on sm_80 and bf16 on sm_90 (the dtype
+    only changes the MMA atom); the varlen, seqused_k and paged variants; and on sm_90 each
+    score flag alone and all together, each cache flag alone and the split + paged pair.
     """
     import itertools
 
-    from layouts.traits import HEAD_DIM_BUCKETS, DTYPES
+    from layouts.traits import DTYPES, HEAD_DIM_BUCKETS
 
     combos = [dict(zip(FLAG_NAMES, bits)) for bits in itertools.product((False, True), repeat=len(FLAG_NAMES))]
     causal = dict(has_left=False, has_right=True, has_alibi=False, has_softcap=False, even_k=True)
     fwd_traits = list(dict.fromkeys(choose_fwd_traits(d, dt, arch, c) for d in HEAD_DIM_BUCKETS
                                     for dt in DTYPES for c in (False, True)))
     decode_traits = list(dict.fromkeys(choose_decode_traits(d, dt, arch) for d in HEAD_DIM_BUCKETS for dt in DTYPES))
-    cache_flags = [dict(zip(("paged", "split", "has_leftpad", "has_batch_idx"), bits))
-                   for bits in itertools.product((False, True), repeat=4) if not (bits[0] and (bits[2] or bits[3]))]
+    cache_names = ("paged", "split", "has_leftpad", "has_batch_idx")
+    cache_flags = [dict(zip(cache_names, bits)) for bits in itertools.product((False, True), repeat=4)
+                   if not (bits[0] and (bits[2] or bits[3]))]
     if full:
         varlen = [dict(f, varlen=True, has_seqused_k=u, paged=p) for f in combos
                   for u in (False, True) for p in (False, True)]
         cache = [dict(has_right=r, kvcache=True, **c) for r in (False, True) for c in cache_flags]
         return [(t, f) for t in fwd_traits for f in combos + varlen] + [(t, f) for t in decode_traits for f in cache]
-    pivot = choose_fwd_traits(128, "bf16", arch)
-    decode_pivot = choose_decode_traits(128, "bf16", arch)
-    subset = [(t, causal) for t in fwd_traits]
-    # KV-cache tiles per head dim, fp16 on sm_80 and bf16 on sm_90 (the dtype only changes the MMA atom).
-    subset += [(t, dict(kvcache=True, split=True)) for t in decode_traits
-               if t.dtype == ("bf16" if arch >= 90 else "fp16")]
+    dtype = "bf16" if arch >= 90 else "fp16"
+    pivot = choose_fwd_traits(128, dtype, arch)
+    decode_pivot = choose_decode_traits(128, dtype, arch)
+    subset = [(t, causal) for t in fwd_traits if t.dtype == dtype]
+    subset += [(t, dict(kvcache=True, split=True)) for t in decode_traits if t.dtype == dtype]
     subset += [(pivot, dict(causal, varlen=True)), (pivot, dict(causal, varlen=True, has_seqused_k=True)),
                (pivot, dict(causal, varlen=True, paged=True))]
     if arch >= 90:
-        subset += [(pivot, f) for f in combos if f != causal]
-        subset += [(decode_pivot, dict(causal, kvcache=True, **c)) for c in cache_flags]
+        all_on = dict(has_left=True, has_right=True, has_alibi=True, has_softcap=True, even_k=False)
+        plain = dict(causal, has_right=False)
+        alone = [dict(plain, **{n: not plain[n]}) for n in FLAG_NAMES if n != "has_right"]
+        subset += [(pivot, f) for f in alone + [all_on]]
+        subset += [(decode_pivot, dict(causal, kvcache=True, **{n: True})) for n in cache_names]
+        subset += [(decode_pivot, dict(causal, kvcache=True, paged=True, split=True))]
     return subset
