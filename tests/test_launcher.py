@@ -210,3 +210,13 @@ def test_append_is_launched_before_attention_with_rotary_options(cache_recorder)
     assert args[0] is k and args[4] is seqlens and args[9] is q
     assert attn[0] is args[10]  # attention reads the rotated q
     assert attn[11] == 1 and attn[10] == 3  # num_splits, k_extra = seqlen_new
+
+
+def test_empty_append_without_rotary_launches_attention_only(cache_recorder):
+    from cute_flash.kernels.fwd import flash_fwd_kvcache
+
+    q = torch.randn(2, 1, 4, 64, dtype=torch.float16)
+    cache = torch.randn(2, 64, 2, 64, dtype=torch.float16)
+    k = torch.randn(2, 0, 2, 64, dtype=torch.float16)
+    flash_fwd_kvcache(q, cache, cache, k=k, v=k, cache_seqlens=3, softmax_scale=0.1, num_splits=1)
+    assert [kind for kind, _, _ in cache_recorder.calls] == ["attn"]

@@ -685,8 +685,8 @@ def flash_fwd_kvcache(q, k_cache, v_cache, *, k=None, v=None, rotary_cos=None, r
     if causal:
         right = 0
     q = _aligned(q)
-    if k is not None:
-        rotary = rotary_cos is not None
+    rotary = rotary_cos is not None
+    if k is not None and (k.shape[1] > 0 or rotary):  # an empty append grid cannot launch
         k, v = k.contiguous(), v.contiguous()
         q_new = torch.empty_like(q) if rotary else q
         cos = rotary_cos.contiguous() if rotary else q.new_empty((1, 1))
