@@ -10,7 +10,8 @@ at cache_seqlens[b] + i when the mask is causal or local, else all at cache_seql
 (flash-attn's rule).
 
 flash-attn 2.8.3 does this inside its split-KV kernel; here it is a separate launch just before
-it on the same stream (see docs/perf.md for what that costs at decode sizes).
+it on the same stream: one more kernel and one more TVM-FFI call per decode step (not yet timed
+on its own; the decode bench appends nothing).
 """
 import cutlass
 import cutlass.cute as cute

@@ -45,9 +45,10 @@ LOG2E = math.log2(math.e)
 
 
 class FlashFwd:
-    """Compile-time configuration: traits plus the mask/modifier flags (each combination is one
-    compiled kernel). Everything else (lengths, strides, window sizes, scales) is a run-time
-    argument."""
+    """Compile-time configuration: traits, the mask/modifier flags, and the input form (dense;
+    varlen; kvcache, with paged / split / has_leftpad / has_batch_idx). Each combination is one
+    compiled kernel; everything else (lengths, strides, window sizes, scales, the split count)
+    is a run-time argument."""
 
     def __init__(self, traits: FwdTraits, has_left: bool = False, has_right: bool = False,
                  has_alibi: bool = False, has_softcap: bool = False, even_k: bool = True,
@@ -380,7 +381,8 @@ class FlashFwd:
     def step(self, n_block, tiled_mma, gmem_tiled_copy_QKV, kv, tKsK, tVsV, tKVcKV, tKVpKV,
              tSrQ, tSrK, tOrVt, acc_o, acc_o_mn, ops, softmax, mask, binfo, m_block,
              n_block_min, score_premul, slope, is_first: cutlass.Constexpr, masked: cutlass.Constexpr):
-        """One key block: S = Q K^T, modifiers, online softmax, O += P V, with the next K in flight."""
+        """One key block: S = Q K^T, modifiers, online softmax, O += P V, with the next K (and,
+        in KV-cache kernels, the next V) in flight."""
         t = self.t
         copy_Q, tSsQ, tSrQ_view, copy_K, tSsK, tSrK_view, copy_V, tOsVt, tOrVt_view = ops
         acc_s = cute.make_rmem_tensor(tiled_mma.get_slice(0).partition_shape_C((t.block_m, t.block_n)),
