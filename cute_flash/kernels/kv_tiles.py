@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import cutlass
 import cutlass.cute as cute
 
-from cute_flash.kernels.tile_copy import copy_tile
+from cute_flash.kernels.tile_copy import copy_row, copy_tile
 
 
 @dataclass(frozen=True)
@@ -84,11 +84,4 @@ class KVTiles:
         shifted by `shift` rows so that the copy's own row offset lands on the right page row."""
         mX_page = cute.domain_offset((page, shift, 0), mX)
         src = self.thr_copy.partition_S(cute.local_tile(mX_page[0, None, None], (self.bn, self.d), (0, 0)))
-        for k in cutlass.range_constexpr(cute.size(dst, mode=[2])):
-            if cutlass.const_expr(self.even_k):
-                cute.copy(tiled_copy, src[None, m, k], dst[None, m, k])
-            else:
-                if tKVpKV[k]:
-                    cute.copy(tiled_copy, src[None, m, k], dst[None, m, k])
-                else:
-                    dst[None, m, k].fill(0)
+        copy_row(tiled_copy, src, dst, m, tKVpKV, self.even_k, True)

@@ -35,15 +35,22 @@ def copy_tile(tiled_copy: cute.TiledCopy, src: cute.Tensor, dst: cute.Tensor, tX
             if cutlass.const_expr(check_rows):
                 row_ok = cute.elem_less(tXcX[0, m, 0][0], max_rows)
             if row_ok:
-                for k in cutlass.range_constexpr(cute.size(dst, mode=[2])):
-                    if cutlass.const_expr(even_k):
-                        cute.copy(tiled_copy, src[None, m, k], dst[None, m, k])
-                    else:
-                        if kpred[k]:
-                            cute.copy(tiled_copy, src[None, m, k], dst[None, m, k])
-                        else:
-                            if cutlass.const_expr(zero_fill):
-                                dst[None, m, k].fill(0)
+                copy_row(tiled_copy, src, dst, m, kpred, even_k, zero_fill)
             else:
                 if cutlass.const_expr(zero_fill):
                     dst[None, m, None].fill(0)
+
+
+@cute.jit
+def copy_row(tiled_copy: cute.TiledCopy, src: cute.Tensor, dst: cute.Tensor, m: cutlass.Constexpr,
+             kpred: cute.Tensor, even_k: cutlass.Constexpr, zero_fill: cutlass.Constexpr):
+    """Row m of (CPY, CPY_ROWS, CPY_K) partitions: the 16-byte chunks inside the head dim."""
+    for k in cutlass.range_constexpr(cute.size(dst, mode=[2])):
+        if cutlass.const_expr(even_k):
+            cute.copy(tiled_copy, src[None, m, k], dst[None, m, k])
+        else:
+            if kpred[k]:
+                cute.copy(tiled_copy, src[None, m, k], dst[None, m, k])
+            else:
+                if cutlass.const_expr(zero_fill):
+                    dst[None, m, k].fill(0)
