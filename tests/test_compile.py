@@ -9,6 +9,7 @@ import pytest
 pytest.importorskip("cutlass")
 
 from cute_flash.kernels.fwd import ALL_FLAG_NAMES, FLAG_NAMES, FlashFwd, compile_fwd, fwd_variants  # noqa: E402
+from cute_flash.kernels.fake import arch_option  # noqa: E402
 from cute_flash.kernels.roundtrip import OPERANDS, TileRoundTrip  # noqa: E402
 from layouts.traits import SMEM_LIMIT, shipped_fwd_traits  # noqa: E402
 
@@ -61,7 +62,7 @@ def test_combine_kernel_compiles(arch, head_dim):
     from cute_flash.kernels.combine import compile_combine
 
     dtype = cutlass.BFloat16 if arch >= 90 else cutlass.Float16
-    assert compile_combine(head_dim, dtype, f"--gpu-arch=sm_{arch}{'a' if arch >= 90 else ''}") is not None
+    assert compile_combine(head_dim, dtype, arch) is not None
 
 
 @pytest.mark.parametrize("arch", [80, 90])
@@ -74,7 +75,7 @@ def test_append_kernel_compiles(arch, paged, batch_idx, rotary, interleaved, q_p
     from cute_flash.kernels.append import AppendKV, compile_append
 
     kernel = AppendKV(cutlass.Float16, paged, batch_idx, rotary, interleaved, q_per_row)
-    assert compile_append(kernel, f"--gpu-arch=sm_{arch}{'a' if arch >= 90 else ''}") is not None
+    assert compile_append(kernel, arch) is not None
 
 
 @pytest.mark.parametrize("arch", [80, 90])
@@ -89,5 +90,5 @@ def test_roundtrip_kernel_compiles(arch, operand):
         el = cutlass.BFloat16 if traits.dtype == "bf16" else cutlass.Float16
         x, y = (make_fake_compact_tensor(el, (cute.sym_int(), traits.head_dim), stride_order=(1, 0),
                                          assumed_align=16) for _ in range(2))
-        opt = f"--gpu-arch=sm_{arch}{'a' if arch >= 90 else ''}"
+        opt = arch_option(arch)
         assert cute.compile(TileRoundTrip(traits, operand), x, y, make_fake_stream(), options=opt) is not None

@@ -16,6 +16,8 @@ on its own; the decode bench appends nothing).
 import cutlass
 import cutlass.cute as cute
 
+from cute_flash.kernels.fake import compile_tvm_ffi, fake_stream, fake_tensor
+
 NUM_THREADS = 128
 
 
@@ -116,19 +118,10 @@ class AppendKV:
 
 
 def fake_append_args(kernel: AppendKV):
-    from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
-
-    def tensor(dt, rank, align=4):
-        shape = tuple(cute.sym_int() for _ in range(rank))
-        stride = tuple(cute.sym_int64() for _ in range(rank - 1)) + (1,)
-        return make_fake_tensor(dt, shape, stride, assumed_align=align)
-
-    el = kernel.dtype
-    return ([tensor(el, 4) for _ in range(4)] + [tensor(cutlass.Int32, 1), tensor(cutlass.Int32, 1),
-            tensor(cutlass.Int32, 2), tensor(el, 2), tensor(el, 2), tensor(el, 4), tensor(el, 4),
-            make_fake_stream(use_tvm_ffi_env_stream=True)])
+    el, i32 = kernel.dtype, cutlass.Int32
+    return ([fake_tensor(el, 4) for _ in range(4)] + [fake_tensor(i32, 1), fake_tensor(i32, 1), fake_tensor(i32, 2)]
+            + [fake_tensor(el, 2), fake_tensor(el, 2), fake_tensor(el, 4), fake_tensor(el, 4), fake_stream()])
 
 
-def compile_append(kernel: AppendKV, arch_option: str = ""):
-    options = f"--enable-tvm-ffi {arch_option}".strip()
-    return cute.compile(kernel, *fake_append_args(kernel), options=options)
+def compile_append(kernel: AppendKV, arch: int | None = None, extra_options: str = ""):
+    return compile_tvm_ffi(kernel, fake_append_args(kernel), arch, extra_options)

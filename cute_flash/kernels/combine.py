@@ -17,6 +17,7 @@ import math
 import cutlass
 import cutlass.cute as cute
 
+from cute_flash.kernels.fake import compile_tvm_ffi, fake_stream, fake_tensor
 from layouts.traits import HEAD_DIM_BUCKETS
 
 LOG2E = math.log2(math.e)
@@ -85,21 +86,10 @@ class FlashCombine:
 
 
 def fake_combine_args(head_dim: int, dtype):
-    from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
-
-    def tensor(dt, rank, static_last=None, align=4):
-        shape = tuple(cute.sym_int() for _ in range(rank - 1)) + (static_last or cute.sym_int(),)
-        stride = tuple(cute.sym_int64() for _ in range(rank - 1)) + (1,)
-        return make_fake_tensor(dt, shape, stride, assumed_align=align)
-
-    oacc = make_fake_tensor(cutlass.Float32, tuple(cute.sym_int() for _ in range(4)) + (head_dim,),
-                            tuple(cute.sym_int64(divisibility=VEC) for _ in range(4)) + (1,), assumed_align=16)
-    o = make_fake_tensor(dtype, tuple(cute.sym_int() for _ in range(4)),
-                         tuple(cute.sym_int64(divisibility=8) for _ in range(3)) + (1,), assumed_align=16)
-    return [oacc, tensor(cutlass.Float32, 4), o, tensor(cutlass.Float32, 3),
-            make_fake_stream(use_tvm_ffi_env_stream=True)]
+    oacc = fake_tensor(cutlass.Float32, 5, VEC, 16, last_extent=head_dim)
+    return [oacc, fake_tensor(cutlass.Float32, 4), fake_tensor(dtype, 4, 8, 16), fake_tensor(cutlass.Float32, 3),
+            fake_stream()]
 
 
-def compile_combine(head_dim: int, dtype, arch_option: str = ""):
-    options = f"--enable-tvm-ffi {arch_option}".strip()
-    return cute.compile(FlashCombine(head_dim, dtype), *fake_combine_args(head_dim, dtype), options=options)
+def compile_combine(head_dim: int, dtype, arch: int | None = None, extra_options: str = ""):
+    return compile_tvm_ffi(FlashCombine(head_dim, dtype), fake_combine_args(head_dim, dtype), arch, extra_options)

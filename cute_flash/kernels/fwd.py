@@ -31,6 +31,7 @@ import torch
 
 from cute_flash.compile_cache import get_or_compile
 from cute_flash.kernels.block_info import BlockInfo
+from cute_flash.kernels.fake import compile_tvm_ffi, fake_stream, fake_tensor
 from cute_flash.kernels.kv_tiles import KVTiles
 from cute_flash.kernels.gemm import gemm_rs, gemm_ss
 from cute_flash.kernels.mask import Mask, apply_alibi
@@ -454,32 +455,22 @@ _DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 _ELEMENT = {torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16}
 
 
-def _arch_option(arch: int | None) -> str:
-    return "" if arch is None else f"--gpu-arch=sm_{arch}{'a' if arch >= 90 else ''}"
-
-
 def fake_fwd_args(kernel: FlashFwd):
     """Placeholders for compiling `kernel`'s entry: every extent dynamic, every element-tensor
     stride but the last a multiple of 8 (the launcher guarantees it), int32 vectors and tables
     dense in their last dim, plus a stream taken from the caller (torch's current stream) at
     call time."""
-    from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
-
-    def tensor(dtype, rank, align_stride, assumed_align):
-        shape = tuple(cute.sym_int() for _ in range(rank))
-        stride = tuple(cute.sym_int64(divisibility=align_stride) for _ in range(rank - 1)) + (1,)
-        return make_fake_tensor(dtype, shape, stride, assumed_align=assumed_align)
 
     def elems(rank):
-        return tensor(kernel.dtype, rank, _ALIGN, 16)
+        return fake_tensor(kernel.dtype, rank, _ALIGN, 16)
 
     def f32(rank):
-        return tensor(cutlass.Float32, rank, 1, 4)
+        return fake_tensor(cutlass.Float32, rank)
 
     def i32(rank):
-        return tensor(cutlass.Int32, rank, 1, 4)
+        return fake_tensor(cutlass.Int32, rank)
 
-    scalars = [1.0, 1.0, 1.0, -1, -1, make_fake_stream(use_tvm_ffi_env_stream=True)]
+    scalars = [1.0, 1.0, 1.0, -1, -1, fake_stream()]
     kv_rank = 4 if kernel.paged or not kernel.varlen else 3
     if kernel.varlen:
         return ([elems(3), elems(kv_rank), elems(kv_rank), elems(3), f32(2), f32(2)]
@@ -494,9 +485,8 @@ def fake_fwd_args(kernel: FlashFwd):
 def compile_fwd(kernel: FlashFwd, arch: int | None = None, extra_options: str = ""):
     """Build the cubin for `kernel`, callable through TVM-FFI with torch tensors. arch=None
     targets the current GPU; an explicit arch (80, 90) needs no GPU (nothing is launched)."""
-    options = f"--enable-tvm-ffi {_arch_option(arch)} {extra_options}".strip()
     entry = kernel.call_varlen if kernel.varlen else kernel.call_kvcache if kernel.kvcache else kernel
-    return cute.compile(entry, *fake_fwd_args(kernel), options=options)
+    return compile_tvm_ffi(entry, fake_fwd_args(kernel), arch, extra_options)
 
 
 def fwd_kernel_key(traits: FwdTraits, **flags):
