@@ -62,6 +62,7 @@ def recorder(monkeypatch):
     rec = _Recorder()
     monkeypatch.setattr(fwd, "_kernel_for", rec.kernel_for)
     monkeypatch.setattr(fwd, "_no_alibi", lambda index: torch.zeros(1, 1))
+    monkeypatch.setattr(fwd, "_no_table", lambda index: torch.zeros(1, 1, dtype=torch.int32))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     return rec
 
@@ -121,13 +122,12 @@ class _CacheRecorder:
     """Stands in for the KV-cache kernels: records (kind, split flag, args) per launch."""
 
     def __init__(self):
-        self.calls = []
+        self.calls, self.compiled_splits = [], []
 
-    def kernel_for(self, d_pad, dtype, index, *flags):
-        from layouts.traits import choose_decode_traits
-
+    def kernel_for(self, traits, d_pad, index, *flags):
         split = flags[5]
-        return choose_decode_traits(d_pad, "fp16"), lambda *args: self.calls.append(("attn", split, args))
+        self.compiled_splits.append(split)
+        return lambda *args: self.calls.append(("attn", split, args))
 
     def combine_for(self, *key):
         return lambda *args: self.calls.append(("combine", None, args))
@@ -145,6 +145,7 @@ def cache_recorder(monkeypatch):
     monkeypatch.setattr(fwd, "_combine_for", rec.combine_for)
     monkeypatch.setattr(fwd, "_append_for", rec.append_for)
     monkeypatch.setattr(fwd, "_num_sms", lambda index: 132)
+    monkeypatch.setattr(fwd, "_device_arch", lambda index: 90)
     monkeypatch.setattr(fwd, "_no_alibi", lambda index: torch.zeros(1, 1))
     monkeypatch.setattr(fwd, "_no_table", lambda index: torch.zeros(1, 1, dtype=torch.int32))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
@@ -162,6 +163,7 @@ def test_gqa_decode_folds_the_group_into_m_and_splits(cache_recorder):
     out, lse = flash_fwd_kvcache(q, cache, cache, cache_seqlens=seqlens, softmax_scale=0.125, num_splits=3)
     (kind, split, args), (kind2, _, cargs) = cache_recorder.calls
     assert (kind, split, kind2) == ("attn", True, "combine")
+    assert cache_recorder.compiled_splits == [True]  # the unsplit kernel is not built alongside
     q_k, o_acc, lse_acc = args[0], args[3], args[4]
     assert q_k.shape == (2, 4, 2, 64)  # (b, group, nheads_k, d): query head kh * 4 + g at (g, kh)
     for g in range(4):

@@ -596,7 +596,7 @@ def flash_fwd_varlen(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     seqused = cu_seqlens_k if seqused_k is None else seqused_k.contiguous()  # read only if given
     compiled(q, k, v, out, lse, _alibi_2d(alibi_slopes, cu_seqlens_q.shape[0] - 1, h, index),
-             cu_seqlens_q, cu_seqlens_k, seqused, block_table if paged else cu_seqlens_k.view(-1, 1),
+             cu_seqlens_q, cu_seqlens_k, seqused, block_table if paged else _no_table(index),
              max_seqlen_q, *_scales(softmax_scale, softcap), left, right)
     return (out if out.shape[-1] == d else out[..., :d]), lse
 
@@ -607,15 +607,14 @@ def _num_sms(index: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _kvcache_kernel_for(d_pad, dtype, device_index, has_left, has_right, has_alibi, has_softcap, paged,
+def _kvcache_kernel_for(traits, d_pad, device_index, has_left, has_right, has_alibi, has_softcap, paged,
                         split, has_leftpad, has_batch_idx):
     arch = _device_arch(device_index)
-    traits = choose_decode_traits(d_pad, _DTYPE_NAMES[dtype], min(arch, 90))
     flags = dict(has_left=has_left, has_right=has_right, has_alibi=has_alibi, has_softcap=has_softcap,
                  even_k=d_pad == traits.head_dim, paged=paged, kvcache=True, split=split,
                  has_leftpad=has_leftpad, has_batch_idx=has_batch_idx)
     key = fwd_kernel_key(traits, **flags) + (arch,)
-    return traits, get_or_compile(key, lambda: compile_fwd(FlashFwd(traits, **flags)))
+    return get_or_compile(key, lambda: compile_fwd(FlashFwd(traits, **flags)))
 
 
 @functools.lru_cache(maxsize=None)
@@ -738,12 +737,12 @@ def _kvcache_plan(d_pad, dtype, index, b, sq, h, hk, capacity, swap, num_splits,
     calls repeat one signature): traits, split count, the kernels, and the (seqlen_q, heads)
     the kernel sees, (g, nheads_k) after the GQA swap."""
     sq_k, h_k = (h // hk, hk) if swap else (sq, h)
-    traits, _ = _kvcache_kernel_for(d_pad, dtype, index, *flags[:5], False, *flags[5:])
+    traits = choose_decode_traits(d_pad, _DTYPE_NAMES[dtype], min(_device_arch(index), 90))
     n_blocks = -(-capacity // traits.block_n)
     if num_splits == 0:
         num_splits = num_splits_heuristic(b * h_k * -(-sq_k // traits.block_m), _num_sms(index), n_blocks)
     num_splits = max(1, min(num_splits, n_blocks, 128))
-    _, compiled = _kvcache_kernel_for(d_pad, dtype, index, *flags[:5], num_splits > 1, *flags[5:])
+    compiled = _kvcache_kernel_for(traits, d_pad, index, *flags[:5], num_splits > 1, *flags[5:])
     combine = _combine_for(traits.head_dim, dtype, index) if num_splits > 1 else None
     return traits, num_splits, compiled, combine, sq_k, h_k
 
