@@ -58,15 +58,17 @@ def _graph_time_ms(fn):
     return _time_ms(graph.replay)
 
 
-def _sdpa(q, k, v, backend, causal):
+def _sdpa(q, k, v, backend, causal, enable_gqa=False):
+    """SDPA on (b, s, h, d) tensors through one backend, or None where it refuses them."""
     import torch
     from torch.nn.attention import sdpa_kernel
 
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    gqa = {"enable_gqa": True} if enable_gqa else {}  # a keyword torch < 2.5 does not know
 
     def run():
         with sdpa_kernel(backend):
-            return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+            return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, **gqa)
 
     try:
         run()
@@ -207,7 +209,7 @@ def run_decode(batches=DECODE_BATCHES, caches=DECODE_CACHES, paged_cells=((8, 32
     call) for ours (num_splits heuristic), SDPA FLASH and CUDNN on the same contiguous cache (GQA
     through enable_gqa), and ours over shuffled pages at a few cells."""
     import torch
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention import SDPBackend
 
     from cute_flash import flash_attn_with_kvcache
 
@@ -226,18 +228,11 @@ def run_decode(batches=DECODE_BATCHES, caches=DECODE_CACHES, paged_cells=((8, 32
             row["ours_gbs"] = nbytes / _time_ms(ours) / 1e6
             graph_ms = _graph_time_ms(ours)
             row["ours_graph_gbs"] = nbytes / graph_ms / 1e6 if graph_ms else None
-            qt, kt, vt = q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2)
             for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
-                def sdpa(backend=backend):
-                    with sdpa_kernel(backend):
-                        return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
-                try:
-                    sdpa()
-                    row[f"{name}_gbs"] = nbytes / _time_ms(sdpa) / 1e6
-                    graph_ms = _graph_time_ms(sdpa)
-                    row[f"{name}_graph_gbs"] = nbytes / graph_ms / 1e6 if graph_ms else None
-                except RuntimeError:
-                    row[f"{name}_gbs"] = None
+                sdpa = _sdpa(q, kc, vc, backend, False, enable_gqa=True)
+                row[f"{name}_gbs"] = nbytes / _time_ms(sdpa) / 1e6 if sdpa else None
+                graph_ms = _graph_time_ms(sdpa) if sdpa else None
+                row[f"{name}_graph_gbs"] = nbytes / graph_ms / 1e6 if graph_ms else None
             if (b, cache) in paged_cells:
                 for ps in PAGE_SIZES:
                     kp, vp, table = shuffled_pages(kc, vc, ps)
