@@ -32,3 +32,18 @@ def assert_matches_reference(out, lse, q, k, v, ref_fn=attention_ref, **opts):
         lse_err = (lse[fin] - ref_lse[fin]).abs().max().item()
         assert lse_err <= 1e-3, f"LSE error {lse_err:.3e}"
     return err, bar
+
+
+def cu_seqlens(lengths):
+    """int32 prefix sums (batch + 1,) of per-sequence lengths, on the GPU."""
+    return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+
+
+def varlen_attention(q, k, v, cu_q, cu_k, lq, lk, **opts):
+    """flash_attn_varlen_func on a poisoned allocator: (out, lse)."""
+    from cute_flash import flash_attn_varlen_func
+
+    poison_allocator()
+    out, lse, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lq), max(lk), return_attn_probs=True, **opts)
+    torch.cuda.synchronize()
+    return out, lse

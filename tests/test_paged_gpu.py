@@ -7,16 +7,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cute_flash.reference import attention_varlen_ref
-from tests.gpu_utils import assert_matches_reference, poison_allocator
+from tests.gpu_utils import assert_matches_reference, cu_seqlens, varlen_attention
 
 pytestmark = pytest.mark.gpu
 
 GPU_SETTINGS = settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
 PAGE_SIZES = [16, 32, 48, 64, 80, 128, 256, 512]
-
-
-def _cu(lengths):
-    return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
 
 
 def paged_cache(lk, page_size, hk, d, dtype, generator=None, spare_pages=3):
@@ -39,15 +35,6 @@ def paged_cache(lk, page_size, hk, d, dtype, generator=None, spare_pages=3):
     return k_pages, v_pages, table.cuda(), torch.cat(ks), torch.cat(vs)
 
 
-def _run(q, k, v, cu_q, cu_k, lq, lk, **opts):
-    from cute_flash import flash_attn_varlen_func
-
-    poison_allocator()
-    out, lse, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lq), max(lk), return_attn_probs=True, **opts)
-    torch.cuda.synchronize()
-    return out, lse
-
-
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
 @pytest.mark.parametrize("causal", [False, True])
 @GPU_SETTINGS
@@ -64,11 +51,11 @@ def test_paged_matches_reference_and_contiguous(data, hh, d, causal, page_size, 
     h, hk = hh
     k_pages, v_pages, table, k, v = paged_cache(lk, page_size, hk, d, dtype)
     q = torch.randn(sum(lq), h, d, device="cuda", dtype=dtype)
-    cu_q, cu_k = _cu(lq), _cu(lk)
-    out, lse = _run(q, k_pages, v_pages, cu_q, cu_k, lq, lk, causal=causal, block_table=table)
+    cu_q, cu_k = cu_seqlens(lq), cu_seqlens(lk)
+    out, lse = varlen_attention(q, k_pages, v_pages, cu_q, cu_k, lq, lk, causal=causal, block_table=table)
     assert_matches_reference(out, lse, q, k_pages, v_pages, ref_fn=attention_varlen_ref, cu_seqlens_q=cu_q,
                              cu_seqlens_k=cu_k, block_table=table, causal=causal)
-    flat, flat_lse = _run(q, k, v, cu_q, cu_k, lq, lk, causal=causal)
+    flat, flat_lse = varlen_attention(q, k, v, cu_q, cu_k, lq, lk, causal=causal)
     assert torch.equal(out, flat) and torch.equal(lse, flat_lse)
 
 
@@ -86,7 +73,7 @@ def test_paged_modifiers(opts, page_size):
         opts["alibi_slopes"] = torch.rand(4, device="cuda", dtype=torch.float32)
     if opts.pop("seqused", False):
         opts["seqused_k"] = torch.tensor([0, 1, 100, 599], dtype=torch.int32, device="cuda")
-    cu_q, cu_k = _cu(lq), _cu(lk)
-    out, lse = _run(q, k_pages, v_pages, cu_q, cu_k, lq, lk, block_table=table, **opts)
+    cu_q, cu_k = cu_seqlens(lq), cu_seqlens(lk)
+    out, lse = varlen_attention(q, k_pages, v_pages, cu_q, cu_k, lq, lk, block_table=table, **opts)
     assert_matches_reference(out, lse, q, k_pages, v_pages, ref_fn=attention_varlen_ref, cu_seqlens_q=cu_q,
                              cu_seqlens_k=cu_k, block_table=table, **opts)

@@ -7,26 +7,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cute_flash.reference import attention_varlen_ref
-from tests.gpu_utils import assert_matches_reference, poison_allocator
+from tests.gpu_utils import assert_matches_reference, cu_seqlens, poison_allocator, varlen_attention
 
 pytestmark = pytest.mark.gpu
 
 GPU_SETTINGS = settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck))
 seq_lengths = st.lists(st.one_of(st.sampled_from([0, 1, 2, 17, 63, 64, 65, 127, 128, 129]),
                                  st.integers(0, 600)), min_size=1, max_size=6)
-
-
-def _cu(lengths):
-    return torch.tensor([0] + list(torch.tensor(lengths).cumsum(0).tolist()), dtype=torch.int32, device="cuda")
-
-
-def _run(q, k, v, cu_q, cu_k, lq, lk, **opts):
-    from cute_flash import flash_attn_varlen_func
-
-    poison_allocator()
-    out, lse, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lq), max(lk), return_attn_probs=True, **opts)
-    torch.cuda.synchronize()
-    return out, lse
 
 
 def _packed(lq, lk, h, hk, d, dtype):
@@ -46,8 +33,8 @@ def test_varlen_matches_reference(lengths, hh, d, causal, dtype):
     if sum(lk) == 0:
         lk[0] = 1
     q, k, v = _packed(lq, lk, *hh, d, dtype)
-    cu_q, cu_k = _cu(lq), _cu(lk)
-    out, lse = _run(q, k, v, cu_q, cu_k, lq, lk, causal=causal)
+    cu_q, cu_k = cu_seqlens(lq), cu_seqlens(lk)
+    out, lse = varlen_attention(q, k, v, cu_q, cu_k, lq, lk, causal=causal)
     assert_matches_reference(out, lse, q, k, v, ref_fn=attention_varlen_ref, cu_seqlens_q=cu_q,
                              cu_seqlens_k=cu_k, causal=causal)
 
@@ -64,8 +51,8 @@ def test_varlen_modifiers(opts):
     if alibi:
         shape = (4,) if alibi == "h" else (len(lq), 4)
         opts["alibi_slopes"] = torch.rand(shape, device="cuda", dtype=torch.float32)
-    cu_q, cu_k = _cu(lq), _cu(lk)
-    out, lse = _run(q, k, v, cu_q, cu_k, lq, lk, **opts)
+    cu_q, cu_k = cu_seqlens(lq), cu_seqlens(lk)
+    out, lse = varlen_attention(q, k, v, cu_q, cu_k, lq, lk, **opts)
     assert_matches_reference(out, lse, q, k, v, ref_fn=attention_varlen_ref, cu_seqlens_q=cu_q,
                              cu_seqlens_k=cu_k, **opts)
 
@@ -75,7 +62,7 @@ def test_seqused_k():
 
     lq, lk = [40, 200, 1], [300, 100, 64]
     q, k, v = _packed(lq, lk, 2, 2, 64, torch.float16)
-    cu_q, cu_k = _cu(lq), _cu(lk)
+    cu_q, cu_k = cu_seqlens(lq), cu_seqlens(lk)
     used = torch.tensor([10, 100, 0], dtype=torch.int32, device="cuda")
     poison_allocator()
     out, lse, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 200, 300, causal=True, seqused_k=used,
@@ -90,7 +77,7 @@ def test_equal_lengths_match_the_dense_path(causal):
 
     b, s, h, d = 3, 333, 4, 128
     q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    cu = _cu([s] * b)
+    cu = cu_seqlens([s] * b)
     dense, dense_lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
     out, lse, _ = flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu, s, s,
                                          causal=causal, return_attn_probs=True)
