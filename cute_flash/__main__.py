@@ -10,7 +10,7 @@ import sys
 import time
 
 
-FLAG_LETTERS = "LRASKVUPCXlB"  # one per ALL_FLAG_NAMES entry, in order
+FLAG_LETTERS = "LRASKVUPCXlBG"  # one per ALL_FLAG_NAMES entry, in order
 
 
 def cmd_compile(archs, full):
@@ -35,7 +35,7 @@ def cmd_compile(archs, full):
             assert traits.smem_bytes <= SMEM_LIMIT[arch]
     print(f"flags ({FLAG_LETTERS}): L=left window, R=right window (causal), A=ALiBi, S=softcap, "
           f"K=even head dim, V=varlen, U=seqused_k, P=paged, C=KV cache, X=split, l=leftpad, "
-          f"B=cache_batch_idx; largest spill: {worst} bytes")
+          f"B=cache_batch_idx, G=pack_gqa; largest spill: {worst} bytes")
 
 
 def cmd_check():

@@ -26,6 +26,27 @@ HALF_DTYPES = (torch.float16, torch.bfloat16)
 _Q4 = ("batch", "seqlen_q", "nheads", "headdim")
 
 
+def signature(*args):
+    """A hashable summary of everything the checks here read from `args`: for a tensor its dtype,
+    shape, strides, device and base-address alignment; for anything else its type and value.
+    Arguments with equal signatures pass or fail every check alike, so a hot path may check one
+    signature once. None when an argument is unhashable (a list, say)."""
+    key = []
+    for a in args:  # a plain loop: this runs on every call, and a generator costs a third more
+        if a is None:
+            key.append(None)
+        elif isinstance(a, torch.Tensor):
+            key.append((a.dtype, a.shape, a.stride(), a.device, a.data_ptr() % ALIGN_BYTES))
+        else:
+            key.append((type(a), a))
+    key = tuple(key)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
 def _given(named):
     return [(name, t) for name, t in named if t is not None]
 

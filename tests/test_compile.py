@@ -48,21 +48,10 @@ def test_subset_covers_every_traits_and_every_flag():
         assert any(f.get("varlen") and f.get("has_seqused_k") for _, f in fwd_variants(arch))
         assert any(f.get("varlen") and f.get("paged") for _, f in fwd_variants(arch))
     flags = [f for _, f in fwd_variants(90)]
-    for name in FLAG_NAMES + ("paged", "split", "has_leftpad", "has_batch_idx"):
+    for name in FLAG_NAMES + ("paged", "split", "has_leftpad", "has_batch_idx", "pack_gqa"):
         assert {f.get(name, False) for f in flags} == {False, True}, name
     assert any(all(f.get(n, n == "even_k") != (n == "even_k") for n in FLAG_NAMES) for f in flags)  # all on
     assert any(f.get("kvcache") and f.get("paged") and f.get("split") for f in flags)
-
-
-@pytest.mark.parametrize("arch", [80, 90])
-@pytest.mark.parametrize("head_dim", [32, 128, 256])
-def test_combine_kernel_compiles(arch, head_dim):
-    import cutlass
-
-    from cute_flash.kernels.combine import compile_combine
-
-    dtype = cutlass.BFloat16 if arch >= 90 else cutlass.Float16
-    assert compile_combine(head_dim, dtype, arch) is not None
 
 
 @pytest.mark.parametrize("arch", [80, 90])

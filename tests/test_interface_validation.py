@@ -131,6 +131,7 @@ def no_gpu_needed():
         fake = FakeKernels()
         mp.setitem(sys.modules, "cute_flash.kernels.fwd", fake)
         mp.setattr(_validate, "check_cuda", lambda named: None)
+        mp.setattr(fi, "_kvcache_checked", set())  # CPU calls pass only here: remember them only here
         yield fake
 
 
@@ -882,12 +883,15 @@ def test_kvcache_dispatch_keywords(gpu_free, name):
     [(fn, (q, kc, vc), kw)] = gpu_free.calls
     assert fn == "flash_fwd_kvcache" and q is args["q"]
     assert kc is args["k_cache"] and vc is args["v_cache"]
+    assert kw.pop("signature") == _validate.signature(
+        q, kc, vc, args["k"], args["v"], args["rotary_cos"], args["rotary_sin"], args["cache_seqlens"],
+        None, None, args.get("block_table"), 0.5, True, (100, -1), 0.0, False, alibi, 3)
     assert kw == dict(
         k=args["k"], v=args["v"], rotary_cos=args["rotary_cos"], rotary_sin=args["rotary_sin"],
         cache_seqlens=args["cache_seqlens"], cache_batch_idx=None, cache_leftpad=None,
         block_table=args.get("block_table"), softmax_scale=0.5, causal=False,  # seqlen_q == 1
         window_size=(-1, -1), softcap=0.0, rotary_interleaved=False, alibi_slopes=alibi,
-        num_splits=3,
+        num_splits=3, return_lse=True,
     )
     for key in ("k", "v", "rotary_cos", "rotary_sin", "cache_seqlens", "block_table"):
         assert kw[key] is args.get(key)
@@ -953,6 +957,31 @@ def test_varlen_empty(gpu_free, case):
     assert out.shape == (total_q, H, D) and lse.shape == (H, total_q)
     if case in ("no_keys", "no_blocks"):
         assert bool((out == 0).all()) and bool((lse == math.inf).all())
+
+
+def test_kvcache_checks_run_once_per_signature(gpu_free, monkeypatch):
+    runs = []
+    check = fi._check_kvcache
+    monkeypatch.setattr(fi, "_check_kvcache", lambda *a: (runs.append(a), check(*a)))
+    call("kvcache", **with_("kvcache", num_splits=1))
+    call("kvcache", **with_("kvcache", num_splits=1))  # fresh tensors, same signature
+    assert len(runs) == 1 and len(gpu_free.calls) == 2
+
+    misaligned = rnd(B * CACHE * HK * D + 1)[1:].view(B, CACHE, HK, D)
+    for over, error in [
+        (dict(num_splits=True), ValueError),          # equal to 1 and hashed alike, but refused
+        (dict(cache_seqlens=CACHE), ValueError),      # no room for k
+        (dict(k_cache=misaligned, v_cache=misaligned), ValueError),
+        (dict(q=rnd(B, 1, H, D, dtype=torch.bfloat16)), TypeError),
+    ]:
+        for _ in range(2):  # a refused signature is not remembered
+            with pytest.raises(error):
+                call("kvcache", **with_("kvcache", **{"num_splits": 1, **over}))
+    assert len(runs) == 9 and len(gpu_free.calls) == 2
+
+    for _ in range(2):  # an unhashable argument: checked on every call
+        call("kvcache", **with_("kvcache", window_size=[-1, -1]))
+    assert len(runs) == 11
 
 
 @pytest.mark.parametrize("case", ["no_batch", "no_queries", "no_cache", "no_blocks"])

@@ -122,15 +122,12 @@ class _CacheRecorder:
     """Stands in for the KV-cache kernels: records (kind, split flag, args) per launch."""
 
     def __init__(self):
-        self.calls, self.compiled_splits = [], []
+        self.calls, self.compiled = [], []
 
     def kernel_for(self, traits, d_pad, index, *flags):
-        split = flags[5]
-        self.compiled_splits.append(split)
+        split, pack_gqa = flags[5], flags[8]
+        self.compiled.append((split, pack_gqa))
         return lambda *args: self.calls.append(("attn", split, args))
-
-    def combine_for(self, *key):
-        return lambda *args: self.calls.append(("combine", None, args))
 
     def append_for(self, *key):
         return lambda *args: self.calls.append(("append", key, args))
@@ -142,16 +139,22 @@ def cache_recorder(monkeypatch):
 
     rec = _CacheRecorder()
     monkeypatch.setattr(fwd, "_kvcache_kernel_for", rec.kernel_for)
-    monkeypatch.setattr(fwd, "_combine_for", rec.combine_for)
+    monkeypatch.setattr(fwd, "ffi_function", lambda compiled: compiled)
     monkeypatch.setattr(fwd, "_append_for", rec.append_for)
+    rec.stream, rec.capturing = 7, False
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: rec.capturing)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: rec.stream, raising=False)
     monkeypatch.setattr(fwd, "_num_sms", lambda index: 132)
     monkeypatch.setattr(fwd, "_device_arch", lambda index: 90)
     monkeypatch.setattr(fwd, "_no_alibi", lambda index: torch.zeros(1, 1))
     monkeypatch.setattr(fwd, "_no_table", lambda index: torch.zeros(1, 1, dtype=torch.int32))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(fwd, "_kvcache_calls", {})
     fwd._kvcache_plan.cache_clear()
+    fwd._stream_workspace.cache_clear()
     yield rec
     fwd._kvcache_plan.cache_clear()
+    fwd._stream_workspace.cache_clear()
 
 
 def test_gqa_decode_folds_the_group_into_m_and_splits(cache_recorder):
@@ -161,22 +164,72 @@ def test_gqa_decode_folds_the_group_into_m_and_splits(cache_recorder):
     cache = torch.randn(2, 1000, 2, 64, dtype=torch.float16)
     seqlens = torch.tensor([1000, 3], dtype=torch.int32)
     out, lse = flash_fwd_kvcache(q, cache, cache, cache_seqlens=seqlens, softmax_scale=0.125, num_splits=3)
-    (kind, split, args), (kind2, _, cargs) = cache_recorder.calls
-    assert (kind, split, kind2) == ("attn", True, "combine")
-    assert cache_recorder.compiled_splits == [True]  # the unsplit kernel is not built alongside
-    q_k, o_acc, lse_acc = args[0], args[3], args[4]
-    assert q_k.shape == (2, 4, 2, 64)  # (b, group, nheads_k, d): query head kh * 4 + g at (g, kh)
-    for g in range(4):
-        for kh in range(2):
-            assert torch.equal(q_k[:, g, kh], q[:, 0, kh * 4 + g])
+    (kind, split, args), = cache_recorder.calls  # one launch: the merge runs inside it
+    assert (kind, split) == ("attn", True)
+    assert cache_recorder.compiled == [(True, True)]  # (split, pack_gqa); no unsplit kernel alongside
+    assert args[0] is q and args[3] is out and args[4] is lse  # the kernel folds the heads itself
+    o_acc, lse_acc, counters = args[5], args[6], args[7]
+    # partials by (split, b, nheads_k, group row)
     assert o_acc.shape == (3, 2, 2, 4, 64) and lse_acc.shape == (3, 2, 2, 4)
-    assert args[11] == 3  # num_splits
-    assert cargs[0] is o_acc and cargs[1] is lse_acc
-    out_k, lse_k = cargs[2], cargs[3]
-    out_k[1, 2, 1].fill_(7.0)
-    lse_k[1, 1, 2] = 5.0
-    assert (out[1, 0, 1 * 4 + 2] == 7.0).all() and lse[1, 1 * 4 + 2, 0] == 5.0
+    assert counters.shape == (1 * 2 * 2,) and not counters.any()  # m_blocks x b x nheads_k, zeroed
+    assert args[14] == 3  # num_splits
     assert lse.shape == (2, 8, 1) and out.shape == q.shape
+
+
+@pytest.mark.parametrize("sq, window, alibi", [(2, (-1, -1), False), (1, (8, -1), False), (1, (-1, -1), True)])
+def test_no_gqa_fold_with_query_rows_window_or_alibi(cache_recorder, sq, window, alibi):
+    from cute_flash.kernels.fwd import flash_fwd_kvcache
+
+    q = torch.randn(2, sq, 8, 64, dtype=torch.float16)
+    cache = torch.randn(2, 1000, 2, 64, dtype=torch.float16)
+    flash_fwd_kvcache(q, cache, cache, cache_seqlens=9, softmax_scale=0.125, num_splits=2, window_size=window,
+                      alibi_slopes=torch.rand(8) if alibi else None)
+    (_, _, args), = cache_recorder.calls
+    assert cache_recorder.compiled == [(True, False)]
+    assert args[5].shape == (2, 2, 8, sq, 64)  # partials by (split, b, nheads, query row)
+
+
+def test_call_setup_is_kept_per_signature(cache_recorder, monkeypatch):
+    import cute_flash.kernels.fwd as fwd
+
+    setups = []
+    real = fwd._kvcache_call
+    monkeypatch.setattr(fwd, "_kvcache_call", lambda *a: setups.append(a) or real(*a))
+    q = torch.randn(2, 1, 8, 64, dtype=torch.float16)
+    cache = torch.randn(2, 1000, 2, 64, dtype=torch.float16)
+    for signature in ("sig", "sig", None, None, "other"):
+        cache_recorder.calls.clear()
+        out, _ = fwd.flash_fwd_kvcache(q, cache, cache, cache_seqlens=17, softmax_scale=0.125, num_splits=3,
+                                       signature=signature)
+        (_, _, args), = cache_recorder.calls
+        assert torch.equal(args[9], torch.full((2,), 17, dtype=torch.int32)) and args[14] == 3
+        assert args[0] is q and out.shape == q.shape
+    assert len(setups) == 4  # "sig" once, each call without a signature, "other" once
+
+
+def test_split_workspace_is_kept_per_stream_and_fresh_under_capture(cache_recorder):
+    from cute_flash.kernels.fwd import flash_fwd_kvcache
+
+    q = torch.randn(1, 1, 8, 64, dtype=torch.float16)
+    cache = torch.randn(1, 4096, 2, 64, dtype=torch.float16)
+
+    def workspace():
+        cache_recorder.calls.clear()
+        out, lse = flash_fwd_kvcache(q, cache, cache, cache_seqlens=9, softmax_scale=0.1, num_splits=4,
+                                     return_lse=False)
+        (_, _, args), = cache_recorder.calls
+        assert lse is None and args[4].shape == (1, 8, 1)  # the final LSE goes to scratch
+        return args[4:8]
+
+    first = workspace()
+    assert all(a is b for a, b in zip(workspace(), first))  # same plan, same stream: reused
+    cache_recorder.stream = 8
+    other = workspace()
+    assert not any(a is b for a, b in zip(other, first))
+    cache_recorder.capturing = True
+    captured = workspace()
+    assert not any(a is b for a, b in zip(workspace(), captured))  # each captured launch: its own
+    assert not captured[3].any()  # fresh counters start at zero
 
 
 def test_heuristic_split_count_and_unsplit_path(cache_recorder):
@@ -187,12 +240,12 @@ def test_heuristic_split_count_and_unsplit_path(cache_recorder):
     cache = torch.randn(1, 8192, 4, 128, dtype=torch.float16)
     flash_fwd_kvcache(q, cache, cache, cache_seqlens=5, softmax_scale=0.1, num_splits=0)
     kind, split, args = cache_recorder.calls[0]
-    assert kind == "attn" and split and args[11] == num_splits_heuristic(4, 132, 64)  # h_k * m_blocks = 4
-    assert torch.equal(args[6], torch.full((1,), 5, dtype=torch.int32))  # int cache_seqlens as a tensor
+    assert kind == "attn" and split and args[14] == num_splits_heuristic(4, 132, 64)  # h_k * m_blocks = 4
+    assert torch.equal(args[9], torch.full((1,), 5, dtype=torch.int32))  # int cache_seqlens as a tensor
 
     cache_recorder.calls.clear()
     flash_fwd_kvcache(q, cache[:, :100], cache[:, :100], cache_seqlens=5, softmax_scale=0.1, num_splits=0)
-    (kind, split, args), = cache_recorder.calls  # one key block: no split, no combine
+    (kind, split, args), = cache_recorder.calls  # one key block: no split
     assert kind == "attn" and not split and args[3].shape == (1, 1, 4, 128)
 
 
@@ -211,7 +264,7 @@ def test_append_is_launched_before_attention_with_rotary_options(cache_recorder)
     assert key[2:] == (False, False, True, False, True)  # paged, batch_idx, rotary, interleaved, q_per_row
     assert args[0] is k and args[4] is seqlens and args[9] is q
     assert attn[0] is args[10]  # attention reads the rotated q
-    assert attn[11] == 1 and attn[10] == 3  # num_splits, k_extra = seqlen_new
+    assert attn[14] == 1 and attn[13] == 3  # num_splits, k_extra = seqlen_new
 
 
 def test_empty_append_without_rotary_launches_attention_only(cache_recorder):

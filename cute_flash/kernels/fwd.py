@@ -18,12 +18,14 @@ diagonal or window edge crosses are masked; the rest run a mask-free step.
 The KV-cache entry (`call_kvcache`, Flash-Decoding) runs the same loop over one split's share
 of the key blocks, reading keys from a cache row or through a block table (`KVTiles`), and
 issues K[n-1] after S and V[n-1] after P V, so both travel together: decode is memory-bound.
-Split partials (fp32 O, LSE) are merged by `combine.FlashCombine`.
+Each split writes fp32 partials (O, LSE); the split CTA of a tile that finishes last merges
+them (`merge_splits`, with `combine.SplitCombine.combine_tile`), so a split call is one launch.
 """
 from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
@@ -31,7 +33,8 @@ import torch
 
 from cute_flash.compile_cache import get_or_compile
 from cute_flash.kernels.block_info import BlockInfo
-from cute_flash.kernels.fake import compile_tvm_ffi, fake_stream, fake_tensor
+from cute_flash.kernels.combine import SplitCombine
+from cute_flash.kernels.fake import compile_tvm_ffi, fake_stream, fake_tensor, ffi_function
 from cute_flash.kernels.kv_tiles import KVTiles
 from cute_flash.kernels.gemm import gemm_rs, gemm_ss
 from cute_flash.kernels.mask import Mask, apply_alibi
@@ -45,17 +48,24 @@ from layouts.traits import FwdTraits, choose_decode_traits, choose_fwd_traits, e
 LOG2E = math.log2(math.e)
 
 
-class FlashFwd:
+@cute.jit
+def fold_heads(t: cute.Tensor, g):
+    """(batch, 1, heads, d) as (batch, g, heads / g, d): head kh * g + j at (j, kh)."""
+    return cute.make_tensor(t.iterator, cute.make_layout(
+        (t.shape[0], g, t.shape[2] // g, t.shape[3]), stride=(t.stride[0], t.stride[2], t.stride[2] * g, 1)))
+
+
+class FlashFwd(SplitCombine):
     """Compile-time configuration: traits, the mask/modifier flags, and the input form (dense;
-    varlen; kvcache, with paged / split / has_leftpad / has_batch_idx). Each combination is one
-    compiled kernel; everything else (lengths, strides, window sizes, scales, the split count)
-    is a run-time argument."""
+    varlen; kvcache, with paged / split / has_leftpad / has_batch_idx / pack_gqa). Each
+    combination is one compiled kernel; everything else (lengths, strides, window sizes,
+    scales, the split count) is a run-time argument."""
 
     def __init__(self, traits: FwdTraits, has_left: bool = False, has_right: bool = False,
                  has_alibi: bool = False, has_softcap: bool = False, even_k: bool = True,
                  varlen: bool = False, has_seqused_k: bool = False, paged: bool = False,
                  kvcache: bool = False, split: bool = False, has_leftpad: bool = False,
-                 has_batch_idx: bool = False):
+                 has_batch_idx: bool = False, pack_gqa: bool = False):
         if kvcache and varlen:
             raise ValueError("kvcache and varlen are two different entry points")
         if (split or has_leftpad or has_batch_idx) and not kvcache:
@@ -64,6 +74,8 @@ class FlashFwd:
             raise ValueError("paged KV needs the varlen or kvcache entry")
         if paged and (has_leftpad or has_batch_idx):
             raise ValueError("a paged cache has neither leftpad nor cache_batch_idx (as in flash-attn)")
+        if pack_gqa and not (kvcache and not (has_left or has_right or has_alibi)):
+            raise ValueError("pack_gqa folds single-row decode queries: kvcache, no window, no ALiBi")
         self.t = traits
         self.varlen = varlen
         self.kvcache = kvcache
@@ -72,6 +84,7 @@ class FlashFwd:
         self.split = split
         self.has_leftpad = has_leftpad
         self.has_batch_idx = has_batch_idx
+        self.pack_gqa = pack_gqa
         # KV-cache kernels are memory-bound with few key blocks per split: keep K[n-1] and
         # V[n-1] in flight together (one memory latency per block instead of two), at the
         # price of two more barriers per block.
@@ -91,7 +104,7 @@ class FlashFwd:
         """mQ/mO (batch, seqlen_q, heads, d), mK/mV (batch, seqlen_k, heads_k, d) with strides the
         compiler may take as multiples of 8 (one 128-bit copy per 8 elements); mLSE (batch, heads,
         seqlen_q) fp32; mAlibi (batch, heads) fp32 slopes (any tensor when has_alibi is off)."""
-        self.launch(mQ, mK, mV, mO, mLSE, mAlibi, None, None, None, None, None, None, 0, 1,
+        self.launch(mQ, mK, mV, mO, mLSE, None, mAlibi, None, None, None, None, None, None, 0, 1,
                     (cute.ceil_div(mQ.shape[1], self.t.block_m), mQ.shape[0], mQ.shape[2]),
                     scale_log2, score_premul, alibi_div, window_left, window_right, stream)
 
@@ -106,7 +119,7 @@ class FlashFwd:
         (num_blocks, page_size, heads_k, d) with mBlockTable (batch, max_blocks) int32; mLSE
         (heads, total_q), int32 prefix sums mCuSeqlens* (batch + 1,) and mSeqUsedK (batch,)
         (ignored unless has_seqused_k). The grid covers max_seqlen_q; CTAs past a sequence's end exit."""
-        self.launch(mQ, mK, mV, mO, mLSE, mAlibi, mCuSeqlensQ, mCuSeqlensK,
+        self.launch(mQ, mK, mV, mO, mLSE, None, mAlibi, mCuSeqlensQ, mCuSeqlensK,
                     mSeqUsedK if cutlass.const_expr(self.has_seqused_k) else None, None, None,
                     mBlockTable if cutlass.const_expr(self.paged) else None, 0, 1,
                     (cute.ceil_div(max_seqlen_q, self.t.block_m), mCuSeqlensQ.shape[0] - 1, mQ.shape[1]),
@@ -114,19 +127,34 @@ class FlashFwd:
 
     @cute.jit
     def call_kvcache(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
-                     mLSE: cute.Tensor, mAlibi: cute.Tensor, mCacheSeqlens: cute.Tensor,
+                     mLSE: cute.Tensor, mOaccum: cute.Tensor, mLSEaccum: cute.Tensor,
+                     mCounters: cute.Tensor, mAlibi: cute.Tensor, mCacheSeqlens: cute.Tensor,
                      mLeftpadK: cute.Tensor, mBatchIdx: cute.Tensor, mBlockTable: cute.Tensor,
                      k_extra: cutlass.Int32, num_splits: cutlass.Int32,
                      scale_log2: cutlass.Float32, score_premul: cutlass.Float32, alibi_div: cutlass.Float32,
                      window_left: cutlass.Int32, window_right: cutlass.Int32, stream):
         """Attention over a KV cache: mQ (batch, seqlen_q, heads, d); mK/mV (batch_cache,
         seqlen_cache, heads_k, d) or paged (num_blocks, page_size, heads_k, d); sequence b uses
-        keys [leftpad[b], cache_seqlens[b] + k_extra) of cache row batch_idx[b] (or b).
-        Unsplit: mO like mQ, mLSE (batch, heads, seqlen_q). Split (Flash-Decoding): the grid's
-        z holds num_splits x heads, and each split writes its normalised partial O to mO
-        (num_splits, batch, heads, seqlen_q, kHeadDim) fp32 and its LSE (-inf when it saw no
-        key) to mLSE (num_splits, batch, heads, seqlen_q) for the combine kernel."""
-        self.launch(mQ, mK, mV, mO, mLSE, mAlibi, None, None, mCacheSeqlens,
+        keys [leftpad[b], cache_seqlens[b] + k_extra) of cache row batch_idx[b] (or b). mO like
+        mQ, mLSE (batch, heads, seqlen_q).
+        Split (Flash-Decoding): the grid's z holds num_splits x heads; each split writes its
+        normalised partial O to mOaccum (num_splits, batch, heads, seqlen_q, kHeadDim) fp32 and
+        its LSE (-inf when it saw no key) to mLSEaccum (num_splits, batch, heads, seqlen_q), and
+        counts itself in mCounters (m_blocks * batch * heads,) int32, which must be zero at launch
+        and is zero again at exit. Unsplit kernels ignore the three.
+        pack_gqa (seqlen_q 1, the seed's seqlenq_ngroups_swapped): the g = heads / heads_k query
+        heads of a kv head become g query rows, so one CTA reads each K/V tile once for the
+        group; mQ/mO are taken as (batch, g, heads_k, d), mLSE as (batch, heads_k, g), and the
+        split partials and counters are sized by those."""
+        if cutlass.const_expr(self.pack_gqa):
+            g = mQ.shape[2] // mK.shape[2]
+            mQ, mO = fold_heads(mQ, g), fold_heads(mO, g)
+            mLSE = cute.make_tensor(mLSE.iterator, cute.make_layout(
+                (mLSE.shape[0], mLSE.shape[1] // g, g), stride=(mLSE.stride[0], mLSE.stride[1] * g, mLSE.stride[1])))
+        split_ws = None
+        if cutlass.const_expr(self.split):
+            split_ws = (mOaccum, mLSEaccum, mCounters)
+        self.launch(mQ, mK, mV, mO, mLSE, split_ws, mAlibi, None, None, mCacheSeqlens,
                     mLeftpadK if cutlass.const_expr(self.has_leftpad) else None,
                     mBatchIdx if cutlass.const_expr(self.has_batch_idx) else None,
                     mBlockTable if cutlass.const_expr(self.paged) else None, k_extra, num_splits,
@@ -134,7 +162,7 @@ class FlashFwd:
                     scale_log2, score_premul, alibi_div, window_left, window_right, stream)
 
     @cute.jit
-    def launch(self, mQ, mK, mV, mO, mLSE, mAlibi, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mLeftpadK,
+    def launch(self, mQ, mK, mV, mO, mLSE, split_ws, mAlibi, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mLeftpadK,
                mBatchIdx, mBlockTable, k_extra, num_splits, grid,
                scale_log2, score_premul, alibi_div, window_left, window_right, stream):
         t = self.t
@@ -148,7 +176,7 @@ class FlashFwd:
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
 
         self.kernel(
-            mQ, mK, mV, mO, mLSE, mAlibi, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mLeftpadK, mBatchIdx,
+            mQ, mK, mV, mO, mLSE, split_ws, mAlibi, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mLeftpadK, mBatchIdx,
             mBlockTable, k_extra, num_splits, sQ_layout, sKV_layout,
             lcopy.gmem_tiled_copy_qkv(t), lcopy.gmem_tiled_copy_o(t), lmma.tiled_mma(t),
             scale_log2, score_premul, alibi_div, window_left, window_right, SharedStorage,
@@ -156,7 +184,7 @@ class FlashFwd:
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
-               mLSE: cute.Tensor, mAlibi: cute.Tensor, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mLeftpadK,
+               mLSE: cute.Tensor, split_ws, mAlibi: cute.Tensor, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mLeftpadK,
                mBatchIdx, mBlockTable, k_extra, num_splits,
                sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
                gmem_tiled_copy_QKV: cute.TiledCopy, gmem_tiled_copy_O: cute.TiledCopy,
@@ -182,12 +210,8 @@ class FlashFwd:
         else:
             binfo = BlockInfo(bidb, mQ.shape[1], mK.shape[1], None, None, mSeqUsedK, mLeftpadK, k_extra)
             mQ_s = mQ[bidb, None, bidh, None]
-            if cutlass.const_expr(self.split):
-                mO_s = mO[split_idx, bidb, bidh, None, None]
-                mLSE_s = mLSE[split_idx, bidb, bidh, None]
-            else:
-                mO_s = mO[bidb, None, bidh, None]
-                mLSE_s = mLSE[bidb, bidh, None]
+            mO_s = mO[bidb, None, bidh, None]
+            mLSE_s = mLSE[bidb, bidh, None]
         mTable = None
         if cutlass.const_expr(self.paged):
             # (num_blocks, page_size, d) pages of this kv head and the sequence's page list
@@ -203,15 +227,24 @@ class FlashFwd:
                 bidb_kv = mBatchIdx[bidb]
             mK_s = cute.domain_offset((binfo.leftpad_k, 0), mK[bidb_kv, None, bidh_kv, None])
             mV_s = cute.domain_offset((binfo.leftpad_k, 0), mV[bidb_kv, None, bidh_kv, None])
+        split_out = None
+        if cutlass.const_expr(self.split):
+            # this split's partials, every split's partials of this (batch, head), and the
+            # tile's arrival counter
+            mOaccum, mLSEaccum, mCounters = split_ws
+            num_m_blocks, _, _ = cute.arch.grid_dim()
+            split_out = (mOaccum[split_idx, bidb, bidh, None, None], mLSEaccum[split_idx, bidb, bidh, None],
+                         mOaccum[None, bidb, bidh, None, None], mLSEaccum[None, bidb, bidh, None],
+                         mCounters.iterator + (bidb * nheads + bidh) * num_m_blocks + m_block)
         if m_block * self.t.block_m < binfo.seqlen_q:
-            self.attend(mQ_s, mK_s, mV_s, mTable, mO_s, mLSE_s, mAlibi, binfo, m_block, bidb, bidh,
+            self.attend(mQ_s, mK_s, mV_s, mTable, mO_s, mLSE_s, split_out, mAlibi, binfo, m_block, bidb, bidh,
                         split_idx, num_splits, mQ.shape[head_axis + 1], sQ_layout, sKV_layout,
                         gmem_tiled_copy_QKV, gmem_tiled_copy_O, tiled_mma, scale_log2, score_premul,
                         alibi_div, window_left, window_right, SharedStorage)
 
     @cute.jit
     def attend(self, mQ_s: cute.Tensor, mK_s: cute.Tensor, mV_s: cute.Tensor, mTable, mO_s: cute.Tensor,
-               mLSE_s: cute.Tensor, mAlibi: cute.Tensor, binfo: BlockInfo, m_block, bidb, bidh,
+               mLSE_s: cute.Tensor, split_out, mAlibi: cute.Tensor, binfo: BlockInfo, m_block, bidb, bidh,
                split_idx, num_splits, head_dim,
                sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
                gmem_tiled_copy_QKV: cute.TiledCopy, gmem_tiled_copy_O: cute.TiledCopy,
@@ -293,7 +326,10 @@ class FlashFwd:
         softmax.finalize(acc_o_mn, lse, -cutlass.Float32.inf if cutlass.const_expr(self.split)
                          else cutlass.Float32.inf)
         if cutlass.const_expr(self.split):
-            self.store_partial(acc_o_mn, lse, tOcO_mn, mO_s, mLSE_s, m_block, rows_q)
+            mOpart, mLSEpart, mOaccum_bh, mLSEaccum_bh, counter = split_out
+            self.store_partial(acc_o_mn, lse, tOcO_mn, mOpart, mLSEpart, m_block, rows_q)
+            self.merge_splits(mOaccum_bh, mLSEaccum_bh, mO_s, mLSE_s, counter, sQ, m_block, rows_q,
+                              num_splits)
         else:
             self.store(acc_o, lse, tOcO_mn, sQ, sQ_layout, mO_s, mLSE_s, cQ, m_block, rows_q, head_dim,
                        tiled_mma, gmem_tiled_copy_O)
@@ -310,6 +346,29 @@ class FlashFwd:
                     mO_s[row0 + row, tOcO_mn[0, c][1]] = acc_o_mn[r, c]
                 if tOcO_mn[0, 0][1] == 0:
                     mLSE_s[row0 + row] = lse[r]
+
+    @cute.jit
+    def merge_splits(self, mOaccum_bh, mLSEaccum_bh, mO_s, mLSE_s, counter, sQ, m_block, rows_q, num_splits):
+        """The split CTA of this tile that arrives last merges every split's partials into O and
+        LSE; the others just leave. Each thread publishes its partials with a device-scope fence
+        before one thread counts the CTA's arrival, and the merging CTA fences again before
+        reading them. The last arrival also re-arms the counter for the next launch."""
+        tidx, _, _ = cute.arch.thread_idx()
+        bm = self.t.block_m
+        cute.arch.fence_acq_rel_gpu()
+        cute.arch.barrier()  # also: every warp is done with sQ, which now holds the arrival rank
+        sRank = cute.make_tensor(cute.recast_ptr(sQ.iterator, dtype=cutlass.Int32), cute.make_layout(1))
+        if tidx == 0:
+            sRank[0] = cute.arch.atomic_add(counter, cutlass.Int32(1), sem="acq_rel", scope="gpu")
+        cute.arch.barrier()
+        if sRank[0] == num_splits - 1:
+            if tidx == 0:
+                cute.make_tensor(counter, cute.make_layout(1))[0] = cutlass.Int32(0)
+            cute.arch.fence_acq_rel_gpu()
+            row0 = m_block * bm
+            self.combine_tile(cute.domain_offset((0, row0, 0), mOaccum_bh),
+                              cute.domain_offset((0, row0), mLSEaccum_bh), cute.domain_offset((row0, 0), mO_s),
+                              cute.domain_offset((row0,), mLSE_s), cutlass.min(rows_q, bm))
 
     @cute.jit
     def store(self, acc_o, lse, tOcO_mn, sQ, sQ_layout, mO_s, mLSE_s, cQ, m_block, rows_q, head_dim,
@@ -356,10 +415,11 @@ class FlashFwd:
         # Prologue: Q and the last K block, rows past the sequence ends zero-filled.
         n_last = n_block_max - 1
         copy_tile(gmem_tiled_copy_QKV, tQgQ, tQsQ, tQcQ, tQpQ, rows_q, True, self.even_k, True)
-        kv.load(gmem_tiled_copy_QKV, False, n_last, tKsK, tKVcKV, tKVpKV, True)
+        pages = kv.page_ids(n_last) if cutlass.const_expr(self.overlap_kv) else None
+        kv.load(gmem_tiled_copy_QKV, False, n_last, pages, tKsK, tKVcKV, tKVpKV, True)
         cute.arch.cp_async_commit_group()
         if cutlass.const_expr(self.overlap_kv):
-            kv.load(gmem_tiled_copy_QKV, True, n_last, tVsV, tKVcKV, tKVpKV, True)
+            kv.load(gmem_tiled_copy_QKV, True, n_last, pages, tVsV, tKVcKV, tKVpKV, True)
             cute.arch.cp_async_commit_group()
 
         step_args = (tiled_mma, gmem_tiled_copy_QKV, kv, tKsK, tVsV, tKVcKV, tKVpKV,
@@ -383,7 +443,10 @@ class FlashFwd:
              tSrQ, tSrK, tOrVt, acc_o, acc_o_mn, ops, softmax, mask, binfo, m_block,
              n_block_min, score_premul, slope, is_first: cutlass.Constexpr, masked: cutlass.Constexpr):
         """One key block: S = Q K^T, modifiers, online softmax, O += P V, with the next K (and,
-        in KV-cache kernels, the next V) in flight."""
+        in KV-cache kernels, the next V) in flight. Paged KV-cache kernels read block n-1's page
+        ids first thing, so the table load is done by the time its copies are issued; prefill
+        kernels look each row's page up as they copy it (one table load per block and warp
+        shuffles made paged prefill 12% slower: docs/perf.md)."""
         t = self.t
         copy_Q, tSsQ, tSrQ_view, copy_K, tSsK, tSrK_view, copy_V, tOsVt, tOrVt_view = ops
         acc_s = cute.make_rmem_tensor(tiled_mma.get_slice(0).partition_shape_C((t.block_m, t.block_n)),
@@ -391,13 +454,14 @@ class FlashFwd:
         acc_s.fill(0.0)
 
         if cutlass.const_expr(self.overlap_kv):
+            pages_next = kv.page_ids(n_block - 1)  # for the copies of K[n-1] and V[n-1] below
             cute.arch.cp_async_wait_group(1)  # K[n] (V[n] may still be in flight)
             cute.arch.barrier()
         else:
             cute.arch.cp_async_wait_group(0)
             cute.arch.barrier()
             # V[n]: only the first block processed can run past seqlen_k.
-            kv.load(gmem_tiled_copy_QKV, True, n_block, tVsV, tKVcKV, tKVpKV, is_first)
+            kv.load(gmem_tiled_copy_QKV, True, n_block, None, tVsV, tKVcKV, tKVpKV, is_first)
             cute.arch.cp_async_commit_group()
 
         gemm_ss(tiled_mma, acc_s, copy_Q, tSsQ, tSrQ_view, tSrQ, copy_K, tSsK, tSrK_view, tSrK)
@@ -405,13 +469,13 @@ class FlashFwd:
         if cutlass.const_expr(self.overlap_kv):
             cute.arch.barrier()  # every warp is done with sK
             if n_block > n_block_min:
-                kv.load(gmem_tiled_copy_QKV, False, n_block - 1, tKsK, tKVcKV, tKVpKV, False)
+                kv.load(gmem_tiled_copy_QKV, False, n_block - 1, pages_next, tKsK, tKVcKV, tKVpKV, False)
             cute.arch.cp_async_commit_group()  # possibly empty: keeps the group count fixed
         else:
             cute.arch.cp_async_wait_group(0)
             cute.arch.barrier()
             if n_block > n_block_min:
-                kv.load(gmem_tiled_copy_QKV, False, n_block - 1, tKsK, tKVcKV, tKVpKV, False)
+                kv.load(gmem_tiled_copy_QKV, False, n_block - 1, None, tKsK, tKVcKV, tKVpKV, False)
                 cute.arch.cp_async_commit_group()
 
         acc_s_mn = lmma.acc_mn_view(acc_s)
@@ -443,7 +507,7 @@ class FlashFwd:
         if cutlass.const_expr(self.overlap_kv):
             cute.arch.barrier()  # every warp is done with sV
             if n_block > n_block_min:
-                kv.load(gmem_tiled_copy_QKV, True, n_block - 1, tVsV, tKVcKV, tKVpKV, False)
+                kv.load(gmem_tiled_copy_QKV, True, n_block - 1, pages_next, tVsV, tKVcKV, tKVpKV, False)
             cute.arch.cp_async_commit_group()
 
 
@@ -476,8 +540,8 @@ def fake_fwd_args(kernel: FlashFwd):
         return ([elems(3), elems(kv_rank), elems(kv_rank), elems(3), f32(2), f32(2)]
                 + [i32(1), i32(1), i32(1), i32(2), 1] + scalars)
     if kernel.kvcache:
-        out = [f32(5), f32(4)] if kernel.split else [elems(4), f32(3)]
-        return ([elems(4), elems(4), elems(4)] + out + [f32(2)]
+        accum = fake_tensor(cutlass.Float32, 5, _ALIGN, 16, last_extent=kernel.t.head_dim)
+        return ([elems(4), elems(4), elems(4), elems(4), f32(3), accum, f32(4), i32(1), f32(2)]
                 + [i32(1), i32(1), i32(1), i32(2), 0, 1] + scalars)
     return [elems(4) for _ in range(4)] + [f32(3), f32(2)] + scalars
 
@@ -608,22 +672,13 @@ def _num_sms(index: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _kvcache_kernel_for(traits, d_pad, device_index, has_left, has_right, has_alibi, has_softcap, paged,
-                        split, has_leftpad, has_batch_idx):
+                        split, has_leftpad, has_batch_idx, pack_gqa):
     arch = _device_arch(device_index)
     flags = dict(has_left=has_left, has_right=has_right, has_alibi=has_alibi, has_softcap=has_softcap,
                  even_k=d_pad == traits.head_dim, paged=paged, kvcache=True, split=split,
-                 has_leftpad=has_leftpad, has_batch_idx=has_batch_idx)
+                 has_leftpad=has_leftpad, has_batch_idx=has_batch_idx, pack_gqa=pack_gqa)
     key = fwd_kernel_key(traits, **flags) + (arch,)
     return get_or_compile(key, lambda: compile_fwd(FlashFwd(traits, **flags)))
-
-
-@functools.lru_cache(maxsize=None)
-def _combine_for(head_dim, dtype, device_index):
-    from cute_flash.kernels.combine import compile_combine
-
-    arch = _device_arch(device_index)
-    key = ("combine", head_dim, dtype, arch)
-    return get_or_compile(key, lambda: compile_combine(head_dim, _ELEMENT[dtype]))
 
 
 @functools.lru_cache(maxsize=None)
@@ -646,9 +701,12 @@ def _int32_per_batch(value, batch, device):
 def flash_fwd_kvcache(q, k_cache, v_cache, *, k=None, v=None, rotary_cos=None, rotary_sin=None,
                       cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                       softmax_scale, causal=False, window_size=(-1, -1), softcap=0.0,
-                      rotary_interleaved=True, alibi_slopes=None, num_splits=0):
+                      rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_lse=True,
+                      signature=None):
     """`flash_attn_with_kvcache` on validated CUDA tensors: append (rotary) k/v into the caches in
-    place, then split-KV attention over them and the combine. Returns (out, lse (b, h, sq))."""
+    place, then split-KV attention over them, merged in the same launch. Returns (out, lse (b, h,
+    sq)), lse None unless return_lse. `signature`: the interface's summary of every argument's
+    metadata and options (`_validate.signature`); calls that share one share their setup."""
     b, sq, h, d = q.shape
     if d % _ALIGN:
         # Caches whose rows break 128-bit copies: work on padded copies as flash-attn does, and
@@ -661,95 +719,166 @@ def flash_fwd_kvcache(q, k_cache, v_cache, *, k=None, v=None, rotary_cos=None, r
             cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
             block_table=block_table, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
             softcap=softcap, rotary_interleaved=rotary_interleaved, alibi_slopes=alibi_slopes,
-            num_splits=num_splits)
+            num_splits=num_splits, return_lse=return_lse)
         if k is not None:  # only appended rows differ; copying whole caches keeps this path simple
             k_cache.copy_(k_pad[..., :d])
             v_cache.copy_(v_pad[..., :d])
         return out[..., :d], lse
 
-    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    call = _kvcache_calls.get(signature) if signature is not None else None
+    if call is None:
+        call = _kvcache_call(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+                             softmax_scale, causal, window_size, softcap, alibi_slopes, rotary_cos, num_splits)
+        if signature is not None:
+            if len(_kvcache_calls) >= _CALLS_MAX:
+                _kvcache_calls.clear()
+            _kvcache_calls[signature] = call
+    plan, index = call.plan, call.index
+    if call.realign:
+        q = _aligned(q)
+    seqlens = cache_seqlens if call.seqlens is None else call.seqlens
+    if call.append:
+        q = _append(q, k, v, k_cache, v_cache, seqlens, cache_batch_idx, block_table, rotary_cos, rotary_sin,
+                    rotary_interleaved, call.q_per_row, index)
+
+    dq = plan.head_dim
+    out = torch.empty((b, sq, h, dq), dtype=q.dtype, device=call.device)
+    o_acc, lse_acc, counters, lse = _workspace(plan, call.device)
+    if return_lse:
+        lse = torch.empty((b, h, sq), dtype=torch.float32, device=call.device)
+    no_table = _no_table(index)
+    plan.launch(q, k_cache, v_cache, out, lse, o_acc, lse_acc, counters,
+                _alibi_2d(alibi_slopes, b, h, index), seqlens,
+                seqlens if cache_leftpad is None else cache_leftpad,
+                seqlens if cache_batch_idx is None else cache_batch_idx,
+                no_table if block_table is None else block_table, *call.scalars)
+    return (out if dq == d else out[..., :d]), (lse if return_lse else None)
+
+
+@dataclass(frozen=True)
+class KVCacheCall:
+    """What a KV-cache call decides from its arguments' metadata and options alone, kept per
+    signature: a decode loop repeats one, and deciding costs more host time than launching."""
+    plan: KVCachePlan
+    device: torch.device
+    index: int
+    realign: bool    # q's rows break 128-bit copies: take `_aligned`'s copy
+    seqlens: object  # the (batch,) int32 tensor standing for an int (or absent) cache_seqlens
+    append: bool     # k, v (or rotary) given: launch the append kernel first
+    q_per_row: bool  # rotary angle of q row i at cache_seqlens + i (causal or local)
+    scalars: tuple   # k_extra, num_splits, scales, window edges
+
+
+_kvcache_calls: dict = {}
+_CALLS_MAX = 4096
+
+
+def _kvcache_call(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, softmax_scale,
+                  causal, window_size, softcap, alibi_slopes, rotary_cos, num_splits):
+    b, sq, h, d = q.shape
+    device = q.device
+    index = device.index if device.index is not None else torch.cuda.current_device()
     paged = block_table is not None
     hk = k_cache.shape[2]
     capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
-    seqlens = _int32_per_batch(capacity if cache_seqlens is None else cache_seqlens, b, q.device)
+    seqlens = None
+    if not isinstance(cache_seqlens, torch.Tensor):
+        seqlens = _int32_per_batch(capacity if cache_seqlens is None else cache_seqlens, b, device)
     left, right = window_size
     if causal:
         right = 0
-    q = _aligned(q)
-    rotary = rotary_cos is not None
-    if k is not None and (k.shape[1] > 0 or rotary):  # an empty append grid cannot launch
-        k, v = k.contiguous(), v.contiguous()
-        q_new = torch.empty_like(q) if rotary else q
-        cos = rotary_cos.contiguous() if rotary else q.new_empty((1, 1))
-        sin = rotary_sin.contiguous() if rotary else cos
-        append = _append_for(q.dtype, index, paged, cache_batch_idx is not None, rotary,
-                             bool(rotary_interleaved), causal or left >= 0 or right >= 0)
-        append(k, v, k_cache, v_cache, seqlens, cache_batch_idx if cache_batch_idx is not None else seqlens,
-               block_table if paged else _no_table(index), cos, sin, q, q_new)
-        q = q_new
+    # GQA decode: the group of query heads sharing a kv head becomes M (FlashFwd's pack_gqa).
+    pack_gqa = sq == 1 and h > hk and left < 0 and right < 0 and alibi_slopes is None
+    plan = _kvcache_plan(d, q.dtype, index, b, sq, h, hk, capacity, pack_gqa, num_splits, left >= 0,
+                         right >= 0, alibi_slopes is not None, softcap > 0, paged, cache_leftpad is not None,
+                         cache_batch_idx is not None)
+    append = k is not None and (k.shape[1] > 0 or rotary_cos is not None)  # an empty grid cannot launch
     k_extra = 0 if k is None else k.shape[1]
+    return KVCacheCall(plan, device, index, _aligned(q) is not q, seqlens, append, causal or left >= 0 or right >= 0,
+                       (k_extra, plan.num_splits, *_scales(softmax_scale, softcap), left, right))
 
-    dq = q.shape[-1]
-    # GQA decode: the group of query heads sharing a kv head becomes M (the seed's
-    # seqlenq_ngroups_swapped), so one CTA reads each K/V tile once for the whole group.
-    swap = sq == 1 and h > hk and left < 0 and right < 0 and alibi_slopes is None
-    flags = (left >= 0, right >= 0, alibi_slopes is not None, softcap > 0, paged,
-             cache_leftpad is not None, cache_batch_idx is not None)
-    traits, num_splits, compiled, combine, sq_k, h_k = _kvcache_plan(
-        dq, q.dtype, index, b, sq, h, hk, capacity, swap, num_splits, *flags)
-    out = torch.empty((b, sq, h, dq), dtype=q.dtype, device=q.device)
-    lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
-    q_k, out_k, lse_k = q, out, lse
-    if swap:  # (b, 1, hk * g, d) viewed as (b, g, hk, d); lse (b, hk * g, 1) as (b, hk, g)
-        sh = q.stride(2)
-        q_k = q.as_strided((b, sq_k, h_k, dq), (q.stride(0), sh, sq_k * sh, 1))
-        out_k = out.as_strided((b, sq_k, h_k, dq), (h * dq, dq, sq_k * dq, 1))
-        lse_k = lse.as_strided((b, h_k, sq_k), (h, sq_k, 1))
 
-    vectors = (seqlens, seqlens if cache_leftpad is None else cache_leftpad,
-               seqlens if cache_batch_idx is None else cache_batch_idx,
-               block_table if paged else _no_table(index))
-    args = (_alibi_2d(alibi_slopes, b, h, index), *vectors, k_extra, num_splits, *_scales(softmax_scale, softcap),
-            left, right)
-    if num_splits == 1:
-        compiled(q_k, k_cache, v_cache, out_k, lse_k, *args)
-    else:
-        # Partial O (num_splits, b, h, sq, kHeadDim) and LSE (num_splits, b, h, sq), one allocation.
-        rows = num_splits * b * h_k * sq_k
-        dp = traits.head_dim
-        acc = torch.empty(rows * (dp + 1), dtype=torch.float32, device=q.device)
-        o_acc = acc.as_strided((num_splits, b, h_k, sq_k, dp),
-                               (b * h_k * sq_k * dp, h_k * sq_k * dp, sq_k * dp, dp, 1))
-        lse_acc = acc.as_strided((num_splits, b, h_k, sq_k), (b * h_k * sq_k, h_k * sq_k, sq_k, 1), rows * dp)
-        compiled(q_k, k_cache, v_cache, o_acc, lse_acc, *args)
-        combine(o_acc, lse_acc, out_k, lse_k)
-    return (out if dq == d else out[..., :d]), lse
+def _append(q, k, v, k_cache, v_cache, seqlens, cache_batch_idx, block_table, rotary_cos, rotary_sin,
+            interleaved, q_per_row, index):
+    """Launch the append kernel (rotary k into the caches; returns q, rotated when rotary)."""
+    rotary = rotary_cos is not None
+    paged = block_table is not None
+    k, v = k.contiguous(), v.contiguous()
+    q_new = torch.empty_like(q) if rotary else q
+    cos = rotary_cos.contiguous() if rotary else q.new_empty((1, 1))
+    sin = rotary_sin.contiguous() if rotary else cos
+    append = _append_for(q.dtype, index, paged, cache_batch_idx is not None, rotary, bool(interleaved), q_per_row)
+    append(k, v, k_cache, v_cache, seqlens, cache_batch_idx if cache_batch_idx is not None else seqlens,
+           block_table if paged else _no_table(index), cos, sin, q, q_new)
+    return q_new
 
 
 @functools.lru_cache(maxsize=None)
 def _no_table(index: int):
+    """The placeholder for an int32 table or vector the kernel's flags leave unread."""
     return torch.zeros((1, 1), dtype=torch.int32, device=f"cuda:{index}")
 
 
+@dataclass(frozen=True)
+class KVCachePlan:
+    """Everything a KV-cache call decides from its shapes and options alone."""
+    traits: FwdTraits
+    num_splits: int
+    launch: object   # the compiled kernel's TVM-FFI function
+    head_dim: int    # of q as launched (a multiple of 8)
+    batch: int
+    nheads: int      # (heads, seqlen_q) as the caller has them
+    seqlen_q: int
+    rows: int        # (rows, heads) as the kernel tiles them: (g, nheads_k) with pack_gqa
+    heads: int
+    m_blocks: int
+
+
 @functools.lru_cache(maxsize=4096)
-def _kvcache_plan(d_pad, dtype, index, b, sq, h, hk, capacity, swap, num_splits, *flags):
-    """Everything a KV-cache call decides from its shapes and options alone (memoised: decode
-    calls repeat one signature): traits, split count, the kernels, and the (seqlen_q, heads)
-    the kernel sees, (g, nheads_k) after the GQA swap."""
-    sq_k, h_k = (h // hk, hk) if swap else (sq, h)
+def _kvcache_plan(d_pad, dtype, index, b, sq, h, hk, capacity, pack_gqa, num_splits, *flags):
+    """The plan of one call signature (memoised: decode calls repeat one signature)."""
+    rows, heads = (h // hk, hk) if pack_gqa else (sq, h)
     traits = choose_decode_traits(d_pad, _DTYPE_NAMES[dtype], min(_device_arch(index), 90))
     n_blocks = -(-capacity // traits.block_n)
+    m_blocks = -(-rows // traits.block_m)
     if num_splits == 0:
-        num_splits = num_splits_heuristic(b * h_k * -(-sq_k // traits.block_m), _num_sms(index), n_blocks)
+        num_splits = num_splits_heuristic(b * heads * m_blocks, _num_sms(index), n_blocks)
     num_splits = max(1, min(num_splits, n_blocks, 128))
-    compiled = _kvcache_kernel_for(traits, d_pad, index, *flags[:5], num_splits > 1, *flags[5:])
-    combine = _combine_for(traits.head_dim, dtype, index) if num_splits > 1 else None
-    return traits, num_splits, compiled, combine, sq_k, h_k
+    compiled = _kvcache_kernel_for(traits, d_pad, index, *flags[:5], num_splits > 1, *flags[5:], pack_gqa)
+    return KVCachePlan(traits, num_splits, ffi_function(compiled), d_pad, b, h, sq, rows, heads, m_blocks)
+
+
+def _workspace(plan: KVCachePlan, device: torch.device):
+    """(partial O, partial LSE, arrival counters, LSE scratch) for one launch of `plan`: the
+    partials and counters of a split launch, placeholders otherwise, and where the final LSE
+    goes when the caller does not want it. Kept per (plan, stream): launches on one stream run in
+    order, so they can share it, and the kernel leaves the counters at zero. A launch being
+    captured into a CUDA graph gets its own, since the graph may replay beside eager calls."""
+    if torch.cuda.is_current_stream_capturing():
+        return _new_workspace(plan, device)
+    return _stream_workspace(plan, device, torch._C._cuda_getCurrentRawStream(device.index))
+
+
+@functools.lru_cache(maxsize=64)
+def _stream_workspace(plan: KVCachePlan, device: torch.device, stream: int):
+    return _new_workspace(plan, device)
+
+
+def _new_workspace(plan: KVCachePlan, device: torch.device):
+    dp = plan.traits.head_dim
+    split = plan.num_splits > 1
+    shape = (plan.num_splits, plan.batch, plan.heads, plan.rows) if split else (1, 1, 1, 1)
+    o_acc = torch.empty(shape + (dp,), dtype=torch.float32, device=device)
+    lse_acc = torch.empty(shape, dtype=torch.float32, device=device)
+    counters = torch.zeros((plan.m_blocks * plan.batch * plan.heads if split else 1,), dtype=torch.int32,
+                           device=device)
+    lse = torch.empty((plan.batch, plan.nheads, plan.seqlen_q), dtype=torch.float32, device=device)
+    return o_acc, lse_acc, counters, lse
 
 
 FLAG_NAMES = ("has_left", "has_right", "has_alibi", "has_softcap", "even_k")  # dense score flags
 ALL_FLAG_NAMES = FLAG_NAMES + ("varlen", "has_seqused_k", "paged", "kvcache", "split", "has_leftpad",
-                               "has_batch_idx")
+                               "has_batch_idx", "pack_gqa")
 
 
 def fwd_variants(arch: int, full: bool = False):
@@ -771,19 +900,20 @@ def fwd_variants(arch: int, full: bool = False):
     fwd_traits = list(dict.fromkeys(choose_fwd_traits(d, dt, arch, c) for d in HEAD_DIM_BUCKETS
                                     for dt in DTYPES for c in (False, True)))
     decode_traits = list(dict.fromkeys(choose_decode_traits(d, dt, arch) for d in HEAD_DIM_BUCKETS for dt in DTYPES))
-    cache_names = ("paged", "split", "has_leftpad", "has_batch_idx")
-    cache_flags = [dict(zip(cache_names, bits)) for bits in itertools.product((False, True), repeat=4)
+    cache_names = ("paged", "split", "has_leftpad", "has_batch_idx", "pack_gqa")
+    cache_flags = [dict(zip(cache_names, bits)) for bits in itertools.product((False, True), repeat=5)
                    if not (bits[0] and (bits[2] or bits[3]))]
     if full:
         varlen = [dict(f, varlen=True, has_seqused_k=u, paged=p) for f in combos
                   for u in (False, True) for p in (False, True)]
-        cache = [dict(has_right=r, kvcache=True, **c) for r in (False, True) for c in cache_flags]
+        cache = [dict(has_right=r, kvcache=True, **c) for r in (False, True) for c in cache_flags
+                 if not (r and c["pack_gqa"])]
         return [(t, f) for t in fwd_traits for f in combos + varlen] + [(t, f) for t in decode_traits for f in cache]
     dtype = "bf16" if arch >= 90 else "fp16"
     pivot = choose_fwd_traits(128, dtype, arch)
     decode_pivot = choose_decode_traits(128, dtype, arch)
     subset = [(t, causal) for t in fwd_traits if t.dtype == dtype]
-    subset += [(t, dict(kvcache=True, split=True)) for t in decode_traits if t.dtype == dtype]
+    subset += [(t, dict(kvcache=True, split=True, pack_gqa=True)) for t in decode_traits if t.dtype == dtype]
     subset += [(pivot, dict(causal, varlen=True)), (pivot, dict(causal, varlen=True, has_seqused_k=True)),
                (pivot, dict(causal, varlen=True, paged=True))]
     if arch >= 90:
@@ -791,6 +921,7 @@ def fwd_variants(arch: int, full: bool = False):
         plain = dict(causal, has_right=False)
         alone = [dict(plain, **{n: not plain[n]}) for n in FLAG_NAMES if n != "has_right"]
         subset += [(pivot, f) for f in alone + [all_on]]
-        subset += [(decode_pivot, dict(causal, kvcache=True, **{n: True})) for n in cache_names]
+        subset += [(decode_pivot, dict(causal, kvcache=True, **{n: True})) for n in cache_names if n != "pack_gqa"]
+        subset += [(decode_pivot, dict(plain, kvcache=True, pack_gqa=True))]
         subset += [(decode_pivot, dict(causal, kvcache=True, paged=True, split=True))]
     return subset
