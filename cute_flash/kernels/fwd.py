@@ -741,8 +741,7 @@ def flash_fwd_kvcache(q, k_cache, v_cache, *, k=None, v=None, rotary_cos=None, r
         q = _append(q, k, v, k_cache, v_cache, seqlens, cache_batch_idx, block_table, rotary_cos, rotary_sin,
                     rotary_interleaved, call.q_per_row, index)
 
-    dq = plan.head_dim
-    out = torch.empty((b, sq, h, dq), dtype=q.dtype, device=call.device)
+    out = torch.empty((b, sq, h, d), dtype=q.dtype, device=call.device)
     o_acc, lse_acc, counters, lse = _workspace(plan, call.device)
     if return_lse:
         lse = torch.empty((b, h, sq), dtype=torch.float32, device=call.device)
@@ -752,7 +751,7 @@ def flash_fwd_kvcache(q, k_cache, v_cache, *, k=None, v=None, rotary_cos=None, r
                 seqlens if cache_leftpad is None else cache_leftpad,
                 seqlens if cache_batch_idx is None else cache_batch_idx,
                 no_table if block_table is None else block_table, *call.scalars)
-    return (out if dq == d else out[..., :d]), (lse if return_lse else None)
+    return out, (lse if return_lse else None)
 
 
 @dataclass(frozen=True)
@@ -825,7 +824,6 @@ class KVCachePlan:
     traits: FwdTraits
     num_splits: int
     launch: object   # the compiled kernel's TVM-FFI function
-    head_dim: int    # of q as launched (a multiple of 8)
     batch: int
     nheads: int      # (heads, seqlen_q) as the caller has them
     seqlen_q: int
@@ -845,7 +843,7 @@ def _kvcache_plan(d_pad, dtype, index, b, sq, h, hk, capacity, pack_gqa, num_spl
         num_splits = num_splits_heuristic(b * heads * m_blocks, _num_sms(index), n_blocks)
     num_splits = max(1, min(num_splits, n_blocks, 128))
     compiled = _kvcache_kernel_for(traits, d_pad, index, *flags[:5], num_splits > 1, *flags[5:], pack_gqa)
-    return KVCachePlan(traits, num_splits, ffi_function(compiled), d_pad, b, h, sq, rows, heads, m_blocks)
+    return KVCachePlan(traits, num_splits, ffi_function(compiled), b, h, sq, rows, heads, m_blocks)
 
 
 def _workspace(plan: KVCachePlan, device: torch.device):
