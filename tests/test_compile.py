@@ -1,7 +1,8 @@
 """Every kernel variant the dispatcher can choose compiles for sm_80 and sm_90a, with no GPU.
 
 CI compiles a covering subset (every head-dim bucket of both kernels on both archs, each flag
-on and off, the combine and append kernels); the full traits x flags sweep is marked slow:
+on and off, the append kernel; the split-KV combine is part of every split kernel, compiled for
+every head-dim bucket); the full traits x flags sweep is marked slow:
 `pytest -m slow tests/test_compile.py`.
 """
 import pytest
