@@ -691,13 +691,6 @@ def _append_for(dtype, device_index, paged, has_batch_idx, rotary, interleaved, 
                           lambda: compile_append(AppendKV(_ELEMENT[dtype], *flags)))
 
 
-def _int32_per_batch(value, batch, device):
-    """cache_seqlens as the kernels read it: a (batch,) int32 tensor."""
-    if isinstance(value, torch.Tensor):
-        return value
-    return torch.full((batch,), value, dtype=torch.int32, device=device)
-
-
 def flash_fwd_kvcache(q, k_cache, v_cache, *, k=None, v=None, rotary_cos=None, rotary_sin=None,
                       cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                       softmax_scale, causal=False, window_size=(-1, -1), softcap=0.0,
@@ -781,8 +774,9 @@ def _kvcache_call(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, 
     hk = k_cache.shape[2]
     capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
     seqlens = None
-    if not isinstance(cache_seqlens, torch.Tensor):
-        seqlens = _int32_per_batch(capacity if cache_seqlens is None else cache_seqlens, b, device)
+    if not isinstance(cache_seqlens, torch.Tensor):  # the (batch,) int32 tensor the kernels read
+        seqlens = torch.full((b,), capacity if cache_seqlens is None else cache_seqlens, dtype=torch.int32,
+                             device=device)
     left, right = window_size
     if causal:
         right = 0
