@@ -3,8 +3,9 @@
 Checks every traits the heuristic ships (layouts.inspect) and prints one row per traits; exits 1
 if any check fails, so CI can gate on it. Bank columns give the worst phase's conflicts (ways - 1)
 and, in parentheses when nonzero, the extra wavefronts summed over the CTA: ldsmQ/ldsmK/ldsmVt are
-the ldmatrix reads of sQ, sK and sV^T, cpQ/cpKV the cp.async writes into sQ and sK/sV, stO the
-32-bit accumulator stores into sO and ldO the 128-bit reads of sO for the gmem store.
+the ldmatrix reads of sQ, sK and sV^T, cpQ/cpKV the cp.async writes into sQ and sK/sV (cpKVp: the
+paged copy's), stO the 32-bit accumulator stores into sO and ldO the 128-bit reads of sO for the
+gmem store. `runs` is the paged copy's rows per page run, "ok" when no run can straddle a page.
 """
 import argparse
 import sys
@@ -14,7 +15,7 @@ from layouts import inspect
 from layouts.traits import ELEMENT_BYTES, SMEM_LIMIT, shipped_fwd_traits
 
 BANK_COLUMNS = {"ldsm_q": "ldsmQ", "ldsm_k": "ldsmK", "ldsm_vt": "ldsmVt", "cpasync_q": "cpQ",
-                "cpasync_kv": "cpKV", "sts_o": "stO", "lds_o": "ldO"}
+                "cpasync_kv": "cpKV", "cpasync_kv_paged": "cpKVp", "sts_o": "stO", "lds_o": "ldO"}
 
 
 def _ok(flag: bool) -> str:
@@ -45,9 +46,10 @@ def _failed_coverage(cover: dict) -> str:
 
 def print_report(arch: int) -> bool:
     rows = [inspect.report(t, arch) for t in shipped_fwd_traits(arch)]
-    header = ["traits", "smem B", "fits", "bij", *BANK_COLUMNS.values(), "gmem", "cover"]
+    header = ["traits", "smem B", "fits", "bij", *BANK_COLUMNS.values(), "gmem", "cover", "runs"]
     table = [[r["name"], f"{r['smem_bytes']}", _ok(r["fits"]), _failed_names(r["bijection"]),
-              *(_banks(r["banks"][k]) for k in BANK_COLUMNS), _gmem(r["gmem"]), _failed_coverage(r["coverage"])]
+              *(_banks(r["banks"][k]) for k in BANK_COLUMNS), _gmem(r["gmem"]), _failed_coverage(r["coverage"]),
+              f"{r['page_runs']['run']} {_ok(r['page_runs']['ok'])}"]
              for r in rows]
     widths = [max(len(str(x)) for x in col) for col in zip(header, *table)]
     print(f"sm{arch}: smem limit {SMEM_LIMIT[arch]} B; bank conflicts = worst phase ways-1 (+extra wavefronts/CTA)")

@@ -299,6 +299,8 @@ PARTITIONS = {
     "gmem_kv": (copy.gmem_tiled_copy_qkv, "partition_S", "nk", False),
     "cpasync_q": (copy.gmem_tiled_copy_qkv, "partition_D", "mk", False),
     "cpasync_kv": (copy.gmem_tiled_copy_qkv, "partition_D", "nk", False),
+    "gmem_kv_paged": (copy.gmem_tiled_copy_kv_paged, "partition_S", "nk", False),
+    "cpasync_kv_paged": (copy.gmem_tiled_copy_kv_paged, "partition_D", "nk", False),
     "ldsm_q": (_ldsm_q, "partition_S", "mk", False),
     "ldsm_k": (_ldsm_k, "partition_S", "nk", True),
     "ldsm_vt": (_ldsm_vt, "partition_S", "kn", True),
@@ -319,10 +321,11 @@ SMEM_ACCESSES = {
     "ldsm_vt": "sVt",
     "cpasync_q": "sQ",
     "cpasync_kv": "sKV",
+    "cpasync_kv_paged": "sKV",
     "sts_o": "sO",
     "lds_o": "sO",
 }
-GMEM_ACCESSES = ("gmem_q", "gmem_kv", "gmem_o")
+GMEM_ACCESSES = ("gmem_q", "gmem_kv", "gmem_kv_paged", "gmem_o")
 
 
 @lru_cache(maxsize=None)
@@ -441,6 +444,18 @@ def gmem_access(part: Partition, elem_bytes: int = ELEMENT_BYTES) -> dict:
             "coalesced": coalesced, "ok": vector_ok and coalesced}
 
 
+def page_runs(part: Partition, run: int) -> dict:
+    """The paged K/V copy's promise (kernels/kv_tiles.py): a thread's copies m = g run .. g run +
+    run - 1 hit rows of one aligned group of 16 (pages hold a multiple of 16 rows, so the run
+    lies in one page), the same rows for every column chunk."""
+    rows = part.coords[:, 0, :, 0]                      # (threads, accesses); access = m + M * chunk
+    per_chunk = len(np.unique(rows[0]))
+    by_m = rows.reshape(part.threads, -1, per_chunk)   # (threads, chunks, M)
+    same_rows = bool((by_m == by_m[:, :1]).all())
+    groups = (by_m[:, 0] // 16).reshape(part.threads, -1, run)
+    return {"run": run, "ok": same_rows and bool((groups == groups[..., :1]).all())}
+
+
 # --------------------------------------------------------------------------------------------
 # Everything for one traits
 
@@ -454,9 +469,10 @@ def inspect_traits(traits: FwdTraits) -> dict:
              for name, layout in SMEM_ACCESSES.items()}
     gmem = {name: gmem_access(parts[name]) for name in GMEM_ACCESSES}
     cover = {name: coverage(parts[name]) for name in PARTITIONS}
+    runs = page_runs(parts["gmem_kv_paged"], copy.paged_row_group(traits))
     ok = (all(bijection.values()) and all(b["ok"] for b in banks.values())
-          and all(g["ok"] for g in gmem.values()) and all(c["ok"] for c in cover.values()))
-    return {"bijection": bijection, "banks": banks, "gmem": gmem, "coverage": cover, "ok": ok}
+          and all(g["ok"] for g in gmem.values()) and all(c["ok"] for c in cover.values()) and runs["ok"])
+    return {"bijection": bijection, "banks": banks, "gmem": gmem, "coverage": cover, "page_runs": runs, "ok": ok}
 
 
 def report(traits: FwdTraits, arch: int) -> dict:

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from layouts import inspect, smem
+from layouts import copy, inspect, smem
 from layouts.traits import (DTYPES, ELEMENT_BYTES, HEAD_DIM_BUCKETS, SMEM_LIMIT, FwdTraits,
                             choose_fwd_traits, head_dim_bucket)
 
@@ -50,6 +50,11 @@ def _assert_gmem(t):
 def _assert_coverage(t):
     cover = inspect.inspect_traits(t)["coverage"]
     assert {k: c["ok"] for k, c in cover.items()} == dict.fromkeys(inspect.PARTITIONS, True)
+
+
+def _assert_page_runs(t):
+    runs = inspect.inspect_traits(t)["page_runs"]
+    assert runs["ok"] and runs["run"] == copy.paged_row_group(t) >= 1
 
 
 # --- smem budget -----------------------------------------------------------------------------
@@ -96,6 +101,11 @@ def test_copy_and_mma_partitions_cover_tiles_once(d, dtype, arch):
     _assert_coverage(choose_fwd_traits(d, dtype, arch))
 
 
+@pytest.mark.parametrize("d,dtype,arch", CASES, ids=CASE_IDS)
+def test_paged_copy_runs_stay_inside_a_page(d, dtype, arch):
+    _assert_page_runs(choose_fwd_traits(d, dtype, arch))
+
+
 @given(d=head_dims, dtype=dtypes, arch=archs)
 @FEW
 def test_any_head_dim_passes_every_check(d, dtype, arch):
@@ -104,6 +114,7 @@ def test_any_head_dim_passes_every_check(d, dtype, arch):
     _assert_bank_conflict_free(t)
     _assert_gmem(t)
     _assert_coverage(t)
+    _assert_page_runs(t)
     assert inspect.report(t, arch)["ok"]
 
 
@@ -192,6 +203,26 @@ def test_coverage_checker_flags_broken_partitions():
     b = inspect.partitions(t)["mma_b_qk"]  # every warp reads all of B: a duplicate unless per warp
     assert inspect.coverage(b)["ok"] and b.replicas == t.num_warps
     assert inspect.coverage(inspect.Partition(b.coords, b.tile))["duplicated"] == b.tile[0] * b.tile[1]
+
+
+def _runs_without_phase_interleave(t):
+    """The paged copy's runs as plain consecutive rows (row tiler R : G), no phase interleave."""
+    rows = cute.make_layout(t.num_threads // t.gmem_threads_per_row, stride=copy.paged_row_group(t))
+    return cute.make_tiled_copy(copy._cp_async_atom(t), copy.gmem_tiled_copy_qkv(t).layout_tv_tiled,
+                                (rows, cute.make_layout(t.block_k_smem)))
+
+
+def test_page_run_and_bank_checkers_flag_the_naive_paged_copies():
+    """The plain row order puts a thread's rows 16+ rows apart (a run would span pages); runs of
+    consecutive rows without the phase interleave put two 64 B rows of equal parity in one
+    phase (2-way conflicts on sK) where a row is 64 B (d 96)."""
+    t = choose_fwd_traits(128)
+    assert not inspect.page_runs(inspect.partitions(t)["gmem_kv"], copy.paged_row_group(t))["ok"]
+    t = choose_fwd_traits(96)
+    naive = inspect.capture_partition(_runs_without_phase_interleave, (t,), "partition_D", (t.block_n, t.head_dim))
+    assert inspect.page_runs(naive, copy.paged_row_group(t))["ok"]
+    assert inspect.bank_conflicts(naive, inspect.smem_table("sKV", t))["worst"] == 1
+    assert inspect.bank_conflicts(inspect.partitions(t)["cpasync_kv_paged"], inspect.smem_table("sKV", t))["worst"] == 0
 
 
 # --- the host evaluator agrees with the DSL --------------------------------------------------

@@ -89,6 +89,8 @@ class FlashFwd(SplitCombine):
         # V[n-1] in flight together (one memory latency per block instead of two), at the
         # price of two more barriers per block.
         self.overlap_kv = kvcache
+        # Paged prefill gathers K/V in runs of rows that share a page (kv_tiles.py).
+        self.paged_runs = paged and not kvcache
         self.has_left = has_left
         self.has_right = has_right
         self.has_alibi = has_alibi
@@ -178,7 +180,9 @@ class FlashFwd(SplitCombine):
         self.kernel(
             mQ, mK, mV, mO, mLSE, split_ws, mAlibi, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mLeftpadK, mBatchIdx,
             mBlockTable, k_extra, num_splits, sQ_layout, sKV_layout,
-            lcopy.gmem_tiled_copy_qkv(t), lcopy.gmem_tiled_copy_o(t), lmma.tiled_mma(t),
+            lcopy.gmem_tiled_copy_qkv(t),
+            lcopy.gmem_tiled_copy_kv_paged(t) if cutlass.const_expr(self.paged_runs) else lcopy.gmem_tiled_copy_qkv(t),
+            lcopy.gmem_tiled_copy_o(t), lmma.tiled_mma(t),
             scale_log2, score_premul, alibi_div, window_left, window_right, SharedStorage,
         ).launch(grid=grid, block=[t.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)
 
@@ -187,7 +191,8 @@ class FlashFwd(SplitCombine):
                mLSE: cute.Tensor, split_ws, mAlibi: cute.Tensor, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mLeftpadK,
                mBatchIdx, mBlockTable, k_extra, num_splits,
                sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
-               gmem_tiled_copy_QKV: cute.TiledCopy, gmem_tiled_copy_O: cute.TiledCopy,
+               gmem_tiled_copy_QKV: cute.TiledCopy, gmem_tiled_copy_KV: cute.TiledCopy,
+               gmem_tiled_copy_O: cute.TiledCopy,
                tiled_mma: cute.TiledMma, scale_log2: cutlass.Float32, score_premul: cutlass.Float32,
                alibi_div: cutlass.Float32, window_left: cutlass.Int32, window_right: cutlass.Int32,
                SharedStorage: cutlass.Constexpr):
@@ -239,7 +244,7 @@ class FlashFwd(SplitCombine):
         if m_block * self.t.block_m < binfo.seqlen_q:
             self.attend(mQ_s, mK_s, mV_s, mTable, mO_s, mLSE_s, split_out, mAlibi, binfo, m_block, bidb, bidh,
                         split_idx, num_splits, mQ.shape[head_axis + 1], sQ_layout, sKV_layout,
-                        gmem_tiled_copy_QKV, gmem_tiled_copy_O, tiled_mma, scale_log2, score_premul,
+                        gmem_tiled_copy_QKV, gmem_tiled_copy_KV, gmem_tiled_copy_O, tiled_mma, scale_log2, score_premul,
                         alibi_div, window_left, window_right, SharedStorage)
 
     @cute.jit
@@ -247,7 +252,8 @@ class FlashFwd(SplitCombine):
                mLSE_s: cute.Tensor, split_out, mAlibi: cute.Tensor, binfo: BlockInfo, m_block, bidb, bidh,
                split_idx, num_splits, head_dim,
                sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
-               gmem_tiled_copy_QKV: cute.TiledCopy, gmem_tiled_copy_O: cute.TiledCopy,
+               gmem_tiled_copy_QKV: cute.TiledCopy, gmem_tiled_copy_KV: cute.TiledCopy,
+               gmem_tiled_copy_O: cute.TiledCopy,
                tiled_mma: cute.TiledMma, scale_log2: cutlass.Float32, score_premul: cutlass.Float32,
                alibi_div: cutlass.Float32, window_left: cutlass.Int32, window_right: cutlass.Int32,
                SharedStorage: cutlass.Constexpr):
@@ -280,12 +286,14 @@ class FlashFwd(SplitCombine):
         tQgQ = gmem_thr_copy_QKV.partition_S(gQ)
         tQsQ = gmem_thr_copy_QKV.partition_D(sQ)
         tQcQ = gmem_thr_copy_QKV.partition_S(cQ)
-        tKsK = gmem_thr_copy_QKV.partition_D(sK)  # (KCPY, KCPY_N, KCPY_K)
-        tVsV = gmem_thr_copy_QKV.partition_D(sV)
-        tKVcKV = gmem_thr_copy_QKV.partition_S(cKV)
         tQpQ = column_predicate(tQcQ, head_dim)
-        tKVpKV = column_predicate(tKVcKV, head_dim)
-        kv = KVTiles.make(gmem_thr_copy_QKV, mK_s, mV_s, binfo.seqlen_k, bn, d, self.even_k, mTable)
+        gmem_thr_copy_KV = gmem_tiled_copy_KV.get_slice(tidx)
+        tKsK = gmem_thr_copy_KV.partition_D(sK)  # (KCPY, KCPY_N, KCPY_K)
+        tVsV = gmem_thr_copy_KV.partition_D(sV)
+        tKVcKV = gmem_thr_copy_KV.partition_S(cKV)
+        kv = KVTiles.make(gmem_tiled_copy_KV, gmem_thr_copy_KV, tKVcKV, column_predicate(tKVcKV, head_dim),
+                          mK_s, mV_s, binfo.seqlen_k, bn, d, self.even_k,
+                          lcopy.paged_row_group(t) if cutlass.const_expr(self.paged_runs) else None, mTable)
 
         thr_mma = tiled_mma.get_slice(tidx)
         tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ))     # (MMA, MMA_M, MMA_K)
@@ -317,7 +325,7 @@ class FlashFwd(SplitCombine):
             self.mainloop(
                 n_block_min, n_block_max, m_block, rows_q, binfo, window_left, window_right,
                 tiled_mma, gmem_tiled_copy_QKV, tQgQ, tQsQ, tQcQ, tQpQ,
-                kv, tKsK, tVsV, tKVcKV, tKVpKV, tSrQ, tSrK, tOrVt, acc_o, acc_o_mn,
+                kv, tKsK, tVsV, tSrQ, tSrK, tOrVt, acc_o, acc_o_mn,
                 ops, softmax, mask, score_premul, slope)
 
         # Epilogue (also the early exit: no visible key leaves O = 0 and LSE = +inf, or -inf
@@ -406,7 +414,7 @@ class FlashFwd(SplitCombine):
     @cute.jit
     def mainloop(self, n_block_min, n_block_max, m_block, rows_q, binfo, window_left, window_right,
                  tiled_mma, gmem_tiled_copy_QKV, tQgQ, tQsQ, tQcQ, tQpQ,
-                 kv, tKsK, tVsV, tKVcKV, tKVpKV, tSrQ, tSrK, tOrVt, acc_o, acc_o_mn,
+                 kv, tKsK, tVsV, tSrQ, tSrK, tOrVt, acc_o, acc_o_mn,
                  ops, softmax, mask, score_premul, slope):
         """Prologue loads, the first (masked) block, then right-masked, mask-free and
         left-masked blocks in decreasing n."""
@@ -416,13 +424,13 @@ class FlashFwd(SplitCombine):
         n_last = n_block_max - 1
         copy_tile(gmem_tiled_copy_QKV, tQgQ, tQsQ, tQcQ, tQpQ, rows_q, True, self.even_k, True)
         pages = kv.page_ids(n_last) if cutlass.const_expr(self.overlap_kv) else None
-        kv.load(gmem_tiled_copy_QKV, False, n_last, pages, tKsK, tKVcKV, tKVpKV, True)
+        kv.load(False, n_last, pages, tKsK, True)
         cute.arch.cp_async_commit_group()
         if cutlass.const_expr(self.overlap_kv):
-            kv.load(gmem_tiled_copy_QKV, True, n_last, pages, tVsV, tKVcKV, tKVpKV, True)
+            kv.load(True, n_last, pages, tVsV, True)
             cute.arch.cp_async_commit_group()
 
-        step_args = (tiled_mma, gmem_tiled_copy_QKV, kv, tKsK, tVsV, tKVcKV, tKVpKV,
+        step_args = (tiled_mma, kv, tKsK, tVsV,
                      tSrQ, tSrK, tOrVt, acc_o, acc_o_mn, ops, softmax, mask,
                      binfo, m_block, n_block_min, score_premul, slope)
         self.step(n_last, *step_args, is_first=True, masked=True)
@@ -439,14 +447,14 @@ class FlashFwd(SplitCombine):
             self.step(left_end - 1 - i, *step_args, is_first=False, masked=True)
 
     @cute.jit
-    def step(self, n_block, tiled_mma, gmem_tiled_copy_QKV, kv, tKsK, tVsV, tKVcKV, tKVpKV,
+    def step(self, n_block, tiled_mma, kv, tKsK, tVsV,
              tSrQ, tSrK, tOrVt, acc_o, acc_o_mn, ops, softmax, mask, binfo, m_block,
              n_block_min, score_premul, slope, is_first: cutlass.Constexpr, masked: cutlass.Constexpr):
         """One key block: S = Q K^T, modifiers, online softmax, O += P V, with the next K (and,
         in KV-cache kernels, the next V) in flight. Paged KV-cache kernels read block n-1's page
-        ids first thing, so the table load is done by the time its copies are issued; prefill
-        kernels look each row's page up as they copy it (one table load per block and warp
-        shuffles made paged prefill 12% slower: docs/perf.md)."""
+        ids first thing, so the table load is done by the time its copies are issued; paged
+        prefill kernels read one page per run of rows just before the run's copies (kv_tiles.py;
+        reading them ahead measured no faster: docs/perf.md)."""
         t = self.t
         copy_Q, tSsQ, tSrQ_view, copy_K, tSsK, tSrK_view, copy_V, tOsVt, tOrVt_view = ops
         acc_s = cute.make_rmem_tensor(tiled_mma.get_slice(0).partition_shape_C((t.block_m, t.block_n)),
@@ -461,7 +469,7 @@ class FlashFwd(SplitCombine):
             cute.arch.cp_async_wait_group(0)
             cute.arch.barrier()
             # V[n]: only the first block processed can run past seqlen_k.
-            kv.load(gmem_tiled_copy_QKV, True, n_block, None, tVsV, tKVcKV, tKVpKV, is_first)
+            kv.load(True, n_block, None, tVsV, is_first)
             cute.arch.cp_async_commit_group()
 
         gemm_ss(tiled_mma, acc_s, copy_Q, tSsQ, tSrQ_view, tSrQ, copy_K, tSsK, tSrK_view, tSrK)
@@ -469,13 +477,13 @@ class FlashFwd(SplitCombine):
         if cutlass.const_expr(self.overlap_kv):
             cute.arch.barrier()  # every warp is done with sK
             if n_block > n_block_min:
-                kv.load(gmem_tiled_copy_QKV, False, n_block - 1, pages_next, tKsK, tKVcKV, tKVpKV, False)
+                kv.load(False, n_block - 1, pages_next, tKsK, False)
             cute.arch.cp_async_commit_group()  # possibly empty: keeps the group count fixed
         else:
             cute.arch.cp_async_wait_group(0)
             cute.arch.barrier()
             if n_block > n_block_min:
-                kv.load(gmem_tiled_copy_QKV, False, n_block - 1, None, tKsK, tKVcKV, tKVpKV, False)
+                kv.load(False, n_block - 1, None, tKsK, False)
                 cute.arch.cp_async_commit_group()
 
         acc_s_mn = lmma.acc_mn_view(acc_s)
@@ -507,7 +515,7 @@ class FlashFwd(SplitCombine):
         if cutlass.const_expr(self.overlap_kv):
             cute.arch.barrier()  # every warp is done with sV
             if n_block > n_block_min:
-                kv.load(gmem_tiled_copy_QKV, True, n_block - 1, pages_next, tVsV, tKVcKV, tKVpKV, False)
+                kv.load(True, n_block - 1, pages_next, tVsV, False)
             cute.arch.cp_async_commit_group()
 
 

@@ -2,14 +2,19 @@
 and kv head, or the pages of a paged cache through one block-table row.
 
 Paged caches are (num_blocks, page_size, d) per kv head with page_size any multiple of 16, so a
-64- or 128-row key block may span several pages (at most block_n / 16 + 1 < 32), or lie inside
-one. Each thread finds the page slot of each row it copies (rows `row + 16 i` of the tiled copy;
-one division per block, then a running offset) and issues its cp.async from that page: the
-gather happens inside the copy, with no staging. Prefill kernels read each row's page from the
-table just before its copy. KV-cache kernels, memory-bound with little work per block to hide a
-table load behind, read block n's page ids a step ahead (`page_ids`: lane l of each warp holds
-the block's l-th page) and take each row's from its lane with a warp shuffle. Rows at or past
-seqlen_k are zero-filled like the contiguous tail.
+64- or 128-row key block may span several pages, or lie inside one. The gather happens inside
+the cp.async copy, with no staging; rows at or past seqlen_k are zero-filled like the
+contiguous tail. Two ways to find each row's page, each where it measured faster
+(docs/perf.md, tuning log step 4):
+
+- Prefill kernels copy with `layouts.copy.gmem_tiled_copy_kv_paged`, which gives each thread
+  runs of G consecutive rows starting at a multiple of G, G a divisor of 16: a run lies in one
+  page, so a thread reads the table once per run, just before the run's copies, and issues
+  them at constant row offsets from one base address.
+- KV-cache kernels, memory-bound with little work per block to hide a table load behind, keep
+  the plain row order (a warp's copy covers consecutive rows) and read block n's page ids a
+  step ahead (`page_ids`: lane l of each warp holds the block's l-th page); each row takes its
+  page from its lane with a warp shuffle.
 """
 from dataclasses import dataclass
 
@@ -22,25 +27,30 @@ from cute_flash.kernels.tile_copy import copy_row, copy_tile
 @dataclass(frozen=True)
 class KVTiles:
     """Frozen, so that the DSL treats it as read-only inside run-time `if`s and loops."""
+    tiled_copy: object
     thr_copy: object
-    mK_s: cute.Tensor  # (seqlen_k, d), or (num_blocks, page_size, d) when paged
+    tKVcKV: cute.Tensor  # (KCPY, KCPY_N, KCPY_K) block coordinates (row, col) of this thread's copies
+    tKVpKV: cute.Tensor  # (KCPY_K,) head-dim predicates
+    mK_s: cute.Tensor    # (seqlen_k, d), or (num_blocks, page_size, d) when paged
     mV_s: cute.Tensor
     seqlen_k: object
     bn: int
     d: int
     even_k: bool
-    mTable: object     # (max_blocks,) page indices of this sequence, or None
-    tKgK: object       # (KCPY, KCPY_N, KCPY_K, n_blocks) when contiguous, else None
+    run: object          # paged prefill: rows per run of the copy; None: the plain row order
+    mTable: object       # (max_blocks,) page indices of this sequence, or None
+    tKgK: object         # (KCPY, KCPY_N, KCPY_K, n_blocks) when contiguous, else None
     tVgV: object
 
     @staticmethod
-    def make(thr_copy, mK_s: cute.Tensor, mV_s: cute.Tensor, seqlen_k, block_n: int, head_dim: int,
-             even_k: bool, mTable=None):
+    def make(tiled_copy, thr_copy, tKVcKV: cute.Tensor, tKVpKV: cute.Tensor, mK_s: cute.Tensor,
+             mV_s: cute.Tensor, seqlen_k, block_n: int, head_dim: int, even_k: bool, run=None, mTable=None):
         tKgK = tVgV = None
         if cutlass.const_expr(mTable is None):
             tKgK = thr_copy.partition_S(cute.local_tile(mK_s, (block_n, head_dim), (None, 0)))
             tVgV = thr_copy.partition_S(cute.local_tile(mV_s, (block_n, head_dim), (None, 0)))
-        return KVTiles(thr_copy, mK_s, mV_s, seqlen_k, block_n, head_dim, even_k, mTable, tKgK, tVgV)
+        return KVTiles(tiled_copy, thr_copy, tKVcKV, tKVpKV, mK_s, mV_s, seqlen_k, block_n, head_dim, even_k,
+                       run, mTable, tKgK, tVgV)
 
     @property
     def paged(self) -> bool:
@@ -57,28 +67,34 @@ class KVTiles:
         return ids
 
     @cute.jit
-    def load(self, tiled_copy: cute.TiledCopy, is_v: cutlass.Constexpr, n_block, pages, dst: cute.Tensor,
-             tKVcKV: cute.Tensor, tKVpKV: cute.Tensor, check_rows: cutlass.Constexpr):
+    def load(self, is_v: cutlass.Constexpr, n_block, pages, dst: cute.Tensor, check_rows: cutlass.Constexpr):
         """cp.async key block n of K (or V) into `dst`; check_rows: the block may pass seqlen_k.
-        Paged: `pages` is `page_ids(n_block)`, read ahead, or None to read each row's page from
-        the table as it is copied."""
+        Paged in the plain row order: `pages` is `page_ids(n_block)`, read ahead."""
         rows_left = self.seqlen_k - n_block * self.bn
         if cutlass.const_expr(not self.paged):
             src = self.tVgV if cutlass.const_expr(is_v) else self.tKgK
-            copy_tile(tiled_copy, src[None, None, None, n_block], dst, tKVcKV, tKVpKV, rows_left,
+            copy_tile(self.tiled_copy, src[None, None, None, n_block], dst, self.tKVcKV, self.tKVpKV, rows_left,
                       check_rows, self.even_k, True)
+        elif cutlass.const_expr(self.run is not None):
+            for g in cutlass.range_constexpr(cute.size(dst, mode=[1]) // self.run):
+                if cutlass.const_expr(check_rows):
+                    if cute.elem_less(self.tKVcKV[0, g * self.run, 0][0], rows_left):
+                        self.load_run(is_v, n_block, g, dst, rows_left, True)
+                    else:
+                        for i in cutlass.range_constexpr(self.run):
+                            dst[None, g * self.run + i, None].fill(0)
+                else:
+                    self.load_run(is_v, n_block, g, dst, rows_left, False)
         else:
             mX = self.mV_s if cutlass.const_expr(is_v) else self.mK_s
             page_size = mX.shape[1]
             num_rows = cute.size(dst, mode=[1])
             row_step = self.bn // num_rows  # tile rows between a thread's consecutive rows
-            # Page slot (the table index, or with `pages` the lane: relative to the block's
-            # first page) and offset of this thread's first row; later rows step by row_step,
-            # and a page holds at least 16 rows, so each step wraps at most ceil(row_step / 16)
-            # times.
-            pos = n_block * self.bn + tKVcKV[0, 0, 0][0]
-            if cutlass.const_expr(pages is not None):
-                pos = pos - (n_block * self.bn) // page_size * page_size  # slots from the block's first page
+            # Page slot relative to the block's first page (the lane holding its page id) and
+            # offset of this thread's first row; later rows step by row_step, and a page holds
+            # at least 16 rows, so each step wraps at most ceil(row_step / 16) times.
+            pos = n_block * self.bn + self.tKVcKV[0, 0, 0][0]
+            pos = pos - (n_block * self.bn) // page_size * page_size
             slot = pos // page_size
             offset = pos - slot * page_size
             for m in cutlass.range_constexpr(num_rows):
@@ -88,24 +104,42 @@ class KVTiles:
                         wrap = cutlass.Int32(offset >= page_size)
                         offset = offset - wrap * page_size
                         slot = slot + wrap
-                if cutlass.const_expr(pages is not None):
-                    page = cute.arch.shuffle_sync(pages, slot)  # every lane, before the row predicate
-                row = tKVcKV[0, m, 0][0]
+                page = cute.arch.shuffle_sync(pages, slot)  # every lane, before the row predicate
+                row = self.tKVcKV[0, m, 0][0]
                 row_ok = True
                 if cutlass.const_expr(check_rows):
                     row_ok = cute.elem_less(row, rows_left)
                 if row_ok:
-                    if cutlass.const_expr(pages is None):
-                        self.copy_row(tiled_copy, mX, self.mTable[slot], offset - row, m, dst, tKVpKV)
-                    else:
-                        self.copy_row(tiled_copy, mX, page, offset - row, m, dst, tKVpKV)
+                    src = self.page_window(mX, page, offset - row)
+                    copy_row(self.tiled_copy, src, dst, m, self.tKVpKV, self.even_k, True)
                 else:
                     dst[None, m, None].fill(0)
 
     @cute.jit
-    def copy_row(self, tiled_copy, mX, page, shift, m, dst, tKVpKV):
-        """cp.async this thread's row m from `page`, through a (block_n, d) window of the page
-        shifted by `shift` rows so that the copy's own row offset lands on the right page row."""
+    def load_run(self, is_v: cutlass.Constexpr, n_block, g: cutlass.Constexpr, dst: cute.Tensor, rows_left,
+                 check_rows: cutlass.Constexpr):
+        """Run g of this thread's rows (its first row inside the keys): one table read, then
+        one cp.async per row."""
+        mX = self.mV_s if cutlass.const_expr(is_v) else self.mK_s
+        page_size = mX.shape[1]
+        m0 = g * self.run
+        row0 = self.tKVcKV[0, m0, 0][0]
+        pos = n_block * self.bn + row0
+        slot = pos // page_size
+        src = self.page_window(mX, self.mTable[slot], pos - slot * page_size - row0)
+        for i in cutlass.range_constexpr(self.run):
+            m = m0 + i
+            row_ok = True
+            if cutlass.const_expr(check_rows):
+                row_ok = cute.elem_less(self.tKVcKV[0, m, 0][0], rows_left)
+            if row_ok:
+                copy_row(self.tiled_copy, src, dst, m, self.tKVpKV, self.even_k, True)
+            else:
+                dst[None, m, None].fill(0)
+
+    @cute.jit
+    def page_window(self, mX, page, shift):
+        """This thread's copy partition of a (block_n, d) window of `page` shifted by `shift`
+        rows, so that the copy's own row offsets land on the right page rows."""
         mX_page = cute.domain_offset((page, shift, 0), mX)
-        src = self.thr_copy.partition_S(cute.local_tile(mX_page[0, None, None], (self.bn, self.d), (0, 0)))
-        copy_row(tiled_copy, src, dst, m, tKVpKV, self.even_k, True)
+        return self.thr_copy.partition_S(cute.local_tile(mX_page[0, None, None], (self.bn, self.d), (0, 0)))
