@@ -4,13 +4,14 @@ and kv head, or the pages of a paged cache through one block-table row.
 Paged caches are (num_blocks, page_size, d) per kv head with page_size any multiple of 16, so a
 64- or 128-row key block may span several pages, or lie inside one. The gather happens inside
 the cp.async copy, with no staging; rows at or past seqlen_k are zero-filled like the
-contiguous tail. Two ways to find each row's page, each where it measured faster
-(docs/perf.md, tuning log step 4):
+contiguous tail. Page slots and offsets come from a multiply-shift divisor of page_size made
+once per CTA (`cute.fast_divmod_create_divisor_v2`), not from integer divisions. Two ways to
+find each row's page, each where it measured faster (docs/perf.md, tuning log steps 4-6):
 
-- Prefill kernels copy with `layouts.copy.gmem_tiled_copy_kv_paged`, which gives each thread
-  runs of G consecutive rows starting at a multiple of G, G a divisor of 16: a run lies in one
-  page, so a thread reads the table once per run, just before the run's copies, and issues
-  them at constant row offsets from one base address.
+- Prefill kernels copy with `layouts.copy.gmem_tiled_copy_kv_paged`, which deals each thread's
+  rows out in runs lying in one aligned group of 16 rows, hence in one page: a thread reads
+  the table once per run, just before the run's copies, and issues them at constant row
+  offsets from one base address.
 - KV-cache kernels, memory-bound with little work per block to hide a table load behind, keep
   the plain row order (a warp's copy covers consecutive rows) and read block n's page ids a
   step ahead (`page_ids`: lane l of each warp holds the block's l-th page); each row takes its
@@ -39,18 +40,21 @@ class KVTiles:
     even_k: bool
     run: object          # paged prefill: rows per run of the copy; None: the plain row order
     mTable: object       # (max_blocks,) page indices of this sequence, or None
+    page_div: object     # page_size as a fast divisor (multiply-shift), or None
     tKgK: object         # (KCPY, KCPY_N, KCPY_K, n_blocks) when contiguous, else None
     tVgV: object
 
     @staticmethod
     def make(tiled_copy, thr_copy, tKVcKV: cute.Tensor, tKVpKV: cute.Tensor, mK_s: cute.Tensor,
              mV_s: cute.Tensor, seqlen_k, block_n: int, head_dim: int, even_k: bool, run=None, mTable=None):
-        tKgK = tVgV = None
-        if cutlass.const_expr(mTable is None):
+        tKgK = tVgV = page_div = None
+        if cutlass.const_expr(mTable is not None):
+            page_div = cute.fast_divmod_create_divisor_v2(mK_s.shape[1])
+        else:
             tKgK = thr_copy.partition_S(cute.local_tile(mK_s, (block_n, head_dim), (None, 0)))
             tVgV = thr_copy.partition_S(cute.local_tile(mV_s, (block_n, head_dim), (None, 0)))
         return KVTiles(tiled_copy, thr_copy, tKVcKV, tKVpKV, mK_s, mV_s, seqlen_k, block_n, head_dim, even_k,
-                       run, mTable, tKgK, tVgV)
+                       run, mTable, page_div, tKgK, tVgV)
 
     @property
     def paged(self) -> bool:
@@ -58,10 +62,11 @@ class KVTiles:
 
     @cute.jit
     def page_ids(self, n_block):
-        """Lane l: the table entry of block n's l-th page (0 past the table, and when not paged)."""
+        """Lane l: the table entry of block n's l-th page (0 past the table, and when not paged).
+        Called with n = -1 after the last block: whatever it reads there, no copy uses."""
         ids = cutlass.Int32(0)
         if cutlass.const_expr(self.paged):
-            slot = (n_block * self.bn) // self.mK_s.shape[1] + cute.arch.lane_idx()
+            slot = (n_block * self.bn) // self.page_div + cute.arch.lane_idx()
             if slot >= 0 and slot < self.mTable.shape[0]:
                 ids = self.mTable[slot]
         return ids
@@ -94,9 +99,8 @@ class KVTiles:
             # offset of this thread's first row; later rows step by row_step, and a page holds
             # at least 16 rows, so each step wraps at most ceil(row_step / 16) times.
             pos = n_block * self.bn + self.tKVcKV[0, 0, 0][0]
-            pos = pos - (n_block * self.bn) // page_size * page_size
-            slot = pos // page_size
-            offset = pos - slot * page_size
+            pos = pos - (n_block * self.bn) // self.page_div * page_size
+            slot, offset = divmod(pos, self.page_div)
             for m in cutlass.range_constexpr(num_rows):
                 if cutlass.const_expr(m > 0):
                     offset = offset + row_step
@@ -121,12 +125,10 @@ class KVTiles:
         """Run g of this thread's rows (its first row inside the keys): one table read, then
         one cp.async per row."""
         mX = self.mV_s if cutlass.const_expr(is_v) else self.mK_s
-        page_size = mX.shape[1]
         m0 = g * self.run
         row0 = self.tKVcKV[0, m0, 0][0]
-        pos = n_block * self.bn + row0
-        slot = pos // page_size
-        src = self.page_window(mX, self.mTable[slot], pos - slot * page_size - row0)
+        slot, offset = divmod(n_block * self.bn + row0, self.page_div)
+        src = self.page_window(mX, self.mTable[slot], offset - row0)
         for i in cutlass.range_constexpr(self.run):
             m = m0 + i
             row_ok = True
