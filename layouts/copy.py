@@ -19,9 +19,14 @@ from layouts.traits import FwdTraits, element_type
 COPY_BITS = 128
 
 
+def _rows_per_pass(traits: FwdTraits) -> int:
+    """Thread rows of the gmem copies: tile rows one pass of the CTA covers."""
+    return traits.num_threads // traits.gmem_threads_per_row
+
+
 def _thread_layout(traits: FwdTraits):
     tpr = traits.gmem_threads_per_row
-    return cute.make_layout((traits.num_threads // tpr, tpr), stride=(tpr, 1))
+    return cute.make_layout((_rows_per_pass(traits), tpr), stride=(tpr, 1))
 
 
 def _value_layout(traits: FwdTraits):
@@ -48,8 +53,7 @@ def _rows_per_phase(traits: FwdTraits) -> int:
 def paged_row_group(traits: FwdTraits) -> int:
     """Rows per page run of the paged K/V copy (gmem_tiled_copy_kv_paged): as many of a
     thread's rows as fit, with the rows-per-phase interleave, in an aligned group of 16."""
-    rows_per_pass = traits.num_threads // traits.gmem_threads_per_row
-    return math.gcd(max(1, traits.block_n // rows_per_pass), 16 // _rows_per_phase(traits))
+    return math.gcd(max(1, traits.block_n // _rows_per_pass(traits)), 16 // _rows_per_phase(traits))
 
 
 def gmem_tiled_copy_kv_paged(traits: FwdTraits):
@@ -62,9 +66,8 @@ def gmem_tiled_copy_kv_paged(traits: FwdTraits):
     row. The P thread rows of a phase still write adjacent rows (no bank conflicts), and a
     warp's access still covers whole 128 B (or 64 B) row segments.
     """
-    rows_per_pass = traits.num_threads // traits.gmem_threads_per_row
     phase = _rows_per_phase(traits)
-    rows = cute.make_layout((phase, rows_per_pass // phase), stride=(1, phase * paged_row_group(traits)))
+    rows = cute.make_layout((phase, _rows_per_pass(traits) // phase), stride=(1, phase * paged_row_group(traits)))
     tiler = (rows, cute.make_layout(traits.block_k_smem))
     return cute.make_tiled_copy(_cp_async_atom(traits), gmem_tiled_copy_qkv(traits).layout_tv_tiled, tiler)
 

@@ -207,7 +207,7 @@ def test_coverage_checker_flags_broken_partitions():
 
 def _runs_without_phase_interleave(t):
     """The paged copy's runs as plain consecutive rows (row tiler R : G), no phase interleave."""
-    rows = cute.make_layout(t.num_threads // t.gmem_threads_per_row, stride=copy.paged_row_group(t))
+    rows = cute.make_layout(copy._rows_per_pass(t), stride=copy.paged_row_group(t))
     return cute.make_tiled_copy(copy._cp_async_atom(t), copy.gmem_tiled_copy_qkv(t).layout_tv_tiled,
                                 (rows, cute.make_layout(t.block_k_smem)))
 

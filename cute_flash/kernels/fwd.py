@@ -170,6 +170,7 @@ class FlashFwd(SplitCombine):
         t = self.t
         sQ_layout = lsmem.smem_layout_q(t)
         sKV_layout = lsmem.smem_layout_kv(t)
+        gmem_tiled_copy_QKV = lcopy.gmem_tiled_copy_qkv(t)
 
         @cute.struct
         class SharedStorage:
@@ -180,8 +181,8 @@ class FlashFwd(SplitCombine):
         self.kernel(
             mQ, mK, mV, mO, mLSE, split_ws, mAlibi, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mLeftpadK, mBatchIdx,
             mBlockTable, k_extra, num_splits, sQ_layout, sKV_layout,
-            lcopy.gmem_tiled_copy_qkv(t),
-            lcopy.gmem_tiled_copy_kv_paged(t) if cutlass.const_expr(self.paged_runs) else lcopy.gmem_tiled_copy_qkv(t),
+            gmem_tiled_copy_QKV,
+            lcopy.gmem_tiled_copy_kv_paged(t) if cutlass.const_expr(self.paged_runs) else gmem_tiled_copy_QKV,
             lcopy.gmem_tiled_copy_o(t), lmma.tiled_mma(t),
             scale_log2, score_premul, alibi_div, window_left, window_right, SharedStorage,
         ).launch(grid=grid, block=[t.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)
