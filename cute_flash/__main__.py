@@ -1,4 +1,4 @@
-"""`python -m cute_flash [compile|check|bench|overhead]`.
+"""`python -m cute_flash [compile|check|bench|overhead|memcheck]`.
 
 With no command: on a machine with a GPU, `check` then `bench`; without one, `compile` (every
 kernel variant for sm_80 and sm_90a, with its resource report) and the layout checks.
@@ -10,7 +10,7 @@ import sys
 import time
 
 
-FLAG_LETTERS = "LRASKVUPCXlBG"  # one per ALL_FLAG_NAMES entry, in order
+FLAG_LETTERS = "LRASKVUPCXlBGp"  # one per ALL_FLAG_NAMES entry, in order
 
 
 def cmd_compile(archs, full):
@@ -19,7 +19,7 @@ def cmd_compile(archs, full):
     from layouts.traits import SMEM_LIMIT
 
     print(f"ptxas for resource numbers: {find_ptxas() or 'not found (registers not reported)'}")
-    print(f"{'arch':5} {'traits':28} {'flags':12} {'smem':>7} {'regs':>5} {'spill':>6} {'s':>5}")
+    print(f"{'arch':5} {'traits':28} {'flags':14} {'smem':>7} {'regs':>5} {'spill':>6} {'s':>5}")
     worst = 0
     for arch in archs:
         for traits, flags in fwd_variants(arch, full):
@@ -29,13 +29,13 @@ def cmd_compile(archs, full):
             on = "".join(letter if flags.get(n) else "." for letter, n in zip(FLAG_LETTERS, ALL_FLAG_NAMES))
             spill = rep.get("spill_stores", 0) + rep.get("spill_loads", 0)
             worst = max(worst, spill)
-            print(f"sm_{arch:<2} {traits.name:28} {on:12} {traits.smem_bytes:>7} "
+            print(f"sm_{arch:<2} {traits.name:28} {on:14} {traits.smem_bytes:>7} "
                   f"{rep.get('registers', '-'):>5} {spill if rep else '-':>6} {time.time() - t0:5.1f}",
                   flush=True)
             assert traits.smem_bytes <= SMEM_LIMIT[arch]
     print(f"flags ({FLAG_LETTERS}): L=left window, R=right window (causal), A=ALiBi, S=softcap, "
           f"K=even head dim, V=varlen, U=seqused_k, P=paged, C=KV cache, X=split, l=leftpad, "
-          f"B=cache_batch_idx, G=pack_gqa; largest spill: {worst} bytes")
+          f"B=cache_batch_idx, G=pack_gqa, p=pages of any size; largest spill: {worst} bytes")
 
 
 def cmd_check():
@@ -114,12 +114,57 @@ def cmd_overhead():
     qdt, kct, vct = qd.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2)
     dec = {f"with_kvcache splits={n}": per_call_us(
         lambda n=n: flash_attn_with_kvcache(qd, kc, vc, cache_seqlens=seqlens, num_splits=n)) for n in (1, 2)}
+    # Paged: the same cache in 4 pages of 16 rows; flash-attn's host check of the block table
+    # reads max(cache_seqlens) (a device sync) on every call: timed with it and without it.
+    from cute_flash import _validate
+
+    pk, pv = kc.view(4, 16, 8, 128), vc.view(4, 16, 8, 128)
+    table = torch.arange(4, dtype=torch.int32, device="cuda").view(1, 4)
+
+    def paged():
+        return flash_attn_with_kvcache(qd, pk, pv, cache_seqlens=seqlens, block_table=table, num_splits=1)
+
+    dec["with_kvcache paged"] = per_call_us(paged)
+    check = _validate.check_block_table_capacity
+    try:
+        _validate.check_block_table_capacity = lambda *args: None
+        dec["  same, no host check"] = per_call_us(paged)
+    finally:
+        _validate.check_block_table_capacity = check
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         dec["SDPA FLASH (gqa)"] = per_call_us(
             lambda: torch.nn.functional.scaled_dot_product_attention(qdt, kct, vct, enable_gqa=True))
     for name, us in dec.items():
         print(f"{name:22} {us:7.1f} us/call")
     return rows | dec
+
+
+def cmd_memcheck(pytest_args):
+    """The GPU suite (or the pytest arguments given) under compute-sanitizer memcheck: every
+    process, pytest-xdist workers included, with torch's caching allocator off so that each tensor
+    is its own allocation and a read just past it is caught. Host API errors are not counted (the
+    DSL probes the driver on purpose). CUTE_FLASH_MEMCHECK=1 tells the tests they are sanitized.
+    Prints the sum of every process's ERROR SUMMARY; fails on any error or a failed test."""
+    import os
+    import re
+    import shutil
+    import subprocess
+
+    sanitizer = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
+    env = dict(os.environ, CUTE_FLASH_MEMCHECK="1", PYTORCH_NO_CUDA_MEMORY_CACHING="1")
+    cmd = [sanitizer, "--tool", "memcheck", "--report-api-errors", "no", "--error-exitcode", "86",
+           sys.executable, "-m", "pytest", "-m", "gpu", *(pytest_args or ["tests"])]
+    print(" ".join(cmd), flush=True)
+    summaries = []
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc:
+        for line in proc.stdout:
+            print(line, end="", flush=True)
+            found = re.search(r"ERROR SUMMARY: (\d+) error", line)
+            if found:
+                summaries.append(int(found.group(1)))
+    errors = sum(summaries)
+    print(f"memcheck: {len(summaries)} sanitized processes, {errors} errors; pytest/sanitizer exit {proc.returncode}")
+    return 1 if errors or proc.returncode or not summaries else 0
 
 
 def main(argv=None):
@@ -137,7 +182,11 @@ def main(argv=None):
                    help="comma-separated: grid (SPEC grid), extra (window/softcap), varlen, paged, decode")
     sub.add_parser("overhead", help="host cost of a cached call vs SDPA (GPU)")
     sub.add_parser("tune", help="TFLOP/s of each tile candidate per head dim (GPU)")
-    args = p.parse_args(argv)
+    sub.add_parser("memcheck", help="the GPU suite under compute-sanitizer memcheck (GPU); "
+                                    "other arguments go to pytest (default: tests)")
+    args, extra = p.parse_known_args(argv)
+    if extra and args.cmd != "memcheck":
+        p.error(f"unrecognized arguments: {' '.join(extra)}")
 
     cmd = args.cmd
     if cmd is None:
@@ -163,6 +212,8 @@ def main(argv=None):
         bench(args.out, args.quick, tuple(args.sections.split(",")))
     elif cmd == "overhead":
         cmd_overhead()
+    elif cmd == "memcheck":
+        return cmd_memcheck(extra)
     elif cmd == "tune":
         from cute_flash.bench import tune
 

@@ -13,15 +13,14 @@ reference (q) and `None` entries (optional arguments not given) are skipped.
 
 import math
 import numbers
+import operator
 
 import torch
 
 MAX_HEAD_DIM = 256
-# The kernels move global memory with 128-bit copies: 8 fp16/bf16 elements, 16 bytes.
-ALIGN_ELEMS = 8
+# The kernels move global memory with 128-bit copies: a base address off 16 bytes changes
+# what a call can be launched with, so it is part of a call's signature.
 ALIGN_BYTES = 16
-# A page of a paged KV cache must hold whole K/V tiles of 16 rows.
-PAGE_MULTIPLE = 16
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 _Q4 = ("batch", "seqlen_q", "nheads", "headdim")
 
@@ -183,28 +182,35 @@ def check_gqa(q, k, q_name, k_name):
         )
 
 
-def check_strides(named):
-    """For tensors the kernel updates in place (the KV caches), which therefore cannot be copied
-    into a friendlier layout: the last dim must be unit-stride, and the data pointer and every
-    other stride must allow 128-bit (8-element) copies. Size-1 dims are never stepped.
-    q, k, v are not held to this: the launcher pads or copies them when they break it."""
+def check_last_dim_contiguous(named):
+    """For tensors the kernels update in place (the KV caches): a unit-stride last dim, as
+    flash-attn requires. Other strides, the head dim and the base address may break 128-bit
+    copies: the launcher then works on aligned copies and writes the appended rows back."""
     for name, t in _given(named):
         if t.shape[-1] > 1 and t.stride(-1) != 1:
             raise ValueError(
                 f"{name} must have a contiguous last dimension (stride 1), "
                 f"got stride {t.stride(-1)}"
             )
-        bad = [s for n, s in zip(t.shape[:-1], t.stride()[:-1]) if n > 1 and s % ALIGN_ELEMS]
-        if bad:
-            raise ValueError(
-                f"{name} strides except the last must be multiples of {ALIGN_ELEMS} elements "
-                f"({ALIGN_BYTES} bytes), got strides {tuple(t.stride())}"
-            )
-        if t.data_ptr() % ALIGN_BYTES:
-            raise ValueError(
-                f"{name} data pointer must be {ALIGN_BYTES}-byte aligned, got address "
-                f"{t.data_ptr():#x}"
-            )
+
+
+def check_no_grad(named, fn_name, has_backward=True):
+    """No silently missing gradients: with grad mode on, an input that requires grad is refused
+    until the backward pass exists (flash_attn_with_kvcache never has one, as in flash-attn).
+    Only tensors that are given are looked at; this runs on every call, so it is cheap."""
+    if not torch.is_grad_enabled():
+        return
+    wanting = [name for name, t in named if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not wanting:
+        return
+    wanting = list(dict.fromkeys(wanting))
+    why = ("the backward pass is not implemented yet" if has_backward
+           else "it is inference-only and has no backward pass (as in flash-attn)")
+    raise NotImplementedError(
+        f"{fn_name} cannot compute gradients: {why}, and {', '.join(wanting)} "
+        f"require{'s' if len(wanting) == 1 else ''} grad with grad mode on. Call it under "
+        "torch.no_grad() or torch.inference_mode(), or pass detached tensors."
+    )
 
 
 # --- options --------------------------------------------------------------------------------
@@ -222,18 +228,37 @@ def check_dropout(dropout_p):
         )
 
 
+def _index(x):
+    """x as a Python int when `operator.index` takes it and it is no boolean: ints, NumPy
+    integers, integer tensors of one element. TypeError otherwise (NumPy's bool is refused by
+    operator.index itself; Python's and torch's are not)."""
+    if isinstance(x, bool):
+        raise TypeError("a boolean is not a window size")
+    if isinstance(x, torch.Tensor) and (x.dtype == torch.bool or x.is_floating_point() or x.is_complex()):
+        raise TypeError("not an integer tensor")
+    return operator.index(x)
+
+
 def check_window(window_size):
-    """(left, right) integers; -1 means unbounded on that side."""
-    try:
-        left, right = window_size
-    except (TypeError, ValueError):
-        raise ValueError(
-            f"window_size must be a pair (left, right) of ints >= -1, got {window_size!r}"
-        ) from None
-    if not (_is_int(left) and _is_int(right) and left >= -1 and right >= -1):
+    """(left, right), each item an int by `operator.index` (ints, NumPy integers, 0-d integer
+    tensors; a 2-element integer tensor is a pair too, as flash-attn's tests pass it); -1 means
+    unbounded on that side. Returns the pair as Python ints."""
+    if type(window_size) is tuple and len(window_size) == 2 and type(window_size[0]) is int \
+            and type(window_size[1]) is int:
+        pair = window_size  # the common case, without the conversions (a hot path per call)
+    else:
+        try:
+            left, right = window_size
+            pair = (_index(left), _index(right))
+        except (TypeError, ValueError, RuntimeError):
+            raise ValueError(
+                f"window_size must be a pair (left, right) of ints >= -1, got {window_size!r}"
+            ) from None
+    if pair[0] < -1 or pair[1] < -1:
         raise ValueError(
             f"window_size must be a pair (left, right) of ints >= -1, got {window_size!r}"
         )
+    return pair
 
 
 def check_softcap(softcap):
@@ -290,8 +315,9 @@ def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, nam
 
 
 def check_block_table(block_table, batch, k_cache, k_name):
-    """Paged KV: an int32 (batch, max_blocks) table of page indices into caches whose pages hold
-    a multiple of 16 rows."""
+    """Paged KV: an int32 (batch, max_blocks) table of page indices into caches of pages of any
+    size >= 1 (multiples of 16 rows take the faster copies). The indices are not read here: the
+    kernels clamp them into [0, num_blocks)."""
     _require_dtype(block_table, "block_table", torch.int32)
     if block_table.dim() != 2 or block_table.shape[0] != batch:
         raise ValueError(
@@ -302,11 +328,28 @@ def check_block_table(block_table, batch, k_cache, k_name):
             f"block_table must have a contiguous last dimension, got strides "
             f"{tuple(block_table.stride())}"
         )
-    page_size = k_cache.shape[1]
-    if page_size < 1 or page_size % PAGE_MULTIPLE:
-        raise ValueError(
-            f"{k_name} page size (dim 1) must be a positive multiple of {PAGE_MULTIPLE}, "
-            f"got {page_size}"
+    if k_cache.shape[1] < 1:
+        raise ValueError(f"{k_name} page size (dim 1) must be at least 1, got {k_cache.shape[1]}")
+
+
+def check_block_table_capacity(cache_seqlens, seqlen_new, block_table, page_size):
+    """flash-attn's host guard of paged KV caches: the longest sequence after the append must
+    fit in the pages block_table addresses. Reads cache_seqlens (a device sync, as in
+    flash-attn): never call it while a CUDA graph is being captured. The kernels clamp anyway;
+    this turns a caller's mistake into an error instead of undefined output."""
+    capacity = block_table.shape[1] * page_size
+    if isinstance(cache_seqlens, torch.Tensor):
+        if cache_seqlens.numel() == 0:
+            return
+        longest = int(cache_seqlens.max()) + seqlen_new
+    else:
+        longest = cache_seqlens + seqlen_new
+    if longest > capacity:
+        new = " + seqlen_new" if seqlen_new else ""
+        raise RuntimeError(
+            f"paged KV cache: max(cache_seqlens){new} (= {longest}) exceeds what block_table "
+            f"addresses (max_blocks {block_table.shape[1]} * page_size {page_size} = {capacity}); "
+            "give block_table more columns, or the kernel would index it out of bounds"
         )
 
 
@@ -333,6 +376,8 @@ def check_kvcache_args(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_left
             raise ValueError("cache_seqlens must be given with k and v (where to append them)")
     elif _is_int(cache_seqlens):
         room = seqlen_k - (0 if k is None else k.shape[1])
+        if block_table is not None and cache_seqlens > room:  # flash-attn's error, as for a tensor
+            check_block_table_capacity(cache_seqlens, seqlen_k - room, block_table, k_cache.shape[1])
         if not 0 <= cache_seqlens <= room:
             raise ValueError(
                 f"cache_seqlens must be in [0, {room}] (cache length {seqlen_k} minus the "

@@ -4,6 +4,10 @@ Each function validates its arguments (`cute_flash._validate`, the CUDA check la
 empty problems without a launch, normalises the mask options as flash-attn's `mha_fwd` does,
 and hands the tensors, never copied (packed inputs become views), to `cute_flash.kernels.fwd`.
 `deterministic` is accepted for compatibility: the forward pass is deterministic anyway.
+With grad mode on, inputs that require grad are refused (no backward yet) rather than given an
+output without a gradient. `return_attn_probs=True` returns `(out, softmax_lse, S_dmask)` with
+`S_dmask` an empty tensor, as flash-attn does without dropout. flash-attn's private
+`_flash_attn_forward` / `_flash_attn_varlen_forward` live in `cute_flash.flash_attn_interface`.
 """
 
 import importlib
@@ -83,16 +87,31 @@ def _check_qkv(q, k, v, names, q_dims, kv_dims):
 
 
 def _check_options(dropout_p, window_size, softcap):
+    """The options' checks; returns the window as a pair of Python ints."""
     _validate.check_dropout(dropout_p)
-    _validate.check_window(window_size)
+    window_size = _validate.check_window(window_size)
     _validate.check_softcap(softcap)
+    return window_size
+
+
+def _no_probs(q):
+    """flash-attn's S_dmask when there is no dropout: an empty tensor of q's dtype."""
+    return torch.empty((0,), dtype=q.dtype, device=q.device)
+
+
+def _result(out, lse, q, return_attn_probs):
+    return (out, lse, _no_probs(q)) if return_attn_probs else out
 
 
 def _flash_attn(q, k, v, names, dropout_p, softmax_scale, causal, window_size, softcap,
-                alibi_slopes, return_attn_probs):
-    """Shared body of the fixed-length functions; `names` are the caller's argument names."""
+                alibi_slopes, caller=None):
+    """Shared body of the fixed-length functions: (out, lse). `names` are the caller's argument
+    names; `caller` is the public function's name (its inputs must not require grad), None for
+    the private forward, which has no autograd in flash-attn either."""
+    if caller is not None:
+        _validate.check_no_grad(zip(names, (q, k, v)), caller)
     named = _check_qkv(q, k, v, names, _Q_DIMS, _KV_DIMS)
-    _check_options(dropout_p, window_size, softcap)
+    window_size = _check_options(dropout_p, window_size, softcap)
     batch, seqlen_q, nheads, headdim = q.shape
     _validate.check_alibi(alibi_slopes, batch, nheads)
     _validate.check_cuda(named + [("alibi_slopes", alibi_slopes)])
@@ -113,18 +132,20 @@ def _flash_attn(q, k, v, names, dropout_p, softmax_scale, causal, window_size, s
             softcap=float(softcap),
             alibi_slopes=alibi_slopes,
         )
-    return (out, lse, None) if return_attn_probs else out
+    return out, lse
 
 
 def _flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, names,
                        dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                       return_attn_probs, block_table, seqused_k):
-    """Shared body of the variable-length functions; `names` name q, k, v, the two cu_seqlens
-    and the two max_seqlen as the caller spelled them."""
+                       block_table, seqused_k, caller=None):
+    """Shared body of the variable-length functions: (out, lse). `names` name q, k, v, the two
+    cu_seqlens and the two max_seqlen as the caller spelled them; `caller` as in _flash_attn."""
+    if caller is not None:
+        _validate.check_no_grad(zip(names[:3], (q, k, v)), caller)
     paged = block_table is not None
     kv_dims = _PAGED_KV_DIMS if paged else _VARLEN_KV_DIMS
     named = _check_qkv(q, k, v, names[:3], _VARLEN_Q_DIMS, kv_dims)
-    _check_options(dropout_p, window_size, softcap)
+    window_size = _check_options(dropout_p, window_size, softcap)
     _validate.check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, names[3:])
     batch = cu_seqlens_q.shape[0] - 1
     if seqused_k is not None:
@@ -159,7 +180,7 @@ def _flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
             block_table=block_table,
             seqused_k=seqused_k,
         )
-    return (out, lse, None) if return_attn_probs else out
+    return out, lse
 
 
 def flash_attn_qkvpacked_func(
@@ -174,11 +195,12 @@ def flash_attn_qkvpacked_func(
     return_attn_probs=False,
 ):
     """Attention over qkv (batch, seqlen, 3, nheads, headdim); q, k, v are views of it.
-    Returns out (batch, seqlen, nheads, headdim), or (out, softmax_lse, None)."""
+    Returns out (batch, seqlen, nheads, headdim), or (out, softmax_lse, S_dmask)."""
     _validate.check_packed(qkv, "qkv", 2, 3, ("batch", "seqlen", "3", "nheads", "headdim"))
     q, k, v = qkv.unbind(dim=2)
-    return _flash_attn(q, k, v, ("qkv",) * 3, dropout_p, softmax_scale, causal, window_size,
-                       softcap, alibi_slopes, return_attn_probs)
+    out, lse = _flash_attn(q, k, v, ("qkv",) * 3, dropout_p, softmax_scale, causal, window_size,
+                           softcap, alibi_slopes, "flash_attn_qkvpacked_func")
+    return _result(out, lse, q, return_attn_probs)
 
 
 def flash_attn_kvpacked_func(
@@ -194,11 +216,12 @@ def flash_attn_kvpacked_func(
     return_attn_probs=False,
 ):
     """Attention of q (batch, seqlen_q, nheads, headdim) over kv (batch, seqlen_k, 2, nheads_k,
-    headdim); k, v are views of kv. Returns out, or (out, softmax_lse, None)."""
+    headdim); k, v are views of kv. Returns out, or (out, softmax_lse, S_dmask)."""
     _validate.check_packed(kv, "kv", 2, 2, ("batch", "seqlen_k", "2", "nheads_k", "headdim"))
     k, v = kv.unbind(dim=2)
-    return _flash_attn(q, k, v, ("q", "kv", "kv"), dropout_p, softmax_scale, causal,
-                       window_size, softcap, alibi_slopes, return_attn_probs)
+    out, lse = _flash_attn(q, k, v, ("q", "kv", "kv"), dropout_p, softmax_scale, causal,
+                           window_size, softcap, alibi_slopes, "flash_attn_kvpacked_func")
+    return _result(out, lse, q, return_attn_probs)
 
 
 def flash_attn_func(
@@ -215,9 +238,11 @@ def flash_attn_func(
     return_attn_probs=False,
 ):
     """Attention of q (batch, seqlen_q, nheads, headdim) over k, v (batch, seqlen_k, nheads_k,
-    headdim). Returns out like q, or (out, softmax_lse (batch, nheads, seqlen_q), None)."""
-    return _flash_attn(q, k, v, ("q", "k", "v"), dropout_p, softmax_scale, causal, window_size,
-                       softcap, alibi_slopes, return_attn_probs)
+    headdim). Returns out like q, or (out, softmax_lse (batch, nheads, seqlen_q), S_dmask), S_dmask
+    empty (flash-attn's value without dropout)."""
+    out, lse = _flash_attn(q, k, v, ("q", "k", "v"), dropout_p, softmax_scale, causal, window_size,
+                           softcap, alibi_slopes, "flash_attn_func")
+    return _result(out, lse, q, return_attn_probs)
 
 
 def flash_attn_varlen_qkvpacked_func(
@@ -234,13 +259,14 @@ def flash_attn_varlen_qkvpacked_func(
     return_attn_probs=False,
 ):
     """Variable-length attention over qkv (total, 3, nheads, headdim), sequences delimited by
-    cu_seqlens; q, k, v are views of qkv. Returns out, or (out, softmax_lse, None)."""
+    cu_seqlens; q, k, v are views of qkv. Returns out, or (out, softmax_lse, S_dmask)."""
     _validate.check_packed(qkv, "qkv", 1, 3, ("total", "3", "nheads", "headdim"))
     q, k, v = qkv.unbind(dim=1)
     names = ("qkv", "qkv", "qkv", "cu_seqlens", "cu_seqlens", "max_seqlen", "max_seqlen")
-    return _flash_attn_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, names,
-                              dropout_p, softmax_scale, causal, window_size, softcap,
-                              alibi_slopes, return_attn_probs, None, None)
+    out, lse = _flash_attn_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, names,
+                                  dropout_p, softmax_scale, causal, window_size, softcap,
+                                  alibi_slopes, None, None, "flash_attn_varlen_qkvpacked_func")
+    return _result(out, lse, q, return_attn_probs)
 
 
 def flash_attn_varlen_kvpacked_func(
@@ -260,13 +286,14 @@ def flash_attn_varlen_kvpacked_func(
     return_attn_probs=False,
 ):
     """Variable-length attention of q (total_q, nheads, headdim) over kv (total_k, 2, nheads_k,
-    headdim); k, v are views of kv. Returns out, or (out, softmax_lse, None)."""
+    headdim); k, v are views of kv. Returns out, or (out, softmax_lse, S_dmask)."""
     _validate.check_packed(kv, "kv", 1, 2, ("total_k", "2", "nheads_k", "headdim"))
     k, v = kv.unbind(dim=1)
     names = ("q", "kv", "kv", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
-    return _flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                              names, dropout_p, softmax_scale, causal, window_size, softcap,
-                              alibi_slopes, return_attn_probs, None, None)
+    out, lse = _flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                  names, dropout_p, softmax_scale, causal, window_size, softcap,
+                                  alibi_slopes, None, None, "flash_attn_varlen_kvpacked_func")
+    return _result(out, lse, q, return_attn_probs)
 
 
 def flash_attn_varlen_func(
@@ -292,11 +319,12 @@ def flash_attn_varlen_func(
     """Variable-length attention of q (total_q, nheads, headdim) over k, v (total_k, nheads_k,
     headdim), or over a paged cache (num_blocks, page_size, nheads_k, headdim) with block_table.
     seqused_k (batch,) int32, keyword-only (not in flash-attn 2.8.3's Python API), caps the keys
-    used per sequence. Returns out, or (out, softmax_lse (nheads, total_q), None)."""
+    used per sequence. Returns out, or (out, softmax_lse (nheads, total_q), S_dmask)."""
     names = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
-    return _flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                              names, dropout_p, softmax_scale, causal, window_size, softcap,
-                              alibi_slopes, return_attn_probs, block_table, seqused_k)
+    out, lse = _flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                  names, dropout_p, softmax_scale, causal, window_size, softcap,
+                                  alibi_slopes, block_table, seqused_k, "flash_attn_varlen_func")
+    return _result(out, lse, q, return_attn_probs)
 
 
 def flash_attn_with_kvcache(
@@ -322,8 +350,14 @@ def flash_attn_with_kvcache(
 ):
     """Attention of q (batch, seqlen_q, nheads, headdim) over a KV cache, after the kernel
     appends k, v (rotated when rotary_cos/sin are given) at cache_seqlens. All checks run
-    before the launch, so a refused call leaves the caches untouched. Returns out, or
-    (out, softmax_lse (batch, nheads, seqlen_q))."""
+    before the launch, so a refused call leaves the caches untouched. With a block table,
+    max(cache_seqlens) + seqlen_new must fit in the pages it addresses: checked on the host as
+    flash-attn does (RuntimeError; a device sync), except while a CUDA graph is being captured,
+    where the kernels' own clamping is the guard. Returns out, or (out, softmax_lse (batch,
+    nheads, seqlen_q))."""
+    _validate.check_no_grad((("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)),
+                            "flash_attn_with_kvcache", has_backward=False)
+    window_size = _validate.check_window(window_size)
     paged = block_table is not None
     key = _validate.signature(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                               cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
@@ -344,6 +378,10 @@ def flash_attn_with_kvcache(
     elif seqlen_k == 0:
         out, lse = _no_keys(q, lse_shape)
     else:
+        if paged and isinstance(cache_seqlens, torch.Tensor) and not (
+                cache_seqlens.is_cuda and torch.cuda.is_current_stream_capturing()):
+            _validate.check_block_table_capacity(cache_seqlens, 0 if k is None else k.shape[1], block_table,
+                                                 k_cache.shape[1])
         causal, window = _mask(causal, window_size, seqlen_q, seqlen_k)
         out, lse = _kernels().flash_fwd_kvcache(
             q, k_cache, v_cache,
@@ -382,8 +420,7 @@ def _check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seql
     _validate.check_kvcache_shapes(q, k_cache, v_cache, k, v, paged)
     _validate.check_head_dim(named)
     _validate.check_gqa(q, k_cache, "q", "k_cache")
-    _validate.check_strides([("k_cache", k_cache), ("v_cache", v_cache)])
-    _validate.check_window(window_size)
+    _validate.check_last_dim_contiguous([("k_cache", k_cache), ("v_cache", v_cache)])
     _validate.check_softcap(softcap)
     batch, seqlen_q, nheads, headdim = q.shape
     _validate.check_alibi(alibi_slopes, batch, nheads)

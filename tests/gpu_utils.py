@@ -1,5 +1,18 @@
-"""Helpers shared by the GPU tests: poisoned allocations and the SPEC's error criterion."""
+"""Helpers shared by the GPU tests: hypothesis settings, poisoned allocations and the SPEC's
+error criterion."""
+import os
+
 import torch
+from hypothesis import HealthCheck, settings
+
+UNDER_MEMCHECK = os.environ.get("CUTE_FLASH_MEMCHECK") == "1"  # set by `python -m cute_flash memcheck`
+
+
+def gpu_settings(max_examples: int):
+    """Hypothesis settings of a GPU test: `max_examples` shapes, a quarter of them under
+    compute-sanitizer (every kernel launch runs instrumented), no deadline (compiles)."""
+    n = max(2, max_examples // 4) if UNDER_MEMCHECK else max_examples
+    return settings(max_examples=n, deadline=None, suppress_health_check=list(HealthCheck))
 
 from cute_flash.reference import attention_ref
 

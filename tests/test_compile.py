@@ -48,11 +48,13 @@ def test_subset_covers_every_traits_and_every_flag():
             (t.head_dim, t.block_m, t.block_n) for t in shipped_fwd_traits(arch)}
         assert any(f.get("varlen") and f.get("has_seqused_k") for _, f in fwd_variants(arch))
         assert any(f.get("varlen") and f.get("paged") for _, f in fwd_variants(arch))
+        assert any(f.get("varlen") and f.get("any_page_size") for _, f in fwd_variants(arch))
     flags = [f for _, f in fwd_variants(90)]
-    for name in FLAG_NAMES + ("paged", "split", "has_leftpad", "has_batch_idx", "pack_gqa"):
+    for name in FLAG_NAMES + ("paged", "split", "has_leftpad", "has_batch_idx", "pack_gqa", "any_page_size"):
         assert {f.get(name, False) for f in flags} == {False, True}, name
     assert any(all(f.get(n, n == "even_k") != (n == "even_k") for n in FLAG_NAMES) for f in flags)  # all on
     assert any(f.get("kvcache") and f.get("paged") and f.get("split") for f in flags)
+    assert any(f.get("kvcache") and f.get("any_page_size") and f.get("split") for f in flags)
 
 
 @pytest.mark.parametrize("arch", [80, 90])

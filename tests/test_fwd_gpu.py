@@ -3,16 +3,16 @@ modifiers). Shapes are drawn by hypothesis; every output is checked by the SPEC'
 fresh inputs with the allocator poisoned first."""
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.gpu_utils import assert_matches_reference, poison_allocator
+from tests.gpu_utils import assert_matches_reference, gpu_settings, poison_allocator
 
 pytestmark = pytest.mark.gpu
 
 ODD_LENGTHS = [1, 2, 17, 63, 64, 65, 113, 128, 255, 256, 257, 1023]
 BUCKETS = [32, 64, 96, 128, 160, 192, 224, 256]
-GPU_SETTINGS = settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
+GPU_SETTINGS = gpu_settings(20)
 
 
 def _run(q, k, v, **opts):

@@ -12,6 +12,7 @@ import math
 import sys
 import types
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -355,30 +356,28 @@ def test_cache_last_dim_must_be_contiguous(name, arg):
         call(name, **args)
 
 
+@pytest.mark.parametrize("how", ["contiguous_d59", "rows_of_20", "misaligned_pointer"])
 @pytest.mark.parametrize("name, arg", CACHE_CASES)
-def test_cache_strides_must_be_multiples_of_8(name, arg):
-    args = valid(name)
-    for a in ("k_cache", "v_cache"):
-        t = args[a]
-        padded = rnd(*t.shape[:-1], 24)[..., :20]
-        args[a] = rnd(*t.shape[:-1], 20) if a == arg else padded
-    args["q"] = rnd(*args["q"].shape[:-1], 20)
-    for a in ("k", "v"):
-        if args.get(a) is not None:
-            args[a] = rnd(*args[a].shape[:-1], 20)
-    match = (rf"^{arg} strides except the last must be"
-             r" multiples of 8 elements \(16 bytes\)")
-    with pytest.raises(ValueError, match=match):
-        call(name, **args)
-
-
-@pytest.mark.parametrize("name, arg", CACHE_CASES)
-def test_cache_data_pointer_must_be_16_byte_aligned(name, arg):
+def test_unaligned_caches_are_accepted(name, arg, how):
+    """Caches whose rows break 128-bit copies (a head dim not a multiple of 8, strides or a
+    base address off 16 bytes) are not refused: the launcher works on aligned copies and copies
+    the appended rows back, as flash-attn does."""
     args = valid(name)
     t = args[arg]
-    args[arg] = rnd(t.numel() + 8)[1 : t.numel() + 1].view(t.shape)
-    with pytest.raises(ValueError, match=rf"^{arg} data pointer must be 16-byte aligned"):
+    if how == "misaligned_pointer":
+        args[arg] = rnd(t.numel() + 8)[1 : t.numel() + 1].view(t.shape)
+    else:
+        d = 59 if how == "contiguous_d59" else 20
+        for a in HALF_ARGS[name]:
+            args[a] = rnd(*args[a].shape[:-1], d)
+        if how == "rows_of_20":
+            args[arg] = rnd(*t.shape[:-1], 24)[..., :20]
+    with pytest.raises(TypeError, match="must be CUDA tensors"):
         call(name, **args)
+    with no_gpu_needed() as fake:
+        call(name, **args)
+    (_, passed, _), = fake.calls
+    assert passed[HALF_ARGS[name].index(arg)] is args[arg]  # the caller's cache, as given
 
 
 @pytest.mark.parametrize("how", ["last_dim_stride_2", "rows_of_20", "misaligned_pointer"])
@@ -437,11 +436,45 @@ def test_window_sizes_at_least_minus_one(left, right, name):
 
 
 @pytest.mark.parametrize("window_size",
-                         [(1.5, 2), (True, -1), (1, 2, 3), (4,), None, "ab", (None, 1)])
+                         [(1.5, 2), (True, -1), (1, False), (1, 2, 3), (4,), None, "ab", (None, 1),
+                          torch.tensor([1.0, 2.0]), torch.tensor([True, False]), (torch.tensor(1.0), 2),
+                          torch.tensor([1, 2, 3]), torch.tensor(3), (np.bool_(True), 1), (np.float32(2), 1),
+                          (torch.tensor([1, 2]), 1)])
 @pytest.mark.parametrize("name", ["func", "varlen", "kvcache"])
 def test_window_size_must_be_int_pair(name, window_size):
     with pytest.raises(ValueError, match=r"^window_size must be a pair"):
         call(name, **with_(name, window_size=window_size))
+
+
+INT_LIKE_WINDOWS = [
+    ((np.int64(3), np.int32(-1)), (3, -1)),
+    ((torch.tensor(5), torch.tensor(0)), (5, 0)),
+    (torch.tensor([4, 2]), (4, 2)),
+    (torch.tensor([4, 2], dtype=torch.int32), (4, 2)),
+    ([2, 1], (2, 1)),
+    (np.array([6, -1]), (6, -1)),
+]
+
+
+@pytest.mark.parametrize("window_size, expected", INT_LIKE_WINDOWS)
+@pytest.mark.parametrize("name", ALL)
+def test_int_like_window_sizes_reach_the_kernels_as_ints(gpu_free, name, window_size, expected):
+    """flash-attn's tests pass window_size=torch.randint(0, seqlen_k, (2,)); any pair whose
+    items convert with operator.index is taken, and dispatched as the same pair of Python ints."""
+    call(name, **with_(name, window_size=window_size))
+    call(name, **with_(name, window_size=expected))
+    (_, _, int_like), (_, _, plain) = gpu_free.calls
+    options = [{k: v for k, v in kw.items() if not isinstance(v, torch.Tensor)} for kw in (int_like, plain)]
+    assert options[0] == options[1]
+    assert all(type(w) is int for w in int_like["window_size"])
+
+
+def test_window_size_from_torch_randint_like_flash_attn_tests(gpu_free):
+    window = torch.randint(0, SK, (2,))
+    call("func", **with_("func", window_size=window))
+    call("func", **with_("func", window_size=tuple(window.tolist())))
+    (_, _, int_like), (_, _, plain) = gpu_free.calls
+    assert int_like == plain
 
 
 @pytest.mark.parametrize("softcap", [-0.5, -1e-30, math.inf, math.nan, "1", None])
@@ -582,25 +615,53 @@ def test_block_table_rules(name):
         call(name, **with_(name, block_table=i32(*range(8)).view(B, 4)[:, ::2]))
 
 
-@pytest.mark.parametrize("page", [8, 24, 100, 255])
 @pytest.mark.parametrize("name", ["varlen_paged", "kvcache_paged"])
-def test_page_size_multiple_of_16(name, page):
+def test_page_size_at_least_one(name):
+    args = valid(name)
+    cache = ("k", "v") if name == "varlen_paged" else ("k_cache", "v_cache")
+    for a in cache:
+        args[a] = rnd(NBLOCKS, 0, HK, D)
+    with pytest.raises(ValueError, match=rf"^{cache[0]} page size \(dim 1\) must be at least 1, got 0"):
+        call(name, **args)
+
+
+@pytest.mark.parametrize("page", [1, 8, 16, 24, 48, 100, 255, 256, 1000])
+@pytest.mark.parametrize("name", ["varlen_paged", "kvcache_paged"])
+def test_page_sizes_accepted(name, page):
     args = valid(name)
     cache = ("k", "v") if name == "varlen_paged" else ("k_cache", "v_cache")
     for a in cache:
         args[a] = rnd(NBLOCKS, page, HK, D)
-    match = (rf"^{cache[0]} page size \(dim 1\) must be a"
-             rf" positive multiple of 16, got {page}")
-    with pytest.raises(ValueError, match=match):
+    if name == "kvcache_paged":  # the table must address the longest sequence (see below)
+        args["block_table"] = i32(*range(B * 2 * (1 + 20 // page))).view(B, -1) % NBLOCKS
+    with pytest.raises(TypeError, match="must be CUDA tensors"):
         call(name, **args)
 
 
-@pytest.mark.parametrize("page", [16, 48, 256])
-def test_page_sizes_accepted(page):
-    cache = rnd(NBLOCKS, page, HK, D)
-    args = with_("kvcache_paged", k_cache=cache, v_cache=cache.clone())
-    with pytest.raises(TypeError, match="must be CUDA tensors"):
+# flash-attn's host guard: a block table too short for cache_seqlens (+ the appended rows).
+@pytest.mark.parametrize("seqlens, append", [(i32(3, 2 * PAGE + 1), False), (i32(3, 2 * PAGE), True),
+                                              (2 * PAGE, True), (2 * PAGE + 5, False)])
+def test_block_table_too_short_raises_runtime_error(gpu_free, seqlens, append):
+    args = with_("kvcache_paged", cache_seqlens=seqlens)
+    if not append:
+        args.update(k=None, v=None)
+    longest = (seqlens if isinstance(seqlens, int) else int(seqlens.max())) + append
+    plus = r" \+ seqlen_new" if append else ""
+    match = (rf"^paged KV cache: max\(cache_seqlens\){plus} \(= {longest}\) "
+             rf"exceeds what block_table addresses \(max_blocks {MAXBLOCKS} \* page_size {PAGE} = {2 * PAGE}\)")
+    with pytest.raises(RuntimeError, match=match):
         call("kvcache_paged", **args)
+    assert gpu_free.calls == []
+
+
+@pytest.mark.parametrize("seqlens, append", [(i32(3, 2 * PAGE), False), (i32(0, 2 * PAGE - 1), True),
+                                              (2 * PAGE - 1, True)])
+def test_block_table_just_long_enough(gpu_free, seqlens, append):
+    args = with_("kvcache_paged", cache_seqlens=seqlens)
+    if not append:
+        args.update(k=None, v=None)
+    call("kvcache_paged", **args)
+    assert len(gpu_free.calls) == 1
 
 
 # --- kv cache -------------------------------------------------------------------------------
@@ -762,7 +823,8 @@ def test_dense_dispatch_passes_options(gpu_free):
     assert kw["softmax_scale"] == 0.25 and kw["softcap"] == 30.0 and kw["alibi_slopes"] is alibi
     assert kw["window_size"] == (3, 1) and kw["causal"] is False
     assert isinstance(kw["softcap"], float)
-    assert out.shape == (B, SQ, H, D) and lse.shape == (B, H, SQ) and probs is None
+    assert out.shape == (B, SQ, H, D) and lse.shape == (B, H, SQ)
+    assert probs.shape == (0,) and probs.dtype == torch.float16  # flash-attn's S_dmask without dropout
 
 
 @pytest.mark.parametrize("causal, window, sq, sk, expected", [
@@ -845,7 +907,7 @@ def test_varlen_qkvpacked_dispatches_views(gpu_free):
     assert fn == "flash_fwd_varlen" and _views_of(qkv_args, args["qkv"], 1)
     assert kw["cu_seqlens_q"] is args["cu_seqlens"] and kw["cu_seqlens_k"] is args["cu_seqlens"]
     assert kw["max_seqlen_q"] == kw["max_seqlen_k"] == 3
-    assert out.shape == (5, H, D) and lse.shape == (H, 5) and probs is None
+    assert out.shape == (5, H, D) and lse.shape == (H, 5) and probs.shape == (0,)
 
 
 def test_varlen_kvpacked_dispatches_views(gpu_free):
@@ -967,11 +1029,11 @@ def test_kvcache_checks_run_once_per_signature(gpu_free, monkeypatch):
     call("kvcache", **with_("kvcache", num_splits=1))  # fresh tensors, same signature
     assert len(runs) == 1 and len(gpu_free.calls) == 2
 
-    misaligned = rnd(B * CACHE * HK * D + 1)[1:].view(B, CACHE, HK, D)
+    strided = rnd(B, CACHE, HK, 2 * D)[..., ::2]
     for over, error in [
         (dict(num_splits=True), ValueError),          # equal to 1 and hashed alike, but refused
         (dict(cache_seqlens=CACHE), ValueError),      # no room for k
-        (dict(k_cache=misaligned, v_cache=misaligned), ValueError),
+        (dict(k_cache=strided, v_cache=strided), ValueError),
         (dict(q=rnd(B, 1, H, D, dtype=torch.bfloat16)), TypeError),
     ]:
         for _ in range(2):  # a refused signature is not remembered
@@ -979,9 +1041,12 @@ def test_kvcache_checks_run_once_per_signature(gpu_free, monkeypatch):
                 call("kvcache", **with_("kvcache", **{"num_splits": 1, **over}))
     assert len(runs) == 9 and len(gpu_free.calls) == 2
 
-    for _ in range(2):  # an unhashable argument: checked on every call
+    for _ in range(2):  # a window given as a list is normalised to a tuple first: checked once
         call("kvcache", **with_("kvcache", window_size=[-1, -1]))
-    assert len(runs) == 11
+    assert len(runs) == 10
+    for _ in range(2):  # an unhashable argument: checked on every call
+        call("kvcache", **with_("kvcache", causal=[]))
+    assert len(runs) == 12
 
 
 @pytest.mark.parametrize("case", ["no_batch", "no_queries", "no_cache", "no_blocks"])

@@ -1,19 +1,23 @@
 """`flash_attn_with_kvcache` against `cute_flash.reference.attention_kvcache_ref` on the GPU:
 decode and chunked prefill, ragged cache_seqlens, cache_batch_idx permutations, leftpad, paged
-caches with shuffled tables, GQA ratios 1..16, rotary (interleaved or not), forced num_splits;
+caches with shuffled tables and pages of any size, GQA ratios 1..16, rotary (interleaved or not),
+forced num_splits, head dims 1..256 (caches whose rows break 128-bit copies go through aligned
+copies);
 the caches after the append are checked element by element (appended rows against the
 reference, every other element unchanged), and every num_splits agrees with num_splits=1."""
+import math
+
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from cute_flash.reference import attention_kvcache_ref
-from tests.gpu_utils import assert_matches_reference, poison_allocator
+from tests.gpu_utils import assert_matches_reference, gpu_settings, poison_allocator
 
 pytestmark = pytest.mark.gpu
 
-GPU_SETTINGS = settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck))
+GPU_SETTINGS = gpu_settings(10)
 SPLITS = [0, 1, 2, 7, 32]
 
 
@@ -117,11 +121,11 @@ def run_case(b, sq, h, hk, d, dtype, capacity, seqlens, seqlen_new, num_splits, 
 @pytest.mark.parametrize("paged", [False, True])
 @GPU_SETTINGS
 @given(data=st.data(), b=st.integers(1, 4), ratio=st.sampled_from([1, 2, 4, 8, 16]), hk=st.sampled_from([1, 2]),
-       d=st.one_of(st.sampled_from([64, 128, 256]), st.integers(1, 32).map(lambda x: 8 * x)),
+       d=st.one_of(st.sampled_from([64, 128, 256]), st.integers(1, 32).map(lambda x: 8 * x), st.integers(1, 256)),
        sq=st.one_of(st.just(1), st.integers(1, 128)), dtype=st.sampled_from([torch.float16, torch.bfloat16]),
        mask=st.sampled_from(["none", "causal", "window", "softcap", "alibi"]))
 def test_kvcache_matches_reference(data, b, ratio, hk, d, sq, dtype, mask, paged, num_splits):
-    page_size = data.draw(st.sampled_from([16, 48, 64, 256])) if paged else None
+    page_size = data.draw(st.sampled_from([16, 48, 64, 256, 1, 8, 24, 100])) if paged else None
     capacity = data.draw(st.sampled_from([1, 2, 8, 32, 64, 100, 160]).map(lambda n: n * (page_size or 16)))
     seqlen_new = data.draw(st.sampled_from([0, 0, 1, sq, min(sq, 5)]))
     seqlen_new = min(seqlen_new, capacity)
@@ -160,20 +164,35 @@ def test_chunked_prefill(opts):
     run_case(3, 77, 8, 2, 64, torch.float16, 512, [100, 0, 300], 77, 0, **opts)
 
 
-def test_unaligned_head_dim_cache_is_updated_in_place():
-    """A d=20 cache stored in rows of 24 (strides allow 128-bit copies, the head dim does not):
-    the launcher works on padded copies and must still leave the append in the caller's cache."""
+def _unaligned_cache(layout, shape):
+    """A cache whose rows break 128-bit copies, as the caller owns it."""
+    *lead, d = shape
+    if layout == "rows_of_24":  # d 20 inside rows of 24: strides fine, the head dim is not
+        return torch.randn(*lead, 24, device="cuda", dtype=torch.bfloat16)[..., :d]
+    if layout == "misaligned":  # d 64, base address 2 bytes past a 16-byte boundary
+        n = math.prod(shape)
+        return torch.randn(n + 8, device="cuda", dtype=torch.bfloat16)[1:n + 1].view(shape)
+    return torch.randn(*shape, device="cuda", dtype=torch.bfloat16)  # contiguous, d 59
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("layout, d", [("rows_of_24", 20), ("contiguous", 59), ("misaligned", 64)])
+def test_unaligned_cache_is_updated_in_place(layout, d, paged):
+    """The launcher works on aligned copies of such caches and must still leave the append in the
+    caller's cache, and nothing else changed."""
     from cute_flash import flash_attn_with_kvcache
 
-    storage = torch.randn(2, 64, 2, 24, device="cuda", dtype=torch.bfloat16)
-    k_cache, v_cache = storage[..., :20], storage.clone()[..., :20]
-    q = torch.randn(2, 3, 4, 20, device="cuda", dtype=torch.bfloat16)
-    k, v = (torch.randn(2, 3, 2, 20, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    seqlens = torch.tensor([5, 60], dtype=torch.int32, device="cuda")
-    ref, ref_lse, k_ref, v_ref = attention_kvcache_ref(q, k_cache.clone(), v_cache.clone(), k, v,
-                                                       cache_seqlens=seqlens, causal=True)
-    out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens, causal=True,
-                                       return_softmax_lse=True)
+    opts = dict(cache_seqlens=torch.tensor([5, 60], dtype=torch.int32, device="cuda"), causal=True)
+    cache_shape = (2, 64, 2, d)
+    if paged:
+        cache_shape = (11, 16, 2, d)
+        opts["block_table"] = torch.randperm(11, device="cuda")[:8].view(2, 4).int()
+    k_cache, v_cache = _unaligned_cache(layout, cache_shape), _unaligned_cache(layout, cache_shape)
+    q = torch.randn(2, 3, 4, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 3, 2, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    k_orig, v_orig = k_cache.clone(), v_cache.clone()
+    _, _, k_ref, v_ref = attention_kvcache_ref(q, k_orig, v_orig, k, v, **opts)
+    poison_allocator()
+    out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, return_softmax_lse=True, **opts)
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
-    assert (out.float() - ref.float()).abs().max().item() < 2e-2
-    assert (lse - ref_lse).abs().max().item() < 1e-3
+    assert_matches_reference(out, lse, q, k_orig, v_orig, ref_fn=_ref_with(k, v), **opts)

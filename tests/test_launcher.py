@@ -105,7 +105,7 @@ def test_varlen_launch_arguments(recorder):
     used = torch.tensor([3, 5], dtype=torch.int32)
     out, lse = flash_fwd_varlen(q, k, k, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=5,
                                 max_seqlen_k=6, softmax_scale=0.125, seqused_k=used)
-    assert recorder.lookups[0][-3:] == (True, True, False)  # varlen, has_seqused_k, paged
+    assert recorder.lookups[0][-4:] == (True, True, False, False)  # varlen, has_seqused_k, paged, any_page_size
     args = recorder.calls[0]
     assert args[3].shape == (9, 4, 64) and args[4].shape == (4, 9)
     assert args[6] is cu_q and args[7] is cu_k and args[8] is used and args[10] == 5
@@ -115,7 +115,13 @@ def test_varlen_launch_arguments(recorder):
     table = torch.tensor([[2, 0], [1, 2]], dtype=torch.int32)
     flash_fwd_varlen(q, pages, pages, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=5, max_seqlen_k=6,
                      softmax_scale=0.125, block_table=table)
-    assert recorder.lookups[1][-1] is True and recorder.calls[1][9] is table and recorder.calls[1][1] is pages
+    assert recorder.lookups[1][-2:] == (True, False) and recorder.calls[1][9] is table
+    assert recorder.calls[1][1] is pages
+
+    odd = torch.randn(7, 3, 2, 64, dtype=torch.float16)  # pages of 3 rows: the per-row kernel
+    flash_fwd_varlen(q, odd, odd, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=5, max_seqlen_k=6,
+                     softmax_scale=0.125, block_table=table)
+    assert recorder.lookups[2][-2:] == (True, True) and recorder.calls[2][1] is odd
 
 
 class _CacheRecorder:

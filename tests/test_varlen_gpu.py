@@ -3,15 +3,15 @@ packed batches of mixed lengths (0, 1, shorter than a block, ragged), seqused_k,
 modifier, and equality with the dense path for equal-length batches."""
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from cute_flash.reference import attention_varlen_ref
-from tests.gpu_utils import assert_matches_reference, cu_seqlens, poison_allocator, varlen_attention
+from tests.gpu_utils import assert_matches_reference, cu_seqlens, gpu_settings, poison_allocator, varlen_attention
 
 pytestmark = pytest.mark.gpu
 
-GPU_SETTINGS = settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck))
+GPU_SETTINGS = gpu_settings(15)
 seq_lengths = st.lists(st.one_of(st.sampled_from([0, 1, 2, 17, 63, 64, 65, 127, 128, 129]),
                                  st.integers(0, 600)), min_size=1, max_size=6)
 

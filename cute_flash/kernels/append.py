@@ -9,6 +9,11 @@ rotary_dim are copied. Keys are rotated at their cache positions cache_seqlens[b
 at cache_seqlens[b] + i when the mask is causal or local, else all at cache_seqlens[b]
 (flash-attn's rule).
 
+Metadata never sends a write outside the caches: a row whose position lies outside the cache
+(or outside what the block table addresses), whose block id is outside [0, num_blocks) or whose
+cache_batch_idx is outside the cache's batch is skipped, and rotary angles are read at the
+position clamped into the cos/sin table.
+
 flash-attn 2.8.3 does this inside its split-KV kernel; here it is a separate launch just before
 it on the same stream: one more kernel and one more TVM-FFI call per decode step (not yet timed
 on its own; the decode bench appends nothing).
@@ -60,17 +65,20 @@ class AppendKV:
                 pos = start + x
                 if cutlass.const_expr(self.paged):
                     page_size = mKcache.shape[1]
-                    page = mBlockTable[bidb, pos // page_size]
-                    self.write_row(mKnew[bidb, x, bidh, None], mVnew[bidb, x, bidh, None],
-                                   mKcache[page, pos % page_size, bidh, None],
-                                   mVcache[page, pos % page_size, bidh, None], mCos, mSin, pos)
+                    if pos >= 0 and pos < mBlockTable.shape[1] * page_size:
+                        page = mBlockTable[bidb, pos // page_size]
+                        if page >= 0 and page < mKcache.shape[0]:
+                            self.write_row(mKnew[bidb, x, bidh, None], mVnew[bidb, x, bidh, None],
+                                           mKcache[page, pos % page_size, bidh, None],
+                                           mVcache[page, pos % page_size, bidh, None], mCos, mSin, pos)
                 else:
                     row_b = bidb
                     if cutlass.const_expr(self.has_batch_idx):
                         row_b = mBatchIdx[bidb]
-                    self.write_row(mKnew[bidb, x, bidh, None], mVnew[bidb, x, bidh, None],
-                                   mKcache[row_b, pos, bidh, None], mVcache[row_b, pos, bidh, None],
-                                   mCos, mSin, pos)
+                    if row_b >= 0 and row_b < mKcache.shape[0] and pos >= 0 and pos < mKcache.shape[1]:
+                        self.write_row(mKnew[bidb, x, bidh, None], mVnew[bidb, x, bidh, None],
+                                       mKcache[row_b, pos, bidh, None], mVcache[row_b, pos, bidh, None],
+                                       mCos, mSin, pos)
         else:
             if cutlass.const_expr(self.rotary):
                 i = x - seqlen_new
@@ -91,6 +99,8 @@ class AppendKV:
         """dst = src rotated at position `pos` (or copied when rotary is off)."""
         tidx, _, _ = cute.arch.thread_idx()
         half = mCos.shape[1]
+        if cutlass.const_expr(self.rotary):
+            pos = cutlass.min(cutlass.max(pos, 0), mCos.shape[0] - 1)
         for c in cutlass.range(tidx, src.shape[0], NUM_THREADS, unroll=1):
             if cutlass.const_expr(not self.rotary):
                 dst[c] = src[c]

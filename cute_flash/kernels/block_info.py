@@ -10,27 +10,47 @@ import cutlass
 import cutlass.cute as cute
 
 
+def clamp(x, lo, hi):
+    """x moved into [lo, hi] (lo <= hi): two compares, no branch."""
+    return cutlass.min(cutlass.max(x, lo), hi)
+
+
 class BlockInfo:
     def __init__(self, bidb, seqlen_q, seqlen_k, mCuSeqlensQ=None, mCuSeqlensK=None, mSeqUsedK=None,
-                 mLeftpadK=None, k_extra=0):
-        """Lengths of sequence bidb. Packed batches take them from the prefix sums; seqused_k (a KV
-        cache's cache_seqlens) overrides seqlen_k, plus `k_extra` rows appended after it; a cache's
-        leftpad hides its first keys (the key view starts there, `leftpad_k`)."""
+                 mLeftpadK=None, k_extra=0, paged: cutlass.Constexpr = False):
+        """Lengths of sequence bidb. `seqlen_q`, `seqlen_k` are the rows the tensors hold: the
+        lengths of a dense batch; the totals of a packed one; for keys in a cache, its capacity
+        (cache rows, or max_blocks * page_size through a block table). Packed batches take the
+        lengths from the prefix sums (a paged one only its key lengths); seqused_k (a KV cache's
+        cache_seqlens, plus `k_extra` rows appended after it) overrides seqlen_k; a cache's leftpad
+        hides its first keys (the key view starts there, `leftpad_k`).
+
+        Every value read from metadata is clamped into what the tensors hold, so no prefix sum,
+        length or left pad can send a CTA outside them: cu_seqlens entries into [0, total] (an
+        end never before its start), a paged length into [0, capacity], seqused_k + k_extra into
+        the rows from the sequence's start to the end of the tensor (flash-attn reads
+        seqused_k keys wherever they lie), leftpad into [0, seqlen_k]. Bad metadata gives
+        undefined output, never an out-of-bounds access."""
         self.sum_s_q = None
         self.sum_s_k = None
         self.seqlen_q = seqlen_q
         self.seqlen_k = seqlen_k
         self.leftpad_k = 0
+        room_k = seqlen_k  # key rows from this sequence's first key to the end of the tensor
         if cutlass.const_expr(mCuSeqlensQ is not None):
-            self.sum_s_q = mCuSeqlensQ[bidb]
-            self.seqlen_q = mCuSeqlensQ[bidb + 1] - self.sum_s_q
+            self.sum_s_q = clamp(mCuSeqlensQ[bidb], 0, seqlen_q)
+            self.seqlen_q = clamp(mCuSeqlensQ[bidb + 1], self.sum_s_q, seqlen_q) - self.sum_s_q
         if cutlass.const_expr(mCuSeqlensK is not None):
-            self.sum_s_k = mCuSeqlensK[bidb]
-            self.seqlen_k = mCuSeqlensK[bidb + 1] - self.sum_s_k
+            if cutlass.const_expr(paged):  # a table row per sequence: only the length matters
+                self.seqlen_k = clamp(mCuSeqlensK[bidb + 1] - mCuSeqlensK[bidb], 0, seqlen_k)
+            else:
+                self.sum_s_k = clamp(mCuSeqlensK[bidb], 0, seqlen_k)
+                self.seqlen_k = clamp(mCuSeqlensK[bidb + 1], self.sum_s_k, seqlen_k) - self.sum_s_k
+                room_k = seqlen_k - self.sum_s_k
         if cutlass.const_expr(mSeqUsedK is not None):
-            self.seqlen_k = mSeqUsedK[bidb] + k_extra
+            self.seqlen_k = clamp(mSeqUsedK[bidb] + k_extra, 0, room_k)
         if cutlass.const_expr(mLeftpadK is not None):
-            self.leftpad_k = mLeftpadK[bidb]
+            self.leftpad_k = clamp(mLeftpadK[bidb], 0, self.seqlen_k)
             self.seqlen_k = self.seqlen_k - self.leftpad_k
 
     def n_block_range(self, m_block, block_m: cutlass.Constexpr, block_n: cutlass.Constexpr,

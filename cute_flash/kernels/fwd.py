@@ -32,7 +32,7 @@ import cutlass.cute as cute
 import torch
 
 from cute_flash.compile_cache import get_or_compile
-from cute_flash.kernels.block_info import BlockInfo
+from cute_flash.kernels.block_info import BlockInfo, clamp
 from cute_flash.kernels.combine import SplitCombine
 from cute_flash.kernels.fake import compile_tvm_ffi, fake_stream, fake_tensor, ffi_function
 from cute_flash.kernels.kv_tiles import KVTiles
@@ -65,7 +65,7 @@ class FlashFwd(SplitCombine):
                  has_alibi: bool = False, has_softcap: bool = False, even_k: bool = True,
                  varlen: bool = False, has_seqused_k: bool = False, paged: bool = False,
                  kvcache: bool = False, split: bool = False, has_leftpad: bool = False,
-                 has_batch_idx: bool = False, pack_gqa: bool = False):
+                 has_batch_idx: bool = False, pack_gqa: bool = False, any_page_size: bool = False):
         if kvcache and varlen:
             raise ValueError("kvcache and varlen are two different entry points")
         if (split or has_leftpad or has_batch_idx) and not kvcache:
@@ -74,6 +74,8 @@ class FlashFwd(SplitCombine):
             raise ValueError("paged KV needs the varlen or kvcache entry")
         if paged and (has_leftpad or has_batch_idx):
             raise ValueError("a paged cache has neither leftpad nor cache_batch_idx (as in flash-attn)")
+        if any_page_size and not paged:
+            raise ValueError("any_page_size is a form of paged KV")
         if pack_gqa and not (kvcache and not (has_left or has_right or has_alibi)):
             raise ValueError("pack_gqa folds single-row decode queries: kvcache, no window, no ALiBi")
         self.t = traits
@@ -89,8 +91,11 @@ class FlashFwd(SplitCombine):
         # V[n-1] in flight together (one memory latency per block instead of two), at the
         # price of two more barriers per block.
         self.overlap_kv = kvcache
-        # Paged prefill gathers K/V in runs of rows that share a page (kv_tiles.py).
-        self.paged_runs = paged and not kvcache
+        # Pages of a multiple of 16 rows: paged prefill gathers K/V in runs of rows that share a
+        # page, KV-cache kernels share page ids across a warp. Other page sizes: each row looks
+        # its page up (kv_tiles.py).
+        self.any_page_size = any_page_size
+        self.paged_runs = paged and not kvcache and not any_page_size
         self.has_left = has_left
         self.has_right = has_right
         self.has_alibi = has_alibi
@@ -207,14 +212,19 @@ class FlashFwd(SplitCombine):
             split_idx = bidz // nheads
             bidh = bidz - split_idx * nheads
         bidh_kv = bidh // (nheads // mK.shape[kv_head_axis])
+        # Key rows the K/V tensors hold for one sequence: the packed total, the cache length, or
+        # what the block table addresses; BlockInfo clamps every length read from metadata to it.
+        kv_rows = mK.shape[0] if cutlass.const_expr(self.varlen) else mK.shape[1]
+        if cutlass.const_expr(self.paged):
+            kv_rows = mBlockTable.shape[1] * mK.shape[1]
         # (seqlen, d) views of this sequence and head; LSE (seqlen,)
         if cutlass.const_expr(self.varlen):
-            binfo = BlockInfo(bidb, 0, 0, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
+            binfo = BlockInfo(bidb, mQ.shape[0], kv_rows, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, paged=self.paged)
             mQ_s = cute.domain_offset((binfo.sum_s_q, 0), mQ[None, bidh, None])
             mO_s = cute.domain_offset((binfo.sum_s_q, 0), mO[None, bidh, None])
             mLSE_s = cute.domain_offset((binfo.sum_s_q,), mLSE[bidh, None])
         else:
-            binfo = BlockInfo(bidb, mQ.shape[1], mK.shape[1], None, None, mSeqUsedK, mLeftpadK, k_extra)
+            binfo = BlockInfo(bidb, mQ.shape[1], kv_rows, None, None, mSeqUsedK, mLeftpadK, k_extra)
             mQ_s = mQ[bidb, None, bidh, None]
             mO_s = mO[bidb, None, bidh, None]
             mLSE_s = mLSE[bidb, bidh, None]
@@ -229,8 +239,8 @@ class FlashFwd(SplitCombine):
             mV_s = cute.domain_offset((binfo.sum_s_k, 0), mV[None, bidh_kv, None])
         else:
             bidb_kv = bidb
-            if cutlass.const_expr(self.has_batch_idx):
-                bidb_kv = mBatchIdx[bidb]
+            if cutlass.const_expr(self.has_batch_idx):  # a bad index reads some cache row, never past them
+                bidb_kv = clamp(mBatchIdx[bidb], 0, mK.shape[0] - 1)
             mK_s = cute.domain_offset((binfo.leftpad_k, 0), mK[bidb_kv, None, bidh_kv, None])
             mV_s = cute.domain_offset((binfo.leftpad_k, 0), mV[bidb_kv, None, bidh_kv, None])
         split_out = None
@@ -294,7 +304,8 @@ class FlashFwd(SplitCombine):
         tKVcKV = gmem_thr_copy_KV.partition_S(cKV)
         kv = KVTiles.make(gmem_tiled_copy_KV, gmem_thr_copy_KV, tKVcKV, column_predicate(tKVcKV, head_dim),
                           mK_s, mV_s, binfo.seqlen_k, bn, d, self.even_k,
-                          lcopy.paged_row_group(t) if cutlass.const_expr(self.paged_runs) else None, mTable)
+                          lcopy.paged_row_group(t) if cutlass.const_expr(self.paged_runs) else None,
+                          self.any_page_size, mTable)
 
         thr_mma = tiled_mma.get_slice(tidx)
         tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ))     # (MMA, MMA_M, MMA_K)
@@ -524,6 +535,7 @@ class FlashFwd(SplitCombine):
 # Host side: compile (cached) and launch on torch tensors.
 
 _ALIGN = 8  # elements per 16-byte copy
+PAGE_ROWS = 16  # pages of a multiple of this many rows take the page-run / shared-page-id copies
 _DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 _ELEMENT = {torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16}
 
@@ -567,18 +579,24 @@ def fwd_kernel_key(traits: FwdTraits, **flags):
     return ("fwd", traits) + tuple(sorted((name, bool(on)) for name, on in flags.items() if on))
 
 
-def _aligned(x):
-    """x itself when its rows suit 128-bit copies (unit last stride, every other stride and the
-    base address 16-byte aligned, head dim a multiple of 8), else a copy that does: zero-padded
-    to a multiple of 8 in the head dim, as flash-attn pads. A size-1 dim whose stride is not a
-    multiple of 8 gets stride 0 (never stepped, and trivially aligned)."""
-
+def _is_aligned(x) -> bool:
+    """Do x's rows suit 128-bit copies: unit last stride, every other stride and the base
+    address 16-byte aligned, head dim a multiple of 8. Checked without generators: this runs on
+    every call."""
     shape, stride = x.shape, x.stride()
     low_bits = 0
     for s in stride[:-1]:
         low_bits |= s
-    if shape[-1] % _ALIGN == 0 and stride[-1] == 1 and low_bits % _ALIGN == 0 and x.data_ptr() % 16 == 0:
-        return x  # the common case, checked without generators (this runs on every call)
+    return shape[-1] % _ALIGN == 0 and stride[-1] == 1 and low_bits % _ALIGN == 0 and x.data_ptr() % 16 == 0
+
+
+def _aligned(x):
+    """x itself when `_is_aligned`, else a view or copy that is: zero-padded to a multiple of 8
+    in the head dim, as flash-attn pads, or a fresh contiguous copy. A size-1 dim whose stride is
+    not a multiple of 8 gets stride 0 (never stepped, and trivially aligned), without a copy."""
+    if _is_aligned(x):
+        return x
+    shape, stride = x.shape, x.stride()
     if shape[-1] % _ALIGN:
         x = torch.nn.functional.pad(x, (0, _ALIGN - shape[-1] % _ALIGN))
     elif stride[-1] != 1 or x.data_ptr() % 16 or any(
@@ -602,7 +620,7 @@ def _no_alibi(index: int):
 
 @functools.lru_cache(maxsize=None)
 def _kernel_for(d_pad, dtype, device_index, causal, has_left, has_right, has_alibi, has_softcap, traits,
-                varlen=False, has_seqused_k=False, paged=False):
+                varlen=False, has_seqused_k=False, paged=False, any_page_size=False):
     """The compiled kernel for one call signature (memoised: a cached call hashes plain values
     once instead of rebuilding the traits and the compile-cache key)."""
     arch = _device_arch(device_index)
@@ -610,6 +628,8 @@ def _kernel_for(d_pad, dtype, device_index, causal, has_left, has_right, has_ali
         traits = choose_fwd_traits(d_pad, _DTYPE_NAMES[dtype], min(arch, 90), causal)
     flags = dict(zip(ALL_FLAG_NAMES, (has_left, has_right, has_alibi, has_softcap, d_pad == traits.head_dim,
                                       varlen, has_seqused_k, paged)))
+    if any_page_size:
+        flags["any_page_size"] = True
     return get_or_compile(fwd_kernel_key(traits, **flags) + (arch,),
                           lambda: compile_fwd(FlashFwd(traits, **flags)))
 
@@ -665,7 +685,8 @@ def flash_fwd_varlen(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     q, k, v, out, left, right, index = _prepare(q, k, v, causal, window_size)
     lse = torch.empty((h, total_q), dtype=torch.float32, device=q.device)
     compiled = _kernel_for(q.shape[-1], q.dtype, index, causal, left >= 0, right >= 0, alibi_slopes is not None,
-                           softcap > 0, None, True, seqused_k is not None, paged)
+                           softcap > 0, None, True, seqused_k is not None, paged,
+                           paged and k.shape[1] % PAGE_ROWS != 0)
     cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     seqused = cu_seqlens_k if seqused_k is None else seqused_k.contiguous()  # read only if given
     compiled(q, k, v, out, lse, _alibi_2d(alibi_slopes, cu_seqlens_q.shape[0] - 1, h, index),
@@ -681,11 +702,11 @@ def _num_sms(index: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _kvcache_kernel_for(traits, d_pad, device_index, has_left, has_right, has_alibi, has_softcap, paged,
-                        split, has_leftpad, has_batch_idx, pack_gqa):
+                        split, has_leftpad, has_batch_idx, pack_gqa, any_page_size):
     arch = _device_arch(device_index)
     flags = dict(has_left=has_left, has_right=has_right, has_alibi=has_alibi, has_softcap=has_softcap,
                  even_k=d_pad == traits.head_dim, paged=paged, kvcache=True, split=split,
-                 has_leftpad=has_leftpad, has_batch_idx=has_batch_idx, pack_gqa=pack_gqa)
+                 has_leftpad=has_leftpad, has_batch_idx=has_batch_idx, pack_gqa=pack_gqa, any_page_size=any_page_size)
     key = fwd_kernel_key(traits, **flags) + (arch,)
     return get_or_compile(key, lambda: compile_fwd(FlashFwd(traits, **flags)))
 
@@ -710,25 +731,28 @@ def flash_fwd_kvcache(q, k_cache, v_cache, *, k=None, v=None, rotary_cos=None, r
     sq)), lse None unless return_lse. `signature`: the interface's summary of every argument's
     metadata and options (`_validate.signature`); calls that share one share their setup."""
     b, sq, h, d = q.shape
-    if d % _ALIGN:
-        # Caches whose rows break 128-bit copies: work on padded copies as flash-attn does, and
-        # copy the appended rows back into the caller's caches.
-        pad = _ALIGN - d % _ALIGN
-        q, k_pad, v_pad, k, v = (None if x is None else torch.nn.functional.pad(x, (0, pad))
-                                 for x in (q, k_cache, v_cache, k, v))
-        out, lse = flash_fwd_kvcache(
-            q, k_pad, v_pad, k=k, v=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
-            cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
-            block_table=block_table, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-            softcap=softcap, rotary_interleaved=rotary_interleaved, alibi_slopes=alibi_slopes,
-            num_splits=num_splits, return_lse=return_lse)
-        if k is not None:  # only appended rows differ; copying whole caches keeps this path simple
-            k_cache.copy_(k_pad[..., :d])
-            v_cache.copy_(v_pad[..., :d])
-        return out[..., :d], lse
-
     call = _kvcache_calls.get(signature) if signature is not None else None
     if call is None:
+        if not (_is_aligned(k_cache) and _is_aligned(v_cache)):
+            # Caches whose rows break 128-bit copies (a head dim not a multiple of 8, strides
+            # or a base address off 16 bytes): work on aligned copies, zero-padded as flash-attn
+            # pads, then copy the caches back if the call appended to them. Only appended rows
+            # differ, but a whole-cache copy needs no index built from cache_seqlens (which may
+            # be bad metadata); the cost, two more reads and two more writes of each cache, is
+            # in docs/perf.md.
+            k_al, v_al = _aligned(k_cache), _aligned(v_cache)
+            if d % _ALIGN:
+                q, k, v = (None if x is None else _aligned(x) for x in (q, k, v))
+            out, lse = flash_fwd_kvcache(
+                q, k_al, v_al, k=k, v=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+                cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
+                block_table=block_table, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                softcap=softcap, rotary_interleaved=rotary_interleaved, alibi_slopes=alibi_slopes,
+                num_splits=num_splits, return_lse=return_lse)
+            if k is not None:
+                k_cache.copy_(k_al[..., :d])
+                v_cache.copy_(v_al[..., :d])
+            return out[..., :d], lse
         call = _kvcache_call(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
                              softmax_scale, causal, window_size, softcap, alibi_slopes, rotary_cos, num_splits)
         if signature is not None:
@@ -793,10 +817,10 @@ def _kvcache_call(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, 
     pack_gqa = sq == 1 and h > hk and left < 0 and right < 0 and alibi_slopes is None
     plan = _kvcache_plan(d, q.dtype, index, b, sq, h, hk, capacity, pack_gqa, num_splits, left >= 0,
                          right >= 0, alibi_slopes is not None, softcap > 0, paged, cache_leftpad is not None,
-                         cache_batch_idx is not None)
+                         cache_batch_idx is not None, paged and k_cache.shape[1] % PAGE_ROWS != 0)
     append = k is not None and (k.shape[1] > 0 or rotary_cos is not None)  # an empty grid cannot launch
     k_extra = 0 if k is None else k.shape[1]
-    return KVCacheCall(plan, device, index, _aligned(q) is not q, seqlens, append, causal or left >= 0 or right >= 0,
+    return KVCacheCall(plan, device, index, not _is_aligned(q), seqlens, append, causal or left >= 0 or right >= 0,
                        (k_extra, plan.num_splits, *_scales(softmax_scale, softcap), left, right))
 
 
@@ -836,7 +860,8 @@ class KVCachePlan:
 
 
 @functools.lru_cache(maxsize=4096)
-def _kvcache_plan(d_pad, dtype, index, b, sq, h, hk, capacity, pack_gqa, num_splits, *flags):
+def _kvcache_plan(d_pad, dtype, index, b, sq, h, hk, capacity, pack_gqa, num_splits, has_left, has_right,
+                  has_alibi, has_softcap, paged, has_leftpad, has_batch_idx, any_page_size):
     """The plan of one call signature (memoised: decode calls repeat one signature)."""
     rows, heads = (h // hk, hk) if pack_gqa else (sq, h)
     traits = choose_decode_traits(d_pad, _DTYPE_NAMES[dtype], min(_device_arch(index), 90))
@@ -845,7 +870,8 @@ def _kvcache_plan(d_pad, dtype, index, b, sq, h, hk, capacity, pack_gqa, num_spl
     if num_splits == 0:
         num_splits = num_splits_heuristic(b * heads * m_blocks, _num_sms(index), n_blocks)
     num_splits = max(1, min(num_splits, n_blocks, 128))
-    compiled = _kvcache_kernel_for(traits, d_pad, index, *flags[:5], num_splits > 1, *flags[5:], pack_gqa)
+    compiled = _kvcache_kernel_for(traits, d_pad, index, has_left, has_right, has_alibi, has_softcap, paged,
+                                   num_splits > 1, has_leftpad, has_batch_idx, pack_gqa, any_page_size)
     return KVCachePlan(traits, num_splits, ffi_function(compiled), b, h, sq, rows, heads, m_blocks)
 
 
@@ -879,7 +905,7 @@ def _new_workspace(plan: KVCachePlan, device: torch.device):
 
 FLAG_NAMES = ("has_left", "has_right", "has_alibi", "has_softcap", "even_k")  # dense score flags
 ALL_FLAG_NAMES = FLAG_NAMES + ("varlen", "has_seqused_k", "paged", "kvcache", "split", "has_leftpad",
-                               "has_batch_idx", "pack_gqa")
+                               "has_batch_idx", "pack_gqa", "any_page_size")
 
 
 def fwd_variants(arch: int, full: bool = False):
@@ -889,8 +915,9 @@ def fwd_variants(arch: int, full: bool = False):
     KV-cache traits times every cache flag combination (causal or not).
     Otherwise a covering subset for CI (a compile takes 5-20 s on its 2 cores): every head-dim
     bucket of both kernels (forward and KV-cache), fp16 on sm_80 and bf16 on sm_90 (the dtype
-    only changes the MMA atom); the varlen, seqused_k and paged variants; and on sm_90 each
-    score flag alone and all together, each cache flag alone and the split + paged pair.
+    only changes the MMA atom); the varlen, seqused_k and paged variants (pages of a multiple of
+    16 rows, and of any size); and on sm_90 each score flag alone and all together, each cache
+    flag alone, and the split + paged pair with both page forms.
     """
     import itertools
 
@@ -904,9 +931,10 @@ def fwd_variants(arch: int, full: bool = False):
     cache_names = ("paged", "split", "has_leftpad", "has_batch_idx", "pack_gqa")
     cache_flags = [dict(zip(cache_names, bits)) for bits in itertools.product((False, True), repeat=5)
                    if not (bits[0] and (bits[2] or bits[3]))]
+    cache_flags += [dict(c, any_page_size=True) for c in cache_flags if c["paged"]]
     if full:
-        varlen = [dict(f, varlen=True, has_seqused_k=u, paged=p) for f in combos
-                  for u in (False, True) for p in (False, True)]
+        varlen = [dict(f, varlen=True, has_seqused_k=u, paged=p, any_page_size=a) for f in combos
+                  for u in (False, True) for p in (False, True) for a in (False, True) if p or not a]
         cache = [dict(has_right=r, kvcache=True, **c) for r in (False, True) for c in cache_flags
                  if not (r and c["pack_gqa"])]
         return [(t, f) for t in fwd_traits for f in combos + varlen] + [(t, f) for t in decode_traits for f in cache]
@@ -916,7 +944,8 @@ def fwd_variants(arch: int, full: bool = False):
     subset = [(t, causal) for t in fwd_traits if t.dtype == dtype]
     subset += [(t, dict(kvcache=True, split=True, pack_gqa=True)) for t in decode_traits if t.dtype == dtype]
     subset += [(pivot, dict(causal, varlen=True)), (pivot, dict(causal, varlen=True, has_seqused_k=True)),
-               (pivot, dict(causal, varlen=True, paged=True))]
+               (pivot, dict(causal, varlen=True, paged=True)),
+               (pivot, dict(causal, varlen=True, paged=True, any_page_size=True))]
     if arch >= 90:
         all_on = dict(has_left=True, has_right=True, has_alibi=True, has_softcap=True, even_k=False)
         plain = dict(causal, has_right=False)
@@ -924,5 +953,6 @@ def fwd_variants(arch: int, full: bool = False):
         subset += [(pivot, f) for f in alone + [all_on]]
         subset += [(decode_pivot, dict(causal, kvcache=True, **{n: True})) for n in cache_names if n != "pack_gqa"]
         subset += [(decode_pivot, dict(plain, kvcache=True, pack_gqa=True))]
-        subset += [(decode_pivot, dict(causal, kvcache=True, paged=True, split=True))]
+        subset += [(decode_pivot, dict(causal, kvcache=True, paged=True, split=True, any_page_size=a))
+                   for a in (False, True)]
     return subset

@@ -1,0 +1,80 @@
+"""`flash_attn.flash_attn_interface` (v2.8.3) by another name: code that imports flash-attn's
+public functions, or the private forwards that ring-attention and sequence-parallel wrappers
+build on, works by changing that one import.
+
+`_flash_attn_forward` and `_flash_attn_varlen_forward` keep flash-attn 2.8.3's argument names,
+order and defaults and return `(out, softmax_lse, S_dmask, rng_state)`: `S_dmask` is an empty
+tensor (no dropout), `rng_state` two int64 zeros (no random numbers drawn). Like flash-attn's,
+they have no autograd (their callers wrap them in their own `torch.autograd.Function`), so
+they do not refuse inputs that require grad; the output is not differentiable. Unlike
+flash-attn's they take any head dim up to 256 and any strides with a unit last dim (no caller
+padding needed). Not supported yet: dropout (NotImplementedError, as the public functions) and
+`leftpad_k` (NotImplementedError); `zero_tensors` is accepted and has no effect, since every
+output row is written.
+"""
+from typing import Optional, Tuple
+
+import torch
+
+from cute_flash import interface
+from cute_flash.interface import *  # noqa: F401,F403 (the public functions)
+from cute_flash.interface import _flash_attn, _flash_attn_varlen, _no_probs
+
+__all__ = interface.__all__ + ["_flash_attn_forward", "_flash_attn_varlen_forward"]
+
+
+def _rng_state(q):
+    """flash-attn's (seed, offset) of the call's dropout: nothing drawn, so zeros."""
+    return torch.zeros((2,), dtype=torch.int64, device=q.device)
+
+
+def _flash_attn_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float,
+    softmax_scale: float,
+    causal: bool,
+    window_size_left: int,
+    window_size_right: int,
+    softcap: float,
+    alibi_slopes: Optional[torch.Tensor],
+    return_softmax: bool,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q (batch, seqlen_q, nheads, d), k, v (batch, seqlen_k, nheads_k, d) ->
+    (out, softmax_lse (batch, nheads, seqlen_q), S_dmask, rng_state)."""
+    out, lse = _flash_attn(q, k, v, ("q", "k", "v"), dropout_p, softmax_scale, causal,
+                           (window_size_left, window_size_right), softcap, alibi_slopes)
+    return out, lse, _no_probs(q), _rng_state(q)
+
+
+def _flash_attn_varlen_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float,
+    softmax_scale: float,
+    causal: bool,
+    window_size_left: int = -1,
+    window_size_right: int = -1,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    return_softmax: bool = False,
+    block_table: Optional[torch.Tensor] = None,
+    leftpad_k: Optional[torch.Tensor] = None,
+    seqused_k: Optional[torch.Tensor] = None,
+    zero_tensors: bool = False,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q (total_q, nheads, d), k, v (total_k, nheads_k, d) or pages with block_table ->
+    (out, softmax_lse (nheads, total_q), S_dmask, rng_state)."""
+    if leftpad_k is not None:
+        raise NotImplementedError("leftpad_k is not implemented for the variable-length forward yet")
+    names = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
+    out, lse = _flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, names,
+                                  dropout_p, softmax_scale, causal, (window_size_left, window_size_right),
+                                  softcap, alibi_slopes, block_table, seqused_k)
+    return out, lse, _no_probs(q), _rng_state(q)

@@ -1,0 +1,132 @@
+"""flash-attn compatibility beyond argument checks, on CPU: gradients are refused rather than
+silently lost, `cute_flash.flash_attn_interface` mirrors flash-attn 2.8.3's module (private
+forwards included) and `cute_flash.__version__`. Dispatch goes through the seam of
+test_interface_validation (a recorder in place of the kernels)."""
+import importlib.metadata
+import inspect
+
+import pytest
+import torch
+
+import cute_flash
+from cute_flash import flash_attn_interface as fai
+from cute_flash import interface as fi
+from tests.test_interface_validation import ALL, FUNCS, HALF_ARGS, call, gpu_free, valid  # noqa: F401 (fixture)
+
+# --- gradients ------------------------------------------------------------------------------
+
+
+def _requiring_grad(name, arg):
+    args = valid(name)
+    args[arg] = args[arg].clone().requires_grad_(True)
+    return args
+
+
+@pytest.mark.parametrize("name, arg", [(n, a) for n in ALL for a in HALF_ARGS[n]])
+def test_inputs_requiring_grad_are_refused(gpu_free, name, arg):
+    """Until the backward pass exists, an output without grad_fn would drop the gradient in
+    silence: every public function refuses instead, naming the inputs."""
+    args = _requiring_grad(name, arg)
+    fn_name = FUNCS[name].__name__
+    why = (r"it is inference-only and has no backward pass \(as in flash-attn\)" if name.startswith("kvcache")
+           else "the backward pass is not implemented yet")
+    with pytest.raises(NotImplementedError, match=rf"^{fn_name} cannot compute gradients: {why}, and {arg} requires? grad"):
+        call(name, **args)
+    assert gpu_free.calls == []
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_no_grad_mode_or_detached_inputs_run(gpu_free, name):
+    arg = HALF_ARGS[name][0]
+    with torch.no_grad():
+        call(name, **_requiring_grad(name, arg))
+    with torch.inference_mode():
+        call(name, **_requiring_grad(name, arg))
+    call(name, **valid(name))  # grad mode on, nothing requires grad
+    assert len(gpu_free.calls) == 3
+
+
+def test_private_forward_takes_inputs_requiring_grad(gpu_free):
+    """flash-attn's private forwards have no autograd: callers wrap them in their own Function."""
+    args = _requiring_grad("func", "q")
+    out = fai._flash_attn_forward(args["q"], args["k"], args["v"], 0.0, 0.125, False, -1, -1, 0.0, None, False)
+    assert len(gpu_free.calls) == 1 and out[0].grad_fn is None
+
+
+# --- the flash_attn_interface module ---------------------------------------------------------
+
+FLASH_ATTN_2_8_3_PRIVATE = {  # flash_attn/flash_attn_interface.py at v2.8.3
+    "_flash_attn_forward": (
+        "(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, softmax_scale: float, "
+        "causal: bool, window_size_left: int, window_size_right: int, softcap: float, "
+        "alibi_slopes: Optional[torch.Tensor], return_softmax: bool) -> "
+        "Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]"),
+    "_flash_attn_varlen_forward": (
+        "(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, "
+        "cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, "
+        "softmax_scale: float, causal: bool, window_size_left: int = -1, window_size_right: int = -1, "
+        "softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None, return_softmax: bool = False, "
+        "block_table: Optional[torch.Tensor] = None, leftpad_k: Optional[torch.Tensor] = None, "
+        "seqused_k: Optional[torch.Tensor] = None, zero_tensors: bool = False) -> "
+        "Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]"),
+}
+
+
+@pytest.mark.parametrize("fn", sorted(FLASH_ATTN_2_8_3_PRIVATE))
+def test_private_forward_signatures_are_flash_attn_2_8_3(fn):
+    assert str(inspect.signature(getattr(fai, fn))) == FLASH_ATTN_2_8_3_PRIVATE[fn]
+
+
+def test_module_holds_the_public_functions():
+    for fn in fi.__all__:
+        assert getattr(fai, fn) is getattr(fi, fn) is getattr(cute_flash, fn)
+    assert set(fi.__all__) | set(FLASH_ATTN_2_8_3_PRIVATE) == set(fai.__all__)
+
+
+def test_private_forward_returns_flash_attn_tuple(gpu_free):
+    args = valid("func")
+    q, k, v = args["q"], args["k"], args["v"]
+    out, lse, s_dmask, rng_state = fai._flash_attn_forward(q, k, v, 0.0, 0.5, True, 3, -1, 2.0, None, True)
+    [(fn, (q_, k_, v_), kw)] = gpu_free.calls
+    assert fn == "flash_fwd" and q_ is q and k_ is k and v_ is v
+    assert kw["softmax_scale"] == 0.5 and kw["causal"] and kw["window_size"] == (3, 0) and kw["softcap"] == 2.0
+    assert out.shape == q.shape and lse.shape == (q.shape[0], q.shape[2], q.shape[1])
+    assert s_dmask.shape == (0,) and s_dmask.dtype == q.dtype
+    assert rng_state.dtype == torch.int64 and rng_state.tolist() == [0, 0]
+
+
+def test_private_varlen_forward_returns_flash_attn_tuple(gpu_free):
+    args = valid("varlen_paged")
+    out, lse, s_dmask, rng_state = fai._flash_attn_varlen_forward(
+        args["q"], args["k"], args["v"], args["cu_seqlens_q"], args["cu_seqlens_k"], args["max_seqlen_q"],
+        args["max_seqlen_k"], 0.0, 0.25, False, block_table=args["block_table"], seqused_k=args["seqused_k"],
+        zero_tensors=True)
+    [(fn, _, kw)] = gpu_free.calls
+    assert fn == "flash_fwd_varlen" and kw["block_table"] is args["block_table"]
+    assert kw["seqused_k"] is args["seqused_k"] and kw["window_size"] == (-1, -1)
+    assert out.shape == args["q"].shape and lse.shape == (args["q"].shape[1], args["q"].shape[0])
+    assert s_dmask.shape == (0,) and rng_state.tolist() == [0, 0]
+
+
+def test_private_varlen_forward_refuses_leftpad_and_dropout(gpu_free):
+    args = valid("varlen")
+    pos = [args[a] for a in ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")]
+    with pytest.raises(NotImplementedError, match="^leftpad_k is not implemented"):
+        fai._flash_attn_varlen_forward(*pos, 0.0, 0.25, False, leftpad_k=args["cu_seqlens_k"][1:])
+    with pytest.raises(NotImplementedError, match="^dropout is not implemented"):
+        fai._flash_attn_varlen_forward(*pos, 0.1, 0.25, False)
+    with pytest.raises(NotImplementedError, match="^dropout is not implemented"):
+        fai._flash_attn_forward(*(valid("func")[a] for a in "qkv"), 0.1, 0.25, False, -1, -1, 0.0, None, False)
+    assert gpu_free.calls == []
+
+
+def test_private_forward_validates_like_the_public_one():
+    args = valid("func")
+    with pytest.raises(ValueError, match=r"^window_size must be a pair"):
+        fai._flash_attn_forward(args["q"], args["k"], args["v"], 0.0, 0.5, False, -3, -1, 0.0, None, False)
+    with pytest.raises(TypeError, match="must be CUDA tensors"):
+        fai._flash_attn_forward(args["q"], args["k"], args["v"], 0.0, 0.5, False, -1, -1, 0.0, None, False)
+
+
+def test_version_is_the_installed_distribution_version():
+    assert cute_flash.__version__ == importlib.metadata.version("cute-flash")
