@@ -200,10 +200,13 @@ def check_no_grad(named, fn_name, has_backward=True):
     Only tensors that are given are looked at; this runs on every call, so it is cheap."""
     if not torch.is_grad_enabled():
         return
-    wanting = [name for name, t in named if isinstance(t, torch.Tensor) and t.requires_grad]
-    if not wanting:
+    named = tuple(named)
+    for _, t in named:  # a plain loop with an early exit: this runs on every call
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            break
+    else:
         return
-    wanting = list(dict.fromkeys(wanting))
+    wanting = list(dict.fromkeys(name for name, t in named if isinstance(t, torch.Tensor) and t.requires_grad))
     why = ("the backward pass is not implemented yet" if has_backward
            else "it is inference-only and has no backward pass (as in flash-attn)")
     raise NotImplementedError(
