@@ -204,8 +204,7 @@ CASES = {f.__name__: f for f in (
     kvcache_seqlens_past_capacity, kvcache_negative_seqlens, kvcache_batch_idx_out_of_range,
     kvcache_leftpad_past_length, kvcache_rotary_positions_past_table, paged_kvcache_bad_block_ids,
     paged_kvcache_seqlens_past_table, paged_kvcache_seqlens_past_table_in_graph, varlen_cu_seqlens_out_of_order,
-    varlen_seqused_k_past_sequence,
-    varlen_paged_bad_metadata,
+    varlen_seqused_k_past_sequence, varlen_paged_bad_metadata,
 )}
 
 
