@@ -8,6 +8,7 @@ normal data, larger than L2 in every grid cell.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import math
@@ -168,6 +169,20 @@ def shuffled_pages(k, v, page_size):
     return (k.reshape(b * per_seq, page_size, *k.shape[2:]), v.reshape(b * per_seq, page_size, *v.shape[2:]), table)
 
 
+@contextlib.contextmanager
+def host_check_off():
+    """Paged `flash_attn_with_kvcache` calls without flash-attn's host check of the block table
+    (a device sync per call), to time what the check costs."""
+    from cute_flash import _validate
+
+    check = _validate.check_block_table_capacity
+    _validate.check_block_table_capacity = lambda *args: None
+    try:
+        yield
+    finally:
+        _validate.check_block_table_capacity = check
+
+
 # Multiples of 16 take the page-run (prefill) and shared-page-id (decode) copies; 1, 8 and 1000
 # take the per-row page lookup.
 PAGE_SIZES = (1, 8, 16, 64, 256, 1000)
@@ -182,7 +197,7 @@ def run_paged(d=128, nheads=16, seqlen=4096, batch=8, decode_cells=PAGED_DECODE_
     with the check switched off, which is its cost."""
     import torch
 
-    from cute_flash import _validate, flash_attn_varlen_func, flash_attn_with_kvcache
+    from cute_flash import flash_attn_varlen_func, flash_attn_with_kvcache
 
     cu = torch.arange(0, (batch + 1) * seqlen, seqlen, dtype=torch.int32, device="cuda")
     q, k, v = (torch.randn(batch * seqlen, nheads, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -200,7 +215,6 @@ def run_paged(d=128, nheads=16, seqlen=4096, batch=8, decode_cells=PAGED_DECODE_
             del kp, vp
     del q, k, v
     h, hk, d = DECODE_HEADS
-    check = _validate.check_block_table_capacity
     for b, cache in decode_cells:
         q = torch.randn(b, 1, h, d, device="cuda", dtype=torch.bfloat16)
         kc, vc = (torch.randn(b, cache, hk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
@@ -214,11 +228,8 @@ def run_paged(d=128, nheads=16, seqlen=4096, batch=8, decode_cells=PAGED_DECODE_
                 return flash_attn_with_kvcache(q, kp, vp, cache_seqlens=seqlens, block_table=table)
 
             t_paged = _time_ms(paged)
-            try:
-                _validate.check_block_table_capacity = lambda *args: None
+            with host_check_off():
                 t_unchecked = _time_ms(paged)
-            finally:
-                _validate.check_block_table_capacity = check
             rows.append(dict(kind="decode", batch=b, cache=cache, page_size=ps, contiguous=nbytes / flat / 1e6,
                              paged=nbytes / t_paged / 1e6, ratio=flat / t_paged,
                              host_check_us=1e3 * (t_paged - t_unchecked), unchecked_ratio=flat / t_unchecked))
