@@ -21,6 +21,7 @@ on its own; the decode bench appends nothing).
 import cutlass
 import cutlass.cute as cute
 
+from cute_flash.kernels.block_info import clamp
 from cute_flash.kernels.fake import compile_tvm_ffi, fake_stream, fake_tensor
 
 NUM_THREADS = 128
@@ -100,7 +101,7 @@ class AppendKV:
         tidx, _, _ = cute.arch.thread_idx()
         half = mCos.shape[1]
         if cutlass.const_expr(self.rotary):
-            pos = cutlass.min(cutlass.max(pos, 0), mCos.shape[0] - 1)
+            pos = clamp(pos, 0, mCos.shape[0] - 1)
         for c in cutlass.range(tidx, src.shape[0], NUM_THREADS, unroll=1):
             if cutlass.const_expr(not self.rotary):
                 dst[c] = src[c]

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import cutlass
 import cutlass.cute as cute
 
+from cute_flash.kernels.block_info import clamp
 from cute_flash.kernels.tile_copy import copy_row, copy_tile
 
 
@@ -71,7 +72,7 @@ class KVTiles:
     @cute.jit
     def page_at(self, slot):
         """Table entry `slot` (inside the table), clamped into [0, num_blocks)."""
-        return cutlass.min(cutlass.max(self.mTable[slot], 0), self.mK_s.shape[0] - 1)
+        return clamp(self.mTable[slot], 0, self.mK_s.shape[0] - 1)
 
     @cute.jit
     def page_ids(self, n_block):
