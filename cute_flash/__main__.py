@@ -39,7 +39,8 @@ def cmd_compile(archs, full):
 
 
 def cmd_check():
-    """A quick GPU correctness pass by the SPEC's criterion (the full suite is `pytest -m gpu`)."""
+    """A quick GPU correctness pass by the criterion of docs/semantics.md (the full suite is
+    `pytest -m gpu`)."""
     import torch
 
     from cute_flash import flash_attn_func
@@ -177,7 +178,7 @@ def main(argv=None):
     b.add_argument("--quick", action="store_true")
     b.add_argument("--out", default=None, help="directory for bench.json, bench.md, bench.png")
     b.add_argument("--sections", default=",".join(("grid", "extra", "varlen", "paged", "decode")),
-                   help="comma-separated: grid (SPEC grid), extra (window/softcap), varlen, paged, decode")
+                   help="comma-separated: grid (the forward grid), extra (window/softcap), varlen, paged, decode")
     sub.add_parser("overhead", help="host cost of a cached call vs SDPA (GPU)")
     sub.add_parser("tune", help="TFLOP/s of each tile candidate per head dim (GPU)")
     sub.add_parser("memcheck", help="the GPU suite under compute-sanitizer memcheck (GPU); "

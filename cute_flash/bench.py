@@ -1,7 +1,7 @@
 """`python -m cute_flash bench`: forward TFLOP/s against torch SDPA's FLASH (flash-attn 2 C++) and
 CUDNN backends, measured side by side in one run.
 
-TFLOP/s counts the FLOPs of the visible (i, j) pairs: 4 * b * h * d per pair, which is the SPEC's
+TFLOP/s counts the FLOPs of the visible (i, j) pairs: 4 * b * h * d per pair, which is docs/semantics.md's
 4*b*h*sq*sk*d (halved for causal) up to the diagonal's rounding, and for a local window the work
 actually left to do. Each time is the median of `triton.testing.do_bench`; inputs are fresh
 normal data, larger than L2 in every grid cell.
@@ -344,7 +344,8 @@ TUNE_CANDIDATES = {
 
 
 def tune(seqlens=(1024, 4096, 16384)):
-    """TFLOP/s of each tile candidate on the SPEC grid's shapes (bf16), for choosing traits."""
+    """TFLOP/s of each tile candidate on the forward grid's shapes (docs/semantics.md), bf16, for
+    choosing traits."""
     import torch
 
     from cute_flash.kernels.fwd import flash_fwd

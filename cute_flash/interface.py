@@ -53,7 +53,7 @@ def _mask(causal, window_size, seqlen_q, seqlen_k):
     that excludes no key is unbounded (-1), causal with one query row masks nothing, and causal
     sets the window's right edge to 0, keeping its left edge. flash-attn drops a right edge
     >= seqlen_k; that excludes no key only if it is also >= seqlen_q - 1 (row 0 sees up to key
-    seqlen_k - seqlen_q + right), so both are required and the SPEC's formula holds for
+    seqlen_k - seqlen_q + right), so both are required and the window formula of docs/semantics.md holds for
     seqlen_q > seqlen_k + 1 too."""
     left, right = (int(w) for w in window_size)
     if left >= seqlen_k:

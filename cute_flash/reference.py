@@ -1,6 +1,6 @@
 """Plain-torch attention that defines what the kernels must compute.
 
-Semantics are flash-attn 2.8.3's (see SPEC.md): the GPU tests compare our kernels against these
+Semantics are flash-attn 2.8.3's (docs/semantics.md): the GPU tests compare our kernels against these
 functions, computed in float32 on upcast inputs, and bound the kernel error by the error of the
 same functions run in the input dtype (``upcast=False``). Only torch is imported, so this module
 works without a GPU or the CuTe DSL. Nothing here is fast; everything here is meant to be obvious.
@@ -34,7 +34,7 @@ def attention_ref(
     position j - leftpad. Rows with no visible key (padded query rows included) give out 0 and
     lse +inf, as the kernel does. lse is float32 whatever ``upcast`` is.
 
-    ALiBi is always ``-slope * |i + sk - sq - j|`` (SPEC). flash-attn's causal kernel adds
+    ALiBi is always ``-slope * |i + sk - sq - j|`` (docs/semantics.md). flash-attn's causal kernel adds
     ``slope * j`` instead: the same softmax, but its lse differs by a per-row constant.
     """
     b, sq, h, d = q.shape

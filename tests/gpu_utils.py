@@ -1,5 +1,5 @@
-"""Helpers shared by the GPU tests: hypothesis settings, poisoned allocations and the SPEC's
-error criterion."""
+"""Helpers shared by the GPU tests: hypothesis settings, poisoned allocations and the error
+criterion of docs/semantics.md."""
 import os
 
 import torch
@@ -27,7 +27,8 @@ def poison_allocator(nbytes: int = 1 << 28) -> None:
 
 
 def assert_matches_reference(out, lse, q, k, v, ref_fn=attention_ref, **opts):
-    """SPEC: max |out - ref| <= 2 * max |ref_in_dtype - ref| + 1e-5; LSE within 1e-3; +inf rows."""
+    """docs/semantics.md's criterion: max |out - ref| <= 2 * max |ref_in_dtype - ref| + 1e-5;
+    LSE within 1e-3; the same +inf rows."""
     ref, ref_lse = ref_fn(q, k, v, **opts)
     ref_lp, _ = ref_fn(q, k, v, upcast=False, **opts)
     assert out.shape == q.shape[:-1] + (v.shape[-1],) and out.dtype == q.dtype

@@ -1,5 +1,5 @@
 """The forward kernel against `cute_flash.reference` on the GPU (issues: forward kernel, score
-modifiers). Shapes are drawn by hypothesis; every output is checked by the SPEC's criterion on
+modifiers). Shapes are drawn by hypothesis; every output is checked by the criterion of docs/semantics.md on
 fresh inputs with the allocator poisoned first."""
 import pytest
 import torch
