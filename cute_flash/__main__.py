@@ -136,35 +136,79 @@ def cmd_overhead():
     return rows | dec
 
 
-def cmd_memcheck(pytest_args):
+def cmd_memcheck(pytest_args, jobs=1):
     """The GPU suite (or the pytest arguments given) under compute-sanitizer memcheck, with
     torch's caching allocator off so that each tensor is its own allocation and a read just past
     it is caught. Host API errors are not counted (the DSL probes the driver on purpose).
     CUTE_FLASH_MEMCHECK=1 tells the tests they are sanitized (hypothesis draws fewer shapes).
     Prints the sum of every process's ERROR SUMMARY; fails on any error or a failed test.
-    Give no `-n`: with 15 pytest-xdist workers under the sanitizer no test finished in 570 s on
-    the H200 machine, while one process ran 17 tests in 160 s."""
+
+    `jobs` > 1 collects the tests and deals them round-robin to that many sanitized pytest
+    processes, spread over the visible GPUs (run it where pytest's rootdir is, the repository
+    root: the collected ids are relative to it). Never pytest-xdist's `-n`: with 15 xdist workers
+    under one sanitizer no test finished in 570 s on the H200 machine, while one process ran 17
+    tests in 160 s (compiles dominate, so separate processes scale with the cores)."""
     import os
     import re
     import shutil
     import subprocess
+    import threading
 
     sanitizer = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
     env = dict(os.environ, CUTE_FLASH_MEMCHECK="1", PYTORCH_NO_CUDA_MEMORY_CACHING="1")
-    cmd = [sanitizer, "--tool", "memcheck", "--report-api-errors", "no", "--error-exitcode", "86",
-           sys.executable, "-m", "pytest", "-m", "gpu", *(pytest_args or ["tests"])]
-    print(" ".join(cmd), flush=True)
-    summaries = []
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc:
-        for line in proc.stdout:
-            print(line, end="", flush=True)
-            found = re.search(r"ERROR SUMMARY: (\d+) error", line)
-            if found:
-                summaries.append(int(found.group(1)))
-    errors = sum(summaries)
-    print(f"memcheck: {len(summaries)} sanitized processes, {errors} errors; pytest/sanitizer exit {proc.returncode}")
-    return 1 if errors or proc.returncode or not summaries else 0
+    pytest_args = pytest_args or ["tests"]
+    shards = [pytest_args]
+    if jobs > 1:
+        options = [a for a in pytest_args if not os.path.exists(a.split("::")[0])]
+        quiet = [a for a in pytest_args if a not in ("-q", "-v")]  # ids one per line needs exactly one -q
+        listed = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "--collect-only", "-q", *quiet],
+                                capture_output=True, text=True, env=env)
+        ids = [line for line in listed.stdout.splitlines() if "::" in line]
+        if not ids:
+            print(listed.stdout[-4000:] + listed.stderr[-4000:])
+        shards = [options + ids[i::jobs] for i in range(min(jobs, len(ids)))]
+        print(f"memcheck: {len(ids)} tests in {len(shards)} sanitized processes", flush=True)
+    gpus = _visible_gpus()
+    summaries, lock, procs = [], threading.Lock(), []
 
+    def pump(i, proc):
+        for line in proc.stdout:
+            with lock:
+                print(f"[{i}] {line}" if len(shards) > 1 else line, end="", flush=True)
+                found = re.search(r"ERROR SUMMARY: (\d+) error", line)
+                if found:
+                    summaries.append(int(found.group(1)))
+
+    threads = []
+    for i, shard in enumerate(shards):
+        cmd = [sanitizer, "--tool", "memcheck", "--report-api-errors", "no", "--error-exitcode", "86",
+               sys.executable, "-m", "pytest", "-m", "gpu", *shard]
+        shard_env = dict(env, CUDA_VISIBLE_DEVICES=gpus[i % len(gpus)]) if len(shards) > 1 else env
+        print(f"[{i}] " + " ".join(cmd[:9]) + f" ... ({len(shard)} arguments)", flush=True)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=shard_env)
+        procs.append(proc)
+        threads.append(threading.Thread(target=pump, args=(i, proc)))
+        threads[-1].start()
+    for t in threads:
+        t.join()
+    codes = [proc.wait() for proc in procs]
+    errors = sum(summaries)
+    print(f"memcheck: {len(summaries)} sanitized processes, {errors} errors; pytest/sanitizer exits {codes}")
+    return 1 if errors or any(codes) or not summaries else 0
+
+
+def _visible_gpus():
+    """The GPU ids to spread sanitized processes over: CUDA_VISIBLE_DEVICES, else every GPU
+    nvidia-smi lists (without initialising CUDA in this process)."""
+    import os
+    import subprocess
+
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible:
+        return visible.split(",")
+    listed = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"],
+                            capture_output=True, text=True)
+    return listed.stdout.split() or ["0"]
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m cute_flash", description=__doc__,
@@ -177,12 +221,14 @@ def main(argv=None):
     b = sub.add_parser("bench", help="TFLOP/s against torch SDPA FLASH and CUDNN (GPU)")
     b.add_argument("--quick", action="store_true")
     b.add_argument("--out", default=None, help="directory for bench.json, bench.md, bench.png")
-    b.add_argument("--sections", default=",".join(("grid", "extra", "varlen", "paged", "decode")),
-                   help="comma-separated: grid (the forward grid), extra (window/softcap), varlen, paged, decode")
+    b.add_argument("--sections", default="grid,extra,varlen,paged,decode,unaligned",
+                   help="comma-separated: grid (the forward grid), extra (window/softcap), varlen, paged, "
+                        "decode, unaligned (caches served through aligned copies)")
     sub.add_parser("overhead", help="host cost of a cached call vs SDPA (GPU)")
     sub.add_parser("tune", help="TFLOP/s of each tile candidate per head dim (GPU)")
-    sub.add_parser("memcheck", help="the GPU suite under compute-sanitizer memcheck (GPU); "
-                                    "other arguments go to pytest (default: tests)")
+    m = sub.add_parser("memcheck", help="the GPU suite under compute-sanitizer memcheck (GPU); "
+                                        "other arguments go to pytest (default: tests)")
+    m.add_argument("--jobs", type=int, default=1, help="sanitized pytest processes, spread over the GPUs")
     args, extra = p.parse_known_args(argv)
     if extra and args.cmd != "memcheck":
         p.error(f"unrecognized arguments: {' '.join(extra)}")
@@ -212,7 +258,7 @@ def main(argv=None):
     elif cmd == "overhead":
         cmd_overhead()
     elif cmd == "memcheck":
-        return cmd_memcheck(extra)
+        return cmd_memcheck(extra, args.jobs)
     elif cmd == "tune":
         from cute_flash.bench import tune
 

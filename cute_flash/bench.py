@@ -240,6 +240,51 @@ def run_paged(d=128, nheads=16, seqlen=4096, batch=8, decode_cells=PAGED_DECODE_
     return rows
 
 
+UNALIGNED_CELLS = ((1, 32768), (8, 8192), (64, 1024))
+
+
+def run_unaligned(cells=UNALIGNED_CELLS):
+    """Decode over caches whose rows break 128-bit copies, which `flash_attn_with_kvcache` serves
+    through aligned copies of both caches (copied back when the call appends): a base address off
+    16 bytes (d 128), and d 100 (padded to 104). Each is timed against an aligned d 128 cache of
+    the same size, without and with one appended row; the ratio is aligned time / this time."""
+    import torch
+
+    from cute_flash import flash_attn_with_kvcache
+
+    h, hk, _ = DECODE_HEADS
+    rows = []
+    for b, cache in cells:
+        seqlens = torch.full((b,), cache - 1, dtype=torch.int32, device="cuda")
+        layouts = {}
+        for name, d, offset in (("aligned", 128, 0), ("address off 16 B", 128, 1), ("d 100", 100, 0)):
+            k_cache, v_cache = (torch.randn(b * cache * hk * d + offset, device="cuda", dtype=torch.bfloat16)
+                                [offset:].view(b, cache, hk, d) for _ in range(2))
+            layouts[name] = (d, k_cache, v_cache)
+        base = {}
+        for name, (d, k_cache, v_cache) in layouts.items():
+            q = torch.randn(b, 1, h, d, device="cuda", dtype=torch.bfloat16)
+            k_new, v_new = (torch.randn(b, 1, hk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+            for append in (False, True):
+                extra = dict(k=k_new, v=v_new) if append else {}
+                ms = _time_ms(lambda: flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, **extra))
+                base.setdefault(append, ms)
+                rows.append(dict(batch=b, cache=cache, layout=name, append=append, us=1e3 * ms,
+                                 ratio=base[append] / ms))
+                print(rows[-1], flush=True)
+        del layouts
+        torch.cuda.empty_cache()
+    return rows
+
+
+def format_unaligned(rows) -> str:
+    out = ["| decode | cache rows | append | us/call | aligned time / this time |", "|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| b{r['batch']} cache {r['cache']} | {r['layout']} | {r['append']} | {r['us']:.1f} | "
+                   f"{r['ratio']:.3f} |")
+    return "\n".join(out)
+
+
 DECODE_BATCHES = (1, 8, 32, 64)
 DECODE_CACHES = (1024, 8192, 32768, 131072)
 DECODE_HEADS = (32, 8, 128)  # nheads, nheads_k, d
@@ -423,7 +468,7 @@ def plot(rows, path):
     return path
 
 
-SECTIONS = ("grid", "extra", "varlen", "paged", "decode")
+SECTIONS = ("grid", "extra", "varlen", "paged", "decode", "unaligned")
 
 
 def main(out_dir=None, quick=False, sections=SECTIONS):
@@ -449,6 +494,9 @@ def main(out_dir=None, quick=False, sections=SECTIONS):
     if "paged" in sections:
         result["paged"] = run_paged()
         text += "\n" + format_paged(result["paged"]) + "\n"
+    if "unaligned" in sections:
+        result["unaligned"] = run_unaligned()
+        text += "\n" + format_unaligned(result["unaligned"]) + "\n"
     meta = dict(date=time.strftime("%Y-%m-%d"), gpu=torch.cuda.get_device_name(),
                 torch=torch.__version__, seconds=round(time.time() - t0, 1))
     text = f"{meta}\n\n{text}"
