@@ -10,32 +10,28 @@ import sys
 import time
 
 
-FLAG_LETTERS = "LRASKVUPCXlBGp"  # one per ALL_FLAG_NAMES entry, in order
-
-
 def cmd_compile(archs, full):
-    from cute_flash.kernels.fwd import ALL_FLAG_NAMES, FlashFwd, compile_fwd, fwd_variants
+    from cute_flash.kernels.config import FLAG_LETTERS
+    from cute_flash.launch.compiled import compile_fwd, fwd_variants
     from cute_flash.resources import compile_with_report, find_ptxas
     from layouts.traits import SMEM_LIMIT
 
     print(f"ptxas for resource numbers: {find_ptxas() or 'not found (registers not reported)'}")
-    print(f"{'arch':5} {'traits':28} {'flags':14} {'smem':>7} {'regs':>5} {'spill':>6} {'s':>5}")
+    print(f"{'arch':5} {'traits':24} {'flags':14} {'smem':>7} {'regs':>5} {'spill':>6} {'s':>5}")
     worst = 0
     for arch in archs:
-        for traits, flags in fwd_variants(arch, full):
+        for config in fwd_variants(arch, full):
+            traits = config.traits
             t0 = time.time()
-            _, rep = compile_with_report(
-                lambda opts: compile_fwd(FlashFwd(traits, **flags), arch, opts), arch)
-            on = "".join(letter if flags.get(n) else "." for letter, n in zip(FLAG_LETTERS, ALL_FLAG_NAMES))
+            _, rep = compile_with_report(lambda opts: compile_fwd(config, arch, opts), arch)
             spill = rep.get("spill_stores", 0) + rep.get("spill_loads", 0)
             worst = max(worst, spill)
-            print(f"sm_{arch:<2} {traits.name:28} {on:14} {traits.smem_bytes:>7} "
+            print(f"sm_{arch:<2} {traits.name:24} {config.letters:14} {traits.smem_bytes:>7} "
                   f"{rep.get('registers', '-'):>5} {spill if rep else '-':>6} {time.time() - t0:5.1f}",
                   flush=True)
             assert traits.smem_bytes <= SMEM_LIMIT[arch]
-    print(f"flags ({FLAG_LETTERS}): L=left window, R=right window (causal), A=ALiBi, S=softcap, "
-          f"K=even head dim, V=varlen, U=seqused_k, P=paged, C=KV cache, X=split, l=leftpad, "
-          f"B=cache_batch_idx, G=pack_gqa, p=pages of any size; largest spill: {worst} bytes")
+    legend = ", ".join(f"{letter}={name}" for name, letter in FLAG_LETTERS.items())
+    print(f"flags (FwdConfig fields in order): {legend}; largest spill: {worst} bytes")
 
 
 def cmd_check():
@@ -75,13 +71,15 @@ def cmd_overhead():
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from cute_flash import flash_attn_func
-    from cute_flash.kernels.fwd import LOG2E, _kernel_for, _no_alibi, flash_fwd
+    from cute_flash.kernels.constants import LOG2E
+    from cute_flash.launch.dense import flash_fwd, fwd_kernel, no_alibi
 
     q, k, v = (torch.randn(1, 8, 1, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
     out, lse = torch.empty_like(q), torch.empty(1, 1, 8, device="cuda")
     index = torch.cuda.current_device()
-    compiled = _kernel_for(64, q.dtype, index, False, False, False, False, False, None)
+    compiled = fwd_kernel(64, q.dtype, index, False, None, (
+        ("has_left", False), ("has_right", False), ("has_alibi", False), ("has_softcap", False)))
 
     def per_call_us(fn, n=3000):
         for _ in range(50):
@@ -97,7 +95,7 @@ def cmd_overhead():
         "flash_attn_func": per_call_us(lambda: flash_attn_func(q, k, v)),
         "launcher (flash_fwd)": per_call_us(lambda: flash_fwd(q, k, v, softmax_scale=0.125)),
         "TVM-FFI call alone": per_call_us(
-            lambda: compiled(q, k, v, out, lse, _no_alibi(index), 0.125 * LOG2E, 1.0, 8.0, -1, -1)),
+            lambda: compiled(q, k, v, out, lse, no_alibi(index), 0.125 * LOG2E, 1.0, 8.0, -1, -1)),
     }
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         rows["SDPA FLASH"] = per_call_us(lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt))

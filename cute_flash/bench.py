@@ -393,7 +393,7 @@ def tune(seqlens=(1024, 4096, 16384)):
     choosing traits."""
     import torch
 
-    from cute_flash.kernels.fwd import flash_fwd
+    from cute_flash.launch.dense import flash_fwd
     from layouts.traits import FwdTraits
 
     rows = []

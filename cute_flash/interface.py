@@ -2,7 +2,7 @@
 
 Each function validates its arguments (`cute_flash._validate`, the CUDA check last), answers
 empty problems without a launch, normalises the mask options as flash-attn's `mha_fwd` does,
-and hands the tensors, never copied (packed inputs become views), to `cute_flash.kernels.fwd`.
+and hands the tensors, never copied (packed inputs become views), to `cute_flash.launch`.
 `deterministic` is accepted for compatibility: the forward pass is deterministic anyway.
 With grad mode on, inputs that require grad are refused (no backward yet) rather than given an
 output without a gradient. `return_attn_probs=True` returns `(out, softmax_lse, S_dmask)` with
@@ -35,11 +35,11 @@ _VARLEN_KV_DIMS = ("total_k", "nheads_k", "headdim")
 _PAGED_KV_DIMS = ("num_blocks", "page_size", "nheads_k", "headdim")
 
 
-_KERNELS = "cute_flash.kernels.fwd"
+_KERNELS = "cute_flash.launch"
 
 
 def _kernels():
-    """`cute_flash.kernels.fwd`, imported at the first launch so that this module imports
+    """`cute_flash.launch`, imported at the first launch so that this module imports
     without the CuTe DSL; importlib takes a module already in sys.modules as it stands."""
     return sys.modules.get(_KERNELS) or importlib.import_module(_KERNELS)
 

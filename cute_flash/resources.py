@@ -13,6 +13,8 @@ import shutil
 import subprocess
 import tempfile
 
+from layouts.traits import sm_name
+
 _PTXAS_CANDIDATES = ("ptxas", "/usr/local/cuda/bin/ptxas")
 
 
@@ -29,8 +31,7 @@ def ptxas_report(ptx_path: str, arch: int) -> dict:
     ptxas = find_ptxas()
     if ptxas is None:
         return {}
-    sm = f"sm_{arch}{'a' if arch >= 90 else ''}"
-    res = subprocess.run([ptxas, f"-arch={sm}", "-v", ptx_path, "-o", os.devnull],
+    res = subprocess.run([ptxas, f"-arch={sm_name(arch)}", "-v", ptx_path, "-o", os.devnull],
                          capture_output=True, text=True)
     text = res.stderr + res.stdout
     out = {}

@@ -1,6 +1,6 @@
 """`python -m layouts report [--arch 80|90|all] [--draw DIR]`
 
-Checks every traits the heuristic ships (layouts.inspect) and prints one row per traits; exits 1
+Checks every traits the heuristic ships (layouts.verify) and prints one row per traits; exits 1
 if any check fails, so CI can gate on it. Bank columns give the worst phase's conflicts (ways - 1)
 and, in parentheses when nonzero, the extra wavefronts summed over the CTA: ldsmQ/ldsmK/ldsmVt are
 the ldmatrix reads of sQ, sK and sV^T, cpQ/cpKV the cp.async writes into sQ and sK/sV (cpKVp: the
@@ -11,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from layouts import inspect
+from layouts import verify
 from layouts.traits import ELEMENT_BYTES, SMEM_LIMIT, shipped_fwd_traits
 
 BANK_COLUMNS = {"ldsm_q": "ldsmQ", "ldsm_k": "ldsmK", "ldsm_vt": "ldsmVt", "cpasync_q": "cpQ",
@@ -45,7 +45,7 @@ def _failed_coverage(cover: dict) -> str:
 
 
 def print_report(arch: int) -> bool:
-    rows = [inspect.report(t, arch) for t in shipped_fwd_traits(arch)]
+    rows = [verify.report(t, arch) for t in shipped_fwd_traits(arch)]
     header = ["traits", "smem B", "fits", "bij", *BANK_COLUMNS.values(), "gmem", "cover", "runs"]
     table = [[r["name"], f"{r['smem_bytes']}", _ok(r["fits"]), _failed_names(r["bijection"]),
               *(_banks(r["banks"][k]) for k in BANK_COLUMNS), _gmem(r["gmem"]), _failed_coverage(r["coverage"]),
@@ -65,10 +65,10 @@ def draw(traits, out: Path) -> None:
     """sQ's 16-byte bank group per element (the swizzle) and the Q ldmatrix thread map."""
     out.mkdir(parents=True, exist_ok=True)
     for t in traits:
-        group = inspect.smem_table("sQ", t) * ELEMENT_BYTES // 16 % 8
-        inspect.draw_layout(group, out / f"{t.name}_sQ_bankgroup.png", f"{t.name}: sQ 16-byte bank group")
-        owner = inspect.ownership(inspect.partitions(t)["ldsm_q"])
-        inspect.draw_layout(owner, out / f"{t.name}_ldsm_q_threads.png", f"{t.name}: ldmatrix Q thread")
+        group = verify.smem_table("sQ", t) * ELEMENT_BYTES // 16 % 8
+        verify.draw_layout(group, out / f"{t.name}_sQ_bankgroup.png", f"{t.name}: sQ 16-byte bank group")
+        owner = verify.ownership(verify.partitions(t)["ldsm_q"])
+        verify.draw_layout(owner, out / f"{t.name}_ldsm_q_threads.png", f"{t.name}: ldmatrix Q thread")
 
 
 def main(argv=None) -> int:

@@ -14,9 +14,9 @@ import math
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync, warp
 
-from layouts.traits import FwdTraits, element_type
+from layouts.traits import COPY_BYTES, FwdTraits, element_type
 
-COPY_BITS = 128
+COPY_BITS = 8 * COPY_BYTES
 
 
 def _rows_per_pass(traits: FwdTraits) -> int:

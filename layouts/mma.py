@@ -38,7 +38,7 @@ def acc_as_a_operand(acc):
     """((2, 2, 2), MMA_M, MMA_N / 2) view of a C fragment ((2, 2), MMA_M, MMA_N) for use as A.
 
     The A fragment of a 16x8x16 MMA holds the C values of two neighbouring 8-column atoms, so P
-    feeds O += P V straight from registers, with no smem round trip (the seed's
+    feeds O += P V straight from registers, with no smem round trip (flash-attn 2's
     convert_layout_acc_Aregs).
     """
     div = cute.logical_divide(acc.layout, (None, None, 2))

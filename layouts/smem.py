@@ -3,7 +3,7 @@
 The atom is `Swizzle<B,3,3> o (8, kBlockKSmem):(kBlockKSmem, 1)`: eight rows of one 128 B (or
 64 B) line, with the 16-byte chunk index XORed by the row index, so that the eight rows an
 ldmatrix phase reads, or a cp.async phase writes, land in eight different bank groups.
-`tile_to_shape` repeats the atom over the tile, column-atoms innermost, as the seed's
+`tile_to_shape` repeats the atom over the tile, column-atoms innermost, as flash-attn 2's
 `tile_to_shape(SmemLayoutAtomQ{}, Shape<kBlockM, kHeadDim>)`.
 """
 import cutlass.cute as cute

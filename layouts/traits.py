@@ -1,13 +1,13 @@
 """Compile-time parameters of the forward kernel and the heuristic that picks them.
 
-The seed's `Flash_fwd_kernel_traits<kHeadDim, kBlockM, kBlockN, kNWarps, Is_Q_in_regs,
-Share_Q_K_smem, T>` as a frozen dataclass. Pure Python: usable outside a trace, so the
+flash-attn 2's `Flash_fwd_kernel_traits<kHeadDim, kBlockM, kBlockN, kNWarps, ..., T>` as a
+frozen dataclass (its Is_Q_in_regs / Share_Q_K_smem options are not built: no kernel here keeps
+Q in registers). Pure Python: usable outside a trace, so the
 dispatcher, the compile cache key and the property tests all read the same object.
 """
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 
 HEAD_DIM_BUCKETS = (32, 64, 96, 128, 160, 192, 224, 256)
@@ -15,6 +15,8 @@ DTYPES = ("fp16", "bf16")
 # Opt-in dynamic shared memory per CTA (bytes), as cudaDevAttrMaxSharedMemoryPerBlockOptin reports.
 SMEM_LIMIT = {80: 166912, 90: 232448}
 ELEMENT_BYTES = 2
+COPY_BYTES = 16  # one cp.async / vector load: 128 bits
+ALIGN = COPY_BYTES // ELEMENT_BYTES  # elements per 128-bit copy: strides and head dims come in these
 
 
 def head_dim_bucket(d: int) -> int:
@@ -31,8 +33,6 @@ class FwdTraits:
     block_n: int           # kBlockN: key rows per main-loop step
     num_warps: int         # kNWarps: warps tile M, 16 rows each per MMA step
     dtype: str = "bf16"    # "fp16" | "bf16"; accumulation is always fp32
-    q_in_regs: bool = False
-    share_qk_smem: bool = False
 
     def __post_init__(self):
         if self.head_dim not in HEAD_DIM_BUCKETS:
@@ -43,8 +43,6 @@ class FwdTraits:
             raise ValueError("block_m must be a multiple of 16 * num_warps (one MMA row group per warp)")
         if self.block_n % 16:
             raise ValueError("block_n must be a multiple of 16")
-        if self.share_qk_smem and not self.q_in_regs:
-            raise ValueError("share_qk_smem needs q_in_regs (Q must leave smem before K overwrites it)")
 
     @property
     def num_threads(self) -> int:
@@ -66,17 +64,14 @@ class FwdTraits:
 
     @property
     def smem_bytes(self) -> int:
-        q = self.block_m * self.head_dim
-        kv = 2 * self.block_n * self.head_dim
-        return ELEMENT_BYTES * (kv if self.share_qk_smem else q + kv)
+        return ELEMENT_BYTES * (self.block_m + 2 * self.block_n) * self.head_dim
 
     def fits(self, arch: int) -> bool:
         return self.smem_bytes <= SMEM_LIMIT[arch]
 
     @property
     def name(self) -> str:
-        flags = ("_qreg" if self.q_in_regs else "") + ("_shqk" if self.share_qk_smem else "")
-        return f"d{self.head_dim}_m{self.block_m}_n{self.block_n}_w{self.num_warps}_{self.dtype}{flags}"
+        return f"d{self.head_dim}_m{self.block_m}_n{self.block_n}_w{self.num_warps}_{self.dtype}"
 
 
 @functools.lru_cache(maxsize=None)
@@ -104,42 +99,13 @@ def choose_fwd_traits(head_dim: int, dtype: str = "bf16", arch: int = 90, causal
 
 @functools.lru_cache(maxsize=None)
 def choose_decode_traits(head_dim: int, dtype: str = "bf16", arch: int = 90) -> FwdTraits:
-    """Tiles of the KV-cache (split-KV) kernel, the seed's: kBlockM 64 (decode has few query
+    """Tiles of the KV-cache (split-KV) kernel, flash-attn 2's: kBlockM 64 (decode has few query
     rows, even after folding a GQA group into M), kBlockN 256 / 128 / 64 for d <= 64 / 128 /
     more, 4 warps. Wide key blocks mean fewer, larger cp.async batches per main-loop step on a
     memory-bound loop."""
     d = head_dim_bucket(head_dim)
     n = 256 if d <= 64 else 128 if d <= 128 else 64
     return FwdTraits(head_dim=d, block_m=64, block_n=n, num_warps=4, dtype=dtype)
-
-
-@functools.lru_cache(maxsize=4096)
-def num_splits_heuristic(work_ctas: int, num_sms: int, num_n_blocks: int, max_splits: int = 128,
-                         ctas_per_sm: int = 2) -> int:
-    """How many splits of the key range (flash-attn's num_splits_heuristic, same rule).
-
-    work_ctas = batch * heads * m_blocks CTAs already fill `0.8 * slots` (slots = SMs x CTAs
-    resident per SM; 2 for our 4-warp kernels, limited by 255 registers x 128 threads): no split.
-    Otherwise try s = 1 .. min(max_splits, slots, num_n_blocks); a count is eligible if it changes
-    the blocks per split (ceil(n / s) != ceil(n / (s - 1)); other counts only add empty splits).
-    Its wave efficiency is w / ceil(w) with w = work_ctas * s / slots; take the smallest eligible
-    s within 85% of the best efficiency (fewer splits: less partial O to write and combine).
-    """
-    slots = num_sms * ctas_per_sm
-    if work_ctas >= 0.8 * slots:
-        return 1
-    max_splits = max(1, min(max_splits, slots, num_n_blocks))
-
-    def eligible(s):
-        return s == 1 or -(-num_n_blocks // s) != -(-num_n_blocks // (s - 1))
-
-    def efficiency(s):
-        waves = work_ctas * s / slots
-        return waves / math.ceil(waves)
-
-    effs = {s: efficiency(s) for s in range(1, max_splits + 1) if eligible(s)}
-    best = max(effs.values())
-    return next(s for s, e in effs.items() if e >= 0.85 * best)
 
 
 def shipped_fwd_traits(arch: int = 90) -> list[FwdTraits]:
@@ -154,8 +120,16 @@ def shipped_fwd_traits(arch: int = 90) -> list[FwdTraits]:
     return list(seen)
 
 
-def element_type(traits: FwdTraits):
-    """The DSL numeric type of Q/K/V/O (imported lazily: traits stay usable without the DSL)."""
+def element_type(traits_or_dtype):
+    """The DSL numeric type of Q/K/V/O for traits or a dtype name (imported lazily: traits stay
+    usable without the DSL)."""
     import cutlass
 
-    return {"fp16": cutlass.Float16, "bf16": cutlass.BFloat16}[traits.dtype]
+    dtype = getattr(traits_or_dtype, "dtype", traits_or_dtype)
+    return {"fp16": cutlass.Float16, "bf16": cutlass.BFloat16}[dtype]
+
+
+def sm_name(arch: int) -> str:
+    """The target name of `arch` (80 -> sm_80): sm_90 builds sm_90a, whose wgmma / TMA / setmaxnreg
+    instructions only exist in the arch-specific target."""
+    return f"sm_{arch}{'a' if arch >= 90 else ''}"

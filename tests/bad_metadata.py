@@ -125,7 +125,7 @@ class Skipped(Exception):
 def paged_kvcache_seqlens_past_table():
     """A one-column table with cache_seqlens past its page, straight to the launcher: the
     interface would refuse it on the host (flash-attn's RuntimeError), the kernels must clamp."""
-    from cute_flash.kernels.fwd import flash_fwd_kvcache
+    from cute_flash.launch import flash_fwd_kvcache
 
     for page_size in (256, 24):
         g = Guarded()

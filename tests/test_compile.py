@@ -9,52 +9,54 @@ import pytest
 
 pytest.importorskip("cutlass")
 
-from cute_flash.kernels.fwd import ALL_FLAG_NAMES, FLAG_NAMES, FlashFwd, compile_fwd, fwd_variants  # noqa: E402
+from cute_flash.kernels.config import CACHE_FLAGS, SCORE_FLAGS  # noqa: E402
 from cute_flash.kernels.fake import arch_option  # noqa: E402
+from cute_flash.launch.compiled import compile_fwd, fwd_variants  # noqa: E402
 from cute_flash.kernels.roundtrip import OPERANDS, TileRoundTrip  # noqa: E402
 from layouts.traits import SMEM_LIMIT, shipped_fwd_traits  # noqa: E402
 
 
-def _id(arch, traits, flags):
-    return f"sm{arch}-{traits.name}-" + "".join(str(int(flags.get(n, False))) for n in ALL_FLAG_NAMES)
-
-
 def _cases(full):
-    return [pytest.param(arch, t, f, id=_id(arch, t, f)) for arch in (80, 90) for t, f in fwd_variants(arch, full)]
+    return [pytest.param(arch, c, id=f"sm{arch}-{c.name}") for arch in (80, 90) for c in fwd_variants(arch, full)]
 
 
-def _compile(arch, traits, flags):
-    assert traits.smem_bytes <= SMEM_LIMIT[arch]
-    compiled = compile_fwd(FlashFwd(traits, **flags), arch)
-    assert compiled is not None
+def _compile(arch, config, tmp_path):
+    """The variant compiles for `arch`: its PTX holds one kernel entry, for that target."""
+    from layouts.traits import sm_name
+
+    assert config.traits.smem_bytes <= SMEM_LIMIT[arch]
+    compile_fwd(config, arch, f"--keep-ptx --dump-dir={tmp_path}")
+    (ptx,) = tmp_path.glob("*.ptx")
+    text = ptx.read_text()
+    assert text.count(".entry ") == 1 and f".target {sm_name(arch)}" in text
 
 
-@pytest.mark.parametrize("arch, traits, flags", _cases(full=False))
-def test_fwd_variant_compiles(arch, traits, flags):
-    _compile(arch, traits, flags)
+@pytest.mark.parametrize("arch, config", _cases(full=False))
+def test_fwd_variant_compiles(arch, config, tmp_path):
+    _compile(arch, config, tmp_path)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch, traits, flags", _cases(full=True))
-def test_fwd_variant_compiles_full_sweep(arch, traits, flags):
-    _compile(arch, traits, flags)
+@pytest.mark.parametrize("arch, config", _cases(full=True))
+def test_fwd_variant_compiles_full_sweep(arch, config, tmp_path):
+    _compile(arch, config, tmp_path)
 
 
 def test_subset_covers_every_traits_and_every_flag():
-    covered = {t for arch in (80, 90) for t, _ in fwd_variants(arch)}
+    covered = {c.traits for arch in (80, 90) for c in fwd_variants(arch)}
     assert covered == set(shipped_fwd_traits(80)) | set(shipped_fwd_traits(90))
     for arch in (80, 90):  # every head-dim bucket of both kernels on both archs
-        assert {(t.head_dim, t.block_m, t.block_n) for t, _ in fwd_variants(arch)} == {
+        assert {(c.traits.head_dim, c.traits.block_m, c.traits.block_n) for c in fwd_variants(arch)} == {
             (t.head_dim, t.block_m, t.block_n) for t in shipped_fwd_traits(arch)}
-        assert any(f.get("varlen") and f.get("has_seqused_k") for _, f in fwd_variants(arch))
-        assert any(f.get("varlen") and f.get("paged") for _, f in fwd_variants(arch))
-        assert any(f.get("varlen") and f.get("any_page_size") for _, f in fwd_variants(arch))
-    flags = [f for _, f in fwd_variants(90)]
-    for name in FLAG_NAMES + ("paged", "split", "has_leftpad", "has_batch_idx", "pack_gqa", "any_page_size"):
-        assert {f.get(name, False) for f in flags} == {False, True}, name
-    assert any(all(f.get(n, n == "even_k") != (n == "even_k") for n in FLAG_NAMES) for f in flags)  # all on
-    assert any(f.get("kvcache") and f.get("paged") and f.get("split") for f in flags)
-    assert any(f.get("kvcache") and f.get("any_page_size") and f.get("split") for f in flags)
+        assert any(c.varlen and c.has_seqused_k for c in fwd_variants(arch))
+        assert any(c.varlen and c.paged for c in fwd_variants(arch))
+        assert any(c.varlen and c.any_page_size for c in fwd_variants(arch))
+    configs = fwd_variants(90)
+    for name in SCORE_FLAGS + CACHE_FLAGS + ("any_page_size",):
+        assert {getattr(c, name) for c in configs} == {False, True}, name
+    assert any(all(getattr(c, n) != (n == "even_k") for n in SCORE_FLAGS) for c in configs)  # all on
+    assert any(c.kvcache and c.paged and c.split for c in configs)
+    assert any(c.kvcache and c.any_page_size and c.split for c in configs)
 
 
 @pytest.mark.parametrize("arch", [80, 90])

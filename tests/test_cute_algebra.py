@@ -1,6 +1,6 @@
 """The CuTe DSL's layout algebra checked on random layouts against plain numpy index arithmetic.
 
-layouts.inspect and every recipe rely on these laws (evaluation order, composition, complement,
+layouts.verify and every recipe rely on these laws (evaluation order, composition, complement,
 logical_divide); a DSL release that changed one would silently move every smem address.
 Layout functions only run inside a trace, so each case is one @cute.jit call with Constexpr
 arguments (~3 ms warm) that returns plain ints.
@@ -12,7 +12,7 @@ import numpy as np
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
-from layouts.inspect import in_trace
+from layouts.verify import in_trace
 
 # no shrinking: a failing DSL trace costs ~1 s, and shrinking one can take minutes
 LAWS = settings(max_examples=80, deadline=None, phases=(Phase.explicit, Phase.reuse, Phase.generate))

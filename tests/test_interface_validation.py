@@ -3,7 +3,7 @@
 Every rule but the CUDA one is checked before the device, so a CPU tensor that breaks a rule
 raises that rule's error, and a fully valid CPU call raises the CUDA TypeError. Dispatch is
 tested through one seam: `gpu_free` skips `_validate.check_cuda` and stands a recorder in
-sys.modules["cute_flash.kernels.fwd"], so we can see exactly what would reach the kernels.
+sys.modules["cute_flash.launch"], so we can see exactly what would reach the kernels.
 """
 
 import contextlib
@@ -108,7 +108,7 @@ class FakeKernels(types.ModuleType):
     """Records each launch and returns outputs of the right shapes, filled with 7."""
 
     def __init__(self):
-        super().__init__("cute_flash.kernels.fwd")
+        super().__init__("cute_flash.launch")
         self.calls = []
 
     def _launch(self, fn, args, kwargs, q, lse_shape):
@@ -130,7 +130,7 @@ class FakeKernels(types.ModuleType):
 def no_gpu_needed():
     with pytest.MonkeyPatch.context() as mp:
         fake = FakeKernels()
-        mp.setitem(sys.modules, "cute_flash.kernels.fwd", fake)
+        mp.setitem(sys.modules, "cute_flash.launch", fake)
         mp.setattr(_validate, "check_cuda", lambda named: None)
         mp.setattr(fi, "_kvcache_checked", set())  # CPU calls pass only here: remember them only here
         yield fake

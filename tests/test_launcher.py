@@ -1,11 +1,18 @@
-"""Host-side launchers on CPU tensors, kernels replaced by recorders: 128-bit preparation of
-q/k/v, the kernel arguments of each entry, split counts, the GQA decode fold, append order."""
+"""Host-side launchers on CPU tensors, compiled kernels replaced by recorders at one seam
+(`cute_flash.launch.compiled`): 128-bit preparation of q/k/v, the kernel arguments of each
+entry, split counts, the GQA decode fold, append order.
+
+Every recorded launch is bound to the parameter names of the entry point its config compiles
+(`FlashFwd.__call__`, `call_varlen`, `call_kvcache`, `AppendKV.__call__`), so the checks read
+arguments by name, and a host call whose order differs from the compiled signature (two int32
+vectors swapped, say) fails here on a CPU instead of on a GPU."""
+import inspect
 import pytest
 import torch
 
 pytest.importorskip("cutlass")
 
-from cute_flash.kernels.fwd import _aligned  # noqa: E402
+from cute_flash.launch.align import aligned as _aligned  # noqa: E402
 
 
 def _ok(x):
@@ -44,60 +51,110 @@ def test_size_one_dims_get_stride_zero():
     assert y.stride()[0] == 0 and _ok(y) and torch.equal(y, x) and y.data_ptr() == x.data_ptr()
 
 
-class _Recorder:
-    """Stands in for a compiled kernel: records the call's arguments."""
+class Launch:
+    """One recorded launch: the config it was compiled for and its arguments by parameter name."""
+
+    def __init__(self, config, entry, args):
+        signature = inspect.signature(entry)
+        bound = signature.bind_partial(*args)
+        # everything but the stream, which TVM-FFI takes from torch's current stream
+        assert [p for p in signature.parameters if p not in bound.arguments] == ["stream"], bound
+        self.config, self.args = config, bound.arguments
+
+    def __getitem__(self, name):
+        return self.args[name]
+
+
+class Recorder:
+    """Stands in for `compiled.kernel_for` (and the device queries beside it) and for the append
+    kernel: each compiled kernel records its launches as `Launch`es, in order, in `launches`."""
 
     def __init__(self):
-        self.lookups, self.calls = [], []
+        self.launches, self.configs = [], []
 
-    def kernel_for(self, *key):
-        self.lookups.append(key)
-        return lambda *args: self.calls.append(args)
+    def kernel_for(self, config, index):
+        from cute_flash.kernels.fwd import FlashFwd
+        from cute_flash.launch.compiled import entry_point
+
+        self.configs.append(config)
+        entry = entry_point(FlashFwd(config))
+        recorder = self
+
+        class Compiled:
+            def __call__(self, *args):
+                recorder.launches.append(Launch(config, entry, args))
+
+            def __tvm_ffi_object__(self):
+                return self
+
+        return Compiled()
+
+    def append_for(self, dtype, index, *flags):
+        from cute_flash.kernels.append import AppendKV
+
+        kernel = AppendKV(None, *flags)
+        return lambda *args: self.launches.append(Launch(("append",) + flags, kernel, args))
 
 
 @pytest.fixture
 def recorder(monkeypatch):
-    import cute_flash.kernels.fwd as fwd
+    from cute_flash.launch import compiled, dense, kvcache
 
-    rec = _Recorder()
-    monkeypatch.setattr(fwd, "_kernel_for", rec.kernel_for)
-    monkeypatch.setattr(fwd, "_no_alibi", lambda index: torch.zeros(1, 1))
-    monkeypatch.setattr(fwd, "_no_table", lambda index: torch.zeros(1, 1, dtype=torch.int32))
+    rec = Recorder()
+    monkeypatch.setattr(compiled, "kernel_for", rec.kernel_for)
+    monkeypatch.setattr(compiled, "device_arch", lambda index: 90)
+    monkeypatch.setattr(compiled, "num_sms", lambda index: 132)
+    monkeypatch.setattr(kvcache, "append_for", rec.append_for)
+    monkeypatch.setattr(dense, "no_alibi", lambda index: torch.zeros(1, 1))
+    monkeypatch.setattr(dense, "no_table", lambda index: torch.zeros(1, 1, dtype=torch.int32))
+    monkeypatch.setattr(kvcache, "no_table", lambda index: torch.zeros(1, 1, dtype=torch.int32))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    return rec
+    rec.stream, rec.capturing = 7, False
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: rec.capturing)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: rec.stream, raising=False)
+    monkeypatch.setattr(kvcache, "_calls", {})
+    dense.fwd_kernel.cache_clear()
+    kvcache._stream_workspace.cache_clear()
+    yield rec
+    dense.fwd_kernel.cache_clear()
+    kvcache._stream_workspace.cache_clear()
 
 
 def test_dense_launch_arguments(recorder):
-    from cute_flash.kernels.fwd import LOG2E, flash_fwd
+    from cute_flash.kernels.constants import LOG2E
+    from cute_flash.launch import flash_fwd
 
     q = torch.randn(2, 5, 4, 20, dtype=torch.float16)
     k, v = torch.randn(2, 7, 2, 20, dtype=torch.float16), torch.randn(2, 7, 2, 20, dtype=torch.float16)
     out, lse = flash_fwd(q, k, v, softmax_scale=0.5, causal=True, window_size=(3, 9))
-    (d_pad, dtype, _, causal, has_left, has_right, has_alibi, has_softcap, traits), = recorder.lookups
-    assert (d_pad, dtype, causal, has_left, has_right, has_alibi, has_softcap) == (
-        24, torch.float16, True, True, True, False, False)
-    qa, ka, va, o, l, alibi, scale_log2, premul, alibi_div, left, right = recorder.calls[0]
-    assert qa.shape == (2, 5, 4, 24) and ka.shape == va.shape == (2, 7, 2, 24)
-    assert o.shape == (2, 5, 4, 24) and l.shape == (2, 4, 5) and l.dtype == torch.float32
-    assert (left, right) == (3, 0)  # causal: right edge 0
-    assert scale_log2 == pytest.approx(0.5 * LOG2E) and premul == 1.0 and alibi_div == 2.0
-    assert out.shape == q.shape and out.data_ptr() == o.data_ptr() and lse is l
+    (launch,) = recorder.launches
+    assert launch.config.flags() == dict(has_left=True, has_right=True)  # d 20 of 32: even_k off
+    assert launch.config.traits.head_dim == 32 and launch.config.traits.dtype == "fp16"
+    assert launch["mQ"].shape == (2, 5, 4, 24) and launch["mK"].shape == launch["mV"].shape == (2, 7, 2, 24)
+    assert launch["mO"].shape == (2, 5, 4, 24) and launch["mLSE"].shape == (2, 4, 5)
+    assert launch["mLSE"].dtype == torch.float32
+    assert (launch["window_left"], launch["window_right"]) == (3, 0)  # causal: right edge 0
+    assert launch["scale_log2"] == pytest.approx(0.5 * LOG2E) and launch["score_premul"] == 1.0
+    assert launch["alibi_div"] == 2.0
+    assert out.shape == q.shape and out.data_ptr() == launch["mO"].data_ptr() and lse is launch["mLSE"]
 
 
 def test_softcap_and_alibi_scales(recorder):
-    from cute_flash.kernels.fwd import LOG2E, flash_fwd
+    from cute_flash.kernels.constants import LOG2E
+    from cute_flash.launch import flash_fwd
 
     q = torch.randn(3, 5, 4, 64, dtype=torch.bfloat16)
     slopes = torch.rand(4)
     flash_fwd(q, q, q, softmax_scale=0.25, softcap=10.0, alibi_slopes=slopes)
-    args = recorder.calls[0]
-    assert args[5].shape == (3, 4) and torch.equal(args[5][2], slopes)
-    assert args[6:9] == pytest.approx((10.0 * LOG2E, 0.025, 0.1))
-    assert recorder.lookups[0][6:8] == (True, True)  # has_alibi, has_softcap
+    (launch,) = recorder.launches
+    assert launch["mAlibi"].shape == (3, 4) and torch.equal(launch["mAlibi"][2], slopes)
+    assert (launch["scale_log2"], launch["score_premul"], launch["alibi_div"]) == pytest.approx(
+        (10.0 * LOG2E, 0.025, 0.1))
+    assert launch.config.has_alibi and launch.config.has_softcap
 
 
 def test_varlen_launch_arguments(recorder):
-    from cute_flash.kernels.fwd import flash_fwd_varlen
+    from cute_flash.launch import flash_fwd_varlen
 
     q = torch.randn(9, 4, 64, dtype=torch.float16)
     k = torch.randn(11, 2, 64, dtype=torch.float16)
@@ -105,158 +162,122 @@ def test_varlen_launch_arguments(recorder):
     used = torch.tensor([3, 5], dtype=torch.int32)
     out, lse = flash_fwd_varlen(q, k, k, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=5,
                                 max_seqlen_k=6, softmax_scale=0.125, seqused_k=used)
-    assert recorder.lookups[0][-4:] == (True, True, False, False)  # varlen, has_seqused_k, paged, any_page_size
-    args = recorder.calls[0]
-    assert args[3].shape == (9, 4, 64) and args[4].shape == (4, 9)
-    assert args[6] is cu_q and args[7] is cu_k and args[8] is used and args[10] == 5
+    launch = recorder.launches[-1]
+    assert launch.config.varlen and launch.config.has_seqused_k and not launch.config.paged
+    assert launch["mO"].shape == (9, 4, 64) and launch["mLSE"].shape == (4, 9)
+    assert launch["mCuSeqlensQ"] is cu_q and launch["mCuSeqlensK"] is cu_k and launch["mSeqUsedK"] is used
+    assert launch["max_seqlen_q"] == 5
     assert out.shape == q.shape and lse.shape == (4, 9)
 
     pages = torch.randn(3, 16, 2, 64, dtype=torch.float16)
     table = torch.tensor([[2, 0], [1, 2]], dtype=torch.int32)
     flash_fwd_varlen(q, pages, pages, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=5, max_seqlen_k=6,
                      softmax_scale=0.125, block_table=table)
-    assert recorder.lookups[1][-2:] == (True, False) and recorder.calls[1][9] is table
-    assert recorder.calls[1][1] is pages
+    launch = recorder.launches[-1]
+    assert launch.config.paged and not launch.config.any_page_size
+    assert launch["mBlockTable"] is table and launch["mK"] is pages
 
     odd = torch.randn(7, 3, 2, 64, dtype=torch.float16)  # pages of 3 rows: the per-row kernel
     flash_fwd_varlen(q, odd, odd, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=5, max_seqlen_k=6,
                      softmax_scale=0.125, block_table=table)
-    assert recorder.lookups[2][-2:] == (True, True) and recorder.calls[2][1] is odd
+    launch = recorder.launches[-1]
+    assert launch.config.paged and launch.config.any_page_size and launch["mK"] is odd
 
 
-class _CacheRecorder:
-    """Stands in for the KV-cache kernels: records (kind, split flag, args) per launch."""
-
-    def __init__(self):
-        self.calls, self.compiled = [], []
-
-    def kernel_for(self, traits, d_pad, index, *flags):
-        split, pack_gqa = flags[5], flags[8]
-        self.compiled.append((split, pack_gqa))
-        return lambda *args: self.calls.append(("attn", split, args))
-
-    def append_for(self, *key):
-        return lambda *args: self.calls.append(("append", key, args))
-
-
-@pytest.fixture
-def cache_recorder(monkeypatch):
-    import cute_flash.kernels.fwd as fwd
-
-    rec = _CacheRecorder()
-    monkeypatch.setattr(fwd, "_kvcache_kernel_for", rec.kernel_for)
-    monkeypatch.setattr(fwd, "ffi_function", lambda compiled: compiled)
-    monkeypatch.setattr(fwd, "_append_for", rec.append_for)
-    rec.stream, rec.capturing = 7, False
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: rec.capturing)
-    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: rec.stream, raising=False)
-    monkeypatch.setattr(fwd, "_num_sms", lambda index: 132)
-    monkeypatch.setattr(fwd, "_device_arch", lambda index: 90)
-    monkeypatch.setattr(fwd, "_no_alibi", lambda index: torch.zeros(1, 1))
-    monkeypatch.setattr(fwd, "_no_table", lambda index: torch.zeros(1, 1, dtype=torch.int32))
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(fwd, "_kvcache_calls", {})
-    fwd._kvcache_plan.cache_clear()
-    fwd._stream_workspace.cache_clear()
-    yield rec
-    fwd._kvcache_plan.cache_clear()
-    fwd._stream_workspace.cache_clear()
-
-
-def test_gqa_decode_folds_the_group_into_m_and_splits(cache_recorder):
-    from cute_flash.kernels.fwd import flash_fwd_kvcache
+def test_gqa_decode_folds_the_group_into_m_and_splits(recorder):
+    from cute_flash.launch import flash_fwd_kvcache
 
     q = torch.randn(2, 1, 8, 64, dtype=torch.float16)
     cache = torch.randn(2, 1000, 2, 64, dtype=torch.float16)
     seqlens = torch.tensor([1000, 3], dtype=torch.int32)
     out, lse = flash_fwd_kvcache(q, cache, cache, cache_seqlens=seqlens, softmax_scale=0.125, num_splits=3)
-    (kind, split, args), = cache_recorder.calls  # one launch: the merge runs inside it
-    assert (kind, split) == ("attn", True)
-    assert cache_recorder.compiled == [(True, True)]  # (split, pack_gqa); no unsplit kernel alongside
-    assert args[0] is q and args[3] is out and args[4] is lse  # the kernel folds the heads itself
-    o_acc, lse_acc, counters = args[5], args[6], args[7]
+    (launch,) = recorder.launches  # one launch: the merge runs inside it
+    assert [(c.split, c.pack_gqa) for c in recorder.configs] == [(True, True)]  # no unsplit kernel alongside
+    assert launch["mQ"] is q and launch["mO"] is out and launch["mLSE"] is lse  # the kernel folds the heads
     # partials by (split, b, nheads_k, group row)
-    assert o_acc.shape == (3, 2, 2, 4, 64) and lse_acc.shape == (3, 2, 2, 4)
+    assert launch["mOaccum"].shape == (3, 2, 2, 4, 64) and launch["mLSEaccum"].shape == (3, 2, 2, 4)
+    counters = launch["mCounters"]
     assert counters.shape == (1 * 2 * 2,) and not counters.any()  # m_blocks x b x nheads_k, zeroed
-    assert args[14] == 3  # num_splits
+    assert launch["num_splits"] == 3 and launch["mCacheSeqlens"] is seqlens
     assert lse.shape == (2, 8, 1) and out.shape == q.shape
 
 
 @pytest.mark.parametrize("sq, window, alibi", [(2, (-1, -1), False), (1, (8, -1), False), (1, (-1, -1), True)])
-def test_no_gqa_fold_with_query_rows_window_or_alibi(cache_recorder, sq, window, alibi):
-    from cute_flash.kernels.fwd import flash_fwd_kvcache
+def test_no_gqa_fold_with_query_rows_window_or_alibi(recorder, sq, window, alibi):
+    from cute_flash.launch import flash_fwd_kvcache
 
     q = torch.randn(2, sq, 8, 64, dtype=torch.float16)
     cache = torch.randn(2, 1000, 2, 64, dtype=torch.float16)
     flash_fwd_kvcache(q, cache, cache, cache_seqlens=9, softmax_scale=0.125, num_splits=2, window_size=window,
                       alibi_slopes=torch.rand(8) if alibi else None)
-    (_, _, args), = cache_recorder.calls
-    assert cache_recorder.compiled == [(True, False)]
-    assert args[5].shape == (2, 2, 8, sq, 64)  # partials by (split, b, nheads, query row)
+    (launch,) = recorder.launches
+    assert launch.config.split and not launch.config.pack_gqa
+    assert launch["mOaccum"].shape == (2, 2, 8, sq, 64)  # partials by (split, b, nheads, query row)
 
 
-def test_call_setup_is_kept_per_signature(cache_recorder, monkeypatch):
-    import cute_flash.kernels.fwd as fwd
+def test_call_setup_is_kept_per_signature(recorder, monkeypatch):
+    from cute_flash.launch import kvcache
 
     setups = []
-    real = fwd._kvcache_call
-    monkeypatch.setattr(fwd, "_kvcache_call", lambda *a: setups.append(a) or real(*a))
+    real = kvcache._kvcache_call
+    monkeypatch.setattr(kvcache, "_kvcache_call", lambda *a: setups.append(a) or real(*a))
     q = torch.randn(2, 1, 8, 64, dtype=torch.float16)
     cache = torch.randn(2, 1000, 2, 64, dtype=torch.float16)
     for signature in ("sig", "sig", None, None, "other"):
-        cache_recorder.calls.clear()
-        out, _ = fwd.flash_fwd_kvcache(q, cache, cache, cache_seqlens=17, softmax_scale=0.125, num_splits=3,
-                                       signature=signature)
-        (_, _, args), = cache_recorder.calls
-        assert torch.equal(args[9], torch.full((2,), 17, dtype=torch.int32)) and args[14] == 3
-        assert args[0] is q and out.shape == q.shape
+        recorder.launches.clear()
+        out, _ = kvcache.flash_fwd_kvcache(q, cache, cache, cache_seqlens=17, softmax_scale=0.125, num_splits=3,
+                                           signature=signature)
+        (launch,) = recorder.launches
+        assert torch.equal(launch["mCacheSeqlens"], torch.full((2,), 17, dtype=torch.int32))
+        assert launch["num_splits"] == 3 and launch["mQ"] is q and out.shape == q.shape
     assert len(setups) == 4  # "sig" once, each call without a signature, "other" once
 
 
-def test_split_workspace_is_kept_per_stream_and_fresh_under_capture(cache_recorder):
-    from cute_flash.kernels.fwd import flash_fwd_kvcache
+def test_split_workspace_is_kept_per_stream_and_fresh_under_capture(recorder):
+    from cute_flash.launch import flash_fwd_kvcache
 
     q = torch.randn(1, 1, 8, 64, dtype=torch.float16)
     cache = torch.randn(1, 4096, 2, 64, dtype=torch.float16)
+    names = ("mLSE", "mOaccum", "mLSEaccum", "mCounters")
 
     def workspace():
-        cache_recorder.calls.clear()
+        recorder.launches.clear()
         out, lse = flash_fwd_kvcache(q, cache, cache, cache_seqlens=9, softmax_scale=0.1, num_splits=4,
-                                     return_lse=False)
-        (_, _, args), = cache_recorder.calls
-        assert lse is None and args[4].shape == (1, 8, 1)  # the final LSE goes to scratch
-        return args[4:8]
+                                     return_lse=False, signature="sig")
+        (launch,) = recorder.launches
+        assert lse is None and launch["mLSE"].shape == (1, 8, 1)  # the final LSE goes to scratch
+        return [launch[n] for n in names]
 
     first = workspace()
     assert all(a is b for a, b in zip(workspace(), first))  # same plan, same stream: reused
-    cache_recorder.stream = 8
+    recorder.stream = 8
     other = workspace()
     assert not any(a is b for a, b in zip(other, first))
-    cache_recorder.capturing = True
+    recorder.capturing = True
     captured = workspace()
     assert not any(a is b for a, b in zip(workspace(), captured))  # each captured launch: its own
     assert not captured[3].any()  # fresh counters start at zero
 
 
-def test_heuristic_split_count_and_unsplit_path(cache_recorder):
-    from cute_flash.kernels.fwd import flash_fwd_kvcache
-    from layouts.traits import num_splits_heuristic
+def test_heuristic_split_count_and_unsplit_path(recorder):
+    from cute_flash.kernels.split_kv import num_splits_heuristic
+    from cute_flash.launch import flash_fwd_kvcache
 
     q = torch.randn(1, 1, 4, 128, dtype=torch.float16)
     cache = torch.randn(1, 8192, 4, 128, dtype=torch.float16)
     flash_fwd_kvcache(q, cache, cache, cache_seqlens=5, softmax_scale=0.1, num_splits=0)
-    kind, split, args = cache_recorder.calls[0]
-    assert kind == "attn" and split and args[14] == num_splits_heuristic(4, 132, 64)  # h_k * m_blocks = 4
-    assert torch.equal(args[9], torch.full((1,), 5, dtype=torch.int32))  # int cache_seqlens as a tensor
+    (launch,) = recorder.launches
+    assert launch.config.split and launch["num_splits"] == num_splits_heuristic(4, 132, 64)  # h_k * m_blocks = 4
+    assert torch.equal(launch["mCacheSeqlens"], torch.full((1,), 5, dtype=torch.int32))  # int as a tensor
 
-    cache_recorder.calls.clear()
+    recorder.launches.clear()
     flash_fwd_kvcache(q, cache[:, :100], cache[:, :100], cache_seqlens=5, softmax_scale=0.1, num_splits=0)
-    (kind, split, args), = cache_recorder.calls  # one key block: no split
-    assert kind == "attn" and not split and args[3].shape == (1, 1, 4, 128)
+    (launch,) = recorder.launches  # one key block: no split
+    assert not launch.config.split and launch["mO"].shape == (1, 1, 4, 128)
 
 
-def test_append_is_launched_before_attention_with_rotary_options(cache_recorder):
-    from cute_flash.kernels.fwd import flash_fwd_kvcache
+def test_append_is_launched_before_attention_with_rotary_options(recorder):
+    from cute_flash.launch import flash_fwd_kvcache
 
     q = torch.randn(2, 3, 4, 64, dtype=torch.float16)
     cache = torch.randn(2, 64, 2, 64, dtype=torch.float16)
@@ -265,19 +286,32 @@ def test_append_is_launched_before_attention_with_rotary_options(cache_recorder)
     seqlens = torch.tensor([0, 10], dtype=torch.int32)
     flash_fwd_kvcache(q, cache, cache, k=k, v=k, rotary_cos=cos, rotary_sin=cos, cache_seqlens=seqlens,
                       softmax_scale=0.1, causal=True, rotary_interleaved=False, num_splits=1)
-    (kind, key, args), (kind2, _, attn) = cache_recorder.calls
-    assert kind == "append" and kind2 == "attn"
-    assert key[2:] == (False, False, True, False, True)  # paged, batch_idx, rotary, interleaved, q_per_row
-    assert args[0] is k and args[4] is seqlens and args[9] is q
-    assert attn[0] is args[10]  # attention reads the rotated q
-    assert attn[14] == 1 and attn[13] == 3  # num_splits, k_extra = seqlen_new
+    append, attn = recorder.launches
+    # (paged, batch_idx, rotary, interleaved, q_per_row)
+    assert append.config == ("append", False, False, True, False, True) and attn.config.kvcache
+    assert append["mKnew"] is k and append["mCacheSeqlens"] is seqlens and append["mQ"] is q
+    assert append["mCos"].data_ptr() == cos.data_ptr() and append["mKcache"] is cache
+    assert attn["mQ"] is append["mQrot"]  # attention reads the rotated q
+    assert attn["num_splits"] == 1 and attn["k_extra"] == 3  # k_extra = seqlen_new
 
 
-def test_empty_append_without_rotary_launches_attention_only(cache_recorder):
-    from cute_flash.kernels.fwd import flash_fwd_kvcache
+def test_empty_append_without_rotary_launches_attention_only(recorder):
+    from cute_flash.launch import flash_fwd_kvcache
 
     q = torch.randn(2, 1, 4, 64, dtype=torch.float16)
     cache = torch.randn(2, 64, 2, 64, dtype=torch.float16)
     k = torch.randn(2, 0, 2, 64, dtype=torch.float16)
     flash_fwd_kvcache(q, cache, cache, k=k, v=k, cache_seqlens=3, softmax_scale=0.1, num_splits=1)
-    assert [kind for kind, _, _ in cache_recorder.calls] == ["attn"]
+    assert [launch.config.kvcache for launch in recorder.launches] == [True]
+
+
+@pytest.mark.parametrize("entry", ["dense", "varlen", "kvcache"])
+def test_fake_arguments_follow_the_entry_signature(entry):
+    """What a compile traces with has one value per parameter of the entry, in its order."""
+    from cute_flash.kernels.config import FwdConfig
+    from cute_flash.kernels.fwd import FlashFwd
+    from cute_flash.launch.compiled import entry_point, fake_fwd_args
+    from layouts.traits import choose_fwd_traits
+
+    config = FwdConfig(choose_fwd_traits(64), varlen=entry == "varlen", kvcache=entry == "kvcache")
+    assert len(fake_fwd_args(config)) == len(inspect.signature(entry_point(FlashFwd(config))).parameters)

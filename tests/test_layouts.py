@@ -1,9 +1,9 @@
-"""Property tests of the forward kernel's compile-time design, on the CPU (layouts.inspect).
+"""Property tests of the forward kernel's compile-time design, on the CPU (layouts.verify).
 
 Every chosen traits must fit in shared memory, use bijective smem layouts, read and write smem
 without bank conflicts, move global memory in coalesced 16-byte vectors and split every tile
 exactly once among threads. Counter-examples (an unswizzled layout, a strided gmem copy, broken
-partitions) show each checker can fail. inspect caches per traits, so the explicit bucket sweep
+partitions) show each checker can fail. verify caches per traits, so the explicit bucket sweep
 and the hypothesis draws share the expensive traces (~2-5 s per traits).
 """
 import math
@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from layouts import copy, inspect, smem
+from layouts import copy, smem, verify
 from layouts.traits import (DTYPES, ELEMENT_BYTES, HEAD_DIM_BUCKETS, SMEM_LIMIT, FwdTraits,
                             choose_fwd_traits, head_dim_bucket)
 
@@ -30,17 +30,17 @@ FEW = settings(max_examples=10, deadline=None)
 
 
 def _assert_bijections(t):
-    assert {name: inspect.is_bijection(inspect.smem_table(name, t)) for name in inspect.SMEM_LAYOUTS} == \
-        dict.fromkeys(inspect.SMEM_LAYOUTS, True)
+    assert {name: verify.is_bijection(verify.smem_table(name, t)) for name in verify.SMEM_LAYOUTS} == \
+        dict.fromkeys(verify.SMEM_LAYOUTS, True)
 
 
 def _assert_bank_conflict_free(t):
-    banks = inspect.inspect_traits(t)["banks"]
+    banks = verify.verify_traits(t)["banks"]
     assert {k: (b["worst"], b["vector_ok"]) for k, b in banks.items()} == dict.fromkeys(banks, (0, True))
 
 
 def _assert_gmem(t):
-    gmem = inspect.inspect_traits(t)["gmem"]
+    gmem = verify.verify_traits(t)["gmem"]
     assert {k: (g["vector_bytes"], g["vector_ok"], g["coalesced"]) for k, g in gmem.items()} == \
         dict.fromkeys(gmem, (16, True, True))
     runs = {r for g in gmem.values() for r in g["run_bytes"]}
@@ -48,12 +48,12 @@ def _assert_gmem(t):
 
 
 def _assert_coverage(t):
-    cover = inspect.inspect_traits(t)["coverage"]
-    assert {k: c["ok"] for k, c in cover.items()} == dict.fromkeys(inspect.PARTITIONS, True)
+    cover = verify.verify_traits(t)["coverage"]
+    assert {k: c["ok"] for k, c in cover.items()} == dict.fromkeys(verify.PARTITIONS, True)
 
 
 def _assert_page_runs(t):
-    runs = inspect.inspect_traits(t)["page_runs"]
+    runs = verify.verify_traits(t)["page_runs"]
     assert runs["ok"] and runs["run"] == copy.paged_row_group(t) >= 1
 
 
@@ -72,9 +72,9 @@ def test_chosen_traits_fit_smem(d, dtype, arch):
 def test_smem_bytes_match_layout_cosizes(d, dtype, arch):
     """The budget `fits` checks must be what the layouts really occupy (cosize, in bytes)."""
     t = choose_fwd_traits(d, dtype, arch)
-    q = inspect.smem_table("sQ", t).max() + 1
-    kv = inspect.smem_table("sKV", t).max() + 1
-    assert t.smem_bytes == ELEMENT_BYTES * ((0 if t.share_qk_smem else q) + 2 * kv)
+    q = verify.smem_table("sQ", t).max() + 1
+    kv = verify.smem_table("sKV", t).max() + 1
+    assert t.smem_bytes == ELEMENT_BYTES * (q + 2 * kv)
     assert t.smem_bytes <= SMEM_LIMIT[arch]
 
 
@@ -115,7 +115,7 @@ def test_any_head_dim_passes_every_check(d, dtype, arch):
     _assert_gmem(t)
     _assert_coverage(t)
     _assert_page_runs(t)
-    assert inspect.report(t, arch)["ok"]
+    assert verify.report(t, arch)["ok"]
 
 
 # --- the bank model and its counter-examples --------------------------------------------------
@@ -124,7 +124,7 @@ def test_any_head_dim_passes_every_check(d, dtype, arch):
 def test_bank_model_on_hand_made_addresses():
     """16-byte accesses: phases of 8 lanes; 4-byte: one phase of 32; same word = broadcast."""
     lanes = np.arange(32)
-    one = lambda addr, size: inspect.bank_ways(np.asarray(addr).reshape(32, 1), size)  # noqa: E731
+    one = lambda addr, size: verify.bank_ways(np.asarray(addr).reshape(32, 1), size)  # noqa: E731
     assert one(lanes * 16, 16).tolist() == [[[1, 1, 1, 1]]]            # 4 x 128 B contiguous
     assert one(lanes * 128, 16).tolist() == [[[8, 8, 8, 8]]]           # same 16 B column: 8-way
     assert one((lanes % 8) * 16 + (lanes // 8) * 4096, 16).tolist() == [[[1, 1, 1, 1]]]
@@ -141,16 +141,16 @@ def test_unswizzled_layout_is_flagged_by_the_bank_checker():
     """Row-major (64, 128) bf16: rows are 256 B apart, so the 8 rows of an ldmatrix phase share
     one bank group (8-way); cp.async still writes whole 128 B lines (conflict-free)."""
     t = FwdTraits(head_dim=128, block_m=64, block_n=64, num_warps=4)
-    parts = inspect.partitions(t)
-    flat = inspect.layout_table(smem.smem_layout_unswizzled, 64, 128)
-    assert inspect.is_bijection(flat)
-    for name, table in [("ldsm_q", flat), ("ldsm_k", flat), ("ldsm_vt", inspect.layout_table(_unswizzled_vt, 64, 128))]:
-        b = inspect.bank_conflicts(parts[name], table)
+    parts = verify.partitions(t)
+    flat = verify.layout_table(smem.smem_layout_unswizzled, 64, 128)
+    assert verify.is_bijection(flat)
+    for name, table in [("ldsm_q", flat), ("ldsm_k", flat), ("ldsm_vt", verify.layout_table(_unswizzled_vt, 64, 128))]:
+        b = verify.bank_conflicts(parts[name], table)
         assert (b["worst"], b["ok"], b["vector_ok"]) == (7, False, True), name
     for name in ("cpasync_q", "cpasync_kv"):
-        assert inspect.bank_conflicts(parts[name], flat)["worst"] == 0
+        assert verify.bank_conflicts(parts[name], flat)["worst"] == 0
     # the same copies are conflict-free on the swizzled layouts of the same traits
-    assert inspect.bank_conflicts(parts["ldsm_q"], inspect.smem_table("sQ", t))["worst"] == 0
+    assert verify.bank_conflicts(parts["ldsm_q"], verify.smem_table("sQ", t))["worst"] == 0
 
 
 # --- gmem and coverage counter-examples ------------------------------------------------------
@@ -178,31 +178,31 @@ def _collapsed_threads():
 
 
 def test_gmem_checker_flags_uncoalesced_and_unvectorised_copies():
-    strided = inspect.gmem_access(inspect.capture_partition(_column_major_threads, (), "partition_S", (128, 128)))
+    strided = verify.gmem_access(verify.capture_partition(_column_major_threads, (), "partition_S", (128, 128)))
     assert (strided["vector_ok"], strided["coalesced"], strided["run_bytes"]) == (True, False, [32])
-    columns = inspect.gmem_access(inspect.capture_partition(_column_vectors, (), "partition_S", (128, 128)))
+    columns = verify.gmem_access(verify.capture_partition(_column_vectors, (), "partition_S", (128, 128)))
     assert not columns["vector_ok"] and not columns["ok"]
 
 
 def test_coverage_checker_flags_broken_partitions():
     t = choose_fwd_traits(128)
-    good = inspect.partitions(t)["gmem_q"]
-    assert inspect.coverage(good)["ok"]
+    good = verify.partitions(t)["gmem_q"]
+    assert verify.coverage(good)["ok"]
 
-    collapsed = inspect.coverage(inspect.capture_partition(_collapsed_threads, (), "partition_S", good.tile))
+    collapsed = verify.coverage(verify.capture_partition(_collapsed_threads, (), "partition_S", good.tile))
     assert not collapsed["ok"] and collapsed["missing"] and collapsed["duplicated"]
 
     half = good.threads // 2  # the upper half of the threads repeats the lower half: half the tile
-    halved = inspect.Partition(np.concatenate([good.coords[:half], good.coords[:half]]), good.tile)
-    assert inspect.coverage(halved) == {"ok": False, "missing": good.coords[:half].size // 2,
+    halved = verify.Partition(np.concatenate([good.coords[:half], good.coords[:half]]), good.tile)
+    assert verify.coverage(halved) == {"ok": False, "missing": good.coords[:half].size // 2,
                                         "duplicated": good.coords[:half].size // 2, "outside": 0}
 
-    shifted = inspect.Partition(good.coords + np.array([1, 0]), good.tile)
-    assert inspect.coverage(shifted)["outside"] == good.tile[1]
+    shifted = verify.Partition(good.coords + np.array([1, 0]), good.tile)
+    assert verify.coverage(shifted)["outside"] == good.tile[1]
 
-    b = inspect.partitions(t)["mma_b_qk"]  # every warp reads all of B: a duplicate unless per warp
-    assert inspect.coverage(b)["ok"] and b.replicas == t.num_warps
-    assert inspect.coverage(inspect.Partition(b.coords, b.tile))["duplicated"] == b.tile[0] * b.tile[1]
+    b = verify.partitions(t)["mma_b_qk"]  # every warp reads all of B: a duplicate unless per warp
+    assert verify.coverage(b)["ok"] and b.replicas == t.num_warps
+    assert verify.coverage(verify.Partition(b.coords, b.tile))["duplicated"] == b.tile[0] * b.tile[1]
 
 
 def _runs_without_phase_interleave(t):
@@ -217,12 +217,12 @@ def test_page_run_and_bank_checkers_flag_the_naive_paged_copies():
     consecutive rows without the phase interleave put two 64 B rows of equal parity in one
     phase (2-way conflicts on sK) where a row is 64 B (d 96)."""
     t = choose_fwd_traits(128)
-    assert not inspect.page_runs(inspect.partitions(t)["gmem_kv"], copy.paged_row_group(t))["ok"]
+    assert not verify.page_runs(verify.partitions(t)["gmem_kv"], copy.paged_row_group(t))["ok"]
     t = choose_fwd_traits(96)
-    naive = inspect.capture_partition(_runs_without_phase_interleave, (t,), "partition_D", (t.block_n, t.head_dim))
-    assert inspect.page_runs(naive, copy.paged_row_group(t))["ok"]
-    assert inspect.bank_conflicts(naive, inspect.smem_table("sKV", t))["worst"] == 1
-    assert inspect.bank_conflicts(inspect.partitions(t)["cpasync_kv_paged"], inspect.smem_table("sKV", t))["worst"] == 0
+    naive = verify.capture_partition(_runs_without_phase_interleave, (t,), "partition_D", (t.block_n, t.head_dim))
+    assert verify.page_runs(naive, copy.paged_row_group(t))["ok"]
+    assert verify.bank_conflicts(naive, verify.smem_table("sKV", t))["worst"] == 1
+    assert verify.bank_conflicts(verify.partitions(t)["cpasync_kv_paged"], verify.smem_table("sKV", t))["worst"] == 0
 
 
 # --- the host evaluator agrees with the DSL --------------------------------------------------
@@ -248,26 +248,26 @@ def _partition_points(tiled, method, tile, points):
     return [tuple(int(x) for x in getattr(tiled.get_slice(t), method)(ident)[i]) for t, i in points]
 
 
-@given(data=st.data(), d=st.sampled_from(HEAD_DIM_BUCKETS), name=st.sampled_from(sorted(inspect.SMEM_LAYOUTS)))
+@given(data=st.data(), d=st.sampled_from(HEAD_DIM_BUCKETS), name=st.sampled_from(sorted(verify.SMEM_LAYOUTS)))
 @FEW
 def test_smem_tables_match_dsl_at_natural_coordinates(data, d, name):
     t = choose_fwd_traits(d)
-    table = inspect.smem_table(name, t)
+    table = verify.smem_table(name, t)
     rows = data.draw(st.lists(st.integers(0, table.shape[0] - 1), min_size=6, max_size=6))
     cols = data.draw(st.lists(st.integers(0, table.shape[1] - 1), min_size=6, max_size=6))
     coords = tuple(zip(rows, cols))
-    assert _dsl_layout_at(inspect.SMEM_LAYOUTS[name], (t,), coords) == [int(table[c]) for c in coords]
+    assert _dsl_layout_at(verify.SMEM_LAYOUTS[name], (t,), coords) == [int(table[c]) for c in coords]
 
 
-@given(data=st.data(), d=st.sampled_from(HEAD_DIM_BUCKETS), name=st.sampled_from(sorted(inspect.PARTITIONS)))
+@given(data=st.data(), d=st.sampled_from(HEAD_DIM_BUCKETS), name=st.sampled_from(sorted(verify.PARTITIONS)))
 @FEW
 def test_partitions_match_dsl_for_any_thread(data, d, name):
     t = choose_fwd_traits(d)
-    part = inspect.partitions(t)[name]
+    part = verify.partitions(t)[name]
     _, vec, accesses, _ = part.coords.shape
     points = tuple((data.draw(st.integers(0, part.threads - 1)), data.draw(st.integers(0, vec * accesses - 1)))
                    for _ in range(4))
-    build, method, _, _ = inspect.PARTITIONS[name]
+    build, method, _, _ = verify.PARTITIONS[name]
     want = [tuple(int(x) for x in part.coords[th, i % vec, i // vec]) for th, i in points]
     assert _dsl_partition_at(build, (t,), method, part.tile, points) == want
 
@@ -288,7 +288,7 @@ def test_host_swizzle_matches_dsl_everywhere(data, bits, base, rows, cols, row_m
     else:
         stride = (1, (rows, rows * cols[0]) if isinstance(cols, tuple) else rows)
     args = (bits, base, shift, (rows, cols), stride)
-    table = inspect.layout_table(_swizzled, *args)
+    table = verify.layout_table(_swizzled, *args)
     coords = tuple((r, c) for r in range(rows) for c in range(n_cols))
     assert _dsl_layout_at(_swizzled, args, coords) == [int(table[c]) for c in coords]
 

@@ -1,4 +1,4 @@
-"""The split-count heuristic (layouts.traits.num_splits_heuristic) on cases worked by hand from
+"""The split-count heuristic (cute_flash.kernels.split_kv.num_splits_heuristic) on cases worked by hand from
 its rule: no split once the CTAs fill 80% of the slots (SMs x 2), only counts that change the
 blocks per split, the smallest count within 85% of the best wave efficiency."""
 import math
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from layouts.traits import num_splits_heuristic
+from cute_flash.kernels.split_kv import num_splits_heuristic
 
 SLOTS = 2 * 132
 

@@ -21,7 +21,7 @@ on its own; the decode bench appends nothing).
 import cutlass
 import cutlass.cute as cute
 
-from cute_flash.kernels.block_info import clamp
+from cute_flash.kernels.seq_info import clamp
 from cute_flash.kernels.fake import compile_tvm_ffi, fake_stream, fake_tensor
 
 NUM_THREADS = 128

@@ -2,6 +2,8 @@
 compile call every kernel here goes through (a TVM-FFI entry, callable with torch tensors)."""
 import cutlass.cute as cute
 
+from layouts.traits import sm_name
+
 
 def fake_tensor(dtype, rank: int, stride_divisibility: int = 1, assumed_align: int = 4, last_extent=None):
     """A rank-`rank` tensor with dynamic extents (the last one static when `last_extent` is
@@ -22,7 +24,7 @@ def fake_stream():
 
 
 def arch_option(arch: int | None) -> str:
-    return "" if arch is None else f"--gpu-arch=sm_{arch}{'a' if arch >= 90 else ''}"
+    return "" if arch is None else f"--gpu-arch={sm_name(arch)}"
 
 
 def compile_tvm_ffi(entry, args, arch: int | None = None, extra_options: str = ""):

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import cutlass
 import cutlass.cute as cute
 
-from cute_flash.kernels.block_info import clamp
+from cute_flash.kernels.seq_info import clamp
 from cute_flash.kernels.tile_copy import copy_row, copy_tile
 
 

@@ -5,12 +5,10 @@ the remaining columns, so row maxima are completed with two butterfly shuffles. 
 per-thread partial until the end (one reduction instead of one per block). Scores are kept
 unscaled: exp2(s * scale_log2 - max * scale_log2) is one FFMA and one EX2 per element.
 """
-import math
-
 import cutlass
 import cutlass.cute as cute
 
-LN2 = math.log(2.0)
+from cute_flash.kernels.constants import LN2
 
 
 @cute.jit

@@ -461,7 +461,7 @@ def page_runs(part: Partition, run: int) -> dict:
 
 
 @lru_cache(maxsize=None)
-def inspect_traits(traits: FwdTraits) -> dict:
+def verify_traits(traits: FwdTraits) -> dict:
     """All checks for one traits (arch-independent; see `report` for the smem limit)."""
     parts = partitions(traits)
     bijection = {name: is_bijection(smem_table(name, traits)) for name in SMEM_LAYOUTS}
@@ -476,7 +476,7 @@ def inspect_traits(traits: FwdTraits) -> dict:
 
 
 def report(traits: FwdTraits, arch: int) -> dict:
-    checks = inspect_traits(traits)
+    checks = verify_traits(traits)
     fits = traits.fits(arch)
     return {"name": traits.name, "arch": arch, "smem_bytes": traits.smem_bytes,
             "smem_limit": SMEM_LIMIT[arch], "fits": fits, **checks, "ok": fits and checks["ok"]}

@@ -1,0 +1,94 @@
+"""The compile-time configuration of a forward kernel: one hashable value per compiled variant.
+
+`FwdConfig` names every choice a kernel is specialised on (traits, which carry the dtype, and
+each feature flag by name); everything else (lengths, strides, scales, window sizes, the split
+count) is a run-time argument. The config is the compile key (with the target arch), builds the
+fake arguments a compile needs, and names the variant in `python -m cute_flash compile`. Pure
+Python: the dispatcher and the tests read it without the DSL.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from layouts.traits import FwdTraits
+
+
+@dataclass(frozen=True)
+class FwdConfig:
+    traits: FwdTraits
+    # score modifiers
+    has_left: bool = False        # a left window edge (local attention)
+    has_right: bool = False       # a right window edge (causal is right = 0)
+    has_alibi: bool = False
+    has_softcap: bool = False
+    even_k: bool = True           # the head dim fills traits.head_dim: no column predicates
+    # input form: dense (default), packed varlen, or a KV cache
+    varlen: bool = False
+    has_seqused_k: bool = False   # varlen: seqused_k caps each sequence's keys
+    paged: bool = False           # keys through a block table (varlen or kvcache)
+    any_page_size: bool = False   # paged, pages not a multiple of 16 rows: a page lookup per row
+    kvcache: bool = False
+    split: bool = False           # kvcache: split-KV partials merged in the same launch
+    has_leftpad: bool = False     # kvcache: cache_leftpad
+    has_batch_idx: bool = False   # kvcache: cache_batch_idx
+    pack_gqa: bool = False        # kvcache, one query row: a GQA group's heads become query rows
+
+    def __post_init__(self):
+        if self.kvcache and self.varlen:
+            raise ValueError("kvcache and varlen are two different entry points")
+        if (self.split or self.has_leftpad or self.has_batch_idx) and not self.kvcache:
+            raise ValueError("split, has_leftpad and has_batch_idx belong to the kvcache entry")
+        if self.has_seqused_k and not self.varlen:
+            raise ValueError("has_seqused_k belongs to the varlen entry (KV caches always read their lengths)")
+        if self.paged and not (self.varlen or self.kvcache):
+            raise ValueError("paged KV needs the varlen or kvcache entry")
+        if self.paged and (self.has_leftpad or self.has_batch_idx):
+            raise ValueError("a paged cache has neither leftpad nor cache_batch_idx (as in flash-attn)")
+        if self.any_page_size and not self.paged:
+            raise ValueError("any_page_size is a form of paged KV")
+        if self.pack_gqa and not (self.kvcache and not (self.has_left or self.has_right or self.has_alibi)):
+            raise ValueError("pack_gqa folds single-row decode queries: kvcache, no window, no ALiBi")
+
+    @property
+    def entry(self) -> str:
+        """Which entry point of `FlashFwd` the variant compiles: dense, varlen or kvcache."""
+        return "varlen" if self.varlen else "kvcache" if self.kvcache else "dense"
+
+    @property
+    def reads_seqused_k(self) -> bool:
+        """Per-sequence key counts read from a tensor: varlen's seqused_k, a cache's cache_seqlens."""
+        return self.has_seqused_k or self.kvcache
+
+    @property
+    def overlap_kv(self) -> bool:
+        """KV-cache kernels are memory-bound with few key blocks per split: K[n-1] and V[n-1] stay
+        in flight together (one memory latency per block instead of two), at the price of two
+        more barriers per block."""
+        return self.kvcache
+
+    @property
+    def paged_runs(self) -> bool:
+        """Paged prefill with pages of a multiple of 16 rows: K/V gathered in runs of rows that
+        share a page (KV-cache kernels share page ids across a warp instead; kv_tiles.py)."""
+        return self.paged and not self.kvcache and not self.any_page_size
+
+    def flags(self) -> dict:
+        """The feature flags that are on, by name."""
+        return {f.name: True for f in fields(self) if f.name != "traits" and getattr(self, f.name)}
+
+    @property
+    def letters(self) -> str:
+        """One letter per flag field, '.' when off: the variant's name in compile reports."""
+        return "".join(FLAG_LETTERS[f.name] if getattr(self, f.name) else "."
+                       for f in fields(self) if f.name != "traits")
+
+    @property
+    def name(self) -> str:
+        return f"{self.traits.name}-{self.letters}"
+
+
+FLAG_LETTERS = dict(has_left="L", has_right="R", has_alibi="A", has_softcap="S", even_k="K", varlen="V",
+                    has_seqused_k="U", paged="P", any_page_size="p", kvcache="C", split="X", has_leftpad="l",
+                    has_batch_idx="B", pack_gqa="G")
+SCORE_FLAGS = ("has_left", "has_right", "has_alibi", "has_softcap", "even_k")
+CACHE_FLAGS = ("paged", "split", "has_leftpad", "has_batch_idx", "pack_gqa")

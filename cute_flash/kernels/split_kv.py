@@ -1,0 +1,170 @@
+"""Split-KV (Flash-Decoding): several CTAs share one tile's key blocks, each writes a partial
+result, and the last to finish merges them (flash-attn 2's flash_fwd_splitkv_combine_kernel,
+run inside the split kernel). Everything about splits is here: how many (the heuristic), the
+workspace layout the host allocates, each CTA's partials and arrival counter, and the merge.
+
+Split s saw keys K_s and wrote O_s = softmax over K_s times V and LSE_s = log sum_{K_s} exp(s)
+(-inf when K_s was empty). The full row is LSE = log sum_s exp(LSE_s) and O = sum_s
+exp(LSE_s - LSE) O_s: a weighted sum, no second pass over keys. A row no split saw keeps O = 0
+and LSE = +inf, the unsplit kernel's convention.
+
+It runs inside the split-KV kernel, not as a kernel of its own: the CTA that finishes last among
+the splits of a tile (`SplitKV.merge`) merges that tile's rows while the others exit.
+That saves a launch per decode step, which at small batches costs more host time than the whole
+GPU work.
+
+Tile: kHeadDim / 4 threads per row, each owning 4 columns (one 128-bit load per split), so a
+128-thread CTA merges 128 / (kHeadDim / 4) rows per pass. Every thread of a row takes the max of
+the row's partial LSEs (they are few, and L1 serves the repeats), then accumulates
+exp(LSE_s - max) and exp(LSE_s - max) O_s in one pass. Both loops are unrolled so that the loads
+of several splits are in flight at once: a rolled loop waits one L2 round trip per split.
+"""
+import functools
+import math
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+
+from cute_flash.kernels.constants import LN2, LOG2E
+from layouts.traits import FwdTraits
+
+VEC = 4  # fp32 columns per thread: one 128-bit load
+UNROLL = 8  # splits whose loads are issued together
+
+
+def workspace_shapes(num_splits: int, batch: int, heads: int, rows: int, head_dim: int, m_blocks: int):
+    """(partial O, partial LSE, arrival counters) shapes of one split launch: partials by (split,
+    batch, head, row) -- rows and heads as the kernel tiles them -- and one int32 counter per
+    (batch, head, m-block) tile, zero at launch and left zero by the kernel."""
+    return ((num_splits, batch, heads, rows, head_dim), (num_splits, batch, heads, rows),
+            (m_blocks * batch * heads,))
+
+
+@functools.lru_cache(maxsize=4096)
+def num_splits_heuristic(work_ctas: int, num_sms: int, num_n_blocks: int, max_splits: int = 128,
+                         ctas_per_sm: int = 2) -> int:
+    """How many splits of the key range (flash-attn's num_splits_heuristic, same rule).
+
+    work_ctas = batch * heads * m_blocks CTAs already fill `0.8 * slots` (slots = SMs x CTAs
+    resident per SM; 2 for our 4-warp kernels, limited by 255 registers x 128 threads): no split.
+    Otherwise try s = 1 .. min(max_splits, slots, num_n_blocks); a count is eligible if it changes
+    the blocks per split (ceil(n / s) != ceil(n / (s - 1)); other counts only add empty splits).
+    Its wave efficiency is w / ceil(w) with w = work_ctas * s / slots; take the smallest eligible
+    s within 85% of the best efficiency (fewer splits: less partial O to write and combine).
+    """
+    slots = num_sms * ctas_per_sm
+    if work_ctas >= 0.8 * slots:
+        return 1
+    max_splits = max(1, min(max_splits, slots, num_n_blocks))
+
+    def eligible(s):
+        return s == 1 or -(-num_n_blocks // s) != -(-num_n_blocks // (s - 1))
+
+    def efficiency(s):
+        waves = work_ctas * s / slots
+        return waves / math.ceil(waves)
+
+    effs = {s: efficiency(s) for s in range(1, max_splits + 1) if eligible(s)}
+    best = max(effs.values())
+    return next(s for s, e in effs.items() if e >= 0.85 * best)
+
+
+@dataclass(frozen=True)
+class SplitKV:
+    """One split CTA's share of the workspace. Held by the kernel (composition): methods of a
+    frozen dataclass trace like the kernel's own methods, which a run-time `if` needs (a
+    module-level jit function with run-time loops called inside one was re-traced badly by the
+    DSL: "requires a code object with 0 free vars, not 2")."""
+    mOpart: cute.Tensor        # (seqlen_q, kHeadDim) fp32: this split's normalised O
+    mLSEpart: cute.Tensor      # (seqlen_q,) fp32: its LSE, -inf where it saw no key
+    mOaccum_bh: cute.Tensor    # (num_splits, seqlen_q, kHeadDim): every split's O of this (batch, head)
+    mLSEaccum_bh: cute.Tensor  # (num_splits, seqlen_q)
+    counter: object            # pointer to this tile's int32 arrival counter
+    num_splits: object
+    block_m: int
+    head_dim: int              # kHeadDim
+    num_threads: int
+
+    @staticmethod
+    def make(mOaccum: cute.Tensor, mLSEaccum: cute.Tensor, mCounters: cute.Tensor, split_idx, num_splits,
+             tile: tuple, traits: FwdTraits):
+        """tile: (m_block, batch, head, heads) of this CTA. mOaccum (num_splits, batch, heads,
+        seqlen_q, kHeadDim), mLSEaccum (num_splits, batch, heads, seqlen_q), mCounters
+        (m_blocks * batch * heads,)."""
+        m_block, bidb, bidh, nheads = tile
+        num_m_blocks, _, _ = cute.arch.grid_dim()
+        return SplitKV(mOaccum[split_idx, bidb, bidh, None, None], mLSEaccum[split_idx, bidb, bidh, None],
+                       mOaccum[None, bidb, bidh, None, None], mLSEaccum[None, bidb, bidh, None],
+                       mCounters.iterator + (bidb * nheads + bidh) * num_m_blocks + m_block, num_splits,
+                       traits.block_m, traits.head_dim, traits.num_threads)
+
+    @cute.jit
+    def store_partial(self, acc_o_mn: cute.Tensor, lse: cute.Tensor, tOcO_mn: cute.Tensor, m_block, rows_q):
+        """This split's normalised fp32 O and its LSE, straight from the accumulator: decode tiles
+        have few rows, so the smem staging of the unsplit store would buy nothing."""
+        row0 = m_block * self.block_m
+        for r in cutlass.range_constexpr(cute.size(acc_o_mn.shape[0])):
+            row = tOcO_mn[r, 0][0]
+            if row < rows_q:
+                for c in cutlass.range_constexpr(cute.size(acc_o_mn.shape[1])):
+                    self.mOpart[row0 + row, tOcO_mn[0, c][1]] = acc_o_mn[r, c]
+                if tOcO_mn[0, 0][1] == 0:
+                    self.mLSEpart[row0 + row] = lse[r]
+
+    @cute.jit
+    def merge(self, mO_s: cute.Tensor, mLSE_s: cute.Tensor, sQ: cute.Tensor, m_block, rows_q):
+        """The split CTA of this tile that arrives last merges every split's partials into O and
+        LSE; the others just leave. Each thread publishes its partials with a device-scope fence
+        before one thread counts the CTA's arrival, and the merging CTA fences again before
+        reading them. The last arrival also re-arms the counter for the next launch."""
+        tidx, _, _ = cute.arch.thread_idx()
+        bm = self.block_m
+        cute.arch.fence_acq_rel_gpu()
+        cute.arch.barrier()  # also: every warp is done with sQ, which now holds the arrival rank
+        sRank = cute.make_tensor(cute.recast_ptr(sQ.iterator, dtype=cutlass.Int32), cute.make_layout(1))
+        if tidx == 0:
+            sRank[0] = cute.arch.atomic_add(self.counter, cutlass.Int32(1), sem="acq_rel", scope="gpu")
+        cute.arch.barrier()
+        if sRank[0] == self.num_splits - 1:
+            if tidx == 0:
+                cute.make_tensor(self.counter, cute.make_layout(1))[0] = cutlass.Int32(0)
+            cute.arch.fence_acq_rel_gpu()
+            row0 = m_block * bm
+            self.combine_tile(cute.domain_offset((0, row0, 0), self.mOaccum_bh),
+                              cute.domain_offset((0, row0), self.mLSEaccum_bh), cute.domain_offset((row0, 0), mO_s),
+                              cute.domain_offset((row0,), mLSE_s), cutlass.min(rows_q, bm))
+
+    @cute.jit
+    def combine_tile(self, mOaccum: cute.Tensor, mLSEaccum: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+                     rows):
+        """Merge `rows` rows. mOaccum (num_splits, rows, kHeadDim) and mLSEaccum (num_splits,
+        rows) fp32 partials; mO (rows, d <= kHeadDim) and mLSE (rows,) fp32, any strides."""
+        tidx, _, _ = cute.arch.thread_idx()
+        tpr = self.head_dim // VEC  # threads per row
+        num_splits = mLSEaccum.shape[0]
+        chunk = tidx % tpr
+        for i in cutlass.range(tidx // tpr, rows, self.num_threads // tpr, unroll=1):
+            lse_max = -cutlass.Float32.inf
+            for s in cutlass.range(num_splits, unroll=UNROLL):
+                lse_max = cute.arch.fmax(lse_max, mLSEaccum[s, i])
+            # All splits empty: every weight is exp2(-inf) = 0, the sum stays 0 and LSE is +inf.
+            max_log2 = 0.0 if lse_max == -cutlass.Float32.inf else lse_max * LOG2E
+            total = cutlass.Float32(0.0)
+            acc = cute.make_rmem_tensor((VEC,), cutlass.Float32)
+            acc.fill(0.0)
+            part = cute.make_rmem_tensor((VEC,), cutlass.Float32)
+            for s in cutlass.range(num_splits, unroll=UNROLL):
+                weight = cute.math.exp2(mLSEaccum[s, i] * LOG2E - max_log2, fastmath=True)
+                total = total + weight
+                cute.autovec_copy(cute.local_tile(mOaccum[s, i, None], (VEC,), (chunk,)), part)
+                for v in cutlass.range_constexpr(VEC):
+                    acc[v] = acc[v] + weight * part[v]
+            empty = total == 0.0 or total != total
+            inv = 0.0 if empty else cute.arch.rcp_approx(total)
+            if chunk * VEC < mO.shape[1]:
+                out = cute.make_rmem_tensor((VEC,), mO.element_type)
+                out.store((acc.load() * inv).to(mO.element_type))
+                cute.autovec_copy(out, cute.local_tile(mO[i, None], (VEC,), (chunk,)))
+            if chunk == 0:
+                mLSE[i] = cutlass.Float32.inf if empty else (cute.math.log2(total, fastmath=True) + max_log2) * LN2

@@ -1,0 +1,129 @@
+"""Compiled kernels on the host: the fake arguments a compile traces with, the in-process cache
+(one compiled kernel per (config, arch)), and the variant lists that CI and
+`python -m cute_flash compile` build.
+
+A compile needs no GPU and no real tensors: placeholders carry dtypes, ranks, the stride
+divisibility the launcher guarantees and a stream taken from the caller (torch's current
+stream) at call time. Run-time values (lengths, strides, scales, window sizes, the split count)
+never enter the key, so a model's whole run typically compiles a handful of kernels once.
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+
+import cutlass
+import torch
+
+from cute_flash.compile_cache import get_or_compile
+from cute_flash.kernels.config import CACHE_FLAGS, SCORE_FLAGS, FwdConfig
+from cute_flash.kernels.fake import compile_tvm_ffi, fake_stream, fake_tensor
+from cute_flash.kernels.fwd import FlashFwd
+from layouts.traits import ALIGN, COPY_BYTES, DTYPES, HEAD_DIM_BUCKETS, choose_decode_traits, choose_fwd_traits, \
+    element_type
+
+DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+@functools.lru_cache(maxsize=None)
+def device_arch(index: int) -> int:
+    major, minor = torch.cuda.get_device_capability(index)
+    return major * 10 + minor
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def fake_fwd_args(config: FwdConfig):
+    """Placeholders for compiling `config`'s entry (`FlashFwd.__call__`, `call_varlen` or
+    `call_kvcache`, in their parameter order): every extent dynamic, every element-tensor stride
+    but the last a multiple of 8 (the launcher guarantees it), int32 vectors and tables dense in
+    their last dim."""
+    dtype = element_type(config.traits)
+
+    def elems(rank):
+        return fake_tensor(dtype, rank, ALIGN, COPY_BYTES)
+
+    def f32(rank):
+        return fake_tensor(cutlass.Float32, rank)
+
+    def i32(rank):
+        return fake_tensor(cutlass.Int32, rank)
+
+    scalars = [1.0, 1.0, 1.0, -1, -1, fake_stream()]  # scales, window edges, stream
+    kv_rank = 4 if config.paged or not config.varlen else 3
+    if config.entry == "varlen":
+        return ([elems(3), elems(kv_rank), elems(kv_rank), elems(3), f32(2), f32(2)]
+                + [i32(1), i32(1), i32(1), i32(2), 1] + scalars)
+    if config.entry == "kvcache":
+        accum = fake_tensor(cutlass.Float32, 5, ALIGN, COPY_BYTES, last_extent=config.traits.head_dim)
+        return ([elems(4), elems(4), elems(4), elems(4), f32(3), accum, f32(4), i32(1), f32(2)]
+                + [i32(1), i32(1), i32(1), i32(2), 0, 1] + scalars)
+    return [elems(4) for _ in range(4)] + [f32(3), f32(2)] + scalars
+
+
+def entry_point(kernel: FlashFwd):
+    """The jit function a config compiles: `__call__` (dense), `call_varlen` or `call_kvcache`."""
+    return {"dense": kernel, "varlen": kernel.call_varlen, "kvcache": kernel.call_kvcache}[kernel.config.entry]
+
+
+def compile_fwd(config: FwdConfig, arch: int | None = None, extra_options: str = ""):
+    """Build the cubin for `config`, callable through TVM-FFI with torch tensors. arch=None
+    targets the current GPU; an explicit arch (80, 90) needs no GPU (nothing is launched)."""
+    return compile_tvm_ffi(entry_point(FlashFwd(config)), fake_fwd_args(config), arch, extra_options)
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_for(config: FwdConfig, device_index: int):
+    """The compiled kernel of `config` for the device's arch (memoised per device: a cached
+    call hashes the config once instead of building the compile-cache key)."""
+    arch = device_arch(device_index)
+    return get_or_compile((config, arch), lambda: compile_fwd(config))
+
+
+def fwd_variants(arch: int, full: bool = False) -> list[FwdConfig]:
+    """Configs the dispatcher can choose on `arch`.
+
+    full: every forward traits times every dense and varlen flag combination, and every
+    KV-cache traits times every cache flag combination (causal or not).
+    Otherwise a covering subset for CI (a compile takes 5-20 s on its 2 cores): every head-dim
+    bucket of both kernels (forward and KV-cache), fp16 on sm_80 and bf16 on sm_90 (the dtype
+    only changes the MMA atom); the varlen, seqused_k and paged variants (pages of a multiple of
+    16 rows, and of any size); and on sm_90 each score flag alone and all together, each cache
+    flag alone, and the split + paged pair with both page forms.
+    """
+    combos = [dict(zip(SCORE_FLAGS, bits)) for bits in itertools.product((False, True), repeat=len(SCORE_FLAGS))]
+    causal = dict(has_left=False, has_right=True, has_alibi=False, has_softcap=False, even_k=True)
+    fwd_traits = list(dict.fromkeys(choose_fwd_traits(d, dt, arch, c) for d in HEAD_DIM_BUCKETS
+                                    for dt in DTYPES for c in (False, True)))
+    decode_traits = list(dict.fromkeys(choose_decode_traits(d, dt, arch) for d in HEAD_DIM_BUCKETS for dt in DTYPES))
+    cache_flags = [dict(zip(CACHE_FLAGS, bits)) for bits in itertools.product((False, True), repeat=len(CACHE_FLAGS))
+                   if not (bits[0] and (bits[2] or bits[3]))]
+    cache_flags += [dict(c, any_page_size=True) for c in cache_flags if c["paged"]]
+    if full:
+        varlen = [dict(f, varlen=True, has_seqused_k=u, paged=p, any_page_size=a) for f in combos
+                  for u in (False, True) for p in (False, True) for a in (False, True) if p or not a]
+        cache = [dict(has_right=r, kvcache=True, **c) for r in (False, True) for c in cache_flags
+                 if not (r and c["pack_gqa"])]
+        pairs = [(t, f) for t in fwd_traits for f in combos + varlen] + [(t, f) for t in decode_traits for f in cache]
+        return [FwdConfig(t, **f) for t, f in pairs]
+    dtype = "bf16" if arch >= 90 else "fp16"
+    pivot = choose_fwd_traits(128, dtype, arch)
+    decode_pivot = choose_decode_traits(128, dtype, arch)
+    subset = [(t, causal) for t in fwd_traits if t.dtype == dtype]
+    subset += [(t, dict(kvcache=True, split=True, pack_gqa=True)) for t in decode_traits if t.dtype == dtype]
+    subset += [(pivot, dict(causal, varlen=True)), (pivot, dict(causal, varlen=True, has_seqused_k=True)),
+               (pivot, dict(causal, varlen=True, paged=True)),
+               (pivot, dict(causal, varlen=True, paged=True, any_page_size=True))]
+    if arch >= 90:
+        all_on = dict(has_left=True, has_right=True, has_alibi=True, has_softcap=True, even_k=False)
+        plain = dict(causal, has_right=False)
+        alone = [dict(plain, **{n: not plain[n]}) for n in SCORE_FLAGS if n != "has_right"]
+        subset += [(pivot, f) for f in alone + [all_on]]
+        subset += [(decode_pivot, dict(causal, kvcache=True, **{n: True})) for n in CACHE_FLAGS if n != "pack_gqa"]
+        subset += [(decode_pivot, dict(plain, kvcache=True, pack_gqa=True))]
+        subset += [(decode_pivot, dict(causal, kvcache=True, paged=True, split=True, any_page_size=a))
+                   for a in (False, True)]
+    return [FwdConfig(t, **f) for t, f in subset]

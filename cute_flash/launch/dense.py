@@ -1,0 +1,102 @@
+"""The dense and packed-varlen forwards on validated CUDA tensors: align, pick the config,
+look its compiled kernel up, launch on torch's current stream."""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from cute_flash.kernels.config import FwdConfig
+from cute_flash.kernels.constants import LOG2E
+from cute_flash.launch.align import aligned
+from cute_flash.launch import compiled
+from layouts.traits import FwdTraits, choose_fwd_traits
+
+PAGE_ROWS = 16  # pages of a multiple of this many rows take the page-run / shared-page-id copies
+
+
+def scales(softmax_scale, softcap):
+    """(scale_log2, score_premul, alibi_div): with softcap the kernel applies tanh(s * scale /
+    softcap) and exponentiates softcap * log2(e) * tanh; ALiBi slopes are divided by the
+    multiplier so the bias lands on the scaled score."""
+    if softcap > 0:
+        return softcap * LOG2E, softmax_scale / softcap, 1.0 / softcap
+    return softmax_scale * LOG2E, 1.0, 1.0 / softmax_scale
+
+
+def window_edges(causal, window_size):
+    """The window as the kernels take it: causal is a right edge at 0."""
+    left, right = window_size
+    return left, 0 if causal else right
+
+
+def device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+@functools.lru_cache(maxsize=None)
+def fwd_kernel(d_pad: int, dtype, device_index: int, causal: bool, traits: FwdTraits | None, flags: tuple):
+    """The compiled forward of one call signature, flags: FwdConfig's (name, value) pairs
+    (memoised on plain values: a cached call hashes no config)."""
+    if traits is None:
+        traits = choose_fwd_traits(d_pad, compiled.DTYPE_NAMES[dtype], min(compiled.device_arch(device_index), 90), causal)
+    return compiled.kernel_for(FwdConfig(traits, even_k=d_pad == traits.head_dim, **dict(flags)), device_index)
+
+
+@functools.lru_cache(maxsize=None)
+def no_alibi(index: int):
+    """What the kernels read as ALiBi slopes when there are none (never read)."""
+    return torch.zeros((1, 1), dtype=torch.float32, device=f"cuda:{index}")
+
+
+@functools.lru_cache(maxsize=None)
+def no_table(index: int):
+    """The placeholder for an int32 table or vector the kernel's flags leave unread."""
+    return torch.zeros((1, 1), dtype=torch.int32, device=f"cuda:{index}")
+
+
+def alibi_2d(alibi_slopes, batch, nheads, index):
+    if alibi_slopes is None:
+        return no_alibi(index)
+    return alibi_slopes if alibi_slopes.dim() == 2 else alibi_slopes.unsqueeze(0).expand(batch, nheads)
+
+
+def flash_fwd(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1), softcap=0.0,
+              alibi_slopes=None, traits: FwdTraits | None = None):
+    """Dense forward: q (b, sq, h, d), k/v (b, sk, hk, d); returns (out, lse (b, h, sq)).
+    `traits` overrides the heuristic (tile tuning, `python -m cute_flash tune`)."""
+    b, sq, h, d = q.shape
+    q, k, v = aligned(q), aligned(k), aligned(v)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
+    left, right = window_edges(causal, window_size)
+    index = device_index(q.device)
+    kernel = fwd_kernel(q.shape[-1], q.dtype, index, causal, traits, (
+        ("has_left", left >= 0), ("has_right", right >= 0), ("has_alibi", alibi_slopes is not None),
+        ("has_softcap", softcap > 0)))
+    kernel(q, k, v, out, lse, alibi_2d(alibi_slopes, b, h, index), *scales(softmax_scale, softcap), left, right)
+    return (out if out.shape[-1] == d else out[..., :d]), lse
+
+
+def flash_fwd_varlen(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                     causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                     block_table=None, seqused_k=None):
+    """Packed-batch forward: q (total_q, h, d), k/v (total_k, hk, d) or pages (num_blocks,
+    page_size, hk, d) through block_table; returns (out (total_q, h, d), lse (h, total_q))."""
+    total_q, h, d = q.shape
+    paged = block_table is not None
+    q, k, v = aligned(q), aligned(k), aligned(v)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((h, total_q), dtype=torch.float32, device=q.device)
+    left, right = window_edges(causal, window_size)
+    index = device_index(q.device)
+    kernel = fwd_kernel(q.shape[-1], q.dtype, index, causal, None, (
+        ("has_left", left >= 0), ("has_right", right >= 0), ("has_alibi", alibi_slopes is not None),
+        ("has_softcap", softcap > 0), ("varlen", True), ("has_seqused_k", seqused_k is not None),
+        ("paged", paged), ("any_page_size", paged and k.shape[1] % PAGE_ROWS != 0)))
+    cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
+    seqused = cu_seqlens_k if seqused_k is None else seqused_k.contiguous()  # read only if given
+    kernel(q, k, v, out, lse, alibi_2d(alibi_slopes, cu_seqlens_q.shape[0] - 1, h, index), cu_seqlens_q,
+           cu_seqlens_k, seqused, block_table if paged else no_table(index), max_seqlen_q,
+           *scales(softmax_scale, softcap), left, right)
+    return (out if out.shape[-1] == d else out[..., :d]), lse

@@ -1,0 +1,207 @@
+"""`flash_attn_with_kvcache` on the host: per-signature call setup, the split-KV workspace, the
+append launch, then one attention launch (split partials merged inside it).
+
+A decode loop repeats one signature (the interface's summary of every argument's metadata and
+options), and deciding from the arguments costs more host time than launching, so what a call
+decides from metadata alone is kept per signature (`KVCacheCall`): the config and its compiled
+kernel, the split count, the scalars. Workspaces are kept per (call, stream).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from cute_flash.kernels.config import FwdConfig
+from cute_flash.kernels.fake import ffi_function
+from cute_flash.kernels.split_kv import num_splits_heuristic, workspace_shapes
+from cute_flash.launch.align import aligned, is_aligned
+from cute_flash.launch import compiled
+from cute_flash.launch.dense import PAGE_ROWS, alibi_2d, device_index, no_table, scales, window_edges
+from layouts.traits import ALIGN, FwdTraits, choose_decode_traits, element_type
+
+
+@dataclass(frozen=True, eq=False)
+class KVCachePlan:
+    """Everything a KV-cache call decides from its shapes and options alone. Compared and hashed
+    by identity: it keys the workspace cache on every call, and calls of one signature share
+    one plan."""
+    config: FwdConfig
+    num_splits: int
+    launch: object   # the compiled kernel's TVM-FFI function
+    batch: int
+    nheads: int      # (heads, seqlen_q) as the caller has them
+    seqlen_q: int
+    rows: int        # (rows, heads) as the kernel tiles them: (g, nheads_k) with pack_gqa
+    heads: int
+    m_blocks: int
+
+    @property
+    def traits(self) -> FwdTraits:
+        return self.config.traits
+
+
+@dataclass(frozen=True)
+class KVCacheCall:
+    """What a KV-cache call decides from its arguments' metadata and options, kept per signature."""
+    plan: KVCachePlan
+    device: torch.device
+    index: int
+    realign: bool    # q's rows break 128-bit copies: take `aligned`'s copy
+    seqlens: object  # the (batch,) int32 tensor standing for an int (or absent) cache_seqlens
+    append: bool     # k, v (or rotary) given: launch the append kernel first
+    q_per_row: bool  # rotary angle of q row i at cache_seqlens + i (causal or local)
+    scalars: tuple   # k_extra, num_splits, scales, window edges
+
+
+_calls: dict = {}
+_CALLS_MAX = 4096
+
+
+def flash_fwd_kvcache(q, k_cache, v_cache, *, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                      cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
+                      softmax_scale, causal=False, window_size=(-1, -1), softcap=0.0,
+                      rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_lse=True,
+                      signature=None):
+    """`flash_attn_with_kvcache` on validated CUDA tensors: append (rotary) k/v into the caches in
+    place, then split-KV attention over them, merged in the same launch. Returns (out, lse (b, h,
+    sq)), lse None unless return_lse. `signature`: the interface's summary of every argument's
+    metadata and options (`_validate.signature`); calls that share one share their setup."""
+    b, sq, h, d = q.shape
+    call = _calls.get(signature) if signature is not None else None
+    if call is None:
+        if not (is_aligned(k_cache) and is_aligned(v_cache)):
+            # Caches whose rows break 128-bit copies (a head dim not a multiple of 8, strides
+            # or a base address off 16 bytes): work on aligned copies, zero-padded as flash-attn
+            # pads, then copy the caches back if the call appended to them. Only appended rows
+            # differ, but a whole-cache copy needs no index built from cache_seqlens (which may
+            # be bad metadata); the cost (3-8x an aligned call) is in docs/perf.md.
+            k_al, v_al = aligned(k_cache), aligned(v_cache)
+            if d % ALIGN:
+                q, k, v = (None if x is None else aligned(x) for x in (q, k, v))
+            out, lse = flash_fwd_kvcache(
+                q, k_al, v_al, k=k, v=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+                cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
+                block_table=block_table, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                softcap=softcap, rotary_interleaved=rotary_interleaved, alibi_slopes=alibi_slopes,
+                num_splits=num_splits, return_lse=return_lse)
+            if k is not None:
+                k_cache.copy_(k_al[..., :d])
+                v_cache.copy_(v_al[..., :d])
+            return out[..., :d], lse
+        call = _kvcache_call(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+                             softmax_scale, causal, window_size, softcap, alibi_slopes, rotary_cos, num_splits)
+        if signature is not None:
+            if len(_calls) >= _CALLS_MAX:
+                _calls.clear()
+            _calls[signature] = call
+    plan, index = call.plan, call.index
+    if call.realign:
+        q = aligned(q)
+    seqlens = cache_seqlens if call.seqlens is None else call.seqlens
+    if call.append:
+        q = _append(q, k, v, k_cache, v_cache, seqlens, cache_batch_idx, block_table, rotary_cos, rotary_sin,
+                    rotary_interleaved, call.q_per_row, index)
+
+    out = torch.empty((b, sq, h, d), dtype=q.dtype, device=call.device)
+    o_acc, lse_acc, counters, lse = _workspace(plan, call.device)
+    if return_lse:
+        lse = torch.empty((b, h, sq), dtype=torch.float32, device=call.device)
+    unread = no_table(index)
+    plan.launch(q, k_cache, v_cache, out, lse, o_acc, lse_acc, counters,
+                alibi_2d(alibi_slopes, b, h, index), seqlens,
+                seqlens if cache_leftpad is None else cache_leftpad,
+                seqlens if cache_batch_idx is None else cache_batch_idx,
+                unread if block_table is None else block_table, *call.scalars)
+    return out, (lse if return_lse else None)
+
+
+def _kvcache_call(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, softmax_scale,
+                  causal, window_size, softcap, alibi_slopes, rotary_cos, num_splits):
+    b, sq, h, d = q.shape
+    device = q.device
+    index = device_index(device)
+    paged = block_table is not None
+    hk = k_cache.shape[2]
+    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    seqlens = None
+    if not isinstance(cache_seqlens, torch.Tensor):  # the (batch,) int32 tensor the kernels read
+        seqlens = torch.full((b,), capacity if cache_seqlens is None else cache_seqlens, dtype=torch.int32,
+                             device=device)
+    left, right = window_edges(causal, window_size)
+    # GQA decode: the group of query heads sharing a kv head becomes M (FwdConfig's pack_gqa).
+    pack_gqa = sq == 1 and h > hk and left < 0 and right < 0 and alibi_slopes is None
+    rows, heads = (h // hk, hk) if pack_gqa else (sq, h)
+    traits = choose_decode_traits(d, compiled.DTYPE_NAMES[q.dtype], min(compiled.device_arch(index), 90))
+    n_blocks = -(-capacity // traits.block_n)
+    m_blocks = -(-rows // traits.block_m)
+    if num_splits == 0:
+        num_splits = num_splits_heuristic(b * heads * m_blocks, compiled.num_sms(index), n_blocks)
+    num_splits = max(1, min(num_splits, n_blocks, 128))
+    config = FwdConfig(traits, has_left=left >= 0, has_right=right >= 0, has_alibi=alibi_slopes is not None,
+                       has_softcap=softcap > 0, even_k=d == traits.head_dim, paged=paged,
+                       any_page_size=paged and k_cache.shape[1] % PAGE_ROWS != 0, kvcache=True,
+                       split=num_splits > 1, has_leftpad=cache_leftpad is not None,
+                       has_batch_idx=cache_batch_idx is not None, pack_gqa=pack_gqa)
+    plan = KVCachePlan(config, num_splits, ffi_function(compiled.kernel_for(config, index)), b, h, sq, rows, heads, m_blocks)
+    append = k is not None and (k.shape[1] > 0 or rotary_cos is not None)  # an empty grid cannot launch
+    k_extra = 0 if k is None else k.shape[1]
+    return KVCacheCall(plan, device, index, not is_aligned(q), seqlens, append, causal or left >= 0 or right >= 0,
+                       (k_extra, num_splits, *scales(softmax_scale, softcap), left, right))
+
+
+def _append(q, k, v, k_cache, v_cache, seqlens, cache_batch_idx, block_table, rotary_cos, rotary_sin,
+            interleaved, q_per_row, index):
+    """Launch the append kernel (rotary k into the caches; returns q, rotated when rotary)."""
+    rotary = rotary_cos is not None
+    paged = block_table is not None
+    k, v = k.contiguous(), v.contiguous()
+    q_new = torch.empty_like(q) if rotary else q
+    cos = rotary_cos.contiguous() if rotary else q.new_empty((1, 1))
+    sin = rotary_sin.contiguous() if rotary else cos
+    append = append_for(q.dtype, index, paged, cache_batch_idx is not None, rotary, bool(interleaved), q_per_row)
+    append(k, v, k_cache, v_cache, seqlens, cache_batch_idx if cache_batch_idx is not None else seqlens,
+           block_table if paged else no_table(index), cos, sin, q, q_new)
+    return q_new
+
+
+@functools.lru_cache(maxsize=None)
+def append_for(dtype, device_index, paged, has_batch_idx, rotary, interleaved, q_per_row):
+    """The compiled append kernel of one flag set on the device's arch."""
+    from cute_flash.compile_cache import get_or_compile
+    from cute_flash.kernels.append import AppendKV, compile_append
+
+    arch = compiled.device_arch(device_index)
+    flags = (paged, has_batch_idx, rotary, interleaved, q_per_row)
+    return get_or_compile(("append", dtype, arch) + flags,
+                          lambda: compile_append(AppendKV(element_type(compiled.DTYPE_NAMES[dtype]), *flags)))
+
+
+def _workspace(plan: KVCachePlan, device: torch.device):
+    """(partial O, partial LSE, arrival counters, LSE scratch) for one launch of `plan`: the
+    partials and counters of a split launch, placeholders otherwise, and where the final LSE
+    goes when the caller does not want it. Kept per (plan, stream): launches on one stream run in
+    order, so they can share it, and the kernel leaves the counters at zero. A launch being
+    captured into a CUDA graph gets its own, since the graph may replay beside eager calls."""
+    if torch.cuda.is_current_stream_capturing():
+        return _new_workspace(plan, device)
+    return _stream_workspace(plan, device, torch._C._cuda_getCurrentRawStream(device.index))
+
+
+@functools.lru_cache(maxsize=64)
+def _stream_workspace(plan: KVCachePlan, device: torch.device, stream: int):
+    return _new_workspace(plan, device)
+
+
+def _new_workspace(plan: KVCachePlan, device: torch.device):
+    if plan.num_splits > 1:
+        o_shape, lse_shape, counter_shape = workspace_shapes(plan.num_splits, plan.batch, plan.heads, plan.rows,
+                                                             plan.traits.head_dim, plan.m_blocks)
+    else:
+        o_shape, lse_shape, counter_shape = (1, 1, 1, 1, plan.traits.head_dim), (1, 1, 1, 1), (1,)
+    o_acc = torch.empty(o_shape, dtype=torch.float32, device=device)
+    lse_acc = torch.empty(lse_shape, dtype=torch.float32, device=device)
+    counters = torch.zeros(counter_shape, dtype=torch.int32, device=device)
+    lse = torch.empty((plan.batch, plan.nheads, plan.seqlen_q), dtype=torch.float32, device=device)
+    return o_acc, lse_acc, counters, lse
