@@ -72,7 +72,7 @@ def cmd_overhead():
 
     from cute_flash import flash_attn_func
     from cute_flash.kernels.constants import LOG2E
-    from cute_flash.launch.dense import flash_fwd, fwd_kernel, no_alibi
+    from cute_flash.launch.dense import flash_fwd, fwd_kernel
 
     q, k, v = (torch.randn(1, 8, 1, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
@@ -95,7 +95,7 @@ def cmd_overhead():
         "flash_attn_func": per_call_us(lambda: flash_attn_func(q, k, v)),
         "launcher (flash_fwd)": per_call_us(lambda: flash_fwd(q, k, v, softmax_scale=0.125)),
         "TVM-FFI call alone": per_call_us(
-            lambda: compiled(q, k, v, out, lse, no_alibi(index), 0.125 * LOG2E, 1.0, 8.0, -1, -1)),
+            lambda: compiled(q, k, v, out, lse, None, 0.125 * LOG2E, 1.0, 8.0, -1, -1)),
     }
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         rows["SDPA FLASH"] = per_call_us(lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt))

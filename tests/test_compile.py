@@ -63,13 +63,17 @@ def test_subset_covers_every_traits_and_every_flag():
 @pytest.mark.parametrize("paged, batch_idx, rotary, interleaved, q_per_row", [
     (False, False, False, False, False), (False, True, True, True, False), (True, False, True, False, True),
 ])
-def test_append_kernel_compiles(arch, paged, batch_idx, rotary, interleaved, q_per_row):
+def test_append_kernel_compiles(arch, paged, batch_idx, rotary, interleaved, q_per_row, tmp_path):
     import cutlass
 
-    from cute_flash.kernels.append import AppendKV, compile_append
+    from cute_flash.kernels.append import AppendConfig, compile_append
+    from layouts.traits import sm_name
 
-    kernel = AppendKV(cutlass.Float16, paged, batch_idx, rotary, interleaved, q_per_row)
-    assert compile_append(kernel, arch) is not None
+    config = AppendConfig("fp16", paged, batch_idx, rotary, interleaved, q_per_row)
+    compile_append(config, arch, f"--keep-ptx --dump-dir={tmp_path}")
+    (ptx,) = tmp_path.glob("*.ptx")
+    text = ptx.read_text()
+    assert text.count(".entry ") == 1 and f".target {sm_name(arch)}" in text
 
 
 @pytest.mark.parametrize("arch", [80, 90])

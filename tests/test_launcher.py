@@ -89,11 +89,11 @@ class Recorder:
 
         return Compiled()
 
-    def append_for(self, dtype, index, *flags):
+    def append_for(self, config, index):
         from cute_flash.kernels.append import AppendKV
 
-        kernel = AppendKV(None, *flags)
-        return lambda *args: self.launches.append(Launch(("append",) + flags, kernel, args))
+        kernel = AppendKV(config)
+        return lambda *args: self.launches.append(Launch(config, kernel, args))
 
 
 @pytest.fixture
@@ -105,9 +105,6 @@ def recorder(monkeypatch):
     monkeypatch.setattr(compiled, "device_arch", lambda index: 90)
     monkeypatch.setattr(compiled, "num_sms", lambda index: 132)
     monkeypatch.setattr(kvcache, "append_for", rec.append_for)
-    monkeypatch.setattr(dense, "no_alibi", lambda index: torch.zeros(1, 1))
-    monkeypatch.setattr(dense, "no_table", lambda index: torch.zeros(1, 1, dtype=torch.int32))
-    monkeypatch.setattr(kvcache, "no_table", lambda index: torch.zeros(1, 1, dtype=torch.int32))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     rec.stream, rec.capturing = 7, False
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: rec.capturing)
@@ -287,8 +284,9 @@ def test_append_is_launched_before_attention_with_rotary_options(recorder):
     flash_fwd_kvcache(q, cache, cache, k=k, v=k, rotary_cos=cos, rotary_sin=cos, cache_seqlens=seqlens,
                       softmax_scale=0.1, causal=True, rotary_interleaved=False, num_splits=1)
     append, attn = recorder.launches
-    # (paged, batch_idx, rotary, interleaved, q_per_row)
-    assert append.config == ("append", False, False, True, False, True) and attn.config.kvcache
+    assert (append.config.paged, append.config.has_batch_idx, append.config.rotary, append.config.interleaved,
+            append.config.q_per_row) == (False, False, True, False, True) and attn.config.kvcache
+    assert append["mBatchIdx"] is None and append["mBlockTable"] is None  # absent: specialised away
     assert append["mKnew"] is k and append["mCacheSeqlens"] is seqlens and append["mQ"] is q
     assert append["mCos"].data_ptr() == cos.data_ptr() and append["mKcache"] is cache
     assert attn["mQ"] is append["mQrot"]  # attention reads the rotated q
@@ -302,7 +300,8 @@ def test_empty_append_without_rotary_launches_attention_only(recorder):
     cache = torch.randn(2, 64, 2, 64, dtype=torch.float16)
     k = torch.randn(2, 0, 2, 64, dtype=torch.float16)
     flash_fwd_kvcache(q, cache, cache, k=k, v=k, cache_seqlens=3, softmax_scale=0.1, num_splits=1)
-    assert [launch.config.kvcache for launch in recorder.launches] == [True]
+    (launch,) = recorder.launches
+    assert launch.config.kvcache and launch["k_extra"] == 0
 
 
 @pytest.mark.parametrize("entry", ["dense", "varlen", "kvcache"])

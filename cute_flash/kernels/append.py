@@ -18,46 +18,58 @@ flash-attn 2.8.3 does this inside its split-KV kernel; here it is a separate lau
 it on the same stream: one more kernel and one more TVM-FFI call per decode step (not yet timed
 on its own; the decode bench appends nothing).
 """
+from dataclasses import dataclass
+
 import cutlass
 import cutlass.cute as cute
 
 from cute_flash.kernels.seq_info import clamp
 from cute_flash.kernels.fake import compile_tvm_ffi, fake_stream, fake_tensor
+from layouts.traits import element_type
 
 NUM_THREADS = 128
 
 
+@dataclass(frozen=True)
+class AppendConfig:
+    """The append kernel's compile-time choices; with the arch, its compile key."""
+    dtype: str             # "fp16" | "bf16"
+    paged: bool            # caches are pages behind a block table
+    has_batch_idx: bool    # cache_batch_idx picks each sequence's cache row
+    rotary: bool           # rotate k (and q) by cos/sin
+    interleaved: bool      # rotary pairs (x[2j], x[2j + 1]) instead of (x[j], x[j + rotary_dim / 2])
+    q_per_row: bool        # q row i rotated at cache_seqlens + i (causal or local), else all at cache_seqlens
+
+
 class AppendKV:
-    def __init__(self, dtype, paged: bool, has_batch_idx: bool, rotary: bool, interleaved: bool,
-                 q_per_row: bool):
-        self.dtype = dtype
-        self.paged = paged
-        self.has_batch_idx = has_batch_idx
-        self.rotary = rotary
-        self.interleaved = interleaved
-        self.q_per_row = q_per_row
+    def __init__(self, config: AppendConfig):
+        self.config = config
+        self.dtype = element_type(config.dtype)
+        self.paged = config.paged
+        self.has_batch_idx = config.has_batch_idx
+        self.rotary = config.rotary
+        self.interleaved = config.interleaved
+        self.q_per_row = config.q_per_row
 
     @cute.jit
     def __call__(self, mKnew: cute.Tensor, mVnew: cute.Tensor, mKcache: cute.Tensor, mVcache: cute.Tensor,
-                 mCacheSeqlens: cute.Tensor, mBatchIdx: cute.Tensor, mBlockTable: cute.Tensor,
-                 mCos: cute.Tensor, mSin: cute.Tensor, mQ: cute.Tensor, mQrot: cute.Tensor, stream):
+                 mCacheSeqlens: cute.Tensor, mBatchIdx, mBlockTable, mCos, mSin, mQ: cute.Tensor, mQrot,
+                 stream):
         """mKnew/mVnew (batch, seqlen_new, heads_k, d); caches (batch_cache, seqlen_cache, heads_k,
         d) or paged (num_blocks, page_size, heads_k, d) with mBlockTable (batch, max_blocks);
-        mCos/mSin (seqlen_ro, rotary_dim / 2); mQ -> mQrot (batch, seqlen_q, heads, d), touched
-        only when rotary is on."""
+        mCos/mSin (seqlen_ro, rotary_dim / 2); mQ -> mQrot (batch, seqlen_q, heads, d), rotated
+        only when rotary is on (mQ's shape sizes the grid either way). Tensors the config does
+        not read are None: mBatchIdx, mBlockTable, and mCos / mSin / mQrot without rotary."""
         rows = mKnew.shape[1]
         if cutlass.const_expr(self.rotary):
             rows = rows + mQ.shape[1]
-        self.kernel(mKnew, mVnew, mKcache, mVcache, mCacheSeqlens,
-                    mBatchIdx if cutlass.const_expr(self.has_batch_idx) else None,
-                    mBlockTable if cutlass.const_expr(self.paged) else None,
+        self.kernel(mKnew, mVnew, mKcache, mVcache, mCacheSeqlens, mBatchIdx, mBlockTable,
                     mCos, mSin, mQ, mQrot).launch(
             grid=[rows, mKnew.shape[0], mQ.shape[2]], block=[NUM_THREADS, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mKnew: cute.Tensor, mVnew: cute.Tensor, mKcache: cute.Tensor, mVcache: cute.Tensor,
-               mCacheSeqlens: cute.Tensor, mBatchIdx, mBlockTable, mCos: cute.Tensor, mSin: cute.Tensor,
-               mQ: cute.Tensor, mQrot: cute.Tensor):
+               mCacheSeqlens: cute.Tensor, mBatchIdx, mBlockTable, mCos, mSin, mQ: cute.Tensor, mQrot):
         x, bidb, bidh = cute.arch.block_idx()
         seqlen_new = mKnew.shape[1]
         start = mCacheSeqlens[bidb]
@@ -99,8 +111,9 @@ class AppendKV:
     def rotate(self, src, dst, mCos, mSin, pos):
         """dst = src rotated at position `pos` (or copied when rotary is off)."""
         tidx, _, _ = cute.arch.thread_idx()
-        half = mCos.shape[1]
+        half = None
         if cutlass.const_expr(self.rotary):
+            half = mCos.shape[1]
             pos = clamp(pos, 0, mCos.shape[0] - 1)
         for c in cutlass.range(tidx, src.shape[0], NUM_THREADS, unroll=1):
             if cutlass.const_expr(not self.rotary):
@@ -128,11 +141,15 @@ class AppendKV:
                     dst[c] = src[c]
 
 
-def fake_append_args(kernel: AppendKV):
-    el, i32 = kernel.dtype, cutlass.Int32
-    return ([fake_tensor(el, 4) for _ in range(4)] + [fake_tensor(i32, 1), fake_tensor(i32, 1), fake_tensor(i32, 2)]
-            + [fake_tensor(el, 2), fake_tensor(el, 2), fake_tensor(el, 4), fake_tensor(el, 4), fake_stream()])
+def fake_append_args(config: AppendConfig):
+    """Placeholders in `AppendKV.__call__`'s parameter order; None where the config reads nothing."""
+    el, i32 = element_type(config.dtype), cutlass.Int32
+    rotary = fake_tensor(el, 2) if config.rotary else None
+    return ([fake_tensor(el, 4) for _ in range(4)] + [fake_tensor(i32, 1)]
+            + [fake_tensor(i32, 1) if config.has_batch_idx else None, fake_tensor(i32, 2) if config.paged else None]
+            + [rotary, fake_tensor(el, 2) if config.rotary else None, fake_tensor(el, 4),
+               fake_tensor(el, 4) if config.rotary else None, fake_stream()])
 
 
-def compile_append(kernel: AppendKV, arch: int | None = None, extra_options: str = ""):
-    return compile_tvm_ffi(kernel, fake_append_args(kernel), arch, extra_options)
+def compile_append(config: AppendConfig, arch: int | None = None, extra_options: str = ""):
+    return compile_tvm_ffi(AppendKV(config), fake_append_args(config), arch, extra_options)

@@ -156,39 +156,37 @@ class FlashFwd:
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
-                 mLSE: cute.Tensor, mAlibi: cute.Tensor,
+                 mLSE: cute.Tensor, mAlibi,
                  scale_log2: cutlass.Float32, score_premul: cutlass.Float32, alibi_div: cutlass.Float32,
                  window_left: cutlass.Int32, window_right: cutlass.Int32, stream):
         """mQ/mO (batch, seqlen_q, heads, d), mK/mV (batch, seqlen_k, heads_k, d) with strides the
         compiler may take as multiples of 8 (one 128-bit copy per 8 elements); mLSE (batch, heads,
-        seqlen_q) fp32; mAlibi (batch, heads) fp32 slopes (any tensor when has_alibi is off)."""
+        seqlen_q) fp32; mAlibi (batch, heads) fp32 slopes. In every entry, a tensor the config
+        does not read is None (compiled as absent)."""
         args = FwdTensors(mQ, mK, mV, mO, mLSE, None, mAlibi, None, None, None, None, None, None)
         self.launch(args, FwdScalars(0, 1, scale_log2, score_premul, alibi_div, window_left, window_right),
                     (cute.ceil_div(mQ.shape[1], self.t.block_m), mQ.shape[0], mQ.shape[2]), stream)
 
     @cute.jit
     def call_varlen(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
-                    mLSE: cute.Tensor, mAlibi: cute.Tensor, mCuSeqlensQ: cute.Tensor,
-                    mCuSeqlensK: cute.Tensor, mSeqUsedK: cute.Tensor, mBlockTable: cute.Tensor,
+                    mLSE: cute.Tensor, mAlibi, mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor,
+                    mSeqUsedK, mBlockTable,
                     max_seqlen_q: cutlass.Int32,
                     scale_log2: cutlass.Float32, score_premul: cutlass.Float32, alibi_div: cutlass.Float32,
                     window_left: cutlass.Int32, window_right: cutlass.Int32, stream):
         """Packed batches: mQ/mO (total_q, heads, d), mK/mV (total_k, heads_k, d) or, paged,
         (num_blocks, page_size, heads_k, d) with mBlockTable (batch, max_blocks) int32; mLSE
         (heads, total_q), int32 prefix sums mCuSeqlens* (batch + 1,) and mSeqUsedK (batch,)
-        (ignored unless has_seqused_k). The grid covers max_seqlen_q; CTAs past a sequence's end exit."""
-        cfg = self.config
-        args = FwdTensors(mQ, mK, mV, mO, mLSE, None, mAlibi, mCuSeqlensQ, mCuSeqlensK,
-                          mSeqUsedK if cutlass.const_expr(cfg.has_seqused_k) else None, None, None,
-                          mBlockTable if cutlass.const_expr(cfg.paged) else None)
+        (has_seqused_k). The grid covers max_seqlen_q; CTAs past a sequence's end exit."""
+        args = FwdTensors(mQ, mK, mV, mO, mLSE, None, mAlibi, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, None, None,
+                          mBlockTable)
         self.launch(args, FwdScalars(0, 1, scale_log2, score_premul, alibi_div, window_left, window_right),
                     (cute.ceil_div(max_seqlen_q, self.t.block_m), mCuSeqlensQ.shape[0] - 1, mQ.shape[1]), stream)
 
     @cute.jit
     def call_kvcache(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
-                     mLSE: cute.Tensor, mOaccum: cute.Tensor, mLSEaccum: cute.Tensor,
-                     mCounters: cute.Tensor, mAlibi: cute.Tensor, mCacheSeqlens: cute.Tensor,
-                     mLeftpadK: cute.Tensor, mBatchIdx: cute.Tensor, mBlockTable: cute.Tensor,
+                     mLSE: cute.Tensor, mOaccum, mLSEaccum, mCounters, mAlibi, mCacheSeqlens: cute.Tensor,
+                     mLeftpadK, mBatchIdx, mBlockTable,
                      k_extra: cutlass.Int32, num_splits: cutlass.Int32,
                      scale_log2: cutlass.Float32, score_premul: cutlass.Float32, alibi_div: cutlass.Float32,
                      window_left: cutlass.Int32, window_right: cutlass.Int32, stream):
@@ -200,7 +198,7 @@ class FlashFwd:
         normalised partial O to mOaccum (num_splits, batch, heads, seqlen_q, kHeadDim) fp32 and
         its LSE (-inf when it saw no key) to mLSEaccum (num_splits, batch, heads, seqlen_q), and
         counts itself in mCounters (m_blocks * batch * heads,) int32, which must be zero at launch
-        and is zero again at exit. Unsplit kernels ignore the three.
+        and is zero again at exit (the three are None in unsplit kernels).
         pack_gqa (seqlen_q 1, flash-attn 2's seqlenq_ngroups_swapped): the g = heads / heads_k query
         heads of a kv head become g query rows, so one CTA reads each K/V tile once for the
         group; mQ/mO are taken as (batch, g, heads_k, d), mLSE as (batch, heads_k, g), and the
@@ -214,10 +212,8 @@ class FlashFwd:
         split = None
         if cutlass.const_expr(cfg.split):
             split = SplitWorkspace(mOaccum, mLSEaccum, mCounters)
-        args = FwdTensors(mQ, mK, mV, mO, mLSE, split, mAlibi, None, None, mCacheSeqlens,
-                          mLeftpadK if cutlass.const_expr(cfg.has_leftpad) else None,
-                          mBatchIdx if cutlass.const_expr(cfg.has_batch_idx) else None,
-                          mBlockTable if cutlass.const_expr(cfg.paged) else None)
+        args = FwdTensors(mQ, mK, mV, mO, mLSE, split, mAlibi, None, None, mCacheSeqlens, mLeftpadK, mBatchIdx,
+                          mBlockTable)
         self.launch(args, FwdScalars(k_extra, num_splits, scale_log2, score_premul, alibi_div, window_left,
                                      window_right),
                     (cute.ceil_div(mQ.shape[1], self.t.block_m), mQ.shape[0], mQ.shape[2] * num_splits), stream)

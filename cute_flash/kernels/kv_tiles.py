@@ -29,7 +29,7 @@ import cutlass
 import cutlass.cute as cute
 
 from cute_flash.kernels.seq_info import clamp
-from cute_flash.kernels.tile_copy import copy_row, copy_tile
+from cute_flash.kernels.tile_copy import copy_or_fill_row, copy_tile
 
 
 @dataclass(frozen=True)
@@ -117,13 +117,8 @@ class KVTiles:
                 row_ok = True
                 if cutlass.const_expr(check_rows):
                     row_ok = cute.elem_less(row, rows_left)
-                if row_ok:
-                    page = self.row_page(n_block, m) if cutlass.const_expr(pages is None) else pages[m]
-                    offset = (n_block * self.bn + row) % self.page_div
-                    copy_row(self.tiled_copy, self.page_window(mX, page, offset - row), dst, m, self.tKVpKV,
-                             self.even_k, True)
-                else:
-                    dst[None, m, None].fill(0)
+                copy_or_fill_row(self.tiled_copy, lambda: self.row_window(mX, n_block, m, row, pages), dst, m,
+                                 self.tKVpKV, row_ok, self.even_k, True)
         elif cutlass.const_expr(self.run is not None):
             for g in cutlass.range_constexpr(cute.size(dst, mode=[1]) // self.run):
                 if cutlass.const_expr(check_rows):
@@ -157,11 +152,8 @@ class KVTiles:
                 row_ok = True
                 if cutlass.const_expr(check_rows):
                     row_ok = cute.elem_less(row, rows_left)
-                if row_ok:
-                    src = self.page_window(mX, page, offset - row)
-                    copy_row(self.tiled_copy, src, dst, m, self.tKVpKV, self.even_k, True)
-                else:
-                    dst[None, m, None].fill(0)
+                copy_or_fill_row(self.tiled_copy, lambda: self.page_window(mX, page, offset - row), dst, m,
+                                 self.tKVpKV, row_ok, self.even_k, True)
 
     @cute.jit
     def load_run(self, is_v: cutlass.Constexpr, n_block, g: cutlass.Constexpr, dst: cute.Tensor, rows_left,
@@ -178,10 +170,15 @@ class KVTiles:
             row_ok = True
             if cutlass.const_expr(check_rows):
                 row_ok = cute.elem_less(self.tKVcKV[0, m, 0][0], rows_left)
-            if row_ok:
-                copy_row(self.tiled_copy, src, dst, m, self.tKVpKV, self.even_k, True)
-            else:
-                dst[None, m, None].fill(0)
+            copy_or_fill_row(self.tiled_copy, lambda: src, dst, m, self.tKVpKV, row_ok, self.even_k, True)
+
+    @cute.jit
+    def row_window(self, mX, n_block, m: cutlass.Constexpr, row, pages):
+        """`page_window` for this thread's row m of block n, pages of any size: its page from
+        `pages` (read ahead) or the table, and its offset in that page."""
+        page = self.row_page(n_block, m) if cutlass.const_expr(pages is None) else pages[m]
+        offset = (n_block * self.bn + row) % self.page_div
+        return self.page_window(mX, page, offset - row)
 
     @cute.jit
     def page_window(self, mX, page, shift):

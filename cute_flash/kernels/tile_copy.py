@@ -34,11 +34,21 @@ def copy_tile(tiled_copy: cute.TiledCopy, src: cute.Tensor, dst: cute.Tensor, tX
             row_ok = True
             if cutlass.const_expr(check_rows):
                 row_ok = cute.elem_less(tXcX[0, m, 0][0], max_rows)
-            if row_ok:
-                copy_row(tiled_copy, src, dst, m, kpred, even_k, zero_fill)
-            else:
-                if cutlass.const_expr(zero_fill):
-                    dst[None, m, None].fill(0)
+            copy_or_fill_row(tiled_copy, lambda: src, dst, m, kpred, row_ok, even_k, zero_fill)
+
+
+@cute.jit
+def copy_or_fill_row(tiled_copy: cute.TiledCopy, source, dst: cute.Tensor, m: cutlass.Constexpr, kpred: cute.Tensor,
+                     row_ok, even_k: cutlass.Constexpr, zero_fill: cutlass.Constexpr):
+    """Row m of `dst` from `source()` when row_ok, else zeros (shared-memory destinations) or
+    nothing (global ones). `source` gives the (CPY, CPY_ROWS, CPY_K) source partition and is
+    traced inside the copying branch only, so a paged row's address is computed only for rows
+    that are copied."""
+    if row_ok:
+        copy_row(tiled_copy, source(), dst, m, kpred, even_k, zero_fill)
+    else:
+        if cutlass.const_expr(zero_fill):
+            dst[None, m, None].fill(0)
 
 
 @cute.jit

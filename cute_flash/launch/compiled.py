@@ -40,28 +40,31 @@ def fake_fwd_args(config: FwdConfig):
     """Placeholders for compiling `config`'s entry (`FlashFwd.__call__`, `call_varlen` or
     `call_kvcache`, in their parameter order): every extent dynamic, every element-tensor stride
     but the last a multiple of 8 (the launcher guarantees it), int32 vectors and tables dense in
-    their last dim."""
+    their last dim; None for every tensor the config does not read (the kernel is specialised on
+    its absence, and the caller passes None there)."""
     dtype = element_type(config.traits)
 
     def elems(rank):
         return fake_tensor(dtype, rank, ALIGN, COPY_BYTES)
 
-    def f32(rank):
-        return fake_tensor(cutlass.Float32, rank)
+    def f32(rank, on=True):
+        return fake_tensor(cutlass.Float32, rank) if on else None
 
-    def i32(rank):
-        return fake_tensor(cutlass.Int32, rank)
+    def i32(rank, on=True):
+        return fake_tensor(cutlass.Int32, rank) if on else None
 
     scalars = [1.0, 1.0, 1.0, -1, -1, fake_stream()]  # scales, window edges, stream
-    kv_rank = 4 if config.paged or not config.varlen else 3
+    alibi = f32(2, config.has_alibi)
     if config.entry == "varlen":
-        return ([elems(3), elems(kv_rank), elems(kv_rank), elems(3), f32(2), f32(2)]
-                + [i32(1), i32(1), i32(1), i32(2), 1] + scalars)
+        kv_rank = 4 if config.paged else 3
+        return ([elems(3), elems(kv_rank), elems(kv_rank), elems(3), f32(2), alibi, i32(1), i32(1)]
+                + [i32(1, config.has_seqused_k), i32(2, config.paged), 1] + scalars)
     if config.entry == "kvcache":
-        accum = fake_tensor(cutlass.Float32, 5, ALIGN, COPY_BYTES, last_extent=config.traits.head_dim)
-        return ([elems(4), elems(4), elems(4), elems(4), f32(3), accum, f32(4), i32(1), f32(2)]
-                + [i32(1), i32(1), i32(1), i32(2), 0, 1] + scalars)
-    return [elems(4) for _ in range(4)] + [f32(3), f32(2)] + scalars
+        split = config.split
+        accum = fake_tensor(cutlass.Float32, 5, ALIGN, COPY_BYTES, last_extent=config.traits.head_dim) if split else None
+        return ([elems(4), elems(4), elems(4), elems(4), f32(3), accum, f32(4, split), i32(1, split), alibi, i32(1)]
+                + [i32(1, config.has_leftpad), i32(1, config.has_batch_idx), i32(2, config.paged), 0, 1] + scalars)
+    return [elems(4) for _ in range(4)] + [f32(3), alibi] + scalars
 
 
 def entry_point(kernel: FlashFwd):

@@ -43,22 +43,11 @@ def fwd_kernel(d_pad: int, dtype, device_index: int, causal: bool, traits: FwdTr
     return compiled.kernel_for(FwdConfig(traits, even_k=d_pad == traits.head_dim, **dict(flags)), device_index)
 
 
-@functools.lru_cache(maxsize=None)
-def no_alibi(index: int):
-    """What the kernels read as ALiBi slopes when there are none (never read)."""
-    return torch.zeros((1, 1), dtype=torch.float32, device=f"cuda:{index}")
-
-
-@functools.lru_cache(maxsize=None)
-def no_table(index: int):
-    """The placeholder for an int32 table or vector the kernel's flags leave unread."""
-    return torch.zeros((1, 1), dtype=torch.int32, device=f"cuda:{index}")
-
-
-def alibi_2d(alibi_slopes, batch, nheads, index):
-    if alibi_slopes is None:
-        return no_alibi(index)
-    return alibi_slopes if alibi_slopes.dim() == 2 else alibi_slopes.unsqueeze(0).expand(batch, nheads)
+def alibi_2d(alibi_slopes, batch, nheads):
+    """(batch, heads) slopes as the kernels read them (a (heads,) vector broadcast), or None."""
+    if alibi_slopes is None or alibi_slopes.dim() == 2:
+        return alibi_slopes
+    return alibi_slopes.unsqueeze(0).expand(batch, nheads)
 
 
 def flash_fwd(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1), softcap=0.0,
@@ -74,7 +63,7 @@ def flash_fwd(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1), sof
     kernel = fwd_kernel(q.shape[-1], q.dtype, index, causal, traits, (
         ("has_left", left >= 0), ("has_right", right >= 0), ("has_alibi", alibi_slopes is not None),
         ("has_softcap", softcap > 0)))
-    kernel(q, k, v, out, lse, alibi_2d(alibi_slopes, b, h, index), *scales(softmax_scale, softcap), left, right)
+    kernel(q, k, v, out, lse, alibi_2d(alibi_slopes, b, h), *scales(softmax_scale, softcap), left, right)
     return (out if out.shape[-1] == d else out[..., :d]), lse
 
 
@@ -95,8 +84,7 @@ def flash_fwd_varlen(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
         ("has_softcap", softcap > 0), ("varlen", True), ("has_seqused_k", seqused_k is not None),
         ("paged", paged), ("any_page_size", paged and k.shape[1] % PAGE_ROWS != 0)))
     cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
-    seqused = cu_seqlens_k if seqused_k is None else seqused_k.contiguous()  # read only if given
-    kernel(q, k, v, out, lse, alibi_2d(alibi_slopes, cu_seqlens_q.shape[0] - 1, h, index), cu_seqlens_q,
-           cu_seqlens_k, seqused, block_table if paged else no_table(index), max_seqlen_q,
-           *scales(softmax_scale, softcap), left, right)
+    seqused = None if seqused_k is None else seqused_k.contiguous()
+    kernel(q, k, v, out, lse, alibi_2d(alibi_slopes, cu_seqlens_q.shape[0] - 1, h), cu_seqlens_q, cu_seqlens_k,
+           seqused, block_table, max_seqlen_q, *scales(softmax_scale, softcap), left, right)
     return (out if out.shape[-1] == d else out[..., :d]), lse

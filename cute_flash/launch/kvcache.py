@@ -13,13 +13,15 @@ from dataclasses import dataclass
 
 import torch
 
+from cute_flash.compile_cache import get_or_compile
+from cute_flash.kernels.append import AppendConfig, compile_append
 from cute_flash.kernels.config import FwdConfig
 from cute_flash.kernels.fake import ffi_function
 from cute_flash.kernels.split_kv import num_splits_heuristic, workspace_shapes
 from cute_flash.launch.align import aligned, is_aligned
 from cute_flash.launch import compiled
-from cute_flash.launch.dense import PAGE_ROWS, alibi_2d, device_index, no_table, scales, window_edges
-from layouts.traits import ALIGN, FwdTraits, choose_decode_traits, element_type
+from cute_flash.launch.dense import PAGE_ROWS, alibi_2d, device_index, scales, window_edges
+from layouts.traits import ALIGN, FwdTraits, choose_decode_traits
 
 
 @dataclass(frozen=True, eq=False)
@@ -108,12 +110,8 @@ def flash_fwd_kvcache(q, k_cache, v_cache, *, k=None, v=None, rotary_cos=None, r
     o_acc, lse_acc, counters, lse = _workspace(plan, call.device)
     if return_lse:
         lse = torch.empty((b, h, sq), dtype=torch.float32, device=call.device)
-    unread = no_table(index)
-    plan.launch(q, k_cache, v_cache, out, lse, o_acc, lse_acc, counters,
-                alibi_2d(alibi_slopes, b, h, index), seqlens,
-                seqlens if cache_leftpad is None else cache_leftpad,
-                seqlens if cache_batch_idx is None else cache_batch_idx,
-                unread if block_table is None else block_table, *call.scalars)
+    plan.launch(q, k_cache, v_cache, out, lse, o_acc, lse_acc, counters, alibi_2d(alibi_slopes, b, h), seqlens,
+                cache_leftpad, cache_batch_idx, block_table, *call.scalars)
     return out, (lse if return_lse else None)
 
 
@@ -155,33 +153,27 @@ def _append(q, k, v, k_cache, v_cache, seqlens, cache_batch_idx, block_table, ro
             interleaved, q_per_row, index):
     """Launch the append kernel (rotary k into the caches; returns q, rotated when rotary)."""
     rotary = rotary_cos is not None
-    paged = block_table is not None
     k, v = k.contiguous(), v.contiguous()
-    q_new = torch.empty_like(q) if rotary else q
-    cos = rotary_cos.contiguous() if rotary else q.new_empty((1, 1))
-    sin = rotary_sin.contiguous() if rotary else cos
-    append = append_for(q.dtype, index, paged, cache_batch_idx is not None, rotary, bool(interleaved), q_per_row)
-    append(k, v, k_cache, v_cache, seqlens, cache_batch_idx if cache_batch_idx is not None else seqlens,
-           block_table if paged else no_table(index), cos, sin, q, q_new)
-    return q_new
+    q_new = torch.empty_like(q) if rotary else None
+    cos = rotary_cos.contiguous() if rotary else None
+    sin = rotary_sin.contiguous() if rotary else None
+    config = AppendConfig(compiled.DTYPE_NAMES[q.dtype], block_table is not None, cache_batch_idx is not None, rotary,
+                          bool(interleaved), q_per_row)
+    append_for(config, index)(k, v, k_cache, v_cache, seqlens, cache_batch_idx, block_table, cos, sin, q, q_new)
+    return q_new if rotary else q
 
 
 @functools.lru_cache(maxsize=None)
-def append_for(dtype, device_index, paged, has_batch_idx, rotary, interleaved, q_per_row):
-    """The compiled append kernel of one flag set on the device's arch."""
-    from cute_flash.compile_cache import get_or_compile
-    from cute_flash.kernels.append import AppendKV, compile_append
-
+def append_for(config: AppendConfig, device_index: int):
+    """The compiled append kernel of `config` on the device's arch."""
     arch = compiled.device_arch(device_index)
-    flags = (paged, has_batch_idx, rotary, interleaved, q_per_row)
-    return get_or_compile(("append", dtype, arch) + flags,
-                          lambda: compile_append(AppendKV(element_type(compiled.DTYPE_NAMES[dtype]), *flags)))
+    return get_or_compile((config, arch), lambda: compile_append(config))
 
 
 def _workspace(plan: KVCachePlan, device: torch.device):
     """(partial O, partial LSE, arrival counters, LSE scratch) for one launch of `plan`: the
-    partials and counters of a split launch, placeholders otherwise, and where the final LSE
-    goes when the caller does not want it. Kept per (plan, stream): launches on one stream run in
+    partials and counters of a split launch (None otherwise), and where the final LSE goes when
+    the caller does not want it. Kept per (plan, stream): launches on one stream run in
     order, so they can share it, and the kernel leaves the counters at zero. A launch being
     captured into a CUDA graph gets its own, since the graph may replay beside eager calls."""
     if torch.cuda.is_current_stream_capturing():
@@ -195,13 +187,12 @@ def _stream_workspace(plan: KVCachePlan, device: torch.device, stream: int):
 
 
 def _new_workspace(plan: KVCachePlan, device: torch.device):
-    if plan.num_splits > 1:
-        o_shape, lse_shape, counter_shape = workspace_shapes(plan.num_splits, plan.batch, plan.heads, plan.rows,
-                                                             plan.traits.head_dim, plan.m_blocks)
-    else:
-        o_shape, lse_shape, counter_shape = (1, 1, 1, 1, plan.traits.head_dim), (1, 1, 1, 1), (1,)
+    lse = torch.empty((plan.batch, plan.nheads, plan.seqlen_q), dtype=torch.float32, device=device)
+    if plan.num_splits == 1:
+        return None, None, None, lse
+    o_shape, lse_shape, counter_shape = workspace_shapes(plan.num_splits, plan.batch, plan.heads, plan.rows,
+                                                         plan.traits.head_dim, plan.m_blocks)
     o_acc = torch.empty(o_shape, dtype=torch.float32, device=device)
     lse_acc = torch.empty(lse_shape, dtype=torch.float32, device=device)
     counters = torch.zeros(counter_shape, dtype=torch.int32, device=device)
-    lse = torch.empty((plan.batch, plan.nheads, plan.seqlen_q), dtype=torch.float32, device=device)
     return o_acc, lse_acc, counters, lse
