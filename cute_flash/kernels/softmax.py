@@ -30,7 +30,7 @@ class OnlineSoftmax:
         self.scale_log2 = scale_log2
 
     @cute.jit
-    def step(self, acc_S_mn: cute.Tensor, acc_O_mn: cute.Tensor,
+    def step(self, acc_s_mn: cute.Tensor, acc_o_mn: cute.Tensor,
              is_first: cutlass.Constexpr, check_inf: cutlass.Constexpr):
         """Turn S into unnormalised P in place and rescale O by exp(old max - new max).
 
@@ -38,7 +38,7 @@ class OnlineSoftmax:
         exp2 gives 0 instead of NaN.
         """
         for r in cutlass.range_constexpr(cute.size(self.row_max)):
-            s_row = acc_S_mn[r, None].load()
+            s_row = acc_s_mn[r, None].load()
             row_max = quad_allreduce_max(s_row.reduce(cute.ReductionOp.MAX, -cutlass.Float32.inf, 0))
             if cutlass.const_expr(not is_first):
                 row_max = cute.arch.fmax(self.row_max[r], row_max)
@@ -52,16 +52,16 @@ class OnlineSoftmax:
             else:
                 correction = cute.math.exp2(self.row_max[r] * self.scale_log2 - max_scaled, fastmath=True)
                 self.row_sum[r] = self.row_sum[r] * correction + row_sum
-                acc_O_mn[r, None] = acc_O_mn[r, None].load() * correction
+                acc_o_mn[r, None] = acc_o_mn[r, None].load() * correction
             self.row_max[r] = row_max
-            acc_S_mn[r, None] = p_row
+            acc_s_mn[r, None] = p_row
 
     def init_empty(self):
         self.row_max.fill(-cutlass.Float32.inf)
         self.row_sum.fill(0.0)
 
     @cute.jit
-    def finalize(self, acc_O_mn: cute.Tensor, lse: cute.Tensor, empty_lse: cutlass.Float32):
+    def finalize(self, acc_o_mn: cute.Tensor, lse: cute.Tensor, empty_lse: cutlass.Float32):
         """Normalise O and write the natural-log LSE per row into `lse` (registers).
 
         A row that saw no key has sum 0: O stays 0 and its LSE is `empty_lse` (+inf for a final
@@ -71,7 +71,7 @@ class OnlineSoftmax:
             row_sum = quad_allreduce_sum(self.row_sum[r])
             empty = row_sum == 0.0 or row_sum != row_sum
             inv = 0.0 if empty else cute.arch.rcp_approx(row_sum)
-            acc_O_mn[r, None] = acc_O_mn[r, None].load() * inv
+            acc_o_mn[r, None] = acc_o_mn[r, None].load() * inv
             lse[r] = (
                 empty_lse
                 if empty
