@@ -1,7 +1,8 @@
-"""`python -m cute_flash [compile|check|bench|overhead|memcheck]`.
+"""`python -m cute_flash [compile|check|bench|overhead|coldstart|tune|memcheck]`.
 
-With no command: on a machine with a GPU, `check` then `bench`; without one, `compile` (every
-kernel variant for sm_80 and sm_90a, with its resource report) and the layout checks.
+With no command: on a machine with a GPU, `check` then `bench`; without one, compile-only mode:
+`compile` (the CI set of kernel variants for sm_80 and sm_90a, into the compile cache, with
+each one's resources) and the layout checks. Every command but `compile` needs a CUDA GPU.
 """
 from __future__ import annotations
 
@@ -11,27 +12,58 @@ import time
 
 
 def cmd_compile(archs, full):
-    from cute_flash.kernels.config import FLAG_LETTERS
-    from cute_flash.launch.compiled import compile_fwd, fwd_variants
-    from cute_flash.resources import compile_with_report, find_ptxas
-    from layouts.traits import SMEM_LIMIT
+    """Compile every variant the dispatcher can choose for `archs` into the compile cache (no
+    GPU needed: a CPU machine can warm the cache for GPUs of the same arch), with each
+    variant's resources from ptxas; variants already cached are skipped."""
+    from tqdm import tqdm
 
+    from cute_flash import compile_cache
+    from cute_flash.kernels.append import compile_append
+    from cute_flash.kernels.config import FLAG_LETTERS
+    from cute_flash.launch.compiled import append_variants, compile_fwd, fwd_variants
+    from cute_flash.resources import compile_with_report, find_ptxas
+    from layouts.traits import SMEM_LIMIT, sm_name
+
+    jobs = [(arch, config, compile_fwd) for arch in archs for config in fwd_variants(arch, full)]
+    jobs += [(arch, config, compile_append) for arch in archs for config in append_variants(full)]
+    where = compile_cache.cache_root() / compile_cache.fingerprint() if compile_cache.enabled() else None
+    print(f"compile-only (no GPU used): {len(jobs)} variants for {', '.join(sm_name(a) for a in archs)} "
+          f"({'every traits x every flag combination' if full else 'the CI subset; --full for all'}), "
+          f"about 4 s each on one core when not cached; cache: {where or 'off (CUTE_FLASH_CACHE=0)'}", flush=True)
     print(f"ptxas for resource numbers: {find_ptxas() or 'not found (registers not reported)'}")
-    print(f"{'arch':5} {'traits':24} {'flags':14} {'smem':>7} {'regs':>5} {'spill':>6} {'s':>5}")
-    worst = 0
-    for arch in archs:
-        for config in fwd_variants(arch, full):
-            traits = config.traits
-            t0 = time.time()
-            _, rep = compile_with_report(lambda opts: compile_fwd(config, arch, opts), arch)
-            spill = rep.get("spill_stores", 0) + rep.get("spill_loads", 0)
+    print(f"{'arch':6} {'variant':34} {'smem':>7} {'regs':>5} {'spill':>6} {'s':>5}")
+    worst, compiled, cached, t_start = 0, 0, 0, time.time()
+    with tqdm(jobs, unit="variant", dynamic_ncols=True) as bar:
+        for arch, config, compile_fn in bar:
+            name = getattr(config, "name")
+            bar.set_description(f"{sm_name(arch)} {name}")
+            if where is not None and compile_cache.entry_path((config, arch)).exists():
+                cached += 1
+                continue
+            report, t0 = {}, time.time()
+
+            def build(config=config, arch=arch, compile_fn=compile_fn):
+                result, rep = compile_with_report(lambda opts: compile_fn(config, arch, opts), arch)
+                report.update(rep)
+                return result
+
+            if where is None:
+                build()
+            else:
+                compile_cache.get_or_compile((config, arch), build)
+            compiled += 1
+            spill = report.get("spill_stores", 0) + report.get("spill_loads", 0)
             worst = max(worst, spill)
-            print(f"sm_{arch:<2} {traits.name:24} {config.letters:14} {traits.smem_bytes:>7} "
-                  f"{rep.get('registers', '-'):>5} {spill if rep else '-':>6} {time.time() - t0:5.1f}",
-                  flush=True)
-            assert traits.smem_bytes <= SMEM_LIMIT[arch]
+            smem = getattr(getattr(config, "traits", None), "smem_bytes", 0)
+            assert smem <= SMEM_LIMIT[arch]
+            bar.write(f"{sm_name(arch):6} {name:34} {smem or '-':>7} {report.get('registers', '-'):>5} "
+                      f"{spill if report else '-':>6} {time.time() - t0:5.1f}")
     legend = ", ".join(f"{letter}={name}" for name, letter in FLAG_LETTERS.items())
-    print(f"flags (FwdConfig fields in order): {legend}; largest spill: {worst} bytes")
+    print(f"flags (FwdConfig fields in order): {legend}; append: P=paged B=batch_idx R=rotary "
+          f"I=interleaved Q=per-row q angle")
+    print(f"compile: {compiled} compiled, {cached} already cached, {time.time() - t_start:.0f} s; "
+          f"largest spill {worst} bytes")
+    return 0
 
 
 def cmd_check():
@@ -134,6 +166,38 @@ def cmd_overhead():
     return rows | dec
 
 
+COLD_START = """
+import time
+t0 = time.perf_counter()
+import torch
+from cute_flash import flash_attn_func, flash_attn_with_kvcache
+q = torch.randn(2, 512, 16, 128, device="cuda", dtype=torch.bfloat16)
+t1 = time.perf_counter()
+flash_attn_func(q, q, q, causal=True)
+torch.cuda.synchronize()
+t2 = time.perf_counter()
+kc = torch.randn(2, 4096, 4, 128, device="cuda", dtype=torch.bfloat16)
+flash_attn_with_kvcache(q[:, :1], kc, kc, cache_seqlens=4000)
+torch.cuda.synchronize()
+t3 = time.perf_counter()
+print(f"import+setup {t1 - t0:.2f} s, first flash_attn_func {t2 - t1:.2f} s, first decode {t3 - t2:.2f} s")
+"""
+
+
+def cmd_coldstart():
+    """The first calls of a fresh process (a causal prefill and a split decode) with an empty
+    compile cache, then in another fresh process with the cache the first one filled."""
+    import os
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, CUTE_FLASH_CACHE_DIR=cache, CUTE_FLASH_CACHE="1")
+        for label in ("empty cache", "warm cache"):
+            run = subprocess.run([sys.executable, "-c", COLD_START], env=env, capture_output=True, text=True)
+            print(f"{label:12}: {run.stdout.strip() or run.stderr[-2000:]}", flush=True)
+
+
 def cmd_memcheck(pytest_args, jobs=1):
     """The GPU suite (or the pytest arguments given) under compute-sanitizer memcheck, with
     torch's caching allocator off so that each tensor is its own allocation and a read just past
@@ -212,9 +276,12 @@ def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m cute_flash", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd")
-    c = sub.add_parser("compile", help="compile every kernel variant without a GPU; print resources")
-    c.add_argument("--arch", type=int, nargs="+", default=[80, 90])
-    c.add_argument("--full", action="store_true", help="every traits x every flag combination")
+    c = sub.add_parser("compile", help="compile kernel variants into the compile cache, no GPU needed "
+                                       "(ahead of time); print each one's resources")
+    c.add_argument("--arch", type=int, nargs="+", default=[80, 90], choices=[80, 90],
+                   help="target archs (default: 80 90)")
+    c.add_argument("--full", action="store_true",
+                   help="every traits x every flag combination (thousands of variants: hours) instead of the CI subset")
     sub.add_parser("check", help="quick GPU correctness against cute_flash.reference")
     b = sub.add_parser("bench", help="TFLOP/s against torch SDPA FLASH and CUDNN (GPU)")
     b.add_argument("--quick", action="store_true")
@@ -223,6 +290,7 @@ def main(argv=None):
                    help="comma-separated: grid (the forward grid), extra (window/softcap), varlen, paged, "
                         "decode, unaligned (caches served through aligned copies)")
     sub.add_parser("overhead", help="host cost of a cached call vs SDPA (GPU)")
+    sub.add_parser("coldstart", help="first calls of a fresh process, empty vs warm compile cache (GPU)")
     sub.add_parser("tune", help="TFLOP/s of each tile candidate per head dim (GPU)")
     m = sub.add_parser("memcheck", help="the GPU suite under compute-sanitizer memcheck (GPU); "
                                         "other arguments go to pytest (default: tests)")
@@ -232,6 +300,13 @@ def main(argv=None):
         p.error(f"unrecognized arguments: {' '.join(extra)}")
 
     cmd = args.cmd
+    if cmd not in (None, "compile"):
+        import torch
+
+        if not torch.cuda.is_available():
+            print(f"python -m cute_flash {cmd}: needs a CUDA GPU, and torch sees none here "
+                  f"(`python -m cute_flash compile` works without one)", file=sys.stderr)
+            return 2
     if cmd is None:
         import torch
 
@@ -241,6 +316,7 @@ def main(argv=None):
 
             bench()
             return int(bad > 0)
+        print("no CUDA GPU: compile-only mode (the CI variant set, then the layout checks)", flush=True)
         cmd_compile([80, 90], False)
         from layouts.__main__ import main as layouts_main
 
@@ -255,6 +331,8 @@ def main(argv=None):
         bench(args.out, args.quick, tuple(args.sections.split(",")))
     elif cmd == "overhead":
         cmd_overhead()
+    elif cmd == "coldstart":
+        cmd_coldstart()
     elif cmd == "memcheck":
         return cmd_memcheck(extra, args.jobs)
     elif cmd == "tune":

@@ -40,6 +40,12 @@ class AppendConfig:
     interleaved: bool      # rotary pairs (x[2j], x[2j + 1]) instead of (x[j], x[j + rotary_dim / 2])
     q_per_row: bool        # q row i rotated at cache_seqlens + i (causal or local), else all at cache_seqlens
 
+    @property
+    def name(self) -> str:
+        flags = "".join(letter if on else "." for letter, on in zip(
+            "PBRIQ", (self.paged, self.has_batch_idx, self.rotary, self.interleaved, self.q_per_row)))
+        return f"append_{self.dtype}-{flags}"
+
 
 class AppendKV:
     def __init__(self, config: AppendConfig):

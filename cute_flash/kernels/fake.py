@@ -32,9 +32,3 @@ def compile_tvm_ffi(entry, args, arch: int | None = None, extra_options: str = "
     (80, 90) needs no GPU (nothing is launched)."""
     options = f"--enable-tvm-ffi {arch_option(arch)} {extra_options}".strip()
     return cute.compile(entry, *args, options=options)
-
-
-def ffi_function(compiled):
-    """The TVM-FFI function inside a compiled kernel, called positionally: it skips the DSL's
-    keyword-argument wrapper, two Python frames per launch on paths where host time counts."""
-    return compiled.__tvm_ffi_object__()

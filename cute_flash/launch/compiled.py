@@ -78,12 +78,17 @@ def compile_fwd(config: FwdConfig, arch: int | None = None, extra_options: str =
     return compile_tvm_ffi(entry_point(FlashFwd(config)), fake_fwd_args(config), arch, extra_options)
 
 
+def cached_fwd(config: FwdConfig, arch: int):
+    """The TVM-FFI function of `config` on `arch`, compiled or taken from the compile cache
+    (memory, then disk); None where no GPU can load it."""
+    return get_or_compile((config, arch), lambda: compile_fwd(config, arch))
+
+
 @functools.lru_cache(maxsize=None)
 def kernel_for(config: FwdConfig, device_index: int):
-    """The compiled kernel of `config` for the device's arch (memoised per device: a cached
-    call hashes the config once instead of building the compile-cache key)."""
-    arch = device_arch(device_index)
-    return get_or_compile((config, arch), lambda: compile_fwd(config))
+    """The TVM-FFI function of `config` for the device's arch, called positionally (memoised
+    per device: a cached call hashes the config once)."""
+    return cached_fwd(config, device_arch(device_index))
 
 
 def fwd_variants(arch: int, full: bool = False) -> list[FwdConfig]:
@@ -130,3 +135,25 @@ def fwd_variants(arch: int, full: bool = False) -> list[FwdConfig]:
         subset += [(decode_pivot, dict(causal, kvcache=True, paged=True, split=True, any_page_size=a))
                    for a in (False, True)]
     return [FwdConfig(t, **f) for t, f in subset]
+
+
+def append_variants(full: bool = False) -> list:
+    """AppendConfigs the KV-cache path can launch (fp16 and bf16 with `full`, else fp16): a
+    paged cache has no batch index; without rotary, interleaving and per-row angles mean
+    nothing. CI compiles three: plain, batch index + interleaved rotary, paged + per-row rotary."""
+    from cute_flash.kernels.append import AppendConfig
+
+    if not full:
+        return [AppendConfig("fp16", False, False, False, False, False),
+                AppendConfig("fp16", False, True, True, True, False),
+                AppendConfig("fp16", True, False, True, False, True)]
+    layouts = [(False, False), (False, True), (True, False)]
+    rotary = [(False, False, False)] + [(True, i, q) for i in (False, True) for q in (False, True)]
+    return [AppendConfig(dt, *lay, *rot) for dt in DTYPES for lay in layouts for rot in rotary]
+
+
+def cached_append(config, arch: int):
+    """The TVM-FFI function of an append config on `arch`, through the compile cache."""
+    from cute_flash.kernels.append import compile_append
+
+    return get_or_compile((config, arch), lambda: compile_append(config, arch))

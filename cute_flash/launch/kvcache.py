@@ -13,10 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from cute_flash.compile_cache import get_or_compile
-from cute_flash.kernels.append import AppendConfig, compile_append
+from cute_flash.kernels.append import AppendConfig
 from cute_flash.kernels.config import FwdConfig
-from cute_flash.kernels.fake import ffi_function
 from cute_flash.kernels.split_kv import num_splits_heuristic, workspace_shapes
 from cute_flash.launch.align import aligned, is_aligned
 from cute_flash.launch import compiled
@@ -31,7 +29,7 @@ class KVCachePlan:
     one plan."""
     config: FwdConfig
     num_splits: int
-    launch: object   # the compiled kernel's TVM-FFI function
+    launch: object   # the compiled kernel's TVM-FFI function, called positionally
     batch: int
     nheads: int      # (heads, seqlen_q) as the caller has them
     seqlen_q: int
@@ -142,7 +140,7 @@ def _kvcache_call(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, 
                        any_page_size=paged and k_cache.shape[1] % PAGE_ROWS != 0, kvcache=True,
                        split=num_splits > 1, has_leftpad=cache_leftpad is not None,
                        has_batch_idx=cache_batch_idx is not None, pack_gqa=pack_gqa)
-    plan = KVCachePlan(config, num_splits, ffi_function(compiled.kernel_for(config, index)), b, h, sq, rows, heads, m_blocks)
+    plan = KVCachePlan(config, num_splits, compiled.kernel_for(config, index), b, h, sq, rows, heads, m_blocks)
     append = k is not None and (k.shape[1] > 0 or rotary_cos is not None)  # an empty grid cannot launch
     k_extra = 0 if k is None else k.shape[1]
     return KVCacheCall(plan, device, index, not is_aligned(q), seqlens, append, causal or left >= 0 or right >= 0,
@@ -166,8 +164,7 @@ def _append(q, k, v, k_cache, v_cache, seqlens, cache_batch_idx, block_table, ro
 @functools.lru_cache(maxsize=None)
 def append_for(config: AppendConfig, device_index: int):
     """The compiled append kernel of `config` on the device's arch."""
-    arch = compiled.device_arch(device_index)
-    return get_or_compile((config, arch), lambda: compile_append(config))
+    return compiled.cached_append(config, compiled.device_arch(device_index))
 
 
 def _workspace(plan: KVCachePlan, device: torch.device):
