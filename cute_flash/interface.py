@@ -13,10 +13,13 @@ output without a gradient. `return_attn_probs=True` returns `(out, softmax_lse, 
 import importlib
 import math
 import sys
+from typing import Optional, Sequence, Union
 
 import torch
+from torch import Tensor
 
 from cute_flash import _validate
+from cute_flash import ops  # noqa: F401  (registers torch.ops.cute_flash.*, used while compiling)
 
 __all__ = [
     "flash_attn_func",
@@ -27,6 +30,8 @@ __all__ = [
     "flash_attn_varlen_kvpacked_func",
     "flash_attn_with_kvcache",
 ]
+
+WindowSize = Union[Sequence[int], Tensor]  # (left, right), each -1 for unbounded; items int-like
 
 _Q_DIMS = ("batch", "seqlen_q", "nheads", "headdim")
 _KV_DIMS = ("batch", "seqlen_k", "nheads_k", "headdim")
@@ -124,14 +129,18 @@ def _flash_attn(q, k, v, names, dropout_p, softmax_scale, causal, window_size, s
         out, lse = _no_keys(q, lse_shape)
     else:
         causal, window = _mask(causal, window_size, seqlen_q, seqlen_k)
-        out, lse = _kernels().flash_fwd(
-            q, k, v,
-            softmax_scale=_scale(softmax_scale, headdim),
-            causal=causal,
-            window_size=window,
-            softcap=float(softcap),
-            alibi_slopes=alibi_slopes,
-        )
+        if torch.compiler.is_compiling():  # one graph node (cute_flash/ops.py)
+            out, lse = torch.ops.cute_flash.fwd(q, k, v, _scale(softmax_scale, headdim), causal, window[0],
+                                                window[1], float(softcap), alibi_slopes)
+        else:
+            out, lse = _kernels().flash_fwd(
+                q, k, v,
+                softmax_scale=_scale(softmax_scale, headdim),
+                causal=causal,
+                window_size=window,
+                softcap=float(softcap),
+                alibi_slopes=alibi_slopes,
+            )
     return out, lse
 
 
@@ -166,6 +175,10 @@ def _flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
         out, lse = _no_keys(q, lse_shape)
     else:
         causal, window = _mask(causal, window_size, max_seqlen_q, max_seqlen_k)
+        if torch.compiler.is_compiling():
+            return torch.ops.cute_flash.fwd_varlen(
+                q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, _scale(softmax_scale, headdim),
+                causal, window[0], window[1], float(softcap), alibi_slopes, block_table, seqused_k)
         out, lse = _kernels().flash_fwd_varlen(
             q, k, v,
             cu_seqlens_q=cu_seqlens_q,
@@ -184,16 +197,16 @@ def _flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
 
 
 def flash_attn_qkvpacked_func(
-    qkv,
-    dropout_p=0.0,
-    softmax_scale=None,
-    causal=False,
-    window_size=(-1, -1),
-    softcap=0.0,
-    alibi_slopes=None,
-    deterministic=False,
-    return_attn_probs=False,
-):
+    qkv: Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: WindowSize = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[Tensor] = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+) -> Union[Tensor, tuple[Tensor, Tensor, Tensor]]:
     """Attention over qkv (batch, seqlen, 3, nheads, headdim); q, k, v are views of it.
     Returns out (batch, seqlen, nheads, headdim), or (out, softmax_lse, S_dmask)."""
     _validate.check_packed(qkv, "qkv", 2, 3, ("batch", "seqlen", "3", "nheads", "headdim"))
@@ -204,17 +217,17 @@ def flash_attn_qkvpacked_func(
 
 
 def flash_attn_kvpacked_func(
-    q,
-    kv,
-    dropout_p=0.0,
-    softmax_scale=None,
-    causal=False,
-    window_size=(-1, -1),
-    softcap=0.0,
-    alibi_slopes=None,
-    deterministic=False,
-    return_attn_probs=False,
-):
+    q: Tensor,
+    kv: Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: WindowSize = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[Tensor] = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+) -> Union[Tensor, tuple[Tensor, Tensor, Tensor]]:
     """Attention of q (batch, seqlen_q, nheads, headdim) over kv (batch, seqlen_k, 2, nheads_k,
     headdim); k, v are views of kv. Returns out, or (out, softmax_lse, S_dmask)."""
     _validate.check_packed(kv, "kv", 2, 2, ("batch", "seqlen_k", "2", "nheads_k", "headdim"))
@@ -225,18 +238,18 @@ def flash_attn_kvpacked_func(
 
 
 def flash_attn_func(
-    q,
-    k,
-    v,
-    dropout_p=0.0,
-    softmax_scale=None,
-    causal=False,
-    window_size=(-1, -1),
-    softcap=0.0,
-    alibi_slopes=None,
-    deterministic=False,
-    return_attn_probs=False,
-):
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: WindowSize = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[Tensor] = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+) -> Union[Tensor, tuple[Tensor, Tensor, Tensor]]:
     """Attention of q (batch, seqlen_q, nheads, headdim) over k, v (batch, seqlen_k, nheads_k,
     headdim). Returns out like q, or (out, softmax_lse (batch, nheads, seqlen_q), S_dmask), S_dmask
     empty (flash-attn's value without dropout)."""
@@ -246,18 +259,18 @@ def flash_attn_func(
 
 
 def flash_attn_varlen_qkvpacked_func(
-    qkv,
-    cu_seqlens,
-    max_seqlen,
-    dropout_p=0.0,
-    softmax_scale=None,
-    causal=False,
-    window_size=(-1, -1),
-    softcap=0.0,
-    alibi_slopes=None,
-    deterministic=False,
-    return_attn_probs=False,
-):
+    qkv: Tensor,
+    cu_seqlens: Tensor,
+    max_seqlen: int,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: WindowSize = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[Tensor] = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+) -> Union[Tensor, tuple[Tensor, Tensor, Tensor]]:
     """Variable-length attention over qkv (total, 3, nheads, headdim), sequences delimited by
     cu_seqlens; q, k, v are views of qkv. Returns out, or (out, softmax_lse, S_dmask)."""
     _validate.check_packed(qkv, "qkv", 1, 3, ("total", "3", "nheads", "headdim"))
@@ -270,21 +283,21 @@ def flash_attn_varlen_qkvpacked_func(
 
 
 def flash_attn_varlen_kvpacked_func(
-    q,
-    kv,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_q,
-    max_seqlen_k,
-    dropout_p=0.0,
-    softmax_scale=None,
-    causal=False,
-    window_size=(-1, -1),
-    softcap=0.0,
-    alibi_slopes=None,
-    deterministic=False,
-    return_attn_probs=False,
-):
+    q: Tensor,
+    kv: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: WindowSize = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[Tensor] = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+) -> Union[Tensor, tuple[Tensor, Tensor, Tensor]]:
     """Variable-length attention of q (total_q, nheads, headdim) over kv (total_k, 2, nheads_k,
     headdim); k, v are views of kv. Returns out, or (out, softmax_lse, S_dmask)."""
     _validate.check_packed(kv, "kv", 1, 2, ("total_k", "2", "nheads_k", "headdim"))
@@ -297,25 +310,25 @@ def flash_attn_varlen_kvpacked_func(
 
 
 def flash_attn_varlen_func(
-    q,
-    k,
-    v,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_q,
-    max_seqlen_k,
-    dropout_p=0.0,
-    softmax_scale=None,
-    causal=False,
-    window_size=(-1, -1),
-    softcap=0.0,
-    alibi_slopes=None,
-    deterministic=False,
-    return_attn_probs=False,
-    block_table=None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: WindowSize = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[Tensor] = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    block_table: Optional[Tensor] = None,
     *,
-    seqused_k=None,
-):
+    seqused_k: Optional[Tensor] = None,
+) -> Union[Tensor, tuple[Tensor, Tensor, Tensor]]:
     """Variable-length attention of q (total_q, nheads, headdim) over k, v (total_k, nheads_k,
     headdim), or over a paged cache (num_blocks, page_size, nheads_k, headdim) with block_table.
     seqused_k (batch,) int32, keyword-only (not in flash-attn 2.8.3's Python API), caps the keys
@@ -328,26 +341,26 @@ def flash_attn_varlen_func(
 
 
 def flash_attn_with_kvcache(
-    q,
-    k_cache,
-    v_cache,
-    k=None,
-    v=None,
-    rotary_cos=None,
-    rotary_sin=None,
-    cache_seqlens=None,
-    cache_batch_idx=None,
-    cache_leftpad=None,
-    block_table=None,
-    softmax_scale=None,
-    causal=False,
-    window_size=(-1, -1),
-    softcap=0.0,
-    rotary_interleaved=True,
-    alibi_slopes=None,
-    num_splits=0,
-    return_softmax_lse=False,
-):
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    k: Optional[Tensor] = None,
+    v: Optional[Tensor] = None,
+    rotary_cos: Optional[Tensor] = None,
+    rotary_sin: Optional[Tensor] = None,
+    cache_seqlens: Union[int, Tensor, None] = None,
+    cache_batch_idx: Optional[Tensor] = None,
+    cache_leftpad: Optional[Tensor] = None,
+    block_table: Optional[Tensor] = None,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: WindowSize = (-1, -1),
+    softcap: float = 0.0,
+    rotary_interleaved: bool = True,
+    alibi_slopes: Optional[Tensor] = None,
+    num_splits: int = 0,
+    return_softmax_lse: bool = False,
+) -> Union[Tensor, tuple[Tensor, Tensor]]:
     """Attention of q (batch, seqlen_q, nheads, headdim) over a KV cache, after the kernel
     appends k, v (rotated when rotary_cos/sin are given) at cache_seqlens. All checks run
     before the launch, so a refused call leaves the caches untouched. With a block table,
@@ -359,9 +372,10 @@ def flash_attn_with_kvcache(
                             "flash_attn_with_kvcache", has_backward=False)
     window_size = _validate.check_window(window_size)
     paged = block_table is not None
-    key = _validate.signature(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
-                              cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
-                              window_size, softcap, rotary_interleaved, alibi_slopes, num_splits)
+    compiling = torch.compiler.is_compiling()
+    key = None if compiling else _validate.signature(
+        q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+        block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits)
     if key is None or key not in _kvcache_checked:
         _check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                        cache_leftpad, block_table, window_size, softcap, alibi_slopes, num_splits)
@@ -378,11 +392,19 @@ def flash_attn_with_kvcache(
     elif seqlen_k == 0:
         out, lse = _no_keys(q, lse_shape)
     else:
-        if paged and isinstance(cache_seqlens, torch.Tensor) and not (
+        if paged and isinstance(cache_seqlens, torch.Tensor) and not compiling and not (
                 cache_seqlens.is_cuda and torch.cuda.is_current_stream_capturing()):
             _validate.check_block_table_capacity(cache_seqlens, 0 if k is None else k.shape[1], block_table,
                                                  k_cache.shape[1])
         causal, window = _mask(causal, window_size, seqlen_q, seqlen_k)
+        if compiling:
+            tensor_lens = cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None
+            out, lse = torch.ops.cute_flash.fwd_kvcache(
+                q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, tensor_lens,
+                None if tensor_lens is not None or cache_seqlens is None else int(cache_seqlens), cache_batch_idx,
+                cache_leftpad, block_table, _scale(softmax_scale, headdim), causal, window[0], window[1],
+                float(softcap), bool(rotary_interleaved), alibi_slopes, int(num_splits))
+            return (out, lse) if return_softmax_lse else out
         out, lse = _kernels().flash_fwd_kvcache(
             q, k_cache, v_cache,
             k=k,

@@ -1,0 +1,94 @@
+"""The kernels as torch.library custom ops (`torch.ops.cute_flash.*`), for torch.compile.
+
+Each op's real implementation is the launcher (`cute_flash.launch`); its fake implementation
+gives the outputs' shapes, dtypes and strides without running anything, so Dynamo traces a model
+that calls attention into one graph. `fwd_kvcache` declares that it writes the caches
+(`mutates_args`), since it appends k/v in place.
+
+Eager calls do not go through the dispatcher: the public functions call the launchers directly
+when not compiling (`torch.compiler.is_compiling()`), so decode host time does not grow by the
+op's dispatch. Op outputs are fresh contiguous tensors (a head dim padded to a multiple of 8 is
+sliced and copied back to contiguous, as custom ops may not return views of internal buffers).
+While compiling, the block-table capacity check of `flash_attn_with_kvcache` (a device sync)
+is skipped, as under CUDA-graph capture: the kernels' clamping is the guard.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+
+def _launch():
+    from cute_flash import launch
+
+    return launch
+
+
+def _fresh(out: Tensor) -> Tensor:
+    return out if out.is_contiguous() else out.contiguous()
+
+
+@torch.library.custom_op("cute_flash::fwd", mutates_args=())
+def fwd(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool, window_left: int, window_right: int,
+        softcap: float, alibi_slopes: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """Dense forward: q (b, sq, h, d), k/v (b, sk, hk, d) -> out like q, lse (b, h, sq) fp32."""
+    out, lse = _launch().flash_fwd(q, k, v, softmax_scale=softmax_scale, causal=causal,
+                                   window_size=(window_left, window_right), softcap=softcap,
+                                   alibi_slopes=alibi_slopes)
+    return _fresh(out), lse
+
+
+@fwd.register_fake
+def _fwd_fake(q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes):
+    b, sq, h, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((b, h, sq), dtype=torch.float32)
+
+
+@torch.library.custom_op("cute_flash::fwd_varlen", mutates_args=())
+def fwd_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+               max_seqlen_k: int, softmax_scale: float, causal: bool, window_left: int, window_right: int,
+               softcap: float, alibi_slopes: Optional[Tensor], block_table: Optional[Tensor],
+               seqused_k: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """Packed forward: q (total_q, h, d) -> out like q, lse (h, total_q) fp32."""
+    out, lse = _launch().flash_fwd_varlen(
+        q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
+        window_size=(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes,
+        block_table=block_table, seqused_k=seqused_k)
+    return _fresh(out), lse
+
+
+@fwd_varlen.register_fake
+def _fwd_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                     window_left, window_right, softcap, alibi_slopes, block_table, seqused_k):
+    total_q, h, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((h, total_q), dtype=torch.float32)
+
+
+@torch.library.custom_op("cute_flash::fwd_kvcache", mutates_args=("k_cache", "v_cache"))
+def fwd_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor], v: Optional[Tensor],
+                rotary_cos: Optional[Tensor], rotary_sin: Optional[Tensor], cache_seqlens: Optional[Tensor],
+                cache_seqlens_int: Optional[int], cache_batch_idx: Optional[Tensor], cache_leftpad: Optional[Tensor],
+                block_table: Optional[Tensor], softmax_scale: float, causal: bool, window_left: int,
+                window_right: int, softcap: float, rotary_interleaved: bool, alibi_slopes: Optional[Tensor],
+                num_splits: int) -> tuple[Tensor, Tensor]:
+    """`flash_attn_with_kvcache`: appends k/v into the caches (in place), then attention; out
+    like q, lse (b, h, sq) fp32. cache_seqlens is a tensor or, as `cache_seqlens_int`, an int."""
+    out, lse = _launch().flash_fwd_kvcache(
+        q, k_cache, v_cache, k=k, v=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+        cache_seqlens=cache_seqlens if cache_seqlens is not None else cache_seqlens_int,
+        cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, block_table=block_table,
+        softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right), softcap=softcap,
+        rotary_interleaved=rotary_interleaved, alibi_slopes=alibi_slopes, num_splits=num_splits,
+        return_lse=True)
+    return _fresh(out), lse
+
+
+@fwd_kvcache.register_fake
+def _fwd_kvcache_fake(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_seqlens_int,
+                      cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, window_left, window_right,
+                      softcap, rotary_interleaved, alibi_slopes, num_splits):
+    b, sq, h, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((b, h, sq), dtype=torch.float32)

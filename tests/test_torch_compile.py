@@ -1,0 +1,96 @@
+"""torch.compile over the public functions, on the CPU: inputs are fake CUDA tensors
+(`FakeTensorMode`), so Dynamo traces the interface and the custom ops' fake implementations
+(cute_flash/ops.py) without a GPU or a kernel. Each function is one graph with no break, with
+the shapes, dtypes and strides of the eager outputs, and a dynamic sequence length does not
+retrace. The real ops run in the GPU suite."""
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import cute_flash
+from cute_flash import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func, flash_attn_varlen_func,
+                        flash_attn_with_kvcache)
+
+BF16 = dict(device="cuda", dtype=torch.bfloat16)
+
+
+@pytest.fixture
+def fake():
+    torch._dynamo.reset()
+    with FakeTensorMode() as mode:
+        yield mode
+    torch._dynamo.reset()
+
+
+def _one_graph(fn, *args):
+    explained = torch._dynamo.explain(fn)(*args)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    return explained
+
+
+def test_dense_functions_are_one_graph(fake):
+    q, k = torch.randn(2, 128, 8, 64, **BF16), torch.randn(2, 256, 2, 64, **BF16)
+    _one_graph(lambda q, k, v: flash_attn_func(q, k, v, causal=True, window_size=(64, 0)), q, k, k)
+    _one_graph(lambda q, kv: flash_attn_kvpacked_func(q, kv, softcap=30.0), q, torch.randn(2, 256, 2, 2, 64, **BF16))
+    _one_graph(lambda qkv: flash_attn_qkvpacked_func(qkv, causal=True), torch.randn(2, 128, 3, 8, 64, **BF16))
+
+
+def test_compiled_outputs_have_the_eager_layout(fake):
+    q = torch.randn(2, 128, 8, 100, **BF16)  # a head dim the launcher pads: still a contiguous output
+
+    @torch.compile(fullgraph=True, backend="aot_eager")
+    def attend(q, k, v):
+        out, lse, s_dmask = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+        return out, lse, s_dmask
+
+    out, lse, s_dmask = attend(q, q, q)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
+    assert lse.shape == (2, 8, 128) and lse.dtype == torch.float32 and lse.is_contiguous()
+    assert s_dmask.shape == (0,)
+
+
+def test_varlen_and_paged_are_one_graph(fake):
+    q, k = torch.randn(300, 8, 128, **BF16), torch.randn(500, 8, 128, **BF16)
+    cu_q = torch.tensor([0, 100, 300], device="cuda", dtype=torch.int32)
+    cu_k = torch.tensor([0, 200, 500], device="cuda", dtype=torch.int32)
+    _one_graph(lambda q, k, v: flash_attn_varlen_func(q, k, v, cu_q, cu_k, 200, 300, causal=True), q, k, k)
+    pages = torch.randn(40, 16, 8, 128, **BF16)
+    table = torch.zeros(2, 20, device="cuda", dtype=torch.int32)
+    _one_graph(lambda q, kp, vp: flash_attn_varlen_func(q, kp, vp, cu_q, cu_k, 200, 300, block_table=table),
+               q, pages, pages)
+
+
+def test_kvcache_is_one_graph_and_mutates_the_caches(fake):
+    q = torch.randn(4, 1, 32, 128, **BF16)
+    k_cache, v_cache = torch.randn(4, 1024, 8, 128, **BF16), torch.randn(4, 1024, 8, 128, **BF16)
+    k_new = torch.randn(4, 1, 8, 128, **BF16)
+    lens = torch.full((4,), 100, device="cuda", dtype=torch.int32)
+    explained = _one_graph(lambda q, kc, vc, kn, vn: flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=lens,
+                                                                             causal=True), q, k_cache, v_cache, k_new,
+                           k_new)
+    ops = [str(n.target) for g in explained.graphs for n in g.graph.nodes if n.op == "call_function"]
+    assert any("cute_flash.fwd_kvcache" in op for op in ops), ops
+    schema = torch.ops.cute_flash.fwd_kvcache.default._schema
+    assert [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write] == [
+        "k_cache", "v_cache"]
+    _one_graph(lambda q, kc, vc: flash_attn_with_kvcache(q, kc, vc, cache_seqlens=7), q, k_cache, v_cache)
+
+
+def test_a_dynamic_sequence_length_compiles_once(fake):
+    counts = torch._dynamo.testing.CompileCounter()
+
+    @torch.compile(fullgraph=True, backend=counts)
+    def attend(q, k, v):
+        return flash_attn_func(q, k, v, causal=True)
+
+    for seqlen in (128, 192, 320):
+        q = torch.randn(2, seqlen, 8, 64, **BF16)
+        torch._dynamo.mark_dynamic(q, 1)
+        assert attend(q, q, q).shape == q.shape
+    assert counts.frame_count == 1
+
+
+def test_ops_are_registered_under_the_package_namespace():
+    assert cute_flash.ops.fwd._qualname == "cute_flash::fwd"
+    for name in ("fwd", "fwd_varlen", "fwd_kvcache"):
+        assert hasattr(torch.ops.cute_flash, name)
