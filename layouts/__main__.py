@@ -44,26 +44,37 @@ def _failed_coverage(cover: dict) -> str:
     return "ok" if not bad else "FAIL " + " ".join(bad)
 
 
+WIDTHS = dict(traits=22, smem=7, fits=4, bij=4, banks=8, gmem=12, cover=6, runs=6)
+
+
+def _row(cells, widths) -> str:
+    return "  ".join(str(x).ljust(w) for x, w in zip(cells, widths)).rstrip()
+
+
 def print_report(arch: int) -> bool:
-    rows = [verify.report(t, arch) for t in shipped_fwd_traits(arch)]
+    """One row per shipped traits, printed as each finishes (a traits takes a few seconds)."""
     header = ["traits", "smem B", "fits", "bij", *BANK_COLUMNS.values(), "gmem", "cover", "runs"]
-    table = [[r["name"], f"{r['smem_bytes']}", _ok(r["fits"]), _failed_names(r["bijection"]),
-              *(_banks(r["banks"][k]) for k in BANK_COLUMNS), _gmem(r["gmem"]), _failed_coverage(r["coverage"]),
-              f"{r['page_runs']['run']} {_ok(r['page_runs']['ok'])}"]
-             for r in rows]
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *table)]
+    widths = [WIDTHS["traits"], WIDTHS["smem"], WIDTHS["fits"], WIDTHS["bij"],
+              *([WIDTHS["banks"]] * len(BANK_COLUMNS)), WIDTHS["gmem"], WIDTHS["cover"], WIDTHS["runs"]]
     print(f"sm{arch}: smem limit {SMEM_LIMIT[arch]} B; bank conflicts = worst phase ways-1 (+extra wavefronts/CTA)")
-    for line in [header, *table]:
-        print("  ".join(str(x).ljust(w) for x, w in zip(line, widths)).rstrip())
+    print(_row(header, widths), flush=True)
+    rows = []
+    for t in shipped_fwd_traits(arch):
+        r = verify.report(t, arch)
+        rows.append(r)
+        print(_row([r["name"], f"{r['smem_bytes']}", _ok(r["fits"]), _failed_names(r["bijection"]),
+                    *(_banks(r["banks"][k]) for k in BANK_COLUMNS), _gmem(r["gmem"]), _failed_coverage(r["coverage"]),
+                    f"{r['page_runs']['run']} {_ok(r['page_runs']['ok'])}"], widths), flush=True)
     failed = [r["name"] for r in rows if not r["ok"]]
     summary = f"sm{arch}: {len(rows) - len(failed)}/{len(rows)} traits pass"
-    print(summary + (f"; FAILED: {', '.join(failed)}" if failed else ""))
+    print(summary + (f"; FAILED: {', '.join(failed)}" if failed else ""), flush=True)
     return not failed
 
 
 def draw(traits, out: Path) -> None:
     """sQ's 16-byte bank group per element (the swizzle) and the Q ldmatrix thread map."""
     out.mkdir(parents=True, exist_ok=True)
+    print(f"drawing {2 * len(traits)} PNGs into {out} ...", flush=True)
     for t in traits:
         group = verify.smem_table("sQ", t) * ELEMENT_BYTES // 16 % 8
         verify.draw_layout(group, out / f"{t.name}_sQ_bankgroup.png", f"{t.name}: sQ 16-byte bank group")
@@ -74,7 +85,8 @@ def draw(traits, out: Path) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m layouts")
     sub = parser.add_subparsers(dest="command", required=True)
-    rep = sub.add_parser("report", help="check every shipped traits")
+    rep = sub.add_parser("report", help="check every shipped traits", description=__doc__,
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
     rep.add_argument("--arch", choices=("80", "90", "all"), default="all")
     rep.add_argument("--draw", type=Path, metavar="DIR", help="write PNGs of the sQ swizzle and ldmatrix thread map")
     args = parser.parse_args(argv)
@@ -83,7 +95,10 @@ def main(argv=None) -> int:
     for arch in archs:
         ok &= print_report(arch)
     if args.draw:
-        draw(dict.fromkeys(t for arch in archs for t in shipped_fwd_traits(arch)), args.draw)
+        traits = list(dict.fromkeys(t for arch in archs for t in shipped_fwd_traits(arch)))
+        draw(traits, args.draw)
+        print(f"wrote {2 * len(traits)} PNGs (sQ bank groups, ldmatrix Q threads) to {args.draw}")
+    print("layouts report: " + ("every check passed" if ok else "FAILED (see the rows above)"))
     return 0 if ok else 1
 
 

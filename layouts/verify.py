@@ -492,8 +492,11 @@ def draw_layout(layout_table: np.ndarray, path, title: str | None = None) -> Non
 
     rows, cols = layout_table.shape
     fig, ax = plt.subplots(figsize=(min(2 + cols * 0.08, 24), min(1.5 + rows * 0.08, 24)))
-    image = ax.imshow(layout_table, cmap="tab20" if layout_table.max() < 20 else "viridis",
-                      interpolation="nearest", aspect="equal")
+    values = int(layout_table.max()) + 1
+    # one distinct colour per value when there are few (tab10 for bank groups 0..7), else a ramp
+    cmap = (matplotlib.colors.ListedColormap(plt.get_cmap("tab10").colors[:values]) if values <= 10
+            else "tab20" if values <= 20 else "viridis")
+    image = ax.imshow(layout_table, cmap=cmap, interpolation="nearest", aspect="equal")
     if rows * cols <= 64 * 64:
         for (r, c), v in np.ndenumerate(layout_table):
             ax.text(c, r, str(v), ha="center", va="center", fontsize=4)
