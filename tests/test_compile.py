@@ -11,7 +11,7 @@ pytest.importorskip("cutlass")
 
 from cute_flash.kernels.config import CACHE_FLAGS, SCORE_FLAGS  # noqa: E402
 from cute_flash.kernels.fake import arch_option  # noqa: E402
-from cute_flash.launch.compiled import compile_fwd, fwd_variants  # noqa: E402
+from cute_flash.launch.compiled import append_variants, compile_fwd, fwd_variants  # noqa: E402
 from cute_flash.kernels.roundtrip import OPERANDS, TileRoundTrip  # noqa: E402
 from layouts.traits import SMEM_LIMIT, shipped_fwd_traits  # noqa: E402
 
@@ -60,16 +60,11 @@ def test_subset_covers_every_traits_and_every_flag():
 
 
 @pytest.mark.parametrize("arch", [80, 90])
-@pytest.mark.parametrize("paged, batch_idx, rotary, interleaved, q_per_row", [
-    (False, False, False, False, False), (False, True, True, True, False), (True, False, True, False, True),
-])
-def test_append_kernel_compiles(arch, paged, batch_idx, rotary, interleaved, q_per_row, tmp_path):
-    import cutlass
-
-    from cute_flash.kernels.append import AppendConfig, compile_append
+@pytest.mark.parametrize("config", append_variants(), ids=lambda c: c.name)
+def test_append_kernel_compiles(arch, config, tmp_path):
+    from cute_flash.kernels.append import compile_append
     from layouts.traits import sm_name
 
-    config = AppendConfig("fp16", paged, batch_idx, rotary, interleaved, q_per_row)
     compile_append(config, arch, f"--keep-ptx --dump-dir={tmp_path}")
     (ptx,) = tmp_path.glob("*.ptx")
     text = ptx.read_text()

@@ -63,7 +63,8 @@ class FwdTensors:
     """A launch's global tensors; those the config does not read are None, and the kernel is
     specialised on their absence."""
     mQ: cute.Tensor    # (batch, seqlen_q, heads, d), or (total_q, heads, d) packed
-    mK: cute.Tensor    # (batch, seqlen_k, heads_k, d), (total_k, heads_k, d) or paged (num_blocks, page_size, heads_k, d)
+    mK: cute.Tensor    # (batch, seqlen_k, heads_k, d), (total_k, heads_k, d) packed, or pages
+                       # (num_blocks, page_size, heads_k, d)
     mV: cute.Tensor
     mO: cute.Tensor    # like mQ
     mLSE: cute.Tensor  # (batch, heads, seqlen_q), or (heads, total_q) packed; fp32

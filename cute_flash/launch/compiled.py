@@ -61,7 +61,8 @@ def fake_fwd_args(config: FwdConfig):
                 + [i32(1, config.has_seqused_k), i32(2, config.paged), 1] + scalars)
     if config.entry == "kvcache":
         split = config.split
-        accum = fake_tensor(cutlass.Float32, 5, ALIGN, COPY_BYTES, last_extent=config.traits.head_dim) if split else None
+        accum = (fake_tensor(cutlass.Float32, 5, ALIGN, COPY_BYTES, last_extent=config.traits.head_dim)
+                 if split else None)
         return ([elems(4), elems(4), elems(4), elems(4), f32(3), accum, f32(4, split), i32(1, split), alibi, i32(1)]
                 + [i32(1, config.has_leftpad), i32(1, config.has_batch_idx), i32(2, config.paged), 0, 1] + scalars)
     return [elems(4) for _ in range(4)] + [f32(3), alibi] + scalars

@@ -39,7 +39,8 @@ def fwd_kernel(d_pad: int, dtype, device_index: int, causal: bool, traits: FwdTr
     """The compiled forward of one call signature, flags: FwdConfig's (name, value) pairs
     (memoised on plain values: a cached call hashes no config)."""
     if traits is None:
-        traits = choose_fwd_traits(d_pad, compiled.DTYPE_NAMES[dtype], min(compiled.device_arch(device_index), 90), causal)
+        arch = min(compiled.device_arch(device_index), 90)
+        traits = choose_fwd_traits(d_pad, compiled.DTYPE_NAMES[dtype], arch, causal)
     return compiled.kernel_for(FwdConfig(traits, even_k=d_pad == traits.head_dim, **dict(flags)), device_index)
 
 
