@@ -33,6 +33,7 @@ def cmd_compile(archs, full):
     print(f"ptxas for resource numbers: {find_ptxas() or 'not found (registers not reported)'}")
     print(f"{'arch':6} {'variant':34} {'smem':>7} {'regs':>5} {'spill':>6} {'s':>5}")
     worst, compiled, cached, t_start = 0, 0, 0, time.time()
+    compile_cache.log.setLevel("WARNING")  # each compile is a table row here, not a log line too
     with tqdm(jobs, unit="variant", dynamic_ncols=True) as bar:
         for arch, config, compile_fn in bar:
             name = getattr(config, "name")
