@@ -231,7 +231,7 @@ def cmd_memcheck(pytest_args, jobs=1):
             print(listed.stdout[-4000:] + listed.stderr[-4000:])
         shards = [options + ids[i::jobs] for i in range(min(jobs, len(ids)))]
         print(f"memcheck: {len(ids)} tests in {len(shards)} sanitized processes", flush=True)
-    gpus = _visible_gpus()
+    gpus = _visible_gpus() if len(shards) > 1 else None  # one process: the caller's environment as it is
     summaries, lock, procs = [], threading.Lock(), []
 
     def pump(i, proc):
@@ -246,7 +246,7 @@ def cmd_memcheck(pytest_args, jobs=1):
     for i, shard in enumerate(shards):
         cmd = [sanitizer, "--tool", "memcheck", "--report-api-errors", "no", "--error-exitcode", "86",
                sys.executable, "-m", "pytest", "-m", "gpu", *shard]
-        shard_env = dict(env, CUDA_VISIBLE_DEVICES=gpus[i % len(gpus)]) if len(shards) > 1 else env
+        shard_env = dict(env, CUDA_VISIBLE_DEVICES=gpus[i % len(gpus)]) if gpus else env
         print(f"[{i}] " + " ".join(cmd[:9]) + f" ... ({len(shard)} arguments)", flush=True)
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=shard_env)
         procs.append(proc)

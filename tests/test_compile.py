@@ -20,15 +20,19 @@ def _cases(full):
     return [pytest.param(arch, c, id=f"sm{arch}-{c.name}") for arch in (80, 90) for c in fwd_variants(arch, full)]
 
 
-def _compile(arch, config, tmp_path):
-    """The variant compiles for `arch`: its PTX holds one kernel entry, for that target."""
+def _assert_one_kernel_for(arch, ptx_dir):
+    """The compile kept one PTX file, holding one kernel entry, for `arch`'s target."""
     from layouts.traits import sm_name
 
-    assert config.traits.smem_bytes <= SMEM_LIMIT[arch]
-    compile_fwd(config, arch, f"--keep-ptx --dump-dir={tmp_path}")
-    (ptx,) = tmp_path.glob("*.ptx")
+    (ptx,) = ptx_dir.glob("*.ptx")
     text = ptx.read_text()
     assert text.count(".entry ") == 1 and f".target {sm_name(arch)}" in text
+
+
+def _compile(arch, config, tmp_path):
+    assert config.traits.smem_bytes <= SMEM_LIMIT[arch]
+    compile_fwd(config, arch, f"--keep-ptx --dump-dir={tmp_path}")
+    _assert_one_kernel_for(arch, tmp_path)
 
 
 @pytest.mark.parametrize("arch, config", _cases(full=False))
@@ -63,12 +67,9 @@ def test_subset_covers_every_traits_and_every_flag():
 @pytest.mark.parametrize("config", append_variants(), ids=lambda c: c.name)
 def test_append_kernel_compiles(arch, config, tmp_path):
     from cute_flash.kernels.append import compile_append
-    from layouts.traits import sm_name
 
     compile_append(config, arch, f"--keep-ptx --dump-dir={tmp_path}")
-    (ptx,) = tmp_path.glob("*.ptx")
-    text = ptx.read_text()
-    assert text.count(".entry ") == 1 and f".target {sm_name(arch)}" in text
+    _assert_one_kernel_for(arch, tmp_path)
 
 
 @pytest.mark.parametrize("arch", [80, 90])

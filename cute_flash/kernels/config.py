@@ -55,6 +55,11 @@ class FwdConfig:
         return "varlen" if self.varlen else "kvcache" if self.kvcache else "dense"
 
     @property
+    def q_head_axis(self) -> int:
+        """The heads mode of q, o (and unpaged k, v): (total, heads, d) packed, else (batch, seqlen, heads, d)."""
+        return 1 if self.varlen else 2
+
+    @property
     def reads_seqused_k(self) -> bool:
         """Per-sequence key counts read from a tensor: varlen's seqused_k, a cache's cache_seqlens."""
         return self.has_seqused_k or self.kvcache

@@ -243,8 +243,7 @@ class FlashFwd:
     def kernel(self, args: FwdTensors, scalars: FwdScalars, recipe: TileRecipe, SharedStorage: cutlass.Constexpr):
         cfg = self.config
         m_block, bidb, bidz = cute.arch.block_idx()
-        head_axis = 1 if cutlass.const_expr(cfg.varlen) else 2
-        nheads = args.mQ.shape[head_axis]
+        nheads = args.mQ.shape[cfg.q_head_axis]
         split_idx = 0
         bidh = bidz
         if cutlass.const_expr(cfg.split):
@@ -263,7 +262,7 @@ class FlashFwd:
         """(SeqInfo, CtaTensors) of sequence bidb, head bidh."""
         cfg = self.config
         mQ, mK, mV, mO, mLSE = args.mQ, args.mK, args.mV, args.mO, args.mLSE
-        head_axis = 1 if cutlass.const_expr(cfg.varlen) else 2
+        head_axis = cfg.q_head_axis
         kv_head_axis = 2 if cutlass.const_expr(cfg.paged or not cfg.varlen) else 1
         bidh_kv = bidh // (mQ.shape[head_axis] // mK.shape[kv_head_axis])
         # Key rows the K/V tensors hold for one sequence: the packed total, the cache length, or
