@@ -1,4 +1,4 @@
-"""`python -m cute_flash [compile|check|bench|overhead|coldstart|tune|memcheck]`.
+"""`python -m cute_flash [compile|check|bench|overhead|coldstart|traincheck|tune|memcheck]`.
 
 With no command: on a machine with a GPU, `check` then `bench`; without one, compile-only mode:
 `compile` (the CI set of kernel variants for sm_80 and sm_90a, into the compile cache, with
@@ -20,12 +20,13 @@ def cmd_compile(archs, full):
     from cute_flash import compile_cache
     from cute_flash.kernels.append import compile_append
     from cute_flash.kernels.config import FLAG_LETTERS
-    from cute_flash.launch.compiled import append_variants, compile_fwd, fwd_variants
+    from cute_flash.launch.compiled import append_variants, bwd_variants, compile_bwd, compile_fwd, fwd_variants
     from cute_flash.resources import compile_with_report, find_ptxas
     from layouts.traits import SMEM_LIMIT, sm_name
 
     jobs = [(arch, config, compile_fwd) for arch in archs for config in fwd_variants(arch, full)]
     jobs += [(arch, config, compile_append) for arch in archs for config in append_variants(full)]
+    jobs += [(arch, config, compile_bwd) for arch in archs for config in bwd_variants(arch, full)]
     where = compile_cache.cache_root() / compile_cache.fingerprint() if compile_cache.enabled() else None
     print(f"compile-only (no GPU used): {len(jobs)} variants for {', '.join(sm_name(a) for a in archs)} "
           f"({'every traits x every flag combination' if full else 'the CI subset; --full for all'}), "
@@ -99,9 +100,12 @@ def cmd_check():
 def cmd_overhead():
     """Host cost of a cached call on a tiny input, split into the interface (validation), the
     launcher (alignment, allocation, kernel lookup) and the TVM-FFI call itself, against SDPA's
-    FLASH backend on the same input."""
+    FLASH backend on the same input; and the same call through the custom op's dispatcher
+    (`torch.ops.cute_flash.*`, what torch.compile calls), which eager calls bypass.
+    Timed with `torch.utils.benchmark.Timer` (it synchronizes CUDA around each timed block)."""
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.benchmark import Timer
 
     from cute_flash import flash_attn_func
     from cute_flash.kernels.constants import LOG2E
@@ -114,18 +118,15 @@ def cmd_overhead():
     compiled = fwd_kernel(64, q.dtype, index, False, None, (
         ("has_left", False), ("has_right", False), ("has_alibi", False), ("has_softcap", False)))
 
-    def per_call_us(fn, n=3000):
-        for _ in range(50):
-            fn()
+    def per_call_us(fn):
+        fn()
         torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-        return (time.perf_counter() - t0) / n * 1e6
+        return Timer(stmt="fn()", globals={"fn": fn}).blocked_autorange(min_run_time=0.5).median * 1e6
 
     rows = {
         "flash_attn_func": per_call_us(lambda: flash_attn_func(q, k, v)),
+        "op (dispatcher)": per_call_us(
+            lambda: torch.ops.cute_flash.fwd(q, k, v, 0.125, False, -1, -1, 0.0, None)),
         "launcher (flash_fwd)": per_call_us(lambda: flash_fwd(q, k, v, softmax_scale=0.125)),
         "TVM-FFI call alone": per_call_us(
             lambda: compiled(q, k, v, out, lse, None, 0.125 * LOG2E, 1.0, 8.0, -1, -1)),
@@ -135,7 +136,8 @@ def cmd_overhead():
     for name, us in rows.items():
         print(f"{name:22} {us:7.1f} us/call")
     ratio = rows["flash_attn_func"] / rows["SDPA FLASH"]
-    print(f"host overhead (1x8x1x64 bf16): ours/SDPA {ratio:.2f}")
+    print(f"host overhead (1x8x1x64 bf16): ours/SDPA {ratio:.2f}; the dispatcher adds "
+          f"{rows['op (dispatcher)'] - rows['launcher (flash_fwd)']:.1f} us over the launcher")
 
     # Decode: one query row over a 64-token cache (32/8 heads, d 128), split in 2 and not.
     from cute_flash import flash_attn_with_kvcache
@@ -146,6 +148,9 @@ def cmd_overhead():
     qdt, kct, vct = qd.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2)
     dec = {f"with_kvcache splits={n}": per_call_us(
         lambda n=n: flash_attn_with_kvcache(qd, kc, vc, cache_seqlens=seqlens, num_splits=n)) for n in (1, 2)}
+    dec["  op (dispatcher)"] = per_call_us(lambda: torch.ops.cute_flash.fwd_kvcache(
+        qd, kc, vc, None, None, None, None, seqlens, None, None, None, None, 0.088, False, -1, -1, 0.0, True,
+        None, 1))
     # Paged: the same cache in 4 pages of 16 rows; flash-attn's host check of the block table
     # reads max(cache_seqlens) (a device sync) on every call: timed with it and without it.
     from cute_flash.bench import host_check_off
@@ -287,12 +292,15 @@ def main(argv=None):
     b = sub.add_parser("bench", help="TFLOP/s against torch SDPA FLASH and CUDNN (GPU)")
     b.add_argument("--quick", action="store_true")
     b.add_argument("--out", default=None, help="directory for bench.json, bench.md, bench.png")
-    b.add_argument("--sections", default="grid,extra,varlen,paged,decode,unaligned",
+    b.add_argument("--sections", default="grid,extra,varlen,paged,decode,unaligned,bwd",
                    help="comma-separated: grid (the forward grid), extra (window/softcap), varlen, paged, "
-                        "decode, unaligned (caches served through aligned copies)")
+                        "decode, unaligned (caches served through aligned copies), bwd (backward alone and "
+                        "forward + backward)")
     sub.add_parser("overhead", help="host cost of a cached call vs SDPA (GPU)")
     sub.add_parser("coldstart", help="first calls of a fresh process, empty vs warm compile cache (GPU)")
     sub.add_parser("tune", help="TFLOP/s of each tile candidate per head dim (GPU)")
+    sub.add_parser("traincheck", help="a 2-block transformer trained 200 steps with cute-flash and with SDPA: "
+                                      "the two loss curves compared (GPU, about a minute)")
     m = sub.add_parser("memcheck", help="the GPU suite under compute-sanitizer memcheck (GPU); "
                                         "other arguments go to pytest (default: tests)")
     m.add_argument("--jobs", type=int, default=1, help="sanitized pytest processes, spread over the GPUs")
@@ -336,6 +344,10 @@ def main(argv=None):
         cmd_coldstart()
     elif cmd == "memcheck":
         return cmd_memcheck(extra, args.jobs)
+    elif cmd == "traincheck":
+        from cute_flash.train_check import main as traincheck
+
+        traincheck()
     elif cmd == "tune":
         from cute_flash.bench import tune
 

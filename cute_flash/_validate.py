@@ -194,9 +194,9 @@ def check_last_dim_contiguous(named):
             )
 
 
-def check_no_grad(named, fn_name, has_backward=True):
+def check_no_grad(named, fn_name, why="it is inference-only and has no backward pass (as in flash-attn)"):
     """No silently missing gradients: with grad mode on, an input that requires grad is refused
-    until the backward pass exists (flash_attn_with_kvcache never has one, as in flash-attn).
+    where no backward exists (flash_attn_with_kvcache, a paged varlen cache), saying `why`.
     Only tensors that are given are looked at; this runs on every call, so it is cheap."""
     if not torch.is_grad_enabled():
         return
@@ -207,8 +207,6 @@ def check_no_grad(named, fn_name, has_backward=True):
     else:
         return
     wanting = list(dict.fromkeys(name for name, t in named if isinstance(t, torch.Tensor) and t.requires_grad))
-    why = ("the backward pass is not implemented yet" if has_backward
-           else "it is inference-only and has no backward pass (as in flash-attn)")
     raise NotImplementedError(
         f"{fn_name} cannot compute gradients: {why}, and {', '.join(wanting)} "
         f"require{'s' if len(wanting) == 1 else ''} grad with grad mode on. Call it under "

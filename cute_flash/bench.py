@@ -41,22 +41,15 @@ def _time_ms(fn) -> float:
 
 
 def _graph_time_ms(fn):
-    """Median time of `fn` replayed from a CUDA graph: the GPU's time without the host's, as a
-    decode loop under CUDA graphs sees it. None if `fn` cannot be captured."""
-    import torch
+    """Median time of `fn` replayed from a CUDA graph (`triton.testing.do_bench_cudagraph`: it
+    warms `fn` up outside the capture): the GPU's time without the host's, as a decode loop
+    under CUDA graphs sees it. None if `fn` cannot be captured."""
+    import triton.testing
 
     try:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn()  # compile / warm up outside the capture
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
+        return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
     except RuntimeError:
         return None
-    return _time_ms(graph.replay)
 
 
 def _sdpa(q, k, v, backend, causal, enable_gqa=False):
@@ -97,6 +90,75 @@ def bench_cell(d, seqlen, causal=False, window=(-1, -1), softcap=0.0, peers=True
             fn = _sdpa(q, k, v, backend, causal)
             row[f"{name}_tflops"] = flops / _time_ms(fn) / 1e9 if fn else None
     return row
+
+
+def bench_bwd_cell(d, seqlen, causal=False):
+    """Backward alone (`bwd`: 2.5x the forward's FLOPs) and forward + backward (`fwd+bwd`: 3.5x),
+    each side through autograd (`torch.autograd.grad` on a kept graph), ours and SDPA's FLASH
+    and CUDNN backends on the same inputs."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from cute_flash import flash_attn_func
+
+    batch, nheads = max(1, TOKENS // seqlen), HIDDEN // d
+    q, k, v, dout = (torch.randn(batch, seqlen, nheads, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    fwd_flops = 4 * batch * nheads * d * visible_pairs(seqlen, seqlen, causal)
+    row = dict(d=d, seqlen=seqlen, batch=batch, nheads=nheads, causal=causal, fwd_flops=fwd_flops)
+
+    def ours_fwd(q, k, v):
+        return flash_attn_func(q, k, v, causal=causal)
+
+    def sdpa_fwd(backend):
+        def fwd(q, k, v):
+            with sdpa_kernel(backend):
+                return torch.nn.functional.scaled_dot_product_attention(
+                    q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal).transpose(1, 2)
+        return fwd
+
+    def timed(fwd):
+        """(backward ms, forward + backward ms) through autograd, or None where fwd refuses."""
+        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+        try:
+            out = fwd(*leaves)
+        except RuntimeError:
+            return None
+        return (_time_ms(lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)),
+                _time_ms(lambda: torch.autograd.grad(fwd(*leaves), leaves, dout)))
+
+    for name, fwd in (("ours", ours_fwd), ("flash", sdpa_fwd(SDPBackend.FLASH_ATTENTION)),
+                      ("cudnn", sdpa_fwd(SDPBackend.CUDNN_ATTENTION))):
+        ms = timed(fwd)
+        row[f"{name}_bwd"] = 2.5 * fwd_flops / ms[0] / 1e9 if ms else None
+        row[f"{name}_fwdbwd"] = 3.5 * fwd_flops / ms[1] / 1e9 if ms else None
+    return row
+
+
+def run_bwd(seqlens=SEQLENS, head_dims=HEAD_DIMS):
+    return [bench_bwd_cell(d, s, causal) for d in head_dims for causal in (False, True) for s in seqlens]
+
+
+def format_bwd(rows) -> str:
+    out = []
+    for key, title in (("bwd", "backward alone (FLOPs 2.5x forward)"), ("fwdbwd", "forward + backward (3.5x)")):
+        out += [f"{title}, TFLOP/s:", "", "| d | causal | seqlen | batch x heads | ours | FLASH | CUDNN | ours/FLASH "
+                "| ours/CUDNN |", "|---|---|---|---|---|---|---|---|---|"]
+        ratios = []
+        for r in rows:
+            ours, flash, cudnn = r.get(f"ours_{key}"), r.get(f"flash_{key}"), r.get(f"cudnn_{key}")
+            rf = ours / flash if ours and flash else math.nan
+            rc = ours / cudnn if ours and cudnn else math.nan
+            if not math.isnan(rf):
+                ratios.append(rf)
+            cells = [f"{x:.0f}" if x else "-" for x in (ours, flash, cudnn)]
+            out.append(f"| {r['d']} | {r['causal']} | {r['seqlen']} | {r['batch']}x{r['nheads']} | "
+                       f"{' | '.join(cells)} | {rf:.3f} | {rc:.3f} |")
+        if ratios:
+            gm = math.exp(statistics.fmean(math.log(x) for x in ratios))
+            out.append(f"\ngeometric mean ours/FLASH: {gm:.3f}; min {min(ratios):.3f}; cells >= 1.0: "
+                       f"{sum(x >= 1.0 for x in ratios)}/{len(ratios)}")
+        out.append("")
+    return "\n".join(out)
 
 
 def run_grid(seqlens=SEQLENS, head_dims=HEAD_DIMS):
@@ -455,7 +517,8 @@ def plot(rows, path):
     for ax, (d, causal) in zip(axes, [(d, c) for d in HEAD_DIMS for c in (False, True)]):
         cell = [r for r in rows if r["d"] == d and r["causal"] == causal]
         xs = [r["seqlen"] for r in cell]
-        for key, label in (("ours_tflops", "cute-flash"), ("flash_tflops", "SDPA FLASH"), ("cudnn_tflops", "SDPA CUDNN")):
+        for key, label in (("ours_tflops", "cute-flash"), ("flash_tflops", "SDPA FLASH"),
+                           ("cudnn_tflops", "SDPA CUDNN")):
             ys = [r.get(key) or math.nan for r in cell]
             ax.plot(xs, ys, marker="o", label=label)
         ax.set_xscale("log", base=2)
@@ -468,7 +531,7 @@ def plot(rows, path):
     return path
 
 
-SECTIONS = ("grid", "extra", "varlen", "paged", "decode", "unaligned")
+SECTIONS = ("grid", "extra", "varlen", "paged", "decode", "unaligned", "bwd")
 
 
 def main(out_dir=None, quick=False, sections=SECTIONS):
@@ -497,6 +560,9 @@ def main(out_dir=None, quick=False, sections=SECTIONS):
     if "unaligned" in sections:
         result["unaligned"] = run_unaligned()
         text += "\n" + format_unaligned(result["unaligned"]) + "\n"
+    if "bwd" in sections:
+        result["bwd"] = run_bwd((1024, 4096) if quick else SEQLENS)
+        text += "\n" + format_bwd(result["bwd"]) + "\n"
     meta = dict(date=time.strftime("%Y-%m-%d"), gpu=torch.cuda.get_device_name(),
                 torch=torch.__version__, seconds=round(time.time() - t0, 1))
     text = f"{meta}\n\n{text}"

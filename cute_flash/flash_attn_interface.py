@@ -3,7 +3,10 @@ public functions, or the private forwards that ring-attention and sequence-paral
 build on, works by changing that one import.
 
 `_flash_attn_forward` and `_flash_attn_varlen_forward` keep flash-attn 2.8.3's argument names,
-order and defaults and return `(out, softmax_lse, S_dmask, rng_state)`: `S_dmask` is an empty
+order and defaults and return `(out, softmax_lse, S_dmask, rng_state)`;
+`_flash_attn_backward` and `_flash_attn_varlen_backward` likewise write the gradients into the
+given dq, dk, dv and return `softmax_d` (D = rowsum(dO * O), fp32, shaped like softmax_lse, where
+flash-attn's rounds seqlen_q up to 128). In the forwards, `S_dmask` is an empty
 tensor (no dropout), `rng_state` two int64 zeros (no random numbers drawn). Like flash-attn's,
 they have no autograd (their callers wrap them in their own `torch.autograd.Function`), so
 they do not refuse inputs that require grad; the output is not differentiable. Unlike
@@ -16,11 +19,12 @@ from typing import Optional, Tuple
 
 import torch
 
-from cute_flash import interface
+from cute_flash import _validate, interface
 from cute_flash.interface import *  # noqa: F401,F403 (the public functions)
-from cute_flash.interface import _flash_attn, _flash_attn_varlen, _no_probs
+from cute_flash.interface import _flash_attn, _flash_attn_varlen, _kernels, _mask, _no_probs
 
-__all__ = interface.__all__ + ["_flash_attn_forward", "_flash_attn_varlen_forward"]
+__all__ = interface.__all__ + ["_flash_attn_forward", "_flash_attn_varlen_forward", "_flash_attn_backward",
+                               "_flash_attn_varlen_backward"]
 
 
 def _rng_state(q):
@@ -78,3 +82,79 @@ def _flash_attn_varlen_forward(
                                   dropout_p, softmax_scale, causal, (window_size_left, window_size_right),
                                   softcap, alibi_slopes, block_table, seqused_k)
     return out, lse, _no_probs(q), _rng_state(q)
+
+
+def _check_backward(dropout_p, tensors):
+    _validate.check_dropout(dropout_p)
+    _validate.check_cuda(tensors)
+
+
+def _flash_attn_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    softmax_lse: torch.Tensor,
+    dq: Optional[torch.Tensor],
+    dk: Optional[torch.Tensor],
+    dv: Optional[torch.Tensor],
+    dropout_p: float,
+    softmax_scale: float,
+    causal: bool,
+    window_size_left: int,
+    window_size_right: int,
+    softcap: float,
+    alibi_slopes: Optional[torch.Tensor],
+    deterministic: bool,
+    rng_state: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Gradients of `_flash_attn_forward` written into dq, dk, dv (allocated when None);
+    returns softmax_d (batch, nheads, seqlen_q)."""
+    _check_backward(dropout_p, [("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out),
+                                ("softmax_lse", softmax_lse)])
+    causal, window = _mask(causal, (window_size_left, window_size_right), q.shape[1], k.shape[1])
+    *_, softmax_d = _kernels().flash_bwd(dout, q, k, v, out, softmax_lse, softmax_scale=softmax_scale,
+                                         causal=causal, window_size=window, softcap=float(softcap),
+                                         alibi_slopes=alibi_slopes, deterministic=bool(deterministic),
+                                         dq=dq, dk=dk, dv=dv)
+    return softmax_d
+
+
+def _flash_attn_varlen_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    softmax_lse: torch.Tensor,
+    dq: Optional[torch.Tensor],
+    dk: Optional[torch.Tensor],
+    dv: Optional[torch.Tensor],
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float,
+    softmax_scale: float,
+    causal: bool,
+    window_size_left: int,
+    window_size_right: int,
+    softcap: float,
+    alibi_slopes: Optional[torch.Tensor],
+    deterministic: bool,
+    rng_state: Optional[torch.Tensor] = None,
+    zero_tensors: bool = False,
+) -> torch.Tensor:
+    """Gradients of `_flash_attn_varlen_forward` (unpaged) written into dq, dk, dv; returns
+    softmax_d (nheads, total_q). `zero_tensors` has no effect: every gradient row is written."""
+    _check_backward(dropout_p, [("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out),
+                                ("softmax_lse", softmax_lse), ("cu_seqlens_q", cu_seqlens_q),
+                                ("cu_seqlens_k", cu_seqlens_k)])
+    causal, window = _mask(causal, (window_size_left, window_size_right), max_seqlen_q, max_seqlen_k)
+    *_, softmax_d = _kernels().flash_bwd_varlen(
+        dout, q, k, v, out, softmax_lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
+        window_size=window, softcap=float(softcap), alibi_slopes=alibi_slopes, deterministic=bool(deterministic),
+        dq=dq, dk=dk, dv=dv)
+    return softmax_d

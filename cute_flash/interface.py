@@ -1,13 +1,15 @@
-"""Public API: a drop-in for `flash_attn.flash_attn_interface` (v2.8.3), forward only.
+"""Public API: a drop-in for `flash_attn.flash_attn_interface` (v2.8.3).
 
 Each function validates its arguments (`cute_flash._validate`, the CUDA check last), answers
 empty problems without a launch, normalises the mask options as flash-attn's `mha_fwd` does,
 and hands the tensors, never copied (packed inputs become views), to `cute_flash.launch`.
-`deterministic` is accepted for compatibility: the forward pass is deterministic anyway.
-With grad mode on, inputs that require grad are refused (no backward yet) rather than given an
-output without a gradient. `return_attn_probs=True` returns `(out, softmax_lse, S_dmask)` with
-`S_dmask` an empty tensor, as flash-attn does without dropout. flash-attn's private
-`_flash_attn_forward` / `_flash_attn_varlen_forward` live in `cute_flash.flash_attn_interface`.
+With grad mode on and an input requiring grad, the six attention functions are differentiable
+(`cute_flash.autograd`; packed inputs get one packed gradient); `deterministic=True` makes
+their backward bitwise repeatable. `flash_attn_with_kvcache` and paged varlen calls have no
+backward (as in flash-attn) and refuse inputs that require grad. `return_attn_probs=True`
+returns `(out, softmax_lse, S_dmask)` with `S_dmask` an empty tensor, as flash-attn does
+without dropout. flash-attn's private forwards and backwards live in
+`cute_flash.flash_attn_interface`.
 """
 
 import importlib
@@ -19,6 +21,7 @@ import torch
 from torch import Tensor
 
 from cute_flash import _validate
+from cute_flash.autograd import AttnOptions, FlashAttnFunction, Packing, Varlen, needs_grad
 from cute_flash import ops  # noqa: F401  (registers torch.ops.cute_flash.*, used while compiling)
 
 __all__ = [
@@ -108,13 +111,18 @@ def _result(out, lse, q, return_attn_probs):
     return (out, lse, _no_probs(q)) if return_attn_probs else out
 
 
+def _grad_inputs(q, k, v, packed):
+    """The differentiable inputs and their packing: `packed` is (Packing, inputs) for the packed
+    functions, None for q, k, v apart."""
+    return packed if packed is not None else (Packing(), (q, k, v))
+
+
 def _flash_attn(q, k, v, names, dropout_p, softmax_scale, causal, window_size, softcap,
-                alibi_slopes, caller=None):
+                alibi_slopes, caller=None, deterministic=False, packed=None):
     """Shared body of the fixed-length functions: (out, lse). `names` are the caller's argument
-    names; `caller` is the public function's name (its inputs must not require grad), None for
-    the private forward, which has no autograd in flash-attn either."""
-    if caller is not None:
-        _validate.check_no_grad(zip(names, (q, k, v)), caller)
+    names; `caller` is the public function's name, None for the private forward, which has no
+    autograd in flash-attn either. With grad mode on and an input requiring grad, eager calls
+    go through `FlashAttnFunction` (compiled ones through the op's registered gradient)."""
     named = _check_qkv(q, k, v, names, _Q_DIMS, _KV_DIMS)
     window_size = _check_options(dropout_p, window_size, softcap)
     batch, seqlen_q, nheads, headdim = q.shape
@@ -123,37 +131,41 @@ def _flash_attn(q, k, v, names, dropout_p, softmax_scale, causal, window_size, s
 
     seqlen_k = k.shape[1]
     lse_shape = (batch, nheads, seqlen_q)
-    if batch == 0 or seqlen_q == 0:
-        out, lse = _empty(q, lse_shape)
-    elif seqlen_k == 0:
-        out, lse = _no_keys(q, lse_shape)
-    else:
-        causal, window = _mask(causal, window_size, seqlen_q, seqlen_k)
-        if torch.compiler.is_compiling():  # one graph node (cute_flash/ops.py)
-            out, lse = torch.ops.cute_flash.fwd(q, k, v, _scale(softmax_scale, headdim), causal, window[0],
-                                                window[1], float(softcap), alibi_slopes)
-        else:
-            out, lse = _kernels().flash_fwd(
-                q, k, v,
-                softmax_scale=_scale(softmax_scale, headdim),
-                causal=causal,
-                window_size=window,
-                softcap=float(softcap),
-                alibi_slopes=alibi_slopes,
-            )
-    return out, lse
+    causal, window = _mask(causal, window_size, seqlen_q, seqlen_k)
+    scale, softcap, deterministic = _scale(softmax_scale, headdim), float(softcap), bool(deterministic)
+
+    def run(q, k, v):
+        if batch == 0 or seqlen_q == 0:
+            return _empty(q, lse_shape)
+        if seqlen_k == 0:
+            return _no_keys(q, lse_shape)
+        if torch.compiler.is_compiling():  # one graph node (cute_flash/ops.py), gradient registered
+            return torch.ops.cute_flash.fwd(q, k, v, scale, causal, window[0], window[1], softcap, alibi_slopes,
+                                            deterministic)
+        return _kernels().flash_fwd(q, k, v, softmax_scale=scale, causal=causal, window_size=window,
+                                    softcap=softcap, alibi_slopes=alibi_slopes)
+
+    packing, inputs = _grad_inputs(q, k, v, packed)
+    if caller is not None and not torch.compiler.is_compiling() and needs_grad(inputs):
+        options = AttnOptions(scale, causal, window, softcap, deterministic, packing)
+        return FlashAttnFunction.apply(options, run, alibi_slopes, *inputs)
+    return run(q, k, v)
 
 
 def _flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, names,
                        dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                       block_table, seqused_k, caller=None):
+                       block_table, seqused_k, caller=None, deterministic=False, packed=None):
     """Shared body of the variable-length functions: (out, lse). `names` name q, k, v, the two
-    cu_seqlens and the two max_seqlen as the caller spelled them; `caller` as in _flash_attn."""
-    if caller is not None:
-        _validate.check_no_grad(zip(names[:3], (q, k, v)), caller)
+    cu_seqlens and the two max_seqlen as the caller spelled them; `caller` and autograd as in
+    _flash_attn. A paged cache (block_table) has no gradient, as in flash-attn."""
     paged = block_table is not None
     kv_dims = _PAGED_KV_DIMS if paged else _VARLEN_KV_DIMS
     named = _check_qkv(q, k, v, names[:3], _VARLEN_Q_DIMS, kv_dims)
+    packing, inputs = _grad_inputs(q, k, v, packed)
+    wants_grad = caller is not None and needs_grad(inputs)
+    if paged and wants_grad:
+        _validate.check_no_grad(zip(names[:3], (q, k, v)), caller,
+                                why="there is no gradient through a paged KV cache (block_table), as in flash-attn")
     window_size = _check_options(dropout_p, window_size, softcap)
     _validate.check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, names[3:])
     batch = cu_seqlens_q.shape[0] - 1
@@ -169,31 +181,28 @@ def _flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
     ])
 
     lse_shape = (nheads, total_q)
-    if batch == 0 or total_q == 0:
-        out, lse = _empty(q, lse_shape)
-    elif k.shape[0] == 0 or (paged and block_table.shape[1] == 0):
-        out, lse = _no_keys(q, lse_shape)
-    else:
-        causal, window = _mask(causal, window_size, max_seqlen_q, max_seqlen_k)
+    causal, window = _mask(causal, window_size, max_seqlen_q, max_seqlen_k)
+    scale, softcap, deterministic = _scale(softmax_scale, headdim), float(softcap), bool(deterministic)
+
+    def run(q, k, v):
+        if batch == 0 or total_q == 0:
+            return _empty(q, lse_shape)
+        if k.shape[0] == 0 or (paged and block_table.shape[1] == 0):
+            return _no_keys(q, lse_shape)
         if torch.compiler.is_compiling():
             return torch.ops.cute_flash.fwd_varlen(
-                q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, _scale(softmax_scale, headdim),
-                causal, window[0], window[1], float(softcap), alibi_slopes, block_table, seqused_k)
-        out, lse = _kernels().flash_fwd_varlen(
-            q, k, v,
-            cu_seqlens_q=cu_seqlens_q,
-            cu_seqlens_k=cu_seqlens_k,
-            max_seqlen_q=max_seqlen_q,
-            max_seqlen_k=max_seqlen_k,
-            softmax_scale=_scale(softmax_scale, headdim),
-            causal=causal,
-            window_size=window,
-            softcap=float(softcap),
-            alibi_slopes=alibi_slopes,
-            block_table=block_table,
-            seqused_k=seqused_k,
-        )
-    return out, lse
+                q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, window[0],
+                window[1], softcap, alibi_slopes, block_table, seqused_k, deterministic)
+        return _kernels().flash_fwd_varlen(
+            q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k, softmax_scale=scale, causal=causal, window_size=window, softcap=softcap,
+            alibi_slopes=alibi_slopes, block_table=block_table, seqused_k=seqused_k)
+
+    if wants_grad and not torch.compiler.is_compiling():
+        varlen = Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k)
+        options = AttnOptions(scale, causal, window, softcap, deterministic, packing, varlen)
+        return FlashAttnFunction.apply(options, run, alibi_slopes, *inputs)
+    return run(q, k, v)
 
 
 def flash_attn_qkvpacked_func(
@@ -212,7 +221,8 @@ def flash_attn_qkvpacked_func(
     _validate.check_packed(qkv, "qkv", 2, 3, ("batch", "seqlen", "3", "nheads", "headdim"))
     q, k, v = qkv.unbind(dim=2)
     out, lse = _flash_attn(q, k, v, ("qkv",) * 3, dropout_p, softmax_scale, causal, window_size,
-                           softcap, alibi_slopes, "flash_attn_qkvpacked_func")
+                           softcap, alibi_slopes, "flash_attn_qkvpacked_func", deterministic,
+                           (Packing("qkv", 2), (qkv,)))
     return _result(out, lse, q, return_attn_probs)
 
 
@@ -233,7 +243,8 @@ def flash_attn_kvpacked_func(
     _validate.check_packed(kv, "kv", 2, 2, ("batch", "seqlen_k", "2", "nheads_k", "headdim"))
     k, v = kv.unbind(dim=2)
     out, lse = _flash_attn(q, k, v, ("q", "kv", "kv"), dropout_p, softmax_scale, causal,
-                           window_size, softcap, alibi_slopes, "flash_attn_kvpacked_func")
+                           window_size, softcap, alibi_slopes, "flash_attn_kvpacked_func", deterministic,
+                           (Packing("q,kv", 2), (q, kv)))
     return _result(out, lse, q, return_attn_probs)
 
 
@@ -254,7 +265,7 @@ def flash_attn_func(
     headdim). Returns out like q, or (out, softmax_lse (batch, nheads, seqlen_q), S_dmask), S_dmask
     empty (flash-attn's value without dropout)."""
     out, lse = _flash_attn(q, k, v, ("q", "k", "v"), dropout_p, softmax_scale, causal, window_size,
-                           softcap, alibi_slopes, "flash_attn_func")
+                           softcap, alibi_slopes, "flash_attn_func", deterministic)
     return _result(out, lse, q, return_attn_probs)
 
 
@@ -278,7 +289,8 @@ def flash_attn_varlen_qkvpacked_func(
     names = ("qkv", "qkv", "qkv", "cu_seqlens", "cu_seqlens", "max_seqlen", "max_seqlen")
     out, lse = _flash_attn_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, names,
                                   dropout_p, softmax_scale, causal, window_size, softcap,
-                                  alibi_slopes, None, None, "flash_attn_varlen_qkvpacked_func")
+                                  alibi_slopes, None, None, "flash_attn_varlen_qkvpacked_func", deterministic,
+                                  (Packing("qkv", 1), (qkv,)))
     return _result(out, lse, q, return_attn_probs)
 
 
@@ -305,7 +317,8 @@ def flash_attn_varlen_kvpacked_func(
     names = ("q", "kv", "kv", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
     out, lse = _flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                   names, dropout_p, softmax_scale, causal, window_size, softcap,
-                                  alibi_slopes, None, None, "flash_attn_varlen_kvpacked_func")
+                                  alibi_slopes, None, None, "flash_attn_varlen_kvpacked_func", deterministic,
+                                  (Packing("q,kv", 1), (q, kv)))
     return _result(out, lse, q, return_attn_probs)
 
 
@@ -336,7 +349,7 @@ def flash_attn_varlen_func(
     names = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
     out, lse = _flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                   names, dropout_p, softmax_scale, causal, window_size, softcap,
-                                  alibi_slopes, block_table, seqused_k, "flash_attn_varlen_func")
+                                  alibi_slopes, block_table, seqused_k, "flash_attn_varlen_func", deterministic)
     return _result(out, lse, q, return_attn_probs)
 
 
@@ -369,7 +382,7 @@ def flash_attn_with_kvcache(
     where the kernels' own clamping is the guard. Returns out, or (out, softmax_lse (batch,
     nheads, seqlen_q))."""
     _validate.check_no_grad((("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)),
-                            "flash_attn_with_kvcache", has_backward=False)
+                            "flash_attn_with_kvcache")
     window_size = _validate.check_window(window_size)
     paged = block_table is not None
     compiling = torch.compiler.is_compiling()

@@ -3,7 +3,9 @@
 Each op's real implementation is the launcher (`cute_flash.launch`); its fake implementation
 gives the outputs' shapes, dtypes and strides without running anything, so Dynamo traces a model
 that calls attention into one graph. `fwd_kvcache` declares that it writes the caches
-(`mutates_args`), since it appends k/v in place.
+(`mutates_args`), since it appends k/v in place. `fwd` and `fwd_varlen` have their gradients
+registered (`register_autograd`): the `bwd` / `bwd_varlen` ops, which a compiled training step
+traces into its backward graph. (`deterministic` rides along in the forward ops for them.)
 
 Eager calls do not go through the dispatcher: the public functions call the launchers directly
 when not compiling (`torch.compiler.is_compiling()`), so decode host time does not grow by the
@@ -32,7 +34,7 @@ def _fresh(out: Tensor) -> Tensor:
 
 @torch.library.custom_op("cute_flash::fwd", mutates_args=())
 def fwd(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool, window_left: int, window_right: int,
-        softcap: float, alibi_slopes: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+        softcap: float, alibi_slopes: Optional[Tensor], deterministic: bool = False) -> tuple[Tensor, Tensor]:
     """Dense forward: q (b, sq, h, d), k/v (b, sk, hk, d) -> out like q, lse (b, h, sq) fp32."""
     out, lse = _launch().flash_fwd(q, k, v, softmax_scale=softmax_scale, causal=causal,
                                    window_size=(window_left, window_right), softcap=softcap,
@@ -41,7 +43,7 @@ def fwd(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool, win
 
 
 @fwd.register_fake
-def _fwd_fake(q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes):
+def _fwd_fake(q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, deterministic=False):
     b, sq, h, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((b, h, sq), dtype=torch.float32)
 
@@ -50,7 +52,7 @@ def _fwd_fake(q, k, v, softmax_scale, causal, window_left, window_right, softcap
 def fwd_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
                max_seqlen_k: int, softmax_scale: float, causal: bool, window_left: int, window_right: int,
                softcap: float, alibi_slopes: Optional[Tensor], block_table: Optional[Tensor],
-               seqused_k: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+               seqused_k: Optional[Tensor], deterministic: bool = False) -> tuple[Tensor, Tensor]:
     """Packed forward: q (total_q, h, d) -> out like q, lse (h, total_q) fp32."""
     out, lse = _launch().flash_fwd_varlen(
         q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
@@ -62,7 +64,7 @@ def fwd_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens
 
 @fwd_varlen.register_fake
 def _fwd_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                     window_left, window_right, softcap, alibi_slopes, block_table, seqused_k):
+                     window_left, window_right, softcap, alibi_slopes, block_table, seqused_k, deterministic=False):
     total_q, h, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((h, total_q), dtype=torch.float32)
 
@@ -92,3 +94,73 @@ def _fwd_kvcache_fake(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_s
                       softcap, rotary_interleaved, alibi_slopes, num_splits):
     b, sq, h, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((b, h, sq), dtype=torch.float32)
+
+
+@torch.library.custom_op("cute_flash::bwd", mutates_args=())
+def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, softmax_scale: float, causal: bool,
+        window_left: int, window_right: int, softcap: float, alibi_slopes: Optional[Tensor],
+        deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of `fwd`: (dq, dk, dv) shaped like q, k, v."""
+    grads = _launch().backward.flash_bwd(dout, q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal,
+                                         window_size=(window_left, window_right), softcap=softcap,
+                                         alibi_slopes=alibi_slopes, deterministic=deterministic)
+    return tuple(_fresh(g) for g in grads[:3])
+
+
+@bwd.register_fake
+def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
+              deterministic):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+@torch.library.custom_op("cute_flash::bwd_varlen", mutates_args=())
+def bwd_varlen(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_seqlens_q: Tensor,
+               cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool,
+               window_left: int, window_right: int, softcap: float, alibi_slopes: Optional[Tensor],
+               seqused_k: Optional[Tensor], deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of `fwd_varlen` (unpaged): (dq, dk, dv) shaped like q, k, v."""
+    grads = _launch().backward.flash_bwd_varlen(
+        dout, q, k, v, out, lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
+        window_size=(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes, seqused_k=seqused_k,
+        deterministic=deterministic)
+    return tuple(_fresh(g) for g in grads[:3])
+
+
+@bwd_varlen.register_fake
+def _bwd_varlen_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                     causal, window_left, window_right, softcap, alibi_slopes, seqused_k, deterministic):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _save(ctx, inputs, output, names):
+    """setup_context of a forward op: the tensors backward needs, and the named options."""
+    out, lse = output
+    ctx.save_for_backward(inputs[0], inputs[1], inputs[2], out, lse)
+    ctx.options = dict(zip(names, inputs[3:]))
+    ctx.set_materialize_grads(True)
+
+
+_FWD_OPTIONS = ("softmax_scale", "causal", "window_left", "window_right", "softcap", "alibi_slopes", "deterministic")
+_VARLEN_OPTIONS = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "softmax_scale", "causal",
+                   "window_left", "window_right", "softcap", "alibi_slopes", "block_table", "seqused_k",
+                   "deterministic")
+
+
+def _fwd_backward(ctx, dout, dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    return (*torch.ops.cute_flash.bwd(dout, q, k, v, out, lse, **ctx.options),) + (None,) * 7
+
+
+def _fwd_varlen_backward(ctx, dout, dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    o = dict(ctx.options)
+    if o.pop("block_table") is not None:
+        raise NotImplementedError("no gradient through a paged KV cache (block_table), as in flash-attn")
+    return (*torch.ops.cute_flash.bwd_varlen(dout, q, k, v, out, lse, **o),) + (None,) * 13
+
+
+torch.library.register_autograd("cute_flash::fwd", _fwd_backward,
+                                setup_context=lambda ctx, inputs, output: _save(ctx, inputs, output, _FWD_OPTIONS))
+torch.library.register_autograd("cute_flash::fwd_varlen", _fwd_varlen_backward,
+                                setup_context=lambda ctx, inputs, output: _save(ctx, inputs, output, _VARLEN_OPTIONS))

@@ -6,13 +6,20 @@ and, in parentheses when nonzero, the extra wavefronts summed over the CTA: ldsm
 the ldmatrix reads of sQ, sK and sV^T, cpQ/cpKV the cp.async writes into sQ and sK/sV (cpKVp: the
 paged copy's), stO the 32-bit accumulator stores into sO and ldO the 128-bit reads of sO for the
 gmem store. `runs` is the paged copy's rows per page run, "ok" when no run can straddle a page.
+
+A second table per arch checks the backward's traits (layouts.verify_bwd): cpQ/cpKV the
+cp.async writes into sQ (and sdO) and sK/sV; ldsmQ/ldsmK the reads of S = Q K^T (and of
+dP = dO V^T); stPdS the 32-bit stores of P and dS; ldsmPt/ldsmQt the transposed reads of
+dV += P^T dO and dK += dS^T Q; ldsmdS/ldsmKt those of dQ = dS K; stdKV/lddKV the dK, dV
+staging through smem. `cover` counts each element once per copy and once per warp that reads
+it in an MMA warp grid.
 """
 import argparse
 import sys
 from pathlib import Path
 
-from layouts import verify
-from layouts.traits import ELEMENT_BYTES, SMEM_LIMIT, shipped_fwd_traits
+from layouts import verify, verify_bwd
+from layouts.traits import ELEMENT_BYTES, SMEM_LIMIT, shipped_bwd_traits, shipped_fwd_traits
 
 BANK_COLUMNS = {"ldsm_q": "ldsmQ", "ldsm_k": "ldsmK", "ldsm_vt": "ldsmVt", "cpasync_q": "cpQ",
                 "cpasync_kv": "cpKV", "cpasync_kv_paged": "cpKVp", "sts_o": "stO", "lds_o": "ldO"}
@@ -71,6 +78,31 @@ def print_report(arch: int) -> bool:
     return not failed
 
 
+BWD_BANK_COLUMNS = {"cpasync_q": "cpQ", "cpasync_kv": "cpKV", "ldsm_q": "ldsmQ", "ldsm_k": "ldsmK",
+                    "sts_pds": "stPdS", "ldsm_pt": "ldsmPt", "ldsm_qt": "ldsmQt", "ldsm_ds": "ldsmdS",
+                    "ldsm_kt": "ldsmKt", "sts_dkv": "stdKV", "lds_dkv": "lddKV"}
+
+
+def print_bwd_report(arch: int) -> bool:
+    """The backward's traits, one row each, as `print_report`."""
+    header = ["backward traits", "smem B", "fits", "bij", *BWD_BANK_COLUMNS.values(), "gmem", "cover"]
+    widths = [34, WIDTHS["smem"], WIDTHS["fits"], WIDTHS["bij"], *([7] * len(BWD_BANK_COLUMNS)), WIDTHS["gmem"],
+              WIDTHS["cover"]]
+    print(_row(header, widths), flush=True)
+    rows = []
+    for t in shipped_bwd_traits(arch):
+        r = verify_bwd.report(t, arch)
+        rows.append(r)
+        cover = [f"{n}(x{c['wrong']} out{c['outside']})" for n, c in r["coverage"].items() if not c["ok"]]
+        print(_row([r["name"], f"{r['smem_bytes']}", _ok(r["fits"]), _failed_names(r["bijection"]),
+                    *(_banks(r["banks"][k]) for k in BWD_BANK_COLUMNS), _gmem(r["gmem"]),
+                    "ok" if not cover else "FAIL " + " ".join(cover)], widths), flush=True)
+    failed = [r["name"] for r in rows if not r["ok"]]
+    print(f"sm{arch}: {len(rows) - len(failed)}/{len(rows)} backward traits pass"
+          + (f"; FAILED: {', '.join(failed)}" if failed else ""), flush=True)
+    return not failed
+
+
 def draw(traits, out: Path) -> None:
     """sQ's 16-byte bank group per element (the swizzle) and the Q ldmatrix thread map."""
     out.mkdir(parents=True, exist_ok=True)
@@ -94,6 +126,7 @@ def main(argv=None) -> int:
     ok = True
     for arch in archs:
         ok &= print_report(arch)
+        ok &= print_bwd_report(arch)
     if args.draw:
         traits = list(dict.fromkeys(t for arch in archs for t in shipped_fwd_traits(arch)))
         draw(traits, args.draw)

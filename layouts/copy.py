@@ -100,3 +100,21 @@ def smem_tiled_copy_o(traits: FwdTraits, mma):
     """Accumulator fragment (converted to the element type) -> sO, 32-bit pairs."""
     atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), element_type(traits), num_bits_per_copy=32)
     return cute.make_tiled_copy_C(atom, mma)
+
+
+def smem_tiled_copy_a(traits, mma, transpose: bool):
+    """ldmatrix x4 feeding a TiledMMA's A operand; `transpose` reads an operand stored M-major
+    (the backward's P^T and dS^T from the row-major P / dS tiles)."""
+    return cute.make_tiled_copy_A(_ldmatrix(traits, transpose), mma)
+
+
+def smem_tiled_copy_b(traits, mma, transpose: bool):
+    """ldmatrix x4 feeding a TiledMMA's B operand; `transpose` reads one stored N-major (dO^T,
+    Q^T, K^T in the backward)."""
+    return cute.make_tiled_copy_B(_ldmatrix(traits, transpose), mma)
+
+
+def smem_tiled_copy_c(traits, mma):
+    """A TiledMMA's accumulator fragment (converted to the element type) -> smem, 32-bit pairs."""
+    atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), element_type(traits), num_bits_per_copy=32)
+    return cute.make_tiled_copy_C(atom, mma)

@@ -47,3 +47,12 @@ def acc_as_a_operand(acc):
         stride=((div.stride[0], div.stride[2][0]), div.stride[1], div.stride[2][1]),
     )
     return cute.make_tensor(acc.iterator, view)
+
+
+def tiled_mma_grid(traits, warps_m: int):
+    """The backward's TiledMMAs: warps in a warps_m x (num_warps / warps_m) grid, one tile step
+    16 * warps_m x 16 * warps_n x 16 (flash-attn 2's `Tile<16 * AtomM, 16 * AtomN, 16>`), so each
+    warp's B fragment of a step is 16 columns, one ldmatrix x4."""
+    warps_n = traits.num_warps // warps_m
+    op = warp.MmaF16BF16Op(element_type(traits), cutlass.Float32, (16, 8, 16))
+    return cute.make_tiled_mma(op, (warps_m, warps_n, 1), permutation_mnk=(16 * warps_m, 16 * warps_n, 16))

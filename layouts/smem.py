@@ -11,12 +11,16 @@ import cutlass.cute as cute
 from layouts.traits import FwdTraits
 
 
+def swizzled_atom(width: int):
+    """(8, width) atom, width 64 (Swizzle<3,3,3>, 128 B rows) or 32 (Swizzle<2,3,3>, 64 B rows)."""
+    return cute.make_composed_layout(
+        cute.make_swizzle(3 if width == 64 else 2, 3, 3), 0, cute.make_layout((8, width), stride=(width, 1))
+    )
+
+
 def smem_layout_atom(traits: FwdTraits):
     """(8, kBlockKSmem) swizzled atom."""
-    k = traits.block_k_smem
-    return cute.make_composed_layout(
-        cute.make_swizzle(traits.swizzle_bits, 3, 3), 0, cute.make_layout((8, k), stride=(k, 1))
-    )
+    return swizzled_atom(traits.block_k_smem)
 
 
 def smem_layout_q(traits: FwdTraits):
@@ -46,3 +50,9 @@ def transposed_view(s_v):
 def smem_layout_unswizzled(rows: int, cols: int):
     """(rows, cols) row-major with no swizzle: the counter-example that bank checks must flag."""
     return cute.make_layout((rows, cols), stride=(cols, 1))
+
+
+def smem_layout_pds(traits):
+    """(kBlockM, kBlockN) P and dS tiles of the backward, keys contiguous (flash-attn 2's
+    SmemLayoutPdS); dV = P^T dO and dK = dS^T Q read them transposed through ldmatrix.trans."""
+    return cute.tile_to_shape(swizzled_atom(traits.block_k_pds), (traits.block_m, traits.block_n), (0, 1))

@@ -120,6 +120,84 @@ def shipped_fwd_traits(arch: int = 90) -> list[FwdTraits]:
     return list(seen)
 
 
+@dataclass(frozen=True)
+class BwdTraits:
+    """flash-attn 2's `Flash_bwd_kernel_traits`: one CTA owns kBlockN keys and loops over
+    kBlockM-row query blocks. The three GEMM shapes get their own warp grids: S and dP
+    (block_m x block_n, `atom_m_sdp` warps along M), dK and dV (block_n x head_dim,
+    `atom_n_dkv` warps along N-of-keys), dQ (block_m x head_dim, `atom_m_dq` warps along M).
+    `q_stages` 2 double-buffers Q and dO so the next query block loads under this one's math."""
+    head_dim: int
+    block_m: int
+    block_n: int
+    num_warps: int
+    atom_m_sdp: int
+    atom_n_dkv: int
+    atom_m_dq: int
+    q_stages: int = 2
+    dtype: str = "bf16"
+
+    def __post_init__(self):
+        if self.head_dim not in HEAD_DIM_BUCKETS:
+            raise ValueError(f"head_dim {self.head_dim} is not a bucket {HEAD_DIM_BUCKETS}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.q_stages not in (1, 2):
+            raise ValueError("q_stages is 1 or 2")
+        for atom, (rows, cols) in ((self.atom_m_sdp, (self.block_m, self.block_n)),
+                                   (self.atom_n_dkv, (self.block_n, self.head_dim)),
+                                   (self.atom_m_dq, (self.block_m, self.head_dim))):
+            if self.num_warps % atom or rows % (16 * atom) or cols % (16 * (self.num_warps // atom)):
+                raise ValueError(f"a {atom} x {self.num_warps // atom} warp grid does not tile {rows} x {cols}")
+        if self.block_m % (self.num_threads // self.gmem_threads_per_row):
+            raise ValueError("block_m must be a multiple of the rows one pass of the gmem copy covers")
+
+    num_threads = FwdTraits.num_threads
+    block_k_smem = FwdTraits.block_k_smem
+    swizzle_bits = FwdTraits.swizzle_bits
+    gmem_threads_per_row = FwdTraits.gmem_threads_per_row
+
+    @property
+    def block_k_pds(self) -> int:
+        """Swizzle-atom width of the P / dS tiles (block_m x block_n, keys contiguous)."""
+        return 64 if self.block_n % 64 == 0 else 32
+
+    @property
+    def smem_bytes(self) -> int:
+        qdo = 2 * self.q_stages * self.block_m * self.head_dim
+        return ELEMENT_BYTES * (qdo + 2 * self.block_n * self.head_dim + 2 * self.block_m * self.block_n)
+
+    def fits(self, arch: int) -> bool:
+        return self.smem_bytes <= SMEM_LIMIT[arch]
+
+    @property
+    def name(self) -> str:
+        return (f"bwd_d{self.head_dim}_m{self.block_m}_n{self.block_n}_w{self.num_warps}_"
+                f"{self.atom_m_sdp}{self.atom_n_dkv}{self.atom_m_dq}_s{self.q_stages}_{self.dtype}")
+
+
+@functools.lru_cache(maxsize=None)
+def choose_bwd_traits(head_dim: int, dtype: str = "bf16", arch: int = 90) -> BwdTraits:
+    """Backward tiles per head-dim bucket, flash-attn 2.8.3's for sm80-class GPUs as the start
+    (kBlockM x kBlockN / warps / S-dP, dK-dV, dQ warp grids): d32 128x128/8 (4,4,4), d64
+    128x128/8 (2,4,4), d96 64x128/8 (2,4,4), d128 64x128/8 (2,4,2), d160 64x64/8 (4,4,4), d192
+    and d256 64x64/8 (4,2,2), d224 (ours: 224 is not a multiple of 64) (4,4,4); Q and dO
+    double-buffered where shared memory allows."""
+    d = head_dim_bucket(head_dim)
+    m, n, grids = {32: (128, 128, (4, 4, 4)), 64: (128, 128, (2, 4, 4)), 96: (64, 128, (2, 4, 4)),
+                   128: (64, 128, (2, 4, 2)), 160: (64, 64, (4, 4, 4)), 192: (64, 64, (4, 2, 2)),
+                   224: (64, 64, (4, 4, 4)), 256: (64, 64, (4, 2, 2))}[d]
+    t = BwdTraits(d, m, n, 8, *grids, q_stages=2, dtype=dtype)
+    if not t.fits(arch):
+        t = BwdTraits(d, m, n, 8, *grids, q_stages=1, dtype=dtype)
+    return t
+
+
+def shipped_bwd_traits(arch: int = 90) -> list[BwdTraits]:
+    """Every backward traits `choose_bwd_traits` can return for `arch`."""
+    return list(dict.fromkeys(choose_bwd_traits(d, dt, arch) for d in HEAD_DIM_BUCKETS for dt in DTYPES))
+
+
 def element_type(traits_or_dtype):
     """The DSL numeric type of Q/K/V/O for traits or a dtype name (imported lazily: traits stay
     usable without the DSL)."""

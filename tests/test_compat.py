@@ -1,6 +1,8 @@
-"""flash-attn compatibility beyond argument checks, on CPU: gradients are refused rather than
-silently lost, `cute_flash.flash_attn_interface` mirrors flash-attn 2.8.3's module (private
-forwards included) and `cute_flash.__version__`. Dispatch goes through the seam of
+"""flash-attn compatibility beyond argument checks, on CPU: autograd wiring (every
+differentiable function's backward reaches the launcher with the forward's options, packed
+inputs get packed gradients; functions without a backward refuse),
+`cute_flash.flash_attn_interface` mirrors flash-attn 2.8.3's module (private forwards and
+backwards included) and `cute_flash.__version__`. Dispatch goes through the seam of
 test_interface_validation (a recorder in place of the kernels)."""
 import importlib.metadata
 import inspect
@@ -15,31 +17,74 @@ from tests.test_interface_validation import ALL, FUNCS, HALF_ARGS, call, gpu_fre
 
 # --- gradients ------------------------------------------------------------------------------
 
+DIFFERENTIABLE = [n for n in ALL if not n.startswith("kvcache") and n != "varlen_paged"]
+PACK_FILLS = {"qkv": (1, 2, 3), "kv": (2, 3)}  # the fake backward's dq, dk, dv fills
 
-def _requiring_grad(name, arg):
+
+def _requiring_grad(name, *names):
     args = valid(name)
-    args[arg] = args[arg].clone().requires_grad_(True)
+    for arg in names:
+        args[arg] = args[arg].clone().requires_grad_(True)
     return args
 
 
-@pytest.mark.parametrize("name, arg", [(n, a) for n in ALL for a in HALF_ARGS[n]])
-def test_inputs_requiring_grad_are_refused(gpu_free, name, arg):
-    """Until the backward pass exists, an output without grad_fn would drop the gradient in
-    silence: every public function refuses instead, naming the inputs."""
+@pytest.mark.parametrize("name, arg", [(n, a) for n in ALL for a in HALF_ARGS[n]
+                                       if n.startswith("kvcache") or n == "varlen_paged"])
+def test_inputs_requiring_grad_are_refused_without_a_backward(gpu_free, name, arg):
+    """flash_attn_with_kvcache and paged varlen calls have no backward (as in flash-attn): an
+    output without grad_fn would drop the gradient in silence, so they refuse, naming the input."""
     args = _requiring_grad(name, arg)
     fn_name = FUNCS[name].__name__
     why = (r"it is inference-only and has no backward pass \(as in flash-attn\)" if name.startswith("kvcache")
-           else "the backward pass is not implemented yet")
-    with pytest.raises(NotImplementedError, match=rf"^{fn_name} cannot compute gradients: {why}, and {arg} requires? grad"):
+           else r"there is no gradient through a paged KV cache \(block_table\), as in flash-attn")
+    match = rf"^{fn_name} cannot compute gradients: {why}, and {arg} requires? grad"
+    with pytest.raises(NotImplementedError, match=match):
         call(name, **args)
     assert gpu_free.calls == []
 
 
+@pytest.mark.parametrize("name", DIFFERENTIABLE)
+def test_backward_reaches_every_input_in_its_packed_form(gpu_free, name):
+    """out.backward() runs the launcher's backward once, with the forward's canonical options,
+    and each input gets its gradient in its own shape: a packed qkv / kv one packed tensor whose
+    slices are the dq / dk / dv the launcher wrote."""
+    wanted = HALF_ARGS[name]
+    args = _requiring_grad(name, *wanted)
+    out = call(name, **args, causal=True, window_size=(5, 9), deterministic=True)
+    out.backward(torch.ones_like(out))
+    fwd, bwd = (c[0] for c in gpu_free.calls)
+    assert fwd.startswith("flash_fwd") and bwd == fwd.replace("fwd", "bwd")
+    fwd_kw, kw = gpu_free.calls[0][2], gpu_free.calls[1][2]
+    shared = ("softmax_scale", "causal", "window_size", "softcap", "alibi_slopes")
+    assert [kw[o] for o in shared] == [fwd_kw[o] for o in shared]
+    assert kw["causal"] and kw["window_size"][1] == 0 and kw["deterministic"] is True
+    for arg in wanted:
+        grad = args[arg].grad
+        assert grad.shape == args[arg].shape and grad.dtype == args[arg].dtype
+        fills = PACK_FILLS[arg] if arg in PACK_FILLS else {"q": (1,), "k": (2,), "v": (3,)}[arg]
+        slices = grad.unbind(-3) if arg in PACK_FILLS else (grad,)
+        assert [s.unique().tolist() for s in slices] == [[f] for f in fills]
+
+
+@pytest.mark.parametrize("name", ["func", "varlen"])
+def test_backward_honours_needs_input_grad(gpu_free, name):
+    args = _requiring_grad(name, "k")
+    out = call(name, **args)
+    out.sum().backward()
+    assert args["k"].grad is not None and args["q"].grad is None and args["v"].grad is None
+
+
+def test_lse_is_not_differentiable(gpu_free):
+    args = _requiring_grad("func", "q")
+    out, lse, _ = call("func", **args, return_attn_probs=True)
+    assert out.grad_fn is not None and lse.grad_fn is None and not lse.requires_grad
+
+
 @pytest.mark.parametrize("name", ALL)
-def test_no_grad_mode_or_detached_inputs_run(gpu_free, name):
+def test_no_grad_mode_or_detached_inputs_run_without_autograd(gpu_free, name):
     arg = HALF_ARGS[name][0]
     with torch.no_grad():
-        call(name, **_requiring_grad(name, arg))
+        assert call(name, **_requiring_grad(name, arg)).grad_fn is None
     with torch.inference_mode():
         call(name, **_requiring_grad(name, arg))
     call(name, **valid(name))  # grad mode on, nothing requires grad
@@ -53,6 +98,18 @@ def test_private_forward_takes_inputs_requiring_grad(gpu_free):
     assert len(gpu_free.calls) == 1 and out[0].grad_fn is None
 
 
+def test_private_backward_writes_the_given_tensors(gpu_free):
+    args = valid("func")
+    q, k, v = args["q"], args["k"], args["v"]
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    out, lse = torch.zeros_like(q), torch.zeros(q.shape[0], q.shape[2], q.shape[1])
+    softmax_d = fai._flash_attn_backward(torch.ones_like(q), q, k, v, out, lse, dq, dk, dv, 0.0, 0.5, True,
+                                         -1, 7, 0.0, None, True)
+    [(fn, _, kw)] = gpu_free.calls
+    assert fn == "flash_bwd" and kw["window_size"] == (-1, 0) and kw["deterministic"]
+    assert (dq == 1).all() and (dk == 2).all() and (dv == 3).all() and softmax_d.shape == lse.shape
+
+
 # --- the flash_attn_interface module ---------------------------------------------------------
 
 FLASH_ATTN_2_8_3_PRIVATE = {  # flash_attn/flash_attn_interface.py at v2.8.3
@@ -61,6 +118,19 @@ FLASH_ATTN_2_8_3_PRIVATE = {  # flash_attn/flash_attn_interface.py at v2.8.3
         "causal: bool, window_size_left: int, window_size_right: int, softcap: float, "
         "alibi_slopes: Optional[torch.Tensor], return_softmax: bool) -> "
         "Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]"),
+    "_flash_attn_backward": (
+        "(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, "
+        "softmax_lse: torch.Tensor, dq: Optional[torch.Tensor], dk: Optional[torch.Tensor], "
+        "dv: Optional[torch.Tensor], dropout_p: float, softmax_scale: float, causal: bool, window_size_left: int, "
+        "window_size_right: int, softcap: float, alibi_slopes: Optional[torch.Tensor], deterministic: bool, "
+        "rng_state: Optional[torch.Tensor] = None) -> torch.Tensor"),
+    "_flash_attn_varlen_backward": (
+        "(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, "
+        "softmax_lse: torch.Tensor, dq: Optional[torch.Tensor], dk: Optional[torch.Tensor], "
+        "dv: Optional[torch.Tensor], cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, "
+        "max_seqlen_k: int, dropout_p: float, softmax_scale: float, causal: bool, window_size_left: int, "
+        "window_size_right: int, softcap: float, alibi_slopes: Optional[torch.Tensor], deterministic: bool, "
+        "rng_state: Optional[torch.Tensor] = None, zero_tensors: bool = False) -> torch.Tensor"),
     "_flash_attn_varlen_forward": (
         "(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, "
         "cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, "

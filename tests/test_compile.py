@@ -1,8 +1,9 @@
 """Every kernel variant the dispatcher can choose compiles for sm_80 and sm_90a, with no GPU.
 
-CI compiles a covering subset (every head-dim bucket of both kernels on both archs, each flag
-on and off, the append kernel; the split-KV combine is part of every split kernel, compiled for
-every head-dim bucket); the full traits x flags sweep is marked slow:
+CI compiles a covering subset (every head-dim bucket of the forward, KV-cache and backward
+kernels on both archs, each flag on and off, the append kernel, the backward's preprocess and
+dQ convert; the split-KV combine is part of every split kernel, compiled for every head-dim
+bucket); the full traits x flags sweep is marked slow:
 `pytest -m slow tests/test_compile.py`.
 """
 import pytest
@@ -11,7 +12,8 @@ pytest.importorskip("cutlass")
 
 from cute_flash.kernels.config import CACHE_FLAGS, SCORE_FLAGS  # noqa: E402
 from cute_flash.kernels.fake import arch_option  # noqa: E402
-from cute_flash.launch.compiled import append_variants, compile_fwd, fwd_variants  # noqa: E402
+from cute_flash.launch.compiled import (BWD_FLAGS, append_variants, bwd_variants, compile_bwd, compile_fwd,  # noqa: E402
+                                        fwd_variants)
 from cute_flash.kernels.roundtrip import OPERANDS, TileRoundTrip  # noqa: E402
 from layouts.traits import SMEM_LIMIT, shipped_fwd_traits  # noqa: E402
 
@@ -61,6 +63,40 @@ def test_subset_covers_every_traits_and_every_flag():
     assert any(all(getattr(c, n) != (n == "even_k") for n in SCORE_FLAGS) for c in configs)  # all on
     assert any(c.kvcache and c.paged and c.split for c in configs)
     assert any(c.kvcache and c.any_page_size and c.split for c in configs)
+
+
+def _bwd_cases(full):
+    return [pytest.param(arch, c, id=f"sm{arch}-{c.name}") for arch in (80, 90) for c in bwd_variants(arch, full)]
+
+
+def _compile_bwd(arch, config, tmp_path):
+    traits = getattr(config, "traits", None)
+    assert traits is None or traits.smem_bytes <= SMEM_LIMIT[arch]
+    compile_bwd(config, arch, f"--keep-ptx --dump-dir={tmp_path}")
+    _assert_one_kernel_for(arch, tmp_path)
+
+
+@pytest.mark.parametrize("arch, config", _bwd_cases(full=False))
+def test_bwd_variant_compiles(arch, config, tmp_path):
+    _compile_bwd(arch, config, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch, config", _bwd_cases(full=True))
+def test_bwd_variant_compiles_full_sweep(arch, config, tmp_path):
+    _compile_bwd(arch, config, tmp_path)
+
+
+def test_bwd_subset_covers_every_bucket_and_every_flag():
+    from cute_flash.kernels.config import BwdConfig
+    from layouts.traits import HEAD_DIM_BUCKETS, choose_bwd_traits
+
+    for arch in (80, 90):
+        configs = [c for c in bwd_variants(arch) if isinstance(c, BwdConfig)]
+        dtype = configs[0].traits.dtype
+        assert {c.traits for c in configs} == {choose_bwd_traits(d, dtype, arch) for d in HEAD_DIM_BUCKETS}
+        for name in BWD_FLAGS + ("varlen", "has_seqused_k"):
+            assert {getattr(c, name) for c in configs} == {False, True}, name
 
 
 @pytest.mark.parametrize("arch", [80, 90])

@@ -125,6 +125,22 @@ class FakeKernels(types.ModuleType):
         lse_shape = (q.shape[0], q.shape[2], q.shape[1])
         return self._launch("flash_fwd_kvcache", (q, k_cache, v_cache), kw, q, lse_shape)
 
+    def _backward(self, fn, dout, q, k, v, out, lse, dq=None, dk=None, dv=None, **kw):
+        """Gradients filled with 1, 2, 3 (for q, k, v), written into the given tensors as the
+        real launcher does."""
+        self.calls.append((fn, (dout, q, k, v, out, lse), kw))
+        grads = []
+        for dest, x, fill in zip((dq, dk, dv), (q, k, v), (1, 2, 3)):
+            g = torch.full_like(x, fill)
+            grads.append(g if dest is None else dest.copy_(g))
+        return (*grads, torch.zeros_like(lse))
+
+    def flash_bwd(self, *args, **kw):
+        return self._backward("flash_bwd", *args, **kw)
+
+    def flash_bwd_varlen(self, *args, **kw):
+        return self._backward("flash_bwd_varlen", *args, **kw)
+
 
 @contextlib.contextmanager
 def no_gpu_needed():
@@ -606,7 +622,6 @@ def test_seqused_k_is_keyword_only():
 
 @pytest.mark.parametrize("name", ["varlen_paged", "kvcache_paged"])
 def test_block_table_rules(name):
-    k_name = "k" if name == "varlen_paged" else "k_cache"
     bt = valid(name)["block_table"]
     match = (r"^block_table must have dtype"
              r" torch.int32, got torch.int64")

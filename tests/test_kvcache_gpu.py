@@ -145,7 +145,8 @@ def test_kvcache_matches_reference(data, b, ratio, hk, d, sq, dtype, mask, paged
         rotary = (data.draw(st.sampled_from(dims)), data.draw(st.booleans()))
     opts = dict(causal=mask == "causal", alibi=mask == "alibi",
                 softcap=20.0 if mask == "softcap" else 0.0,
-                window=(data.draw(st.integers(0, 300)), data.draw(st.integers(0, 40))) if mask == "window" else (-1, -1))
+                window=((data.draw(st.integers(0, 300)), data.draw(st.integers(0, 40))) if mask == "window"
+                        else (-1, -1)))
     run_case(b, sq, hk * ratio, hk, d, dtype, capacity, seqlens, seqlen_new, num_splits, page_size,
              batch_idx, leftpad, rotary, **opts)
 

@@ -1,4 +1,5 @@
-"""Property tests of the forward kernel's compile-time design, on the CPU (layouts.verify).
+"""Property tests of the forward and backward kernels' compile-time design, on the CPU
+(layouts.verify, layouts.verify_bwd).
 
 Every chosen traits must fit in shared memory, use bijective smem layouts, read and write smem
 without bank conflicts, move global memory in coalesced 16-byte vectors and split every tile
@@ -15,9 +16,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from layouts import copy, smem, verify
-from layouts.traits import (DTYPES, ELEMENT_BYTES, HEAD_DIM_BUCKETS, SMEM_LIMIT, FwdTraits,
-                            choose_fwd_traits, head_dim_bucket)
+from layouts import copy, smem, verify, verify_bwd
+from layouts.traits import (DTYPES, ELEMENT_BYTES, HEAD_DIM_BUCKETS, SMEM_LIMIT, FwdTraits, choose_bwd_traits,
+                            choose_fwd_traits, head_dim_bucket, shipped_bwd_traits)
 
 ARCHS = (80, 90)
 CASES = [(d, dtype, arch) for d in HEAD_DIM_BUCKETS for dtype in DTYPES for arch in ARCHS]
@@ -298,9 +299,52 @@ def test_report_cli_exits_1_when_a_check_fails(monkeypatch, capsys):
 
     t = choose_fwd_traits(128)
     monkeypatch.setattr(cli, "shipped_fwd_traits", lambda arch: [t])
+    monkeypatch.setattr(cli, "shipped_bwd_traits", lambda arch: [choose_bwd_traits(128)])
     assert cli.main(["report", "--arch", "90"]) == 0
     monkeypatch.setitem(SMEM_LIMIT, 90, 1024)  # the same traits no longer fits
     assert cli.main(["report", "--arch", "90"]) == 1
     out = capsys.readouterr().out.rstrip()
     assert f"sm90: 0/1 traits pass; FAILED: {t.name}\n" in out
     assert out.endswith("layouts report: FAILED (see the rows above)")
+
+
+# --- the backward's layouts -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_backward_traits_passes_every_check(arch):
+    """Fits, bijective smem layouts (and their transposed views), conflict-free cp.async,
+    ldmatrix (plain and transposed) and accumulator stores, 16-byte coalesced gmem copies, and
+    partitions covering their tiles (MMA operands once per reading warp)."""
+    for t in shipped_bwd_traits(arch):
+        r = verify_bwd.report(t, arch)
+        assert r["fits"] and all(r["bijection"].values()), t.name
+        assert {k: (b["worst"], b["vector_ok"]) for k, b in r["banks"].items()} == dict.fromkeys(r["banks"], (0, True))
+        assert all(g["ok"] for g in r["gmem"].values()), t.name
+        assert {k: c["ok"] for k, c in r["coverage"].items()} == dict.fromkeys(verify_bwd.PARTITIONS, True), t.name
+
+
+def _unswizzled_pds_t(rows, cols):
+    return smem.transposed_view(smem.smem_layout_unswizzled(rows, cols))
+
+
+def test_unswizzled_p_tile_is_flagged_for_the_transposed_reads():
+    """P / dS stored row-major without the swizzle: rows of the 64 x 128 tile are 256 B apart, so
+    the 8 rows an ldmatrix phase reads (transposed for dV / dK, plain for dQ) share one bank
+    group, 8-way; the swizzled tile has no conflict."""
+    t = choose_bwd_traits(128)
+    parts = verify_bwd.partitions(t)
+    flat_t = verify.layout_table(_unswizzled_pds_t, t.block_m, t.block_n)
+    assert verify.bank_conflicts(parts["ldsm_pt"], flat_t)["worst"] == 7
+    flat = verify.layout_table(smem.smem_layout_unswizzled, t.block_m, t.block_n)
+    assert verify.bank_conflicts(parts["ldsm_ds"], flat)["worst"] == 7
+    assert verify_bwd.verify_traits(t)["banks"]["ldsm_pt"]["worst"] == 0
+
+
+def test_backward_coverage_counts_reading_warps():
+    """In a 2 x 4 warp grid each A element is read by 4 warps and each B element by 2: a count
+    of 1 would be wrong, the grid's count is right."""
+    t = choose_bwd_traits(128)  # S/dP grid 2 x 4
+    part = verify_bwd.partitions(t)["ldsm_q"]
+    assert verify_bwd.coverage(part, 4)["ok"] and not verify_bwd.coverage(part, 1)["ok"]
+    assert verify_bwd.coverage(verify_bwd.partitions(t)["ldsm_k"], 2)["ok"]

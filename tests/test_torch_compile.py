@@ -5,6 +5,8 @@ the shapes, dtypes and strides of the eager outputs, and a dynamic sequence leng
 retrace. The real ops run in the GPU suite."""
 import pytest
 import torch
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.aot_autograd import make_boxed_func
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import cute_flash
@@ -92,5 +94,35 @@ def test_a_dynamic_sequence_length_compiles_once(fake):
 
 def test_ops_are_registered_under_the_package_namespace():
     assert cute_flash.ops.fwd._qualname == "cute_flash::fwd"
-    for name in ("fwd", "fwd_varlen", "fwd_kvcache"):
+    for name in ("fwd", "fwd_varlen", "fwd_kvcache", "bwd", "bwd_varlen"):
         assert hasattr(torch.ops.cute_flash, name)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_training_step_traces_the_backward_op(fake, packed, monkeypatch):
+    """Forward and backward compiled (AOTAutograd): the registered gradient of the forward op
+    traces the backward op, and the gradients have the inputs' shapes (packed: one tensor).
+    The fake tensors live on the CPU here (the CUDA check is switched off): autograd's engine
+    needs a CUDA driver for CUDA tensors, even fake ones."""
+    monkeypatch.setattr(cute_flash._validate, "check_cuda", lambda named: None)
+    seen = []
+
+    def keep(kind):
+        return lambda g, _: seen.append((kind, g)) or make_boxed_func(g.forward)
+
+    def backend(gm, example_inputs):
+        return aot_autograd(fw_compiler=keep("fw"), bw_compiler=keep("bw"))(gm, example_inputs)
+
+    @torch.compile(fullgraph=True, backend=backend)
+    def step(qkv):
+        if packed:
+            return flash_attn_qkvpacked_func(qkv, causal=True, deterministic=True).float().square().sum()
+        q, k, v = qkv.unbind(2)
+        return flash_attn_func(q, k[:, :, :2], v[:, :, :2], window_size=(32, 16)).float().square().sum()
+
+    qkv = torch.randn(2, 128, 3, 8, 64, dtype=torch.bfloat16).requires_grad_()
+    step(qkv).backward()
+    assert qkv.grad.shape == qkv.shape and qkv.grad.dtype == qkv.dtype
+    targets = {kind: [str(n.target) for n in g.graph.nodes if n.op == "call_function"] for kind, g in seen}
+    assert any("cute_flash.fwd" in t for t in targets["fw"]), targets["fw"]
+    assert any("cute_flash.bwd" in t for t in targets["bw"]), targets["bw"]

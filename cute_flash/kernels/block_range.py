@@ -57,3 +57,26 @@ class BlockRange:
         if cutlass.const_expr(window.has_left):
             lo = cute.ceil_div(cutlass.max((m_block + 1) * block_m - 1 + shift - window.left, 0), block_n)
         return lo, hi
+
+
+@dataclass(frozen=True)
+class QueryBlocks:
+    """The backward's view: [m_block_min, m_block_max) are the query blocks holding any row
+    that sees a key of key block n_block."""
+    m_block_min: object
+    m_block_max: object
+
+    @staticmethod
+    def make(seq: SeqInfo, n_block, block_m: cutlass.Constexpr, block_n: cutlass.Constexpr, window: Window):
+        """Row i sees key j iff i + shift - left <= j <= i + shift + right (shift = sk - sq): the
+        block's first key bounds the rows from below through the right edge, its last key from
+        above through the left edge."""
+        shift = seq.seqlen_k - seq.seqlen_q
+        m_block_max = cute.ceil_div(seq.seqlen_q, block_m)
+        if cutlass.const_expr(window.has_left):
+            last_row = (n_block + 1) * block_n - 1 - shift + window.left
+            m_block_max = cutlass.min(m_block_max, cute.ceil_div(cutlass.max(last_row + 1, 0), block_m))
+        m_block_min = 0
+        if cutlass.const_expr(window.has_right):
+            m_block_min = cutlass.max(n_block * block_n - shift - window.right, 0) // block_m
+        return QueryBlocks(m_block_min, m_block_max)

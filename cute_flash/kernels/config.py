@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from layouts.traits import FwdTraits
+from layouts.traits import BwdTraits, FwdTraits
 
 
 @dataclass(frozen=True)
@@ -92,8 +92,48 @@ class FwdConfig:
         return f"{self.traits.name}-{self.letters}"
 
 
+@dataclass(frozen=True)
+class BwdConfig:
+    """One compiled backward variant (`kernels/bwd.py`): traits and the feature flags."""
+    traits: BwdTraits
+    has_left: bool = False
+    has_right: bool = False
+    has_alibi: bool = False
+    has_softcap: bool = False
+    even_k: bool = True
+    varlen: bool = False
+    has_seqused_k: bool = False
+    deterministic: bool = False   # dQ summed per key-block split in a fixed order, no cross-CTA atomics
+    dq_vec: int = 1               # floats per dQ atomic add: 4 on sm_90 (red.global.add.v4.f32), 1 before
+
+    def __post_init__(self):
+        if self.has_seqused_k and not self.varlen:
+            raise ValueError("has_seqused_k belongs to the varlen entry")
+        if self.dq_vec not in (1, 4):
+            raise ValueError("dq_vec is 1 or 4")
+
+    @property
+    def entry(self) -> str:
+        """Which entry point of `FlashBwd` the variant compiles: dense or varlen."""
+        return "varlen" if self.varlen else "dense"
+
+    q_head_axis = FwdConfig.q_head_axis
+
+    def flags(self) -> dict:
+        return {f.name: True for f in fields(self) if f.name not in ("traits", "dq_vec") and getattr(self, f.name)}
+
+    @property
+    def letters(self) -> str:
+        return "".join(FLAG_LETTERS[f.name] if getattr(self, f.name) else "."
+                       for f in fields(self) if f.name not in ("traits", "dq_vec"))
+
+    @property
+    def name(self) -> str:
+        return f"{self.traits.name}-{self.letters}-v{self.dq_vec}"
+
+
 FLAG_LETTERS = dict(has_left="L", has_right="R", has_alibi="A", has_softcap="S", even_k="K", varlen="V",
                     has_seqused_k="U", paged="P", any_page_size="p", kvcache="C", split="X", has_leftpad="l",
-                    has_batch_idx="B", pack_gqa="G")
+                    has_batch_idx="B", pack_gqa="G", deterministic="D")
 SCORE_FLAGS = ("has_left", "has_right", "has_alibi", "has_softcap", "even_k")
 CACHE_FLAGS = ("paged", "split", "has_leftpad", "has_batch_idx", "pack_gqa")

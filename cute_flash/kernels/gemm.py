@@ -61,3 +61,35 @@ class MmaOperands:
     def pv(self, acc_o: cute.Tensor, tOrP: cute.Tensor):
         """acc_o += P V, P (MMA, MMA_M, MMA_K) in registers."""
         gemm_rs(self.tiled_mma, acc_o, tOrP, self.copy_V, self.tOsVt, self.tOrVt_view, self.tOrVt)
+
+
+@dataclass(frozen=True)
+class SmemGemm:
+    """One GEMM of the backward, acc += A B^T with both operands in shared memory: a thread's
+    register fragments and the ldmatrix copies (transposed for an operand stored M- or N-major)
+    that fill them."""
+    tiled_mma: cute.TiledMma
+    copy_A: object
+    tCsA: cute.Tensor       # (CPY, CPY_M, CPY_K) smem source of A
+    tCrA_view: cute.Tensor  # A's registers as the copy's destination
+    tCrA: cute.Tensor       # (MMA, MMA_M, MMA_K)
+    copy_B: object
+    tCsB: cute.Tensor       # (CPY, CPY_N, CPY_K)
+    tCrB_view: cute.Tensor
+    tCrB: cute.Tensor       # (MMA, MMA_N, MMA_K)
+
+    @staticmethod
+    def make(tiled_mma: cute.TiledMma, copy_A: cute.TiledCopy, sA: cute.Tensor, copy_B: cute.TiledCopy,
+             sB: cute.Tensor, tidx):
+        """sA (M, K), sB (N, K) views of shared memory (transposed views where stored so)."""
+        thr_mma = tiled_mma.get_slice(tidx)
+        tCrA = thr_mma.make_fragment_A(thr_mma.partition_A(sA))
+        tCrB = thr_mma.make_fragment_B(thr_mma.partition_B(sB))
+        thr_copy_A, thr_copy_B = copy_A.get_slice(tidx), copy_B.get_slice(tidx)
+        return SmemGemm(tiled_mma, thr_copy_A, thr_copy_A.partition_S(sA), thr_copy_A.retile(tCrA), tCrA,
+                        thr_copy_B, thr_copy_B.partition_S(sB), thr_copy_B.retile(tCrB), tCrB)
+
+    @cute.jit
+    def run(self, acc: cute.Tensor):
+        gemm_ss(self.tiled_mma, acc, self.copy_A, self.tCsA, self.tCrA_view, self.tCrA,
+                self.copy_B, self.tCsB, self.tCrB_view, self.tCrB)

@@ -8,8 +8,11 @@ interface validates and dispatches here.
 - `dense`: the dense and packed-varlen forwards.
 - `kvcache`: `flash_attn_with_kvcache`: its per-signature call setup, the split workspace, the
   append launch.
+- `backward`: the gradients of the dense and packed-varlen forwards.
 """
+from cute_flash.launch import backward
+from cute_flash.launch.backward import flash_bwd, flash_bwd_varlen
 from cute_flash.launch.dense import flash_fwd, flash_fwd_varlen
 from cute_flash.launch.kvcache import flash_fwd_kvcache
 
-__all__ = ["flash_fwd", "flash_fwd_varlen", "flash_fwd_kvcache"]
+__all__ = ["backward", "flash_fwd", "flash_fwd_varlen", "flash_fwd_kvcache", "flash_bwd", "flash_bwd_varlen"]

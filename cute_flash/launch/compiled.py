@@ -16,11 +16,14 @@ import cutlass
 import torch
 
 from cute_flash.compile_cache import get_or_compile
-from cute_flash.kernels.config import CACHE_FLAGS, SCORE_FLAGS, FwdConfig
+from cute_flash.kernels.bwd import FlashBwd
+from cute_flash.kernels.bwd_preprocess import DotDoO, PreprocessConfig
+from cute_flash.kernels.config import CACHE_FLAGS, SCORE_FLAGS, BwdConfig, FwdConfig
+from cute_flash.kernels.dq_accum import DQConvert, DQConvertConfig
 from cute_flash.kernels.fake import compile_tvm_ffi, fake_stream, fake_tensor
 from cute_flash.kernels.fwd import FlashFwd
-from layouts.traits import ALIGN, COPY_BYTES, DTYPES, HEAD_DIM_BUCKETS, choose_decode_traits, choose_fwd_traits, \
-    element_type
+from layouts.traits import ALIGN, COPY_BYTES, DTYPES, HEAD_DIM_BUCKETS, choose_bwd_traits, choose_decode_traits, \
+    choose_fwd_traits, element_type
 
 DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 
@@ -66,6 +69,69 @@ def fake_fwd_args(config: FwdConfig):
         return ([elems(4), elems(4), elems(4), elems(4), f32(3), accum, f32(4, split), i32(1, split), alibi, i32(1)]
                 + [i32(1, config.has_leftpad), i32(1, config.has_batch_idx), i32(2, config.paged), 0, 1] + scalars)
     return [elems(4) for _ in range(4)] + [f32(3), alibi] + scalars
+
+
+def _fake_dq_accum(traits, varlen):
+    """dQaccum: (slices, [batch,] heads, tiles, chunk), the chunk (kBlockM * kHeadDim) static."""
+    return fake_tensor(cutlass.Float32, 4 if varlen else 5, ALIGN, COPY_BYTES,
+                       last_extent=traits.block_m * traits.head_dim)
+
+
+def fake_bwd_args(config: BwdConfig):
+    """Placeholders for `FlashBwd.__call__` / `call_varlen` in parameter order (as
+    `fake_fwd_args`)."""
+    dtype = element_type(config.traits)
+    rank = 3 if config.varlen else 4
+
+    def elems():
+        return fake_tensor(dtype, rank, ALIGN, COPY_BYTES)
+
+    def f32(r):
+        return fake_tensor(cutlass.Float32, r)
+
+    accum = _fake_dq_accum(config.traits, config.varlen)
+    tensors = [elems() for _ in range(4)] + [f32(rank - 1), f32(rank - 1), accum, elems(), elems(),
+                                             f32(2) if config.has_alibi else None]
+    if config.varlen:
+        i32 = fake_tensor(cutlass.Int32, 1)
+        tensors += [i32, fake_tensor(cutlass.Int32, 1), fake_tensor(cutlass.Int32, 1) if config.has_seqused_k else None]
+    return tensors + [1.0, 1.0, 1.0, 1.0, -1, -1, 1, fake_stream()]
+
+
+def fake_preprocess_args(config: PreprocessConfig):
+    """Placeholders for `DotDoO.__call__` / `call_varlen`."""
+    rank = 3 if config.varlen else 4
+    elems = [fake_tensor(element_type(config.dtype), rank, ALIGN, COPY_BYTES) for _ in range(2)]
+    lens = [fake_tensor(cutlass.Int32, 1), 1] if config.varlen else []
+    return elems + [fake_tensor(cutlass.Float32, rank - 1)] + lens + [fake_stream()]
+
+
+def fake_convert_args(config: DQConvertConfig):
+    """Placeholders for `DQConvert.__call__` / `call_varlen`."""
+    dq = fake_tensor(element_type(config.traits), 3 if config.varlen else 4, ALIGN, COPY_BYTES)
+    lens = [fake_tensor(cutlass.Int32, 1), 1] if config.varlen else []
+    return [_fake_dq_accum(config.traits, config.varlen), dq] + lens + [1.0, fake_stream()]
+
+
+def compile_bwd(config: BwdConfig | PreprocessConfig | DQConvertConfig, arch: int | None = None,
+                extra_options: str = ""):
+    """Build a backward kernel (the main one, the preprocess or the dQ convert) as `compile_fwd`
+    does."""
+    if isinstance(config, PreprocessConfig):
+        kernel, args = DotDoO(config), fake_preprocess_args(config)
+    elif isinstance(config, DQConvertConfig):
+        kernel, args = DQConvert(config), fake_convert_args(config)
+    else:
+        kernel, args = FlashBwd(config), fake_bwd_args(config)
+    entry = kernel.call_varlen if config.varlen else kernel
+    return compile_tvm_ffi(entry, args, arch, extra_options)
+
+
+@functools.lru_cache(maxsize=None)
+def bwd_kernel_for(config: BwdConfig | PreprocessConfig | DQConvertConfig, device_index: int):
+    """The TVM-FFI function of a backward config for the device's arch (memoised per device)."""
+    arch = device_arch(device_index)
+    return get_or_compile((config, arch), lambda: compile_bwd(config, arch))
 
 
 def entry_point(kernel: FlashFwd):
@@ -151,6 +217,43 @@ def append_variants(full: bool = False) -> list:
     layouts = [(False, False), (False, True), (True, False)]
     rotary = [(False, False, False)] + [(True, i, q) for i in (False, True) for q in (False, True)]
     return [AppendConfig(dt, *lay, *rot) for dt in DTYPES for lay in layouts for rot in rotary]
+
+
+BWD_FLAGS = ("has_left", "has_right", "has_alibi", "has_softcap", "even_k", "deterministic")
+
+
+def bwd_variants(arch: int, full: bool = False) -> list:
+    """Backward configs (main kernel, preprocess, dQ convert) the dispatcher can choose on `arch`.
+
+    full: every backward traits times every flag combination, dense and varlen (with and
+    without seqused_k). Otherwise, for CI: every head-dim bucket causal (bf16 on sm_90, fp16 on
+    sm_80), and at d 128 each flag alone, all together, varlen, varlen + seqused_k; the
+    preprocess and the dQ convert for every bucket (dense), and varlen with a padded head dim.
+    """
+    combos = [dict(zip(BWD_FLAGS, bits)) for bits in itertools.product((False, True), repeat=len(BWD_FLAGS))]
+    traits = [choose_bwd_traits(d, dt, arch) for d in HEAD_DIM_BUCKETS for dt in DTYPES]
+    if full:
+        vec = 4 if arch >= 90 else 1
+        forms = [dict(dq_vec=vec), dict(varlen=True, dq_vec=vec), dict(varlen=True, has_seqused_k=True, dq_vec=vec)]
+        pre = [PreprocessConfig(d, dt, e, vl) for d in HEAD_DIM_BUCKETS for dt in DTYPES for e in (False, True)
+               for vl in (False, True)]
+        convert = [DQConvertConfig(t, e, vl, vec) for t in traits for e in (False, True) for vl in (False, True)]
+        return [BwdConfig(t, **f, **form) for t in traits for f in combos for form in forms] + pre + convert
+    dtype = "bf16" if arch >= 90 else "fp16"
+    causal = dict(has_right=True)
+    vec = 4 if arch >= 90 else 1  # the launcher's choice per arch
+    subset = [BwdConfig(t, dq_vec=vec, **causal) for t in traits if t.dtype == dtype]
+    pivot = choose_bwd_traits(128, dtype, arch)
+    plain = {name: name == "even_k" for name in BWD_FLAGS}
+    subset += [BwdConfig(pivot, dq_vec=vec, **dict(plain, **{n: not plain[n]}))
+               for n in BWD_FLAGS if n != "has_right"]
+    subset += [BwdConfig(pivot, dq_vec=vec, **{n: n != "even_k" for n in BWD_FLAGS}),
+               BwdConfig(pivot, varlen=True, dq_vec=vec, **causal),
+               BwdConfig(pivot, varlen=True, has_seqused_k=True, dq_vec=vec)]
+    pre = [PreprocessConfig(d, dtype) for d in HEAD_DIM_BUCKETS] + [PreprocessConfig(128, dtype, False, True)]
+    convert = [DQConvertConfig(t, dq_vec=vec) for t in traits if t.dtype == dtype]
+    convert += [DQConvertConfig(pivot, False, True, vec)]
+    return subset + pre + convert
 
 
 def cached_append(config, arch: int):

@@ -1,0 +1,115 @@
+"""Autograd for the six public attention functions in eager mode (under torch.compile the custom
+ops carry their own registered gradients: `cute_flash/ops.py`).
+
+One `torch.autograd.Function` serves all six: the differentiable inputs are q, k, v apart, q and
+a packed kv, or one packed qkv (`Packing`), so packed inputs get their gradient as one packed
+tensor, written through views as flash-attn's `dqkv` is. Only q, k, v, out and lse are saved;
+the options travel in a frozen `AttnOptions`.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Packing:
+    """How the differentiable inputs hold q, k, v: "q,k,v" apart, "q,kv" or "qkv" stacked
+    along `dim` of the packed tensor."""
+    kind: str = "q,k,v"
+    dim: int = 2
+
+    def unpack(self, inputs):
+        if self.kind == "qkv":
+            return inputs[0].unbind(self.dim)
+        if self.kind == "q,kv":
+            return (inputs[0], *inputs[1].unbind(self.dim))
+        return tuple(inputs)
+
+    def grad_buffers(self, inputs):
+        """(one gradient per input, the dq / dk / dv destinations): a packed input's gradient
+        is one tensor like it, written through its views; apart, the launcher allocates."""
+        if self.kind == "qkv":
+            dqkv = torch.empty_like(inputs[0])
+            return (dqkv,), dqkv.unbind(self.dim)
+        if self.kind == "q,kv":
+            dq, dkv = torch.empty_like(inputs[0]), torch.empty_like(inputs[1])
+            return (dq, dkv), (dq, *dkv.unbind(self.dim))
+        return None, (None, None, None)
+
+
+@dataclass(frozen=True)
+class Varlen:
+    """The packed-batch metadata of a varlen call (not differentiable)."""
+    cu_seqlens_q: Tensor
+    cu_seqlens_k: Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+    seqused_k: Optional[Tensor]
+
+
+@dataclass(frozen=True)
+class AttnOptions:
+    """The forward's options in the canonical form the kernels take (`interface._mask`)."""
+    softmax_scale: float
+    causal: bool
+    window: tuple
+    softcap: float
+    deterministic: bool
+    packing: Packing
+    varlen: Optional[Varlen] = None
+
+
+def _launch():
+    return importlib.import_module("cute_flash.launch")
+
+
+class FlashAttnFunction(torch.autograd.Function):
+    """forward(options, run, alibi_slopes, *inputs): `run(q, k, v)` is the caller's forward on
+    validated tensors, returning (out, lse)."""
+
+    @staticmethod
+    def forward(ctx, options: AttnOptions, run: Callable, alibi_slopes: Optional[Tensor], *inputs: Tensor):
+        q, k, v = options.packing.unpack(inputs)
+        out, lse = run(q, k, v)
+        ctx.save_for_backward(*inputs, out, lse)
+        ctx.options, ctx.alibi_slopes = options, alibi_slopes
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout: Tensor, _dlse: Tensor):
+        o: AttnOptions = ctx.options
+        *inputs, out, lse = ctx.saved_tensors
+        q, k, v = o.packing.unpack(inputs)
+        grads, (dq, dk, dv) = o.packing.grad_buffers(inputs)
+        if q.numel() == 0 or k.numel() == 0:  # no query rows or no keys: nothing flows back
+            grads = tuple(torch.zeros_like(x) for x in inputs)
+        else:
+            common = dict(softmax_scale=o.softmax_scale, causal=o.causal, window_size=o.window, softcap=o.softcap,
+                          alibi_slopes=ctx.alibi_slopes, deterministic=o.deterministic, dq=dq, dk=dk, dv=dv)
+            if o.varlen is None:
+                qkv_grads = _launch().flash_bwd(dout, q, k, v, out, lse, **common)
+            else:
+                vl = o.varlen
+                qkv_grads = _launch().flash_bwd_varlen(
+                    dout, q, k, v, out, lse, cu_seqlens_q=vl.cu_seqlens_q, cu_seqlens_k=vl.cu_seqlens_k,
+                    max_seqlen_q=vl.max_seqlen_q, max_seqlen_k=vl.max_seqlen_k, seqused_k=vl.seqused_k, **common)
+            if grads is None:
+                grads = qkv_grads[:3]
+        needs = ctx.needs_input_grad[3:]
+        return (None, None, None) + tuple(g if need else None for g, need in zip(grads, needs))
+
+
+def needs_grad(tensors) -> bool:
+    """Grad mode is on and a differentiable input requires grad (a cheap check: every call)."""
+    if not torch.is_grad_enabled():
+        return False
+    for t in tensors:
+        if t.requires_grad:
+            return True
+    return False

@@ -1,0 +1,430 @@
+"""The FA2 backward kernel (flash-attn 2's compute_dq_dk_dv_1colblock), device code only.
+
+One CTA owns kBlockN keys of one (batch, head): it loads K and V once, then walks the query
+blocks that see any of its keys, recomputing the probabilities from the forward's LSE:
+
+    load K[n], V[n], Q[last], dO[last]
+    for m = last .. first:
+        wait Q[m], dO[m]; barrier; issue Q[m-1], dO[m-1] (the other stage)
+        S = Q K^T;  dP = dO V^T                    (S / dP warp grid)
+        P = exp2(S * scale_log2 - LSE * log2 e)     (masks, ALiBi, softcap as in the forward)
+        dS = P * (dP - D)                           (D = rowsum(dO * O), `bwd_preprocess.py`)
+        P, dS -> smem; barrier
+        dV += P^T dO                                (dK / dV warp grid, ldmatrix.trans operands)
+        dQ  = dS K -> fp32 atomics into dQaccum     (dQ warp grid; coalesced: dq_accum.py)
+        dK += dS^T Q                                (under the atomics' latency)
+    dK *= softmax scale; dK, dV -> smem -> 128-bit stores
+
+The scale of dS (the softmax scale, times the tanh derivative with softcap) is applied to dK
+here and to dQ by `DQConvert` (dq_accum.py), which turns dQaccum into dQ. With GQA every query head writes its own dK/dV
+rows and the host sums a group's heads. `deterministic`: the grid's x holds a fixed number of
+CTAs, each walking key blocks x, x + grid_x, ... and adding dQ into its own dQaccum slice; only
+that CTA writes the slice, in program order, and the host sums the slices in a fixed order, so
+gradients are bitwise repeatable. Otherwise every key block is a CTA and dQaccum has one slice.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+
+from cute_flash.kernels.block_range import QueryBlocks, Window
+from cute_flash.kernels.config import BwdConfig
+from cute_flash.kernels.constants import LOG2E
+from cute_flash.kernels.dq_accum import chunk_index, first_tile, tiles_of
+from cute_flash.kernels.gemm import SmemGemm
+from cute_flash.kernels.score_mods import Mask, ScoreMods
+from cute_flash.kernels.seq_info import SeqInfo
+from cute_flash.kernels.tile_copy import column_predicate, copy_tile
+from layouts import copy as lcopy
+from layouts import mma as lmma
+from layouts import smem as lsmem
+from layouts.traits import element_type
+
+
+@dataclass(frozen=True)
+class BwdTensors:
+    """A launch's global tensors (None where the config reads nothing)."""
+    mQ: cute.Tensor      # (batch, seqlen_q, heads, d), or (total_q, heads, d) packed
+    mK: cute.Tensor      # (batch, seqlen_k, heads_k, d), or (total_k, heads_k, d)
+    mV: cute.Tensor
+    mdO: cute.Tensor     # like mQ
+    mLSE: cute.Tensor    # (batch, heads, seqlen_q), or (heads, total_q); fp32, natural log
+    mD: cute.Tensor      # like mLSE: rowsum(dO * O)
+    mdQaccum: cute.Tensor  # (slices, batch, heads, tiles, kBlockM * kHeadDim) fp32, or (slices, heads, tiles, ...)
+                           # packed: chunks in thread order (dq_accum.py)
+    mdK: cute.Tensor     # (batch, seqlen_k, heads, d) or (total_k, heads, d): per query head
+    mdV: cute.Tensor
+    mAlibi: object       # (batch, heads) fp32 slopes
+    mCuSeqlensQ: object  # (batch + 1,) int32
+    mCuSeqlensK: object
+    mSeqUsedK: object    # (batch,) int32
+
+
+@dataclass(frozen=True)
+class BwdScalars:
+    softmax_scale: object  # applied to dK here (and to dQ by the host)
+    scale_log2: object     # as the forward's: scale * log2(e), times softcap with softcap
+    score_premul: object   # scale / softcap (softcap only)
+    alibi_div: object
+    window_left: object
+    window_right: object
+
+
+@dataclass(frozen=True)
+class BwdRecipe:
+    """Compile-time layouts: smem tiles, gmem copies, the three TiledMMAs."""
+    sQ_layout: cute.ComposedLayout    # (bm, d), also dO's
+    sKV_layout: cute.ComposedLayout   # (bn, d)
+    sPdS_layout: cute.ComposedLayout  # (bm, bn)
+    gmem_tiled_copy_QKV: cute.TiledCopy
+    gmem_tiled_copy_O: cute.TiledCopy  # dK / dV stores
+    mma_sdp: cute.TiledMma
+    mma_dkv: cute.TiledMma
+    mma_dq: cute.TiledMma
+
+
+@dataclass(frozen=True)
+class BwdViews:
+    """This CTA's (seqlen, d) views of its sequence and head, (seqlen,) for LSE and D."""
+    mQ_s: cute.Tensor
+    mK_s: cute.Tensor
+    mV_s: cute.Tensor
+    mdO_s: cute.Tensor
+    mLSE_s: cute.Tensor
+    mD_s: cute.Tensor
+    mdQ_tiles: cute.Tensor  # (tiles, kBlockM * kHeadDim) fp32: this sequence's chunks in this CTA's slice
+    mdK_s: cute.Tensor
+    mdV_s: cute.Tensor
+    head_dim: object
+
+
+@dataclass(frozen=True)
+class BwdSmem:
+    """Shared-memory tiles: Q and dO in `q_stages` stages (stage s at offset s * stage_elems)."""
+    sQ: cute.Tensor    # (bm, d) stage 0
+    sdO: cute.Tensor   # (bm, d) stage 0
+    sK: cute.Tensor    # (bn, d)
+    sV: cute.Tensor    # (bn, d)
+    sP: cute.Tensor    # (bm, bn)
+    sdS: cute.Tensor   # (bm, bn)
+
+
+@dataclass(frozen=True)
+class KeyBlock:
+    """What every query-block step of one key block reads."""
+    n_block: object
+    acc_dk: cute.Tensor  # (MMA, MMA_N, MMA_D) fp32, dK/dV warp grid
+    acc_dv: cute.Tensor
+    mods: ScoreMods
+    slope: object
+
+
+class FlashBwd:
+    """One compiled variant per `BwdConfig`; lengths, strides, scales and window sizes are
+    run-time arguments."""
+
+    def __init__(self, config: BwdConfig):
+        self.config = config
+        self.t = config.traits
+        self.dtype = element_type(config.traits)
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
+                 mD: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, mAlibi,
+                 softmax_scale: cutlass.Float32, scale_log2: cutlass.Float32, score_premul: cutlass.Float32,
+                 alibi_div: cutlass.Float32, window_left: cutlass.Int32, window_right: cutlass.Int32,
+                 grid_x: cutlass.Int32, stream):
+        """Dense batches: mQ/mdO (batch, seqlen_q, heads, d), mK/mV (batch, seqlen_k, heads_k,
+        d), mdK/mdV (batch, seqlen_k, heads, d), mLSE/mD (batch, heads, seqlen_q) fp32, mdQaccum
+        (slices, batch, heads, ceil(seqlen_q / kBlockM), kBlockM * kHeadDim) fp32 zeroed. grid_x: key blocks, or the
+        deterministic split count (= slices)."""
+        args = BwdTensors(mQ, mK, mV, mdO, mLSE, mD, mdQaccum, mdK, mdV, mAlibi, None, None, None)
+        self.launch(args, BwdScalars(softmax_scale, scale_log2, score_premul, alibi_div, window_left, window_right),
+                    (grid_x, mQ.shape[0], mQ.shape[2]), stream)
+
+    @cute.jit
+    def call_varlen(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
+                    mD: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, mAlibi,
+                    mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, mSeqUsedK,
+                    softmax_scale: cutlass.Float32, scale_log2: cutlass.Float32, score_premul: cutlass.Float32,
+                    alibi_div: cutlass.Float32, window_left: cutlass.Int32, window_right: cutlass.Int32,
+                    grid_x: cutlass.Int32, stream):
+        """Packed batches: mQ/mdO (total_q, heads, d), mK/mV (total_k, heads_k, d), mdK/mdV
+        (total_k, heads, d), mLSE/mD (heads, total_q), mdQaccum (slices, heads, total_q //
+        kBlockM + batch + 1, kBlockM * kHeadDim); grid_x covers max_seqlen_k (or the split count)."""
+        args = BwdTensors(mQ, mK, mV, mdO, mLSE, mD, mdQaccum, mdK, mdV, mAlibi, mCuSeqlensQ, mCuSeqlensK,
+                          mSeqUsedK)
+        self.launch(args, BwdScalars(softmax_scale, scale_log2, score_premul, alibi_div, window_left, window_right),
+                    (grid_x, mCuSeqlensQ.shape[0] - 1, mQ.shape[1]), stream)
+
+    @cute.jit
+    def launch(self, args: BwdTensors, scalars: BwdScalars, grid, stream):
+        t = self.t
+        sQ_layout = lsmem.smem_layout_q(t)
+        sKV_layout = lsmem.smem_layout_kv(t)
+        sPdS_layout = lsmem.smem_layout_pds(t)
+
+        @cute.struct
+        class SharedStorage:
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout) * t.q_stages], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout) * t.q_stages], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sPdS_layout)], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sPdS_layout)], 1024]
+
+        recipe = BwdRecipe(sQ_layout, sKV_layout, sPdS_layout, lcopy.gmem_tiled_copy_qkv(t), lcopy.gmem_tiled_copy_o(t),
+                           lmma.tiled_mma_grid(t, t.atom_m_sdp), lmma.tiled_mma_grid(t, t.atom_n_dkv),
+                           lmma.tiled_mma_grid(t, t.atom_m_dq))
+        self.kernel(args, scalars, recipe, SharedStorage).launch(
+            grid=grid, block=[t.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)
+
+    @cute.kernel
+    def kernel(self, args: BwdTensors, scalars: BwdScalars, recipe: BwdRecipe, SharedStorage: cutlass.Constexpr):
+        cfg, t = self.config, self.t
+        x, bidb, bidh = cute.arch.block_idx()
+        grid_x, _, _ = cute.arch.grid_dim()
+        seq, views = self.sequence(args, x if cutlass.const_expr(cfg.deterministic) else 0, bidb, bidh)
+        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
+        smem = BwdSmem(storage.sQ.get_tensor(recipe.sQ_layout), storage.sdO.get_tensor(recipe.sQ_layout),
+                       storage.sK.get_tensor(recipe.sKV_layout), storage.sV.get_tensor(recipe.sKV_layout),
+                       storage.sP.get_tensor(recipe.sPdS_layout), storage.sdS.get_tensor(recipe.sPdS_layout))
+        window = Window(scalars.window_left, scalars.window_right, cfg.has_left, cfg.has_right)
+        slope = cutlass.Float32(0.0)
+        if cutlass.const_expr(cfg.has_alibi):
+            slope = args.mAlibi[bidb, bidh] * scalars.alibi_div
+        # softcap is applied here, not by ScoreMods: its derivative needs tanh before the masks
+        mods = ScoreMods(Mask(seq.seqlen_q, seq.seqlen_k, window), scalars.score_premul, slope, False,
+                         cfg.has_alibi, (t.block_m, t.block_n))
+        for n_block in cutlass.range(x, cute.ceil_div(seq.seqlen_k, t.block_n), grid_x, unroll=1):
+            self.key_block(n_block, seq, views, scalars, recipe, smem, mods, window)
+
+    @cute.jit
+    def sequence(self, args: BwdTensors, slot, bidb, bidh):
+        """(SeqInfo, BwdViews) of sequence bidb, head bidh; `slot` is the dQaccum slice."""
+        cfg = self.config
+        mQ, mK = args.mQ, args.mK
+        head_axis = cfg.q_head_axis
+        bidh_kv = bidh // (mQ.shape[head_axis] // mK.shape[head_axis])
+        if cutlass.const_expr(cfg.varlen):
+            seq = SeqInfo.make(bidb, mQ.shape[0], mK.shape[0], args.mCuSeqlensQ, args.mCuSeqlensK, args.mSeqUsedK)
+            q_off, k_off = (seq.sum_s_q, 0), (seq.sum_s_k, 0)
+            views = BwdViews(
+                cute.domain_offset(q_off, mQ[None, bidh, None]),        # (seqlen_q, d)
+                cute.domain_offset(k_off, mK[None, bidh_kv, None]),     # (seqlen_k, d)
+                cute.domain_offset(k_off, args.mV[None, bidh_kv, None]),
+                cute.domain_offset(q_off, args.mdO[None, bidh, None]),
+                cute.domain_offset((seq.sum_s_q,), args.mLSE[bidh, None]),  # (seqlen_q,)
+                cute.domain_offset((seq.sum_s_q,), args.mD[bidh, None]),
+                cute.domain_offset((first_tile(seq, bidb, self.t.block_m), 0),
+                                   tiles_of(args.mdQaccum, slot, bidb, bidh, True)),  # (tiles, chunk)
+                cute.domain_offset(k_off, args.mdK[None, bidh, None]),  # (seqlen_k, d)
+                cute.domain_offset(k_off, args.mdV[None, bidh, None]),
+                mQ.shape[2])
+        else:
+            seq = SeqInfo.make(bidb, mQ.shape[1], mK.shape[1])
+            views = BwdViews(mQ[bidb, None, bidh, None], mK[bidb, None, bidh_kv, None],
+                             args.mV[bidb, None, bidh_kv, None], args.mdO[bidb, None, bidh, None],
+                             args.mLSE[bidb, bidh, None], args.mD[bidb, bidh, None],
+                             tiles_of(args.mdQaccum, slot, bidb, bidh, False), args.mdK[bidb, None, bidh, None],
+                             args.mdV[bidb, None, bidh, None], mQ.shape[3])
+        return seq, views
+
+    @cute.jit
+    def key_block(self, n_block, seq: SeqInfo, views: BwdViews, scalars: BwdScalars, recipe: BwdRecipe,
+                  smem: BwdSmem, mods: ScoreMods, window: Window):
+        """dK and dV of key block n_block, and its share of dQ."""
+        cfg, t = self.config, self.t
+        bm, bn, d = t.block_m, t.block_n, t.head_dim
+        tidx, _, _ = cute.arch.thread_idx()
+        rows_k = seq.seqlen_k - n_block * bn
+        cKV = cute.make_identity_tensor((bn, d))  # (bn, d) tile coordinates
+        gmem_thr_copy = recipe.gmem_tiled_copy_QKV.get_slice(tidx)
+        tKVcKV = gmem_thr_copy.partition_S(cKV)   # (CPY, CPY_N, CPY_K)
+        kvpred = column_predicate(tKVcKV, views.head_dim)
+
+        cute.arch.barrier()  # a previous key block's epilogue may still read sK / sV
+        for src, dst in ((views.mK_s, smem.sK), (views.mV_s, smem.sV)):
+            g = cute.local_tile(src, (bn, d), (n_block, 0))  # (bn, d)
+            copy_tile(recipe.gmem_tiled_copy_QKV, gmem_thr_copy.partition_S(g), gmem_thr_copy.partition_D(dst),
+                      tKVcKV, kvpred, rows_k, True, cfg.even_k, True)
+
+        thr_dkv = recipe.mma_dkv.get_slice(tidx)
+        acc_dk = cute.make_rmem_tensor(thr_dkv.partition_shape_C((bn, d)), cutlass.Float32)  # (MMA, MMA_N, MMA_D)
+        acc_dv = cute.make_rmem_tensor(thr_dkv.partition_shape_C((bn, d)), cutlass.Float32)
+        acc_dk.fill(0.0)
+        acc_dv.fill(0.0)
+        kb = KeyBlock(n_block, acc_dk, acc_dv, mods, mods.slope)
+
+        blocks = QueryBlocks.make(seq, n_block, bm, bn, window)
+        count = blocks.m_block_max - blocks.m_block_min
+        if count > 0:
+            self.load_q(blocks.m_block_max - 1, 0, seq, views, recipe, smem)
+        cute.arch.cp_async_commit_group()
+        for i in cutlass.range(count, unroll=1):
+            m_block = blocks.m_block_max - 1 - i
+            stage = 0
+            if cutlass.const_expr(t.q_stages == 2):
+                stage = i % 2
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.barrier()
+            if cutlass.const_expr(t.q_stages == 2):
+                if i + 1 < count:
+                    self.load_q(m_block - 1, 1 - stage, seq, views, recipe, smem)
+                cute.arch.cp_async_commit_group()
+            self.query_block(m_block, stage, kb, seq, views, scalars, recipe, smem)
+            if cutlass.const_expr(t.q_stages == 1):
+                cute.arch.barrier()
+                if i + 1 < count:
+                    self.load_q(m_block - 1, 0, seq, views, recipe, smem)
+                cute.arch.cp_async_commit_group()
+        self.store_dkv(kb, rows_k, views, scalars, recipe, smem)
+
+    @cute.jit
+    def staged(self, s: cute.Tensor, stage):
+        """Stage `stage` of a double-buffered (bm, d) tile: the next cosize elements."""
+        size = cute.cosize(s.layout)
+        return cute.make_tensor(s.iterator + cute.assume(stage * size, divby=size), s.layout)
+
+    @cute.jit
+    def load_q(self, m_block, stage, seq: SeqInfo, views: BwdViews, recipe: BwdRecipe, smem: BwdSmem):
+        """Issue the cp.async copies of Q[m_block] and dO[m_block] into `stage` (rows past
+        seqlen_q and columns past d zero-filled: they enter S and dP)."""
+        t = self.t
+        bm, d = t.block_m, t.head_dim
+        tidx, _, _ = cute.arch.thread_idx()
+        gmem_thr_copy = recipe.gmem_tiled_copy_QKV.get_slice(tidx)
+        tQcQ = gmem_thr_copy.partition_S(cute.make_identity_tensor((bm, d)))  # (CPY, CPY_M, CPY_K)
+        qpred = column_predicate(tQcQ, views.head_dim)
+        rows_q = seq.seqlen_q - m_block * bm
+        for src, dst in ((views.mQ_s, smem.sQ), (views.mdO_s, smem.sdO)):
+            g = cute.local_tile(src, (bm, d), (m_block, 0))  # (bm, d)
+            copy_tile(recipe.gmem_tiled_copy_QKV, gmem_thr_copy.partition_S(g),
+                      gmem_thr_copy.partition_D(self.staged(dst, stage)), tQcQ, qpred, rows_q, True,
+                      self.config.even_k, True)
+
+    @cute.jit
+    def query_block(self, m_block, stage, kb: KeyBlock, seq: SeqInfo, views: BwdViews, scalars: BwdScalars,
+                    recipe: BwdRecipe, smem: BwdSmem):
+        cfg, t = self.config, self.t
+        bm, bn, d = t.block_m, t.block_n, t.head_dim
+        tidx, _, _ = cute.arch.thread_idx()
+        sQ, sdO = self.staged(smem.sQ, stage), self.staged(smem.sdO, stage)
+        mma_sdp = recipe.mma_sdp
+        thr_sdp = mma_sdp.get_slice(tidx)
+
+        # LSE and D of this thread's rows, loaded first so their latency hides under the GEMMs
+        # (rows past the sequence: LSE +inf, so P = 0 there).
+        tScS_mn = lmma.acc_mn_view(thr_sdp.partition_C(cute.make_identity_tensor((bm, bn))))
+        rows = cute.size(tScS_mn.shape[0])
+        lse_log2 = cute.make_rmem_tensor((rows,), cutlass.Float32)
+        dot = cute.make_rmem_tensor((rows,), cutlass.Float32)
+        for r in cutlass.range_constexpr(rows):
+            row = m_block * bm + tScS_mn[r, 0][0]
+            lse_log2[r] = cutlass.Float32.inf
+            dot[r] = 0.0
+            if row < seq.seqlen_q:
+                lse_log2[r] = views.mLSE_s[row] * LOG2E
+                dot[r] = views.mD_s[row]
+
+        # S = Q K^T, dP = dO V^T
+        acc_s = cute.make_rmem_tensor(thr_sdp.partition_shape_C((bm, bn)), cutlass.Float32)  # (MMA, MMA_M, MMA_N)
+        acc_dp = cute.make_rmem_tensor(thr_sdp.partition_shape_C((bm, bn)), cutlass.Float32)
+        acc_s.fill(0.0)
+        acc_dp.fill(0.0)
+        copy_a = lcopy.smem_tiled_copy_a(t, mma_sdp, False)
+        copy_b = lcopy.smem_tiled_copy_b(t, mma_sdp, False)
+        SmemGemm.make(mma_sdp, copy_a, sQ, copy_b, smem.sK, tidx).run(acc_s)
+        SmemGemm.make(mma_sdp, copy_a, sdO, copy_b, smem.sV, tidx).run(acc_dp)
+
+        dtanh = None
+        if cutlass.const_expr(cfg.has_softcap):
+            dtanh = cute.make_fragment_like(acc_s, cutlass.Float32)
+            for i in cutlass.range(cute.size(acc_s), unroll_full=True):
+                th = cute.math.tanh(acc_s[i] * scalars.score_premul, fastmath=True)
+                acc_s[i] = th
+                dtanh[i] = 1.0 - th * th
+        # Only tiles crossing the sequence end or a window edge run the mask (dynamic test)
+        acc_s_mn = lmma.acc_mn_view(acc_s)
+        if kb.mods.mask.crosses(m_block, kb.n_block, bm, bn):
+            kb.mods.apply(mma_sdp, acc_s, m_block, kb.n_block, True)
+        else:
+            kb.mods.apply(mma_sdp, acc_s, m_block, kb.n_block, False)
+        acc_dp_mn = lmma.acc_mn_view(acc_dp)
+        for r in cutlass.range_constexpr(rows):
+            for c in cutlass.range_constexpr(cute.size(acc_s_mn.shape[1])):
+                p = cute.math.exp2(acc_s_mn[r, c] * scalars.scale_log2 - lse_log2[r], fastmath=True)
+                acc_s_mn[r, c] = p
+                acc_dp_mn[r, c] = p * (acc_dp_mn[r, c] - dot[r])
+        if cutlass.const_expr(cfg.has_softcap):
+            for i in cutlass.range(cute.size(acc_dp), unroll_full=True):
+                acc_dp[i] = acc_dp[i] * dtanh[i]
+
+        # P, dS -> smem (the dK/dV and dQ GEMMs read them in other warp grids)
+        smem_copy_c = lcopy.smem_tiled_copy_c(t, mma_sdp).get_slice(tidx)
+        for acc, dst in ((acc_s, smem.sP), (acc_dp, smem.sdS)):
+            r = cute.make_fragment_like(acc, self.dtype)  # (MMA, MMA_M, MMA_N)
+            r.store(acc.load().to(self.dtype))
+            cute.copy(smem_copy_c, smem_copy_c.retile(r), smem_copy_c.partition_D(dst))
+        cute.arch.barrier()
+
+        # dV += P^T dO; dQ = dS K added into this CTA's dQaccum slice; dK += dS^T Q (after the
+        # dQ atomics, so their latency hides under it)
+        mma_dkv = recipe.mma_dkv
+        copy_at = lcopy.smem_tiled_copy_a(t, mma_dkv, True)
+        copy_bt = lcopy.smem_tiled_copy_b(t, mma_dkv, True)
+        SmemGemm.make(mma_dkv, copy_at, lsmem.transposed_view(smem.sP), copy_bt, lsmem.transposed_view(sdO),
+                      tidx).run(kb.acc_dv)
+
+        mma_dq = recipe.mma_dq
+        thr_dq = mma_dq.get_slice(tidx)
+        acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C((bm, d)), cutlass.Float32)  # (MMA, MMA_M, MMA_D)
+        acc_dq.fill(0.0)
+        SmemGemm.make(mma_dq, lcopy.smem_tiled_copy_a(t, mma_dq, False), smem.sdS,
+                      lcopy.smem_tiled_copy_b(t, mma_dq, True), lsmem.transposed_view(smem.sK), tidx).run(acc_dq)
+        chunk = views.mdQ_tiles[m_block, None]  # (bm * d,) fp32 in thread order: coalesced adds
+        vec = cfg.dq_vec
+        for j in cutlass.range(cute.size(acc_dq) // vec, unroll_full=True):
+            where = chunk.iterator + chunk_index(j * vec, tidx, t.num_threads, vec)
+            if cutlass.const_expr(vec == 1):
+                cute.arch.red(where, acc_dq[j], op="add", dtype="f32", sem="relaxed", scope="gpu")
+            else:
+                pack = cute.make_rmem_tensor((vec,), cutlass.Float32)
+                for u in cutlass.range_constexpr(vec):
+                    pack[u] = acc_dq[j * vec + u]
+                cute.arch.red(where, pack.load(), op="add", dtype="f32", sem="relaxed", scope="gpu")
+
+        SmemGemm.make(mma_dkv, copy_at, lsmem.transposed_view(smem.sdS), copy_bt, lsmem.transposed_view(sQ),
+                      tidx).run(kb.acc_dk)
+
+    @cute.jit
+    def store_dkv(self, kb: KeyBlock, rows_k, views: BwdViews, scalars: BwdScalars, recipe: BwdRecipe,
+                  smem: BwdSmem):
+        """dK (times the softmax scale) and dV through smem (reusing sK, sV) to 128-bit stores;
+        rows past seqlen_k and columns past d are not written."""
+        t = self.t
+        bn, d = t.block_n, t.head_dim
+        tidx, _, _ = cute.arch.thread_idx()
+        for i in cutlass.range(cute.size(kb.acc_dk), unroll_full=True):
+            kb.acc_dk[i] = kb.acc_dk[i] * scalars.softmax_scale
+        cute.arch.cp_async_wait_group(0)  # with no query block, the K / V copies may still be landing
+        cute.arch.barrier()  # every warp is done reading sK (dQ) and sV
+        smem_copy_c = lcopy.smem_tiled_copy_c(t, recipe.mma_dkv).get_slice(tidx)
+        for acc, dst in ((kb.acc_dk, smem.sK), (kb.acc_dv, smem.sV)):
+            r = cute.make_fragment_like(acc, self.dtype)  # (MMA, MMA_N, MMA_D)
+            r.store(acc.load().to(self.dtype))
+            cute.copy(smem_copy_c, smem_copy_c.retile(r), smem_copy_c.partition_D(dst))
+        cute.arch.barrier()
+        cKV = cute.make_identity_tensor((bn, d))
+        gmem_thr_copy = recipe.gmem_tiled_copy_O.get_slice(tidx)
+        tcKV = gmem_thr_copy.partition_D(cKV)  # (CPY, CPY_N, CPY_K) coordinates
+        kpred = column_predicate(tcKV, views.head_dim)
+        for src, out in ((smem.sK, views.mdK_s), (smem.sV, views.mdV_s)):
+            tsX = gmem_thr_copy.partition_S(src)  # (CPY, CPY_N, CPY_K)
+            trX = cute.make_fragment_like(tsX, self.dtype)
+            cute.copy(recipe.gmem_tiled_copy_O, tsX, trX)
+            g = cute.local_tile(out, (bn, d), (kb.n_block, 0))  # (bn, d)
+            copy_tile(recipe.gmem_tiled_copy_O, trX, gmem_thr_copy.partition_D(g), tcKV, kpred, rows_k, True,
+                      self.config.even_k, False)

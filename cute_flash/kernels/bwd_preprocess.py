@@ -1,0 +1,100 @@
+"""The backward's preprocess (flash-attn 2's compute_dot_do_o): D = rowsum(dO * O) in fp32,
+one value per query row and head, read by every key-block CTA of the main kernel.
+
+A CTA takes kBlockM rows of one (batch, head); the forward's O-store thread layout reads them
+with 128-bit loads, each row spread over `gmem_threads_per_row` adjacent lanes, whose partial
+sums a butterfly shuffle completes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+
+from cute_flash.kernels.seq_info import SeqInfo
+from cute_flash.kernels.tile_copy import column_predicate, copy_tile
+from layouts import copy as lcopy
+from layouts.traits import FwdTraits, element_type
+
+
+@dataclass(frozen=True)
+class PreprocessConfig:
+    """The compile key of a preprocess variant: head-dim bucket, dtype, entry."""
+    head_dim: int
+    dtype: str = "bf16"
+    even_k: bool = True
+    varlen: bool = False
+
+    @property
+    def traits(self) -> FwdTraits:
+        """The copy geometry: 128 rows per CTA, 4 warps."""
+        return FwdTraits(self.head_dim, 128, 64, 4, self.dtype)
+
+    @property
+    def entry(self) -> str:
+        return "varlen" if self.varlen else "dense"
+
+    @property
+    def name(self) -> str:
+        return f"dot_do_o_d{self.head_dim}_{self.dtype}{'' if self.even_k else '-k'}{'-V' if self.varlen else ''}"
+
+
+class DotDoO:
+    def __init__(self, config: PreprocessConfig):
+        self.config = config
+        self.t = config.traits
+        self.dtype = element_type(self.t)
+
+    @cute.jit
+    def __call__(self, mO: cute.Tensor, mdO: cute.Tensor, mD: cute.Tensor, stream):
+        """mO/mdO (batch, seqlen_q, heads, d), mD (batch, heads, seqlen_q) fp32."""
+        self.kernel(mO, mdO, mD, None).launch(
+            grid=(cute.ceil_div(mO.shape[1], self.t.block_m), mO.shape[0], mO.shape[2]),
+            block=[self.t.num_threads, 1, 1], stream=stream)
+
+    @cute.jit
+    def call_varlen(self, mO: cute.Tensor, mdO: cute.Tensor, mD: cute.Tensor, mCuSeqlensQ: cute.Tensor,
+                    max_seqlen_q: cutlass.Int32, stream):
+        """mO/mdO (total_q, heads, d), mD (heads, total_q) fp32, mCuSeqlensQ (batch + 1,)."""
+        self.kernel(mO, mdO, mD, mCuSeqlensQ).launch(
+            grid=(cute.ceil_div(max_seqlen_q, self.t.block_m), mCuSeqlensQ.shape[0] - 1, mO.shape[1]),
+            block=[self.t.num_threads, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mO: cute.Tensor, mdO: cute.Tensor, mD: cute.Tensor, mCuSeqlensQ):
+        t = self.t
+        bm, d = t.block_m, t.head_dim
+        m_block, bidb, bidh = cute.arch.block_idx()
+        tidx, _, _ = cute.arch.thread_idx()
+        if cutlass.const_expr(self.config.varlen):
+            seq = SeqInfo.make(bidb, mO.shape[0], 0, mCuSeqlensQ)
+            mO_s = cute.domain_offset((seq.sum_s_q, 0), mO[None, bidh, None])     # (seqlen_q, d)
+            mdO_s = cute.domain_offset((seq.sum_s_q, 0), mdO[None, bidh, None])
+            mD_s = cute.domain_offset((seq.sum_s_q,), mD[bidh, None])             # (seqlen_q,)
+            head_dim = mO.shape[2]
+        else:
+            seq = SeqInfo.make(bidb, mO.shape[1], 0)
+            mO_s, mdO_s, mD_s = mO[bidb, None, bidh, None], mdO[bidb, None, bidh, None], mD[bidb, bidh, None]
+            head_dim = mO.shape[3]
+        rows_q = seq.seqlen_q - m_block * bm
+        if rows_q > 0:
+            tiled_copy = lcopy.gmem_tiled_copy_o(t)
+            thr_copy = tiled_copy.get_slice(tidx)
+            tOcO = thr_copy.partition_S(cute.make_identity_tensor((bm, d)))  # (CPY, CPY_M, CPY_K) coordinates
+            kpred = column_predicate(tOcO, head_dim)
+            frags = []
+            for src in (mO_s, mdO_s):
+                tXgX = thr_copy.partition_S(cute.local_tile(src, (bm, d), (m_block, 0)))  # (CPY, CPY_M, CPY_K)
+                tXrX = cute.make_fragment_like(tXgX, self.dtype)
+                copy_tile(tiled_copy, tXgX, tXrX, tOcO, kpred, rows_q, True, self.config.even_k, True)
+                frags.append(tXrX)
+            rO, rdO = frags
+            for m in cutlass.range_constexpr(cute.size(rO, mode=[1])):
+                prod = rO[None, m, None].load().to(cutlass.Float32) * rdO[None, m, None].load().to(cutlass.Float32)
+                dot = prod.reduce(cute.ReductionOp.ADD, cutlass.Float32.zero, 0)
+                for s in cutlass.range_constexpr(t.gmem_threads_per_row.bit_length() - 1):  # the row's lanes
+                    dot = dot + cute.arch.shuffle_sync_bfly(dot, offset=t.gmem_threads_per_row >> (s + 1))
+                row = tOcO[0, m, 0][0]
+                if tOcO[0, m, 0][1] == 0 and row < rows_q:
+                    mD_s[m_block * bm + row] = dot

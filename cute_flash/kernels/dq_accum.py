@@ -1,0 +1,152 @@
+"""Where the backward accumulates dQ in fp32, and its conversion to the input dtype.
+
+dQaccum holds one chunk of kBlockM * kHeadDim floats per (query tile, head, batch), in
+*thread order*: with `vec` floats per atomic add, value i of thread t of the dQ GEMM's
+accumulator sits at ((i // vec) * num_threads + t) * vec + i % vec. So the j-th atomic add of
+all threads of a CTA hits num_threads * vec consecutive floats, and each warp's add covers whole
+128-byte lines (in (row, col) order a warp's add touches 8 rows, half of a 32-byte sector
+each). vec is 4 on sm_90 (`red.global.add.v4.f32`), 1 before (no vector float reductions).
+Measured on the H200 (bf16 backward alone, `bench --sections bwd`): (row, col) order gave a
+geometric mean of 0.72x SDPA FLASH over the grid, thread order with vec 1 gave 0.98x.
+
+The order means nothing outside the kernels: `DQConvert` reads each chunk back in the same
+thread order (coalesced too), recovers each value's (row, col) from the same MMA partition,
+sums the deterministic slices in a fixed order, scales, and writes dQ through shared memory
+with 128-bit stores. flash-attn 2's seq-parallel
+backward pairs its atomics with a permuted copy partition the same way.
+
+Packed batches: sequence b's tiles start at tile cu_seqlens_q[b] // kBlockM + b, which keeps
+every sequence's tiles apart (a tile never holds rows of two sequences); the buffer has
+total_q // kBlockM + batch + 1 tiles.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+
+from cute_flash.kernels.seq_info import SeqInfo
+from cute_flash.kernels.tile_copy import column_predicate, copy_tile
+from layouts import copy as lcopy
+from layouts import mma as lmma
+from layouts import smem as lsmem
+from layouts.traits import BwdTraits, element_type
+
+
+def first_tile(seq: SeqInfo, bidb, block_m: cutlass.Constexpr):
+    """Index of sequence bidb's first dQaccum tile in a packed batch (0 when dense: the tile
+    mode is per sequence there)."""
+    if cutlass.const_expr(seq.sum_s_q is None):
+        return 0
+    return seq.sum_s_q // block_m + bidb
+
+
+def chunk_index(i, tidx, num_threads: cutlass.Constexpr, vec: cutlass.Constexpr):
+    """Where value i of thread tidx lives in a chunk."""
+    return ((i // vec) * num_threads + tidx) * vec + i % vec
+
+
+def tiles_of(mdQaccum: cute.Tensor, slot, bidb, bidh, varlen: cutlass.Constexpr):
+    """(tiles, block_m * head_dim) chunks of one slice, batch (dense) and head: mdQaccum is
+    (slices, batch, heads, tiles, chunk) dense, (slices, heads, tiles, chunk) packed."""
+    if cutlass.const_expr(varlen):
+        return mdQaccum[slot, bidh, None, None]
+    return mdQaccum[slot, bidb, bidh, None, None]
+
+
+@dataclass(frozen=True)
+class DQConvertConfig:
+    """The compile key of a convert variant: the backward traits (tile, warps, dQ grid)."""
+    traits: BwdTraits
+    even_k: bool = True
+    varlen: bool = False
+    dq_vec: int = 1  # as the main kernel's BwdConfig.dq_vec
+
+    @property
+    def entry(self) -> str:
+        return "varlen" if self.varlen else "dense"
+
+    @property
+    def name(self) -> str:
+        t = self.traits
+        return (f"dq_convert_d{t.head_dim}_m{t.block_m}_w{t.num_warps}_{t.atom_m_dq}_{t.dtype}"
+                f"{'' if self.even_k else '-k'}{'-V' if self.varlen else ''}-v{self.dq_vec}")
+
+
+class DQConvert:
+    """dQ = scale * (sum of dQaccum's slices), in the input dtype, one CTA per query tile."""
+
+    def __init__(self, config: DQConvertConfig):
+        self.config = config
+        self.t = config.traits
+        self.dtype = element_type(config.traits)
+
+    @cute.jit
+    def __call__(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, scale: cutlass.Float32, stream):
+        """mdQaccum (slices, batch, heads, tiles, block_m * kHeadDim) fp32, mdQ (batch, seqlen_q,
+        heads, d)."""
+        self.launch(mdQaccum, mdQ, None, scale, (cute.ceil_div(mdQ.shape[1], self.t.block_m), mdQ.shape[0],
+                                                 mdQ.shape[2]), stream)
+
+    @cute.jit
+    def call_varlen(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, mCuSeqlensQ: cute.Tensor,
+                    max_seqlen_q: cutlass.Int32, scale: cutlass.Float32, stream):
+        """mdQaccum (slices, heads, tiles, block_m * kHeadDim), mdQ (total_q, heads, d)."""
+        self.launch(mdQaccum, mdQ, mCuSeqlensQ, scale,
+                    (cute.ceil_div(max_seqlen_q, self.t.block_m), mCuSeqlensQ.shape[0] - 1, mdQ.shape[1]), stream)
+
+    @cute.jit
+    def launch(self, mdQaccum, mdQ, mCuSeqlensQ, scale, grid, stream):
+        t = self.t
+        sdQ_layout = lsmem.smem_layout_q(t)
+
+        @cute.struct
+        class SharedStorage:
+            sdQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdQ_layout)], 1024]
+
+        self.kernel(mdQaccum, mdQ, mCuSeqlensQ, scale, sdQ_layout, SharedStorage).launch(
+            grid=grid, block=[t.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)
+
+    @cute.kernel
+    def kernel(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, mCuSeqlensQ, scale: cutlass.Float32,
+               sdQ_layout: cute.ComposedLayout, SharedStorage: cutlass.Constexpr):
+        t = self.t
+        bm, d = t.block_m, t.head_dim
+        varlen = self.config.varlen
+        m_block, bidb, bidh = cute.arch.block_idx()
+        tidx, _, _ = cute.arch.thread_idx()
+        if cutlass.const_expr(varlen):
+            seq = SeqInfo.make(bidb, mdQ.shape[0], 0, mCuSeqlensQ)
+            mdQ_s = cute.domain_offset((seq.sum_s_q, 0), mdQ[None, bidh, None])  # (seqlen_q, d)
+            head_dim = mdQ.shape[2]
+        else:
+            seq = SeqInfo.make(bidb, mdQ.shape[1], 0)
+            mdQ_s = mdQ[bidb, None, bidh, None]  # (seqlen_q, d)
+            head_dim = mdQ.shape[3]
+        rows_q = seq.seqlen_q - m_block * bm
+        if rows_q > 0:
+            mma_dq = lmma.tiled_mma_grid(t, t.atom_m_dq)
+            acc_dq = cute.make_rmem_tensor(mma_dq.get_slice(tidx).partition_shape_C((bm, d)), cutlass.Float32)
+            acc_dq.fill(0.0)
+            tile = first_tile(seq, bidb, bm) + m_block
+            for s in cutlass.range(mdQaccum.shape[0], unroll=1):  # slices in a fixed order
+                chunk = tiles_of(mdQaccum, s, bidb, bidh, varlen)[tile, None]  # (block_m * kHeadDim,)
+                for i in cutlass.range(cute.size(acc_dq), unroll_full=True):
+                    acc_dq[i] = acc_dq[i] + chunk[chunk_index(i, tidx, t.num_threads, self.config.dq_vec)]
+            rdQ = cute.make_fragment_like(acc_dq, self.dtype)  # (MMA, MMA_M, MMA_D)
+            rdQ.store((acc_dq.load() * scale).to(self.dtype))
+            storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
+            sdQ = storage.sdQ.get_tensor(sdQ_layout)  # (bm, d)
+            smem_copy = lcopy.smem_tiled_copy_c(t, mma_dq).get_slice(tidx)
+            cute.copy(smem_copy, smem_copy.retile(rdQ), smem_copy.partition_D(sdQ))
+            cute.arch.barrier()
+            gmem_tiled_copy = lcopy.gmem_tiled_copy_o(t)
+            gmem_thr_copy = gmem_tiled_copy.get_slice(tidx)
+            tdQsdQ = gmem_thr_copy.partition_S(sdQ)  # (CPY, CPY_M, CPY_K)
+            tdQrdQ = cute.make_fragment_like(tdQsdQ, self.dtype)
+            cute.copy(gmem_tiled_copy, tdQsdQ, tdQrdQ)
+            tdQcdQ = gmem_thr_copy.partition_D(cute.make_identity_tensor((bm, d)))  # (CPY, CPY_M, CPY_K)
+            gdQ = cute.local_tile(mdQ_s, (bm, d), (m_block, 0))  # (bm, d)
+            copy_tile(gmem_tiled_copy, tdQrdQ, gmem_thr_copy.partition_D(gdQ), tdQcdQ,
+                      column_predicate(tdQcdQ, head_dim), rows_q, True, self.config.even_k, False)

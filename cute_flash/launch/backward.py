@@ -1,0 +1,130 @@
+"""The backward pass on validated CUDA tensors: D = rowsum(dO * O) (preprocess kernel), the
+main kernel (dK, dV, and dQ accumulated in fp32), dQ converted (`DQConvert`), GQA heads summed.
+
+Extra memory is O(seqlen): dQaccum (fp32, one slice, or one per split when deterministic; its
+layout is `kernels/dq_accum.py`'s), D,
+and with GQA per-query-head dK/dV before the group sum (flash-attn 2 does the same).
+"""
+from __future__ import annotations
+
+import torch
+
+from cute_flash.kernels.bwd_preprocess import PreprocessConfig
+from cute_flash.kernels.config import BwdConfig
+from cute_flash.kernels.dq_accum import DQConvertConfig
+from cute_flash.launch import compiled
+from cute_flash.launch.align import aligned
+from cute_flash.launch.dense import alibi_2d, device_index, scales, window_edges
+from layouts.traits import choose_bwd_traits
+
+
+def _config(d_pad, dtype, index, left, right, alibi_slopes, softcap, varlen, seqused_k, deterministic):
+    arch = compiled.device_arch(index)
+    traits = choose_bwd_traits(d_pad, compiled.DTYPE_NAMES[dtype], min(arch, 90))
+    return BwdConfig(traits, has_left=left >= 0, has_right=right >= 0, has_alibi=alibi_slopes is not None,
+                     has_softcap=softcap > 0, even_k=d_pad == traits.head_dim, varlen=varlen,
+                     has_seqused_k=seqused_k is not None, deterministic=deterministic,
+                     dq_vec=4 if arch >= 90 else 1)
+
+
+def _grid_x(config: BwdConfig, max_seqlen_k, batch, nheads, index):
+    """Key blocks; deterministic: flash-attn 2's split count, enough CTAs to fill the GPU once."""
+    n_blocks = -(-max_seqlen_k // config.traits.block_n)
+    if not config.deterministic:
+        return n_blocks
+    return max(1, min(n_blocks, -(-compiled.num_sms(index) // (batch * nheads))))
+
+
+def _finish(dq, dk, dv, d, nheads_k, grads, dot):
+    """dQ, dK, dV cut to d, dK/dV summed over each GQA group; written into the caller's tensors
+    where given (`grads`: dq, dk, dv or None). Returns (dq, dk, dv, softmax_d), flash-attn's C++
+    backward's result."""
+    dq, dk, dv = dq[..., :d], dk[..., :d], dv[..., :d]
+    nheads = dk.shape[-2]
+    if nheads != nheads_k:
+        g = nheads // nheads_k
+        dk = dk.unflatten(-2, (nheads_k, g)).sum(-2)
+        dv = dv.unflatten(-2, (nheads_k, g)).sum(-2)
+    out = []
+    for given, grad in zip(grads, (dq, dk, dv)):
+        if given is None:
+            out.append(grad)
+        else:
+            given.copy_(grad)
+            out.append(given)
+    return (*out, dot)
+
+
+def _zeros(q, k, v, dot_shape, grads):
+    """An empty problem (no query rows or no keys): every gradient is zero."""
+    zeros = [torch.zeros_like(x) if g is None else g.zero_() for g, x in zip(grads, (q, k, v))]
+    return (*zeros, torch.zeros(dot_shape, dtype=torch.float32, device=q.device))
+
+
+def flash_bwd(dout, q, k, v, out, lse, *, softmax_scale, causal=False, window_size=(-1, -1), softcap=0.0,
+              alibi_slopes=None, deterministic=False, dq=None, dk=None, dv=None):
+    """Gradients of the dense forward: q/dout/out (b, sq, h, d), k/v (b, sk, hk, d), lse
+    (b, h, sq) from the forward; returns (dq, dk, dv, softmax_d), the gradients written into
+    dq/dk/dv when given; softmax_d (b, h, sq) fp32 is D = rowsum(dO * O)."""
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    if b == 0 or sq == 0 or sk == 0:
+        return _zeros(q, k, v, (b, h, sq), (dq, dk, dv))
+    q, k, v, out, dout = (aligned(x) for x in (q, k, v, out, dout))
+    d_pad = q.shape[-1]
+    index = device_index(q.device)
+    left, right = window_edges(causal, window_size)
+    config = _config(d_pad, q.dtype, index, left, right, alibi_slopes, softcap, False, None, deterministic)
+    dot = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
+    compiled.bwd_kernel_for(PreprocessConfig(config.traits.head_dim, config.traits.dtype, config.even_k),
+                            index)(out, dout, dot)
+    grid_x = _grid_x(config, sk, b, h, index)
+    t = config.traits
+    dq_accum = torch.zeros((grid_x if deterministic else 1, b, h, -(-sq // t.block_m), t.block_m * t.head_dim),
+                           dtype=torch.float32, device=q.device)
+    dk_h = torch.empty((b, sk, h, d_pad), dtype=q.dtype, device=q.device)
+    dv_h = torch.empty((b, sk, h, d_pad), dtype=q.dtype, device=q.device)
+    compiled.bwd_kernel_for(config, index)(
+        q, k, v, dout, lse, dot, dq_accum, dk_h, dv_h, alibi_2d(alibi_slopes, b, h), softmax_scale,
+        *scales(softmax_scale, softcap), left, right, grid_x)
+    dq_out = torch.empty((b, sq, h, d_pad), dtype=q.dtype, device=q.device)
+    compiled.bwd_kernel_for(DQConvertConfig(t, config.even_k, False, config.dq_vec), index)(
+        dq_accum, dq_out, softmax_scale)
+    return _finish(dq_out, dk_h, dv_h, d, hk, (dq, dk, dv), dot)
+
+
+def flash_bwd_varlen(dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                     softmax_scale, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                     seqused_k=None, deterministic=False, dq=None, dk=None, dv=None):
+    """Gradients of the packed forward: q/dout/out (total_q, h, d), k/v (total_k, hk, d), lse
+    (h, total_q); returns (dq, dk, dv, softmax_d (h, total_q))."""
+    total_q, h, d = q.shape
+    total_k, hk = k.shape[0], k.shape[1]
+    batch = cu_seqlens_q.shape[0] - 1
+    if batch == 0 or total_q == 0 or total_k == 0:
+        return _zeros(q, k, v, (h, total_q), (dq, dk, dv))
+    q, k, v, out, dout = (aligned(x) for x in (q, k, v, out, dout))
+    d_pad = q.shape[-1]
+    index = device_index(q.device)
+    left, right = window_edges(causal, window_size)
+    config = _config(d_pad, q.dtype, index, left, right, alibi_slopes, softcap, True, seqused_k, deterministic)
+    cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
+    dot = torch.empty((h, total_q), dtype=torch.float32, device=q.device)
+    compiled.bwd_kernel_for(PreprocessConfig(config.traits.head_dim, config.traits.dtype, config.even_k, True),
+                            index)(out, dout, dot, cu_seqlens_q, max_seqlen_q)
+    grid_x = _grid_x(config, max_seqlen_k, batch, h, index)
+    t = config.traits
+    dq_accum = torch.zeros((grid_x if deterministic else 1, h, total_q // t.block_m + batch + 1,
+                            t.block_m * t.head_dim), dtype=torch.float32, device=q.device)
+    dk_h = torch.empty((total_k, h, d_pad), dtype=q.dtype, device=q.device)
+    dv_h = torch.empty((total_k, h, d_pad), dtype=q.dtype, device=q.device)
+    dk_h.zero_()  # keys no sequence covers (or past seqused_k) get a zero gradient
+    dv_h.zero_()
+    compiled.bwd_kernel_for(config, index)(
+        q, k, v, dout, lse, dot, dq_accum, dk_h, dv_h, alibi_2d(alibi_slopes, batch, h), cu_seqlens_q,
+        cu_seqlens_k, None if seqused_k is None else seqused_k.contiguous(), softmax_scale,
+        *scales(softmax_scale, softcap), left, right, grid_x)
+    dq_out = torch.zeros((total_q, h, d_pad), dtype=q.dtype, device=q.device)  # rows no sequence covers: 0
+    compiled.bwd_kernel_for(DQConvertConfig(t, config.even_k, True, config.dq_vec), index)(
+        dq_accum, dq_out, cu_seqlens_q, max_seqlen_q, softmax_scale)
+    return _finish(dq_out, dk_h, dv_h, d, hk, (dq, dk, dv), dot)

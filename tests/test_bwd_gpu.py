@@ -1,0 +1,184 @@
+"""The backward pass against `cute_flash.reference` under float32 autograd, by flash-attn's rule:
+each gradient's max error is at most twice the error of the same reference run in the input
+dtype, plus 1e-4 (docs/semantics.md). Shapes are drawn by hypothesis; the allocator is poisoned
+with NaN before each run, so an unwritten gradient element fails."""
+import pytest
+import torch
+from hypothesis import assume, given
+from hypothesis import strategies as st
+
+from cute_flash import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func, flash_attn_varlen_func,
+                        flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func)
+from cute_flash.reference import attention_ref, attention_varlen_ref
+from tests.gpu_utils import cu_seqlens, gpu_settings, poison_allocator
+
+pytestmark = pytest.mark.gpu
+
+ODD_LENGTHS = [1, 2, 17, 63, 64, 65, 127, 128, 129, 255, 257]
+BUCKETS = [32, 64, 96, 128, 160, 192, 224, 256]
+GRAD_FLOOR = 1e-4
+lengths = st.one_of(st.sampled_from(ODD_LENGTHS), st.integers(1, 400))
+head_dims = st.one_of(st.sampled_from(BUCKETS), st.integers(1, 256))
+heads = st.sampled_from([(1, 1), (2, 2), (4, 1), (4, 2), (6, 3), (8, 1)])
+
+
+def _leaves(*xs, dtype=None):
+    return [x.detach().to(dtype or x.dtype).requires_grad_() for x in xs]
+
+
+def ours(fn, dout, *inputs, **opts):
+    """out and the inputs' gradients through `fn` (a public function), allocator poisoned."""
+    poison_allocator()
+    leaves = _leaves(*inputs)
+    out = fn(*leaves, **opts)
+    out.backward(dout)
+    torch.cuda.synchronize()
+    return out, [x.grad for x in leaves]
+
+
+def reference(ref_fn, dout, *inputs, upcast=True, **opts):
+    """Gradients of the reference: float32 leaves (upcast) or leaves in the input dtype."""
+    leaves = _leaves(*inputs, dtype=torch.float32 if upcast else None)
+    out, _ = ref_fn(*leaves, upcast=upcast, **opts)
+    out.backward(dout.to(out.dtype))
+    return [x.grad for x in leaves]
+
+
+def assert_grads_match(got, q, k, v, dout, ref_fn=attention_ref, **opts):
+    want = reference(ref_fn, dout, q, k, v, **opts)
+    lowp = reference(ref_fn, dout, q, k, v, upcast=False, **opts)
+    for name, g, w, lp in zip(("dq", "dk", "dv"), got, want, lowp):
+        assert g.shape == w.shape and g.dtype == q.dtype, name
+        assert not g.isnan().any(), f"{name}: NaN (an unwritten element)"
+        err = (g.float() - w).abs().max().item()
+        bar = 2 * (lp.float() - w).abs().max().item() + GRAD_FLOOR
+        assert err <= bar, f"{name}: max abs error {err:.3e} > {bar:.3e}"
+
+
+def _inputs(b, sq, sk, h, hk, d, dtype=torch.bfloat16, layout="bshd"):
+    def make(s, heads):
+        if layout == "bhsd":
+            return torch.randn(b, heads, s, d, device="cuda", dtype=dtype).transpose(1, 2)
+        return torch.randn(b, s, heads, d, device="cuda", dtype=dtype)
+
+    return make(sq, h), make(sk, hk), make(sk, hk), make(sq, h)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+@gpu_settings(8)
+@given(b=st.integers(1, 2), sq=lengths, sk=lengths, hh=heads, d=head_dims, layout=st.sampled_from(["bshd", "bhsd"]))
+def test_dense_grads_match_reference(b, sq, sk, hh, d, causal, dtype, layout):
+    q, k, v, dout = _inputs(b, sq, sk, *hh, d, dtype, layout)
+    _, grads = ours(flash_attn_func, dout, q, k, v, causal=causal)
+    assert_grads_match(grads, q, k, v, dout, causal=causal)
+
+
+@pytest.mark.parametrize("d", BUCKETS + [8, 40, 72, 100, 200])
+@pytest.mark.parametrize("causal", [False, True])
+def test_every_head_dim(d, causal):
+    q, k, v, dout = _inputs(2, 190, 301, 4, 2, d)
+    _, grads = ours(flash_attn_func, dout, q, k, v, causal=causal)
+    assert_grads_match(grads, q, k, v, dout, causal=causal)
+
+
+MODS = ["window", "alibi", "softcap", "all"]
+
+
+@pytest.mark.parametrize("mod", MODS)
+@gpu_settings(8)
+@given(sq=lengths, sk=lengths, hh=heads, d=st.sampled_from([64, 96, 128, 200]), data=st.data())
+def test_score_modifiers_with_gqa(mod, sq, sk, hh, d, data):
+    """Window (both edges drawn), ALiBi, softcap (the tanh derivative), and all together, with
+    GQA and odd lengths."""
+    q, k, v, dout = _inputs(2, sq, sk, *hh, d)
+    opts = dict(causal=data.draw(st.booleans()))
+    if mod in ("window", "all"):
+        opts["window_size"] = (data.draw(st.integers(-1, 300)), data.draw(st.integers(-1, 60)))
+    if mod in ("alibi", "all"):
+        opts["alibi_slopes"] = torch.rand(2, hh[0], device="cuda", dtype=torch.float32)
+    if mod in ("softcap", "all"):
+        opts["softcap"] = data.draw(st.sampled_from([5.0, 30.0]))
+    _, grads = ours(flash_attn_func, dout, q, k, v, **opts)
+    assert_grads_match(grads, q, k, v, dout, **opts)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@gpu_settings(8)
+@given(lens=st.lists(st.tuples(st.integers(0, 300), st.integers(0, 300)), min_size=1, max_size=4), hh=heads,
+       d=st.sampled_from([32, 64, 128, 72]), used=st.booleans())
+def test_varlen_grads_match_reference(lens, hh, d, causal, used):
+    lq, lk = [a for a, _ in lens], [b for _, b in lens]
+    assume(sum(lq) > 0 and sum(lk) > 0)
+    h, hk = hh
+    q, k, v = (torch.randn(sum(n), heads, d, device="cuda", dtype=torch.bfloat16)
+               for n, heads in ((lq, h), (lk, hk), (lk, hk)))
+    dout = torch.randn_like(q)
+    cu_q, cu_k = cu_seqlens(lq), cu_seqlens(lk)
+    seqused = torch.tensor([n // 2 for n in lk], device="cuda", dtype=torch.int32) if used else None
+    opts = dict(causal=causal)
+    _, grads = ours(lambda q, k, v, **o: flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lq), max(lk),
+                                                                seqused_k=seqused, **o), dout, q, k, v, **opts)
+    assert_grads_match(grads, q, k, v, dout, ref_fn=lambda q, k, v, **o: attention_varlen_ref(
+        q, k, v, cu_q, cu_k, seqused_k=seqused, **o), **opts)
+
+
+def test_deterministic_grads_are_bitwise_repeatable():
+    q, k, v, dout = _inputs(2, 1000, 1100, 8, 2, 128)
+    runs = [ours(flash_attn_func, dout, q, k, v, causal=True, deterministic=True)[1] for _ in range(3)]
+    for run in runs[1:]:
+        for a, b in zip(runs[0], run):
+            assert torch.equal(a, b)
+    assert_grads_match(runs[0], q, k, v, dout, causal=True)
+    lq = [300, 1, 700]
+    qv, kv_, vv, dv_ = (x.flatten(0, 1)[:1001] for x in (q, k, v, dout))
+    cu = cu_seqlens(lq)
+    varlen = [ours(lambda q, k, v: flash_attn_varlen_func(q, k, v, cu, cu, 700, 700, deterministic=True), dv_,
+                   qv, kv_, vv)[1] for _ in range(2)]
+    for a, b in zip(*varlen):
+        assert torch.equal(a, b)
+
+
+def test_packed_gradients_are_one_tensor_and_equal_the_unpacked_ones():
+    """qkv / kv packed inputs get one packed gradient, equal to the separate inputs' gradients
+    (deterministic, so equal bit for bit)."""
+    qkv = torch.randn(2, 257, 3, 4, 64, device="cuda", dtype=torch.bfloat16)
+    dout = torch.randn(2, 257, 4, 64, device="cuda", dtype=torch.bfloat16)
+    _, (dqkv,) = ours(flash_attn_qkvpacked_func, dout, qkv, causal=True, deterministic=True)
+    _, split = ours(flash_attn_func, dout, *qkv.unbind(2), causal=True, deterministic=True)
+    assert dqkv.shape == qkv.shape and torch.equal(dqkv, torch.stack(split, 2))
+    q, kv = qkv[:, :, 0], qkv[:, :, 1:, :2]
+    _, (dq, dkv) = ours(flash_attn_kvpacked_func, dout, q, kv, deterministic=True)
+    _, split = ours(flash_attn_func, dout, q, *kv.unbind(2), deterministic=True)
+    assert torch.equal(dq, split[0]) and torch.equal(dkv, torch.stack(split[1:], 2))
+
+    lens = [100, 157, 257]
+    cu = cu_seqlens(lens)
+    pq = torch.randn(sum(lens), 3, 4, 64, device="cuda", dtype=torch.bfloat16)
+    pdout = torch.randn(sum(lens), 4, 64, device="cuda", dtype=torch.bfloat16)
+    _, (dpq,) = ours(lambda x: flash_attn_varlen_qkvpacked_func(x, cu, 257, deterministic=True), pdout, pq)
+    _, split = ours(lambda q, k, v: flash_attn_varlen_func(q, k, v, cu, cu, 257, 257, deterministic=True), pdout,
+                    *pq.unbind(1))
+    assert torch.equal(dpq, torch.stack(split, 1))
+    _, (dq, dkv) = ours(lambda q, kv: flash_attn_varlen_kvpacked_func(q, kv, cu, cu, 257, 257, deterministic=True),
+                        pdout, pq[:, 0], pq[:, 1:])
+    assert torch.equal(dq, split[0]) and torch.equal(dkv, torch.stack(split[1:], 1))
+
+
+def test_private_backward_writes_given_tensors_and_returns_softmax_d():
+    from cute_flash.flash_attn_interface import _flash_attn_backward, _flash_attn_forward
+
+    q, k, v, dout = _inputs(2, 130, 200, 4, 4, 64)
+    out, lse, _, _ = _flash_attn_forward(q, k, v, 0.0, 0.125, True, -1, -1, 0.0, None, False)
+    dq, dk, dv = (torch.full_like(x, float("nan")) for x in (q, k, v))
+    softmax_d = _flash_attn_backward(dout, q, k, v, out, lse, dq, dk, dv, 0.0, 0.125, True, -1, -1, 0.0, None, False)
+    torch.testing.assert_close(softmax_d, (dout.float() * out.float()).sum(-1).transpose(1, 2), atol=1e-3, rtol=1e-3)
+    assert_grads_match((dq, dk, dv), q, k, v, dout, softmax_scale=0.125, causal=True)
+
+
+def test_only_inputs_requiring_grad_get_one():
+    q, k, v, dout = _inputs(1, 100, 100, 2, 2, 64)
+    kk = k.detach().requires_grad_()
+    flash_attn_func(q, kk, v).backward(dout)
+    assert q.grad is None and v.grad is None
+    assert torch.equal(kk.grad, ours(flash_attn_func, dout, q, k, v)[1][1])  # dK has no atomics: repeatable
