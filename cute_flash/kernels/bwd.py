@@ -118,7 +118,6 @@ class KeyBlock:
     acc_dk: cute.Tensor  # (MMA, MMA_N, MMA_D) fp32, dK/dV warp grid
     acc_dv: cute.Tensor
     mods: ScoreMods
-    slope: object
 
 
 class FlashBwd:
@@ -138,8 +137,8 @@ class FlashBwd:
                  grid_x: cutlass.Int32, stream):
         """Dense batches: mQ/mdO (batch, seqlen_q, heads, d), mK/mV (batch, seqlen_k, heads_k,
         d), mdK/mdV (batch, seqlen_k, heads, d), mLSE/mD (batch, heads, seqlen_q) fp32, mdQaccum
-        (slices, batch, heads, ceil(seqlen_q / kBlockM), kBlockM * kHeadDim) fp32 zeroed. grid_x: key blocks, or the
-        deterministic split count (= slices)."""
+        (slices, batch, heads, ceil(seqlen_q / kBlockM), kBlockM * kHeadDim) fp32 zeroed.
+        grid_x: the key blocks, or the deterministic split count (= slices)."""
         args = BwdTensors(mQ, mK, mV, mdO, mLSE, mD, mdQaccum, mdK, mdV, mAlibi, None, None, None)
         self.launch(args, BwdScalars(softmax_scale, scale_log2, score_premul, alibi_div, window_left, window_right),
                     (grid_x, mQ.shape[0], mQ.shape[2]), stream)
@@ -256,7 +255,7 @@ class FlashBwd:
         acc_dv = cute.make_rmem_tensor(thr_dkv.partition_shape_C((bn, d)), cutlass.Float32)
         acc_dk.fill(0.0)
         acc_dv.fill(0.0)
-        kb = KeyBlock(n_block, acc_dk, acc_dv, mods, mods.slope)
+        kb = KeyBlock(n_block, acc_dk, acc_dv, mods)
 
         blocks = QueryBlocks.make(seq, n_block, bm, bn, window)
         count = blocks.m_block_max - blocks.m_block_min

@@ -2,8 +2,8 @@
 main kernel (dK, dV, and dQ accumulated in fp32), dQ converted (`DQConvert`), GQA heads summed.
 
 Extra memory is O(seqlen): dQaccum (fp32, one slice, or one per split when deterministic; its
-layout is `kernels/dq_accum.py`'s), D,
-and with GQA per-query-head dK/dV before the group sum (flash-attn 2 does the same).
+layout is `kernels/dq_accum.py`'s), D, and with GQA per-query-head dK/dV before the group sum
+(flash-attn 2 does the same).
 """
 from __future__ import annotations
 
