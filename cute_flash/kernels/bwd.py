@@ -35,7 +35,7 @@ from cute_flash.kernels.constants import LOG2E
 from cute_flash.kernels.dq_accum import chunk_index, first_tile, tiles_of
 from cute_flash.kernels.gemm import SmemGemm
 from cute_flash.kernels.score_mods import Mask, ScoreMods
-from cute_flash.kernels.seq_info import SeqInfo
+from cute_flash.kernels.seq_info import SeqInfo, head_rows
 from cute_flash.kernels.tile_copy import column_predicate, copy_tile
 from layouts import copy as lcopy
 from layouts import mma as lmma
@@ -209,26 +209,22 @@ class FlashBwd:
         bidh_kv = bidh // (mQ.shape[head_axis] // mK.shape[head_axis])
         if cutlass.const_expr(cfg.varlen):
             seq = SeqInfo.make(bidb, mQ.shape[0], mK.shape[0], args.mCuSeqlensQ, args.mCuSeqlensK, args.mSeqUsedK)
-            q_off, k_off = (seq.sum_s_q, 0), (seq.sum_s_k, 0)
-            views = BwdViews(
-                cute.domain_offset(q_off, mQ[None, bidh, None]),        # (seqlen_q, d)
-                cute.domain_offset(k_off, mK[None, bidh_kv, None]),     # (seqlen_k, d)
-                cute.domain_offset(k_off, args.mV[None, bidh_kv, None]),
-                cute.domain_offset(q_off, args.mdO[None, bidh, None]),
-                cute.domain_offset((seq.sum_s_q,), args.mLSE[bidh, None]),  # (seqlen_q,)
-                cute.domain_offset((seq.sum_s_q,), args.mD[bidh, None]),
-                cute.domain_offset((first_tile(seq, bidb, self.t.block_m), 0),
-                                   tiles_of(args.mdQaccum, slot, bidb, bidh, True)),  # (tiles, chunk)
-                cute.domain_offset(k_off, args.mdK[None, bidh, None]),  # (seqlen_k, d)
-                cute.domain_offset(k_off, args.mdV[None, bidh, None]),
-                mQ.shape[2])
+            k_off = (seq.sum_s_k, 0)
+            mK_s = cute.domain_offset(k_off, mK[None, bidh_kv, None])       # (seqlen_k, d)
+            mV_s = cute.domain_offset(k_off, args.mV[None, bidh_kv, None])
+            mdK_s = cute.domain_offset(k_off, args.mdK[None, bidh, None])   # (seqlen_k, d)
+            mdV_s = cute.domain_offset(k_off, args.mdV[None, bidh, None])
+            mdQ_tiles = cute.domain_offset((first_tile(seq, bidb, self.t.block_m), 0),
+                                           tiles_of(args.mdQaccum, slot, bidb, bidh, True))  # (tiles, chunk)
         else:
             seq = SeqInfo.make(bidb, mQ.shape[1], mK.shape[1])
-            views = BwdViews(mQ[bidb, None, bidh, None], mK[bidb, None, bidh_kv, None],
-                             args.mV[bidb, None, bidh_kv, None], args.mdO[bidb, None, bidh, None],
-                             args.mLSE[bidb, bidh, None], args.mD[bidb, bidh, None],
-                             tiles_of(args.mdQaccum, slot, bidb, bidh, False), args.mdK[bidb, None, bidh, None],
-                             args.mdV[bidb, None, bidh, None], mQ.shape[3])
+            mK_s, mV_s = mK[bidb, None, bidh_kv, None], args.mV[bidb, None, bidh_kv, None]  # (seqlen_k, d)
+            mdK_s, mdV_s = args.mdK[bidb, None, bidh, None], args.mdV[bidb, None, bidh, None]
+            mdQ_tiles = tiles_of(args.mdQaccum, slot, bidb, bidh, False)
+        views = BwdViews(head_rows(mQ, seq, bidb, bidh), mK_s, mV_s,
+                         head_rows(args.mdO, seq, bidb, bidh),   # (seqlen_q, d)
+                         head_rows(args.mLSE, seq, bidb, bidh),  # (seqlen_q,)
+                         head_rows(args.mD, seq, bidb, bidh), mdQ_tiles, mdK_s, mdV_s, mQ.shape[head_axis + 1])
         return seq, views
 
     @cute.jit

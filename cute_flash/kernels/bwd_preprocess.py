@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import cutlass
 import cutlass.cute as cute
 
-from cute_flash.kernels.seq_info import SeqInfo
+from cute_flash.kernels.seq_info import head_rows, query_rows
 from cute_flash.kernels.tile_copy import column_predicate, copy_tile
 from layouts import copy as lcopy
 from layouts.traits import FwdTraits, element_type
@@ -67,16 +67,9 @@ class DotDoO:
         bm, d = t.block_m, t.head_dim
         m_block, bidb, bidh = cute.arch.block_idx()
         tidx, _, _ = cute.arch.thread_idx()
-        if cutlass.const_expr(self.config.varlen):
-            seq = SeqInfo.make(bidb, mO.shape[0], 0, mCuSeqlensQ)
-            mO_s = cute.domain_offset((seq.sum_s_q, 0), mO[None, bidh, None])     # (seqlen_q, d)
-            mdO_s = cute.domain_offset((seq.sum_s_q, 0), mdO[None, bidh, None])
-            mD_s = cute.domain_offset((seq.sum_s_q,), mD[bidh, None])             # (seqlen_q,)
-            head_dim = mO.shape[2]
-        else:
-            seq = SeqInfo.make(bidb, mO.shape[1], 0)
-            mO_s, mdO_s, mD_s = mO[bidb, None, bidh, None], mdO[bidb, None, bidh, None], mD[bidb, bidh, None]
-            head_dim = mO.shape[3]
+        seq, mO_s, head_dim = query_rows(mO, bidb, bidh, mCuSeqlensQ)  # (seqlen_q, d)
+        mdO_s = head_rows(mdO, seq, bidb, bidh)                           # (seqlen_q, d)
+        mD_s = head_rows(mD, seq, bidb, bidh)                             # (seqlen_q,)
         rows_q = seq.seqlen_q - m_block * bm
         if rows_q > 0:
             tiled_copy = lcopy.gmem_tiled_copy_o(t)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import cutlass
 import cutlass.cute as cute
 
-from cute_flash.kernels.seq_info import SeqInfo
+from cute_flash.kernels.seq_info import SeqInfo, query_rows
 from cute_flash.kernels.tile_copy import column_predicate, copy_tile
 from layouts import copy as lcopy
 from layouts import mma as lmma
@@ -116,14 +116,7 @@ class DQConvert:
         varlen = self.config.varlen
         m_block, bidb, bidh = cute.arch.block_idx()
         tidx, _, _ = cute.arch.thread_idx()
-        if cutlass.const_expr(varlen):
-            seq = SeqInfo.make(bidb, mdQ.shape[0], 0, mCuSeqlensQ)
-            mdQ_s = cute.domain_offset((seq.sum_s_q, 0), mdQ[None, bidh, None])  # (seqlen_q, d)
-            head_dim = mdQ.shape[2]
-        else:
-            seq = SeqInfo.make(bidb, mdQ.shape[1], 0)
-            mdQ_s = mdQ[bidb, None, bidh, None]  # (seqlen_q, d)
-            head_dim = mdQ.shape[3]
+        seq, mdQ_s, head_dim = query_rows(mdQ, bidb, bidh, mCuSeqlensQ)  # (seqlen_q, d)
         rows_q = seq.seqlen_q - m_block * bm
         if rows_q > 0:
             mma_dq = lmma.tiled_mma_grid(t, t.atom_m_dq)

@@ -10,6 +10,7 @@ touching the kernel body.
 from dataclasses import dataclass
 
 import cutlass
+import cutlass.cute as cute
 
 
 def clamp(x, lo, hi):
@@ -60,3 +61,25 @@ class SeqInfo:
             leftpad_k = clamp(mLeftpadK[bidb], 0, seqlen_k)
             seqlen_k = seqlen_k - leftpad_k
         return SeqInfo(seqlen_q, seqlen_k, sum_s_q, sum_s_k, leftpad_k)
+
+
+def query_rows(mX, bidb, bidh, mCuSeqlensQ=None):
+    """(SeqInfo, (seqlen_q, d) rows of head bidh of sequence bidb, the run-time head dim) of a
+    query-side tensor: (batch, seqlen_q, heads, d), or packed (total_q, heads, d) delimited by
+    mCuSeqlensQ. For the kernels that read query rows only (the backward's preprocess and dQ
+    convert)."""
+    if cutlass.const_expr(mCuSeqlensQ is not None):
+        seq = SeqInfo.make(bidb, mX.shape[0], 0, mCuSeqlensQ)
+        return seq, cute.domain_offset((seq.sum_s_q, 0), mX[None, bidh, None]), mX.shape[2]
+    return SeqInfo.make(bidb, mX.shape[1], 0), mX[bidb, None, bidh, None], mX.shape[3]
+
+
+def head_rows(mX, seq: SeqInfo, bidb, bidh):
+    """The (seqlen_q, ...) rows of head bidh of sequence bidb (as `query_rows` found it) in another
+    query-side tensor: (batch, seqlen_q, heads, d) / (batch, heads, seqlen_q) dense, (total_q, heads,
+    d) / (heads, total_q) packed."""
+    if cutlass.const_expr(seq.sum_s_q is None):
+        return mX[bidb, None, bidh, None] if cutlass.const_expr(cute.rank(mX) == 4) else mX[bidb, bidh, None]
+    if cutlass.const_expr(cute.rank(mX) == 3):
+        return cute.domain_offset((seq.sum_s_q, 0), mX[None, bidh, None])
+    return cute.domain_offset((seq.sum_s_q,), mX[bidh, None])
