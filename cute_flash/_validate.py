@@ -194,17 +194,22 @@ def check_last_dim_contiguous(named):
             )
 
 
+def needs_grad(tensors) -> bool:
+    """Grad mode is on and a given tensor requires grad (None and non-tensors are skipped). A
+    plain loop with an early exit: this runs on every call."""
+    if not torch.is_grad_enabled():
+        return False
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            return True
+    return False
+
+
 def check_no_grad(named, fn_name, why="it is inference-only and has no backward pass (as in flash-attn)"):
     """No silently missing gradients: with grad mode on, an input that requires grad is refused
-    where no backward exists (flash_attn_with_kvcache, a paged varlen cache), saying `why`.
-    Only tensors that are given are looked at; this runs on every call, so it is cheap."""
-    if not torch.is_grad_enabled():
-        return
+    where no backward exists (flash_attn_with_kvcache, a paged varlen cache), saying `why`."""
     named = tuple(named)
-    for _, t in named:  # a plain loop with an early exit: this runs on every call
-        if isinstance(t, torch.Tensor) and t.requires_grad:
-            break
-    else:
+    if not needs_grad(t for _, t in named):
         return
     wanting = list(dict.fromkeys(name for name, t in named if isinstance(t, torch.Tensor) and t.requires_grad))
     raise NotImplementedError(

@@ -104,12 +104,3 @@ class FlashAttnFunction(torch.autograd.Function):
         needs = ctx.needs_input_grad[3:]
         return (None, None, None) + tuple(g if need else None for g, need in zip(grads, needs))
 
-
-def needs_grad(tensors) -> bool:
-    """Grad mode is on and a differentiable input requires grad (a cheap check: every call)."""
-    if not torch.is_grad_enabled():
-        return False
-    for t in tensors:
-        if t.requires_grad:
-            return True
-    return False

@@ -138,6 +138,13 @@ def run_bwd(seqlens=SEQLENS, head_dims=HEAD_DIMS):
     return [bench_bwd_cell(d, s, causal) for d in head_dims for causal in (False, True) for s in seqlens]
 
 
+def ratio_summary(ratios) -> str:
+    """The closing line of a table of ours/FLASH ratios: geometric mean, minimum, cells >= 1."""
+    gm = math.exp(statistics.fmean(math.log(x) for x in ratios))
+    return (f"\ngeometric mean ours/FLASH: {gm:.3f}; min {min(ratios):.3f}; cells >= 1.0: "
+            f"{sum(x >= 1.0 for x in ratios)}/{len(ratios)}")
+
+
 def format_bwd(rows) -> str:
     out = []
     for key, title in (("bwd", "backward alone (FLOPs 2.5x forward)"), ("fwdbwd", "forward + backward (3.5x)")):
@@ -154,9 +161,7 @@ def format_bwd(rows) -> str:
             out.append(f"| {r['d']} | {r['causal']} | {r['seqlen']} | {r['batch']}x{r['nheads']} | "
                        f"{' | '.join(cells)} | {rf:.3f} | {rc:.3f} |")
         if ratios:
-            gm = math.exp(statistics.fmean(math.log(x) for x in ratios))
-            out.append(f"\ngeometric mean ours/FLASH: {gm:.3f}; min {min(ratios):.3f}; cells >= 1.0: "
-                       f"{sum(x >= 1.0 for x in ratios)}/{len(ratios)}")
+            out.append(ratio_summary(ratios))
         out.append("")
     return "\n".join(out)
 
@@ -485,9 +490,7 @@ def format_grid(rows) -> str:
         out.append(f"| {r['d']} | {r['causal']} | {r['seqlen']} | {r['batch']}x{r['nheads']} | "
                    f"{r['ours_tflops']:.0f} | {r['flash_tflops']:.0f} | {cudnn} | {ratio:.3f} |")
     if ratios:
-        gm = math.exp(statistics.fmean(math.log(x) for x in ratios))
-        out.append(f"\ngeometric mean ours/FLASH: {gm:.3f}; min {min(ratios):.3f}; cells >= 1.0: "
-                   f"{sum(x >= 1.0 for x in ratios)}/{len(ratios)}")
+        out.append(ratio_summary(ratios))
     return "\n".join(out)
 
 

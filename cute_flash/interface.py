@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from cute_flash import _validate
-from cute_flash.autograd import AttnOptions, FlashAttnFunction, Packing, Varlen, needs_grad
+from cute_flash.autograd import AttnOptions, FlashAttnFunction, Packing, Varlen
 from cute_flash import ops  # noqa: F401  (registers torch.ops.cute_flash.*, used while compiling)
 
 __all__ = [
@@ -146,7 +146,7 @@ def _flash_attn(q, k, v, names, dropout_p, softmax_scale, causal, window_size, s
                                     softcap=softcap, alibi_slopes=alibi_slopes)
 
     packing, inputs = _grad_inputs(q, k, v, packed)
-    if caller is not None and not torch.compiler.is_compiling() and needs_grad(inputs):
+    if caller is not None and not torch.compiler.is_compiling() and _validate.needs_grad(inputs):
         options = AttnOptions(scale, causal, window, softcap, deterministic, packing)
         return FlashAttnFunction.apply(options, run, alibi_slopes, *inputs)
     return run(q, k, v)
@@ -162,7 +162,7 @@ def _flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
     kv_dims = _PAGED_KV_DIMS if paged else _VARLEN_KV_DIMS
     named = _check_qkv(q, k, v, names[:3], _VARLEN_Q_DIMS, kv_dims)
     packing, inputs = _grad_inputs(q, k, v, packed)
-    wants_grad = caller is not None and needs_grad(inputs)
+    wants_grad = caller is not None and _validate.needs_grad(inputs)
     if paged and wants_grad:
         _validate.check_no_grad(zip(names[:3], (q, k, v)), caller,
                                 why="there is no gradient through a paged KV cache (block_table), as in flash-attn")

@@ -149,7 +149,7 @@ _VARLEN_OPTIONS = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k
 
 def _fwd_backward(ctx, dout, dlse):
     q, k, v, out, lse = ctx.saved_tensors
-    return (*torch.ops.cute_flash.bwd(dout, q, k, v, out, lse, **ctx.options),) + (None,) * 7
+    return (*torch.ops.cute_flash.bwd(dout, q, k, v, out, lse, **ctx.options),) + (None,) * len(_FWD_OPTIONS)
 
 
 def _fwd_varlen_backward(ctx, dout, dlse):
@@ -157,7 +157,7 @@ def _fwd_varlen_backward(ctx, dout, dlse):
     o = dict(ctx.options)
     if o.pop("block_table") is not None:
         raise NotImplementedError("no gradient through a paged KV cache (block_table), as in flash-attn")
-    return (*torch.ops.cute_flash.bwd_varlen(dout, q, k, v, out, lse, **o),) + (None,) * 13
+    return (*torch.ops.cute_flash.bwd_varlen(dout, q, k, v, out, lse, **o),) + (None,) * len(_VARLEN_OPTIONS)
 
 
 torch.library.register_autograd("cute_flash::fwd", _fwd_backward,

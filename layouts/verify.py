@@ -328,22 +328,27 @@ SMEM_ACCESSES = {
 GMEM_ACCESSES = ("gmem_q", "gmem_kv", "gmem_kv_paged", "gmem_o")
 
 
-@lru_cache(maxsize=None)
-def partitions(traits: FwdTraits) -> dict:
-    """Every PARTITIONS entry for `traits`, captured in one trace (a trace costs ~0.1 s)."""
+def capture_partitions(traits, entries: dict) -> dict:
+    """coords of every `name: (builder, method, tile "rows cols" in m/n/k)` entry for `traits`,
+    captured in one trace (a trace costs ~0.1 s); each builder is called once."""
 
     def run():
         built, coords = {}, {}
-        for name, (build, method, which, _) in PARTITIONS.items():
+        for name, (build, method, which) in entries.items():
             if build not in built:
                 built[build] = build(traits)
-            tiled = built[build]
-            coords[name] = _partition_coords(tiled, method, _tile(traits, which))
+            coords[name] = _partition_coords(built[build], method, _tile(traits, which))
         return coords
 
-    return {name: Partition(c, _tile(traits, PARTITIONS[name][2]),
-                            traits.num_warps if PARTITIONS[name][3] else 1)
-            for name, c in in_trace(run).items()}
+    return in_trace(run)
+
+
+@lru_cache(maxsize=None)
+def partitions(traits: FwdTraits) -> dict:
+    """Every PARTITIONS entry for `traits` as a `Partition`."""
+    coords = capture_partitions(traits, {name: entry[:3] for name, entry in PARTITIONS.items()})
+    return {name: Partition(c, _tile(traits, PARTITIONS[name][2]), traits.num_warps if PARTITIONS[name][3] else 1)
+            for name, c in coords.items()}
 
 
 def coverage(part: Partition) -> dict:
@@ -475,8 +480,10 @@ def verify_traits(traits: FwdTraits) -> dict:
     return {"bijection": bijection, "banks": banks, "gmem": gmem, "coverage": cover, "page_runs": runs, "ok": ok}
 
 
-def report(traits: FwdTraits, arch: int) -> dict:
-    checks = verify_traits(traits)
+def report(traits, arch: int, checks: dict | None = None) -> dict:
+    """The row of `python -m layouts report`: `checks` (default: this module's verify_traits)
+    plus the smem budget of `arch`."""
+    checks = verify_traits(traits) if checks is None else checks
     fits = traits.fits(arch)
     return {"name": traits.name, "arch": arch, "smem_bytes": traits.smem_bytes,
             "smem_limit": SMEM_LIMIT[arch], "fits": fits, **checks, "ok": fits and checks["ok"]}

@@ -15,10 +15,9 @@ from functools import lru_cache
 
 import numpy as np
 
-from layouts import copy, mma, smem
-from layouts.traits import SMEM_LIMIT, BwdTraits
-from layouts.verify import (Partition, _partition_coords, _tile, bank_conflicts, gmem_access,
-                            in_trace, is_bijection, layout_table)
+from layouts import copy, mma, smem, verify
+from layouts.traits import BwdTraits
+from layouts.verify import Partition, _tile, bank_conflicts, gmem_access, is_bijection, layout_table
 
 SMEM_LAYOUTS = {
     "sQ": smem.smem_layout_q,                                   # also sdO
@@ -72,13 +71,9 @@ def _times(t: BwdTraits, which):
 
 @lru_cache(maxsize=None)
 def partitions(traits: BwdTraits) -> dict:
-    """Every PARTITIONS entry for `traits`, captured in one trace."""
-
-    def run():
-        return {name: _partition_coords(build(traits), method, _tile(traits, which))
-                for name, (build, method, which, _, _) in PARTITIONS.items()}
-
-    return {name: Partition(c, _tile(traits, PARTITIONS[name][2])) for name, c in in_trace(run).items()}
+    """Every PARTITIONS entry for `traits` as a `Partition`."""
+    coords = verify.capture_partitions(traits, {name: entry[:3] for name, entry in PARTITIONS.items()})
+    return {name: Partition(c, _tile(traits, PARTITIONS[name][2])) for name, c in coords.items()}
 
 
 def coverage(part: Partition, times: int) -> dict:
@@ -107,7 +102,4 @@ def verify_traits(traits: BwdTraits) -> dict:
 
 
 def report(traits: BwdTraits, arch: int) -> dict:
-    checks = verify_traits(traits)
-    fits = traits.fits(arch)
-    return {"name": traits.name, "arch": arch, "smem_bytes": traits.smem_bytes, "smem_limit": SMEM_LIMIT[arch],
-            "fits": fits, **checks, "ok": fits and checks["ok"]}
+    return verify.report(traits, arch, verify_traits(traits))

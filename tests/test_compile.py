@@ -18,8 +18,8 @@ from cute_flash.kernels.roundtrip import OPERANDS, TileRoundTrip  # noqa: E402
 from layouts.traits import SMEM_LIMIT, shipped_fwd_traits  # noqa: E402
 
 
-def _cases(full):
-    return [pytest.param(arch, c, id=f"sm{arch}-{c.name}") for arch in (80, 90) for c in fwd_variants(arch, full)]
+def _cases(variants, full):
+    return [pytest.param(arch, c, id=f"sm{arch}-{c.name}") for arch in (80, 90) for c in variants(arch, full)]
 
 
 def _assert_one_kernel_for(arch, ptx_dir):
@@ -31,21 +31,21 @@ def _assert_one_kernel_for(arch, ptx_dir):
     assert text.count(".entry ") == 1 and f".target {sm_name(arch)}" in text
 
 
-def _compile(arch, config, tmp_path):
+def _compile(compile_fn, arch, config, tmp_path):
     assert config.traits.smem_bytes <= SMEM_LIMIT[arch]
-    compile_fwd(config, arch, f"--keep-ptx --dump-dir={tmp_path}")
+    compile_fn(config, arch, f"--keep-ptx --dump-dir={tmp_path}")
     _assert_one_kernel_for(arch, tmp_path)
 
 
-@pytest.mark.parametrize("arch, config", _cases(full=False))
+@pytest.mark.parametrize("arch, config", _cases(fwd_variants, full=False))
 def test_fwd_variant_compiles(arch, config, tmp_path):
-    _compile(arch, config, tmp_path)
+    _compile(compile_fwd, arch, config, tmp_path)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch, config", _cases(full=True))
+@pytest.mark.parametrize("arch, config", _cases(fwd_variants, full=True))
 def test_fwd_variant_compiles_full_sweep(arch, config, tmp_path):
-    _compile(arch, config, tmp_path)
+    _compile(compile_fwd, arch, config, tmp_path)
 
 
 def test_subset_covers_every_traits_and_every_flag():
@@ -65,26 +65,15 @@ def test_subset_covers_every_traits_and_every_flag():
     assert any(c.kvcache and c.any_page_size and c.split for c in configs)
 
 
-def _bwd_cases(full):
-    return [pytest.param(arch, c, id=f"sm{arch}-{c.name}") for arch in (80, 90) for c in bwd_variants(arch, full)]
-
-
-def _compile_bwd(arch, config, tmp_path):
-    traits = getattr(config, "traits", None)
-    assert traits is None or traits.smem_bytes <= SMEM_LIMIT[arch]
-    compile_bwd(config, arch, f"--keep-ptx --dump-dir={tmp_path}")
-    _assert_one_kernel_for(arch, tmp_path)
-
-
-@pytest.mark.parametrize("arch, config", _bwd_cases(full=False))
+@pytest.mark.parametrize("arch, config", _cases(bwd_variants, full=False))
 def test_bwd_variant_compiles(arch, config, tmp_path):
-    _compile_bwd(arch, config, tmp_path)
+    _compile(compile_bwd, arch, config, tmp_path)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch, config", _bwd_cases(full=True))
+@pytest.mark.parametrize("arch, config", _cases(bwd_variants, full=True))
 def test_bwd_variant_compiles_full_sweep(arch, config, tmp_path):
-    _compile_bwd(arch, config, tmp_path)
+    _compile(compile_bwd, arch, config, tmp_path)
 
 
 def test_bwd_subset_covers_every_bucket_and_every_flag():
