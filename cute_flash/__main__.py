@@ -11,17 +11,18 @@ import sys
 import time
 
 
-def cmd_compile(archs, full):
+def cmd_compile(archs, full, workers=1):
     """Compile every variant the dispatcher can choose for `archs` into the compile cache (no
     GPU needed: a CPU machine can warm the cache for GPUs of the same arch), with each
-    variant's resources from ptxas; variants already cached are skipped."""
+    variant's resources from ptxas; variants already cached are skipped. `workers` > 1 compiles
+    in that many processes (the cache's file locks keep them apart)."""
     from tqdm import tqdm
 
     from cute_flash import compile_cache
     from cute_flash.kernels.append import compile_append
     from cute_flash.kernels.config import FLAG_LETTERS
     from cute_flash.launch.compiled import append_variants, bwd_variants, compile_bwd, compile_fwd, fwd_variants
-    from cute_flash.resources import compile_with_report, find_ptxas
+    from cute_flash.resources import find_ptxas
     from layouts.traits import SMEM_LIMIT, sm_name
 
     jobs = [(arch, config, compile_fwd) for arch in archs for config in fwd_variants(arch, full)]
@@ -30,42 +31,48 @@ def cmd_compile(archs, full):
     where = compile_cache.cache_root() / compile_cache.fingerprint() if compile_cache.enabled() else None
     print(f"compile-only (no GPU used): {len(jobs)} variants for {', '.join(sm_name(a) for a in archs)} "
           f"({'every traits x every flag combination' if full else 'the CI subset; --full for all'}), "
-          f"about 4 s each on one core when not cached; cache: {where or 'off (CUTE_FLASH_CACHE=0)'}", flush=True)
+          f"about 4 s each on one core when not cached, {workers} worker process(es); "
+          f"cache: {where or 'off (CUTE_FLASH_CACHE=0)'}", flush=True)
     print(f"ptxas for resource numbers: {find_ptxas() or 'not found (registers not reported)'}")
     print(f"{'arch':6} {'variant':34} {'smem':>7} {'regs':>5} {'spill':>6} {'s':>5}")
-    worst, compiled, cached, t_start = 0, 0, 0, time.time()
-    compile_cache.log.setLevel("WARNING")  # each compile is a table row here, not a log line too
-    with tqdm(jobs, unit="variant", dynamic_ncols=True) as bar:
-        for arch, config, compile_fn in bar:
-            name = getattr(config, "name")
-            bar.set_description(f"{sm_name(arch)} {name}")
-            if where is not None and compile_cache.entry_path((config, arch)).exists():
-                cached += 1
-                continue
-            report, t0 = {}, time.time()
-
-            def build(config=config, arch=arch, compile_fn=compile_fn):
-                result, rep = compile_with_report(lambda opts: compile_fn(config, arch, opts), arch)
-                report.update(rep)
-                return result
-
-            if where is None:
-                build()
-            else:
-                compile_cache.get_or_compile((config, arch), build)
-            compiled += 1
+    t_start = time.time()
+    pending = [(arch, config, fn) for arch, config, fn in jobs
+               if where is None or not compile_cache.entry_path((config, arch)).exists()]
+    worst = 0
+    with tqdm(total=len(pending), unit="variant", dynamic_ncols=True) as bar:
+        for (arch, config, _), (report, seconds) in _run_compiles(pending, where is not None, workers):
+            bar.set_description(f"{sm_name(arch)} {config.name}")
+            bar.update(1)
             spill = report.get("spill_stores", 0) + report.get("spill_loads", 0)
             worst = max(worst, spill)
-            smem = getattr(getattr(config, "traits", None), "smem_bytes", 0)
+            smem = getattr(config, "smem_bytes", 0)
             assert smem <= SMEM_LIMIT[arch]
-            bar.write(f"{sm_name(arch):6} {name:34} {smem or '-':>7} {report.get('registers', '-'):>5} "
-                      f"{spill if report else '-':>6} {time.time() - t0:5.1f}")
+            bar.write(f"{sm_name(arch):6} {config.name:34} {smem or '-':>7} {report.get('registers', '-'):>5} "
+                      f"{spill if report else '-':>6} {seconds:5.1f}")
     legend = ", ".join(f"{letter}={name}" for name, letter in FLAG_LETTERS.items())
     print(f"flags (FwdConfig fields in order): {legend}; append: P=paged B=batch_idx R=rotary "
           f"I=interleaved Q=per-row q angle")
-    print(f"compile: {compiled} compiled, {cached} already cached, {time.time() - t_start:.0f} s; "
-          f"largest spill {worst} bytes")
+    print(f"compile: {len(pending)} compiled, {len(jobs) - len(pending)} already cached, "
+          f"{time.time() - t_start:.0f} s; largest spill {worst} bytes")
     return 0
+
+
+def _run_compiles(pending, cached, workers):
+    """Yield (job, compile_variant's result) for each (arch, config, compile_fn) job, in this
+    process or, with workers > 1, in spawned processes as they finish."""
+    from cute_flash.resources import compile_variant
+
+    if workers <= 1:
+        for arch, config, compile_fn in pending:
+            yield (arch, config, compile_fn), compile_variant(arch, config, compile_fn, cached)
+        return
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {pool.submit(compile_variant, *job, cached): job for job in pending}
+        for future in as_completed(futures):
+            yield futures[future], future.result()
 
 
 def cmd_check():
@@ -288,6 +295,7 @@ def main(argv=None):
                    help="target archs (default: 80 90)")
     c.add_argument("--full", action="store_true",
                    help="every traits x every flag combination (thousands of variants: hours) instead of the CI subset")
+    c.add_argument("--jobs", type=int, default=1, help="compile in this many processes (default 1)")
     sub.add_parser("check", help="quick GPU correctness against cute_flash.reference")
     b = sub.add_parser("bench", help="TFLOP/s against torch SDPA FLASH and CUDNN (GPU)")
     b.add_argument("--quick", action="store_true")
@@ -298,7 +306,8 @@ def main(argv=None):
                         "forward + backward)")
     sub.add_parser("overhead", help="host cost of a cached call vs SDPA (GPU)")
     sub.add_parser("coldstart", help="first calls of a fresh process, empty vs warm compile cache (GPU)")
-    sub.add_parser("tune", help="TFLOP/s of each tile candidate per head dim (GPU)")
+    t = sub.add_parser("tune", help="TFLOP/s of each tile candidate per head dim (GPU)")
+    t.add_argument("--bwd", action="store_true", help="the backward's tile candidates instead of the forward's")
     sub.add_parser("traincheck", help="a 2-block transformer trained 200 steps with cute-flash and with SDPA: "
                                       "the two loss curves compared (GPU, about a minute)")
     m = sub.add_parser("memcheck", help="the GPU suite under compute-sanitizer memcheck (GPU); "
@@ -331,7 +340,7 @@ def main(argv=None):
 
         return layouts_main(["report", "--arch", "all"])
     if cmd == "compile":
-        cmd_compile(args.arch, args.full)
+        cmd_compile(args.arch, args.full, args.jobs)
     elif cmd == "check":
         return int(cmd_check() > 0)
     elif cmd == "bench":
@@ -349,9 +358,9 @@ def main(argv=None):
 
         traincheck()
     elif cmd == "tune":
-        from cute_flash.bench import tune
+        from cute_flash.bench import tune, tune_bwd
 
-        tune()
+        tune_bwd() if args.bwd else tune()
     return 0
 
 

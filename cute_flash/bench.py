@@ -478,6 +478,51 @@ def tune(seqlens=(1024, 4096, 16384)):
     return rows
 
 
+BWD_TUNE_CANDIDATES = {  # (block_m, block_n, (atom_m_sdp, atom_n_dkv, atom_m_dq)), 8 warps
+    64: [(128, 128, (2, 4, 4)), (128, 128, (4, 4, 4)), (64, 128, (2, 4, 2)), (64, 128, (2, 4, 4)),
+         (128, 64, (4, 2, 4))],
+    128: [(64, 128, (2, 4, 2)), (64, 128, (2, 4, 4)), (64, 128, (2, 2, 2)), (64, 64, (2, 2, 2)),
+          (128, 64, (4, 2, 4))],
+}
+
+
+def tune_bwd(seqlens=(512, 2048, 8192)):
+    """Backward-alone TFLOP/s (2.5x the forward's FLOPs) of each backward tile candidate, with
+    Q / dO double-buffered where shared memory allows, and on sm_90 with the dQ adds as atomics
+    and as bulk reduces where the staging tile fits: `python -m cute_flash tune --bwd`."""
+    import torch
+
+    from cute_flash.kernels.config import BwdConfig
+    from cute_flash.launch.backward import flash_bwd
+    from cute_flash.launch.dense import flash_fwd
+    from layouts.traits import SMEM_LIMIT, BwdTraits
+
+    arch = torch.cuda.get_device_capability()[0] * 10
+    rows = []
+    for d, cands in BWD_TUNE_CANDIDATES.items():
+        for causal in (False, True):
+            for s in seqlens:
+                b, h = max(1, TOKENS // s), HIDDEN // d
+                q, k, v, dout = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+                out, lse = flash_fwd(q, k, v, softmax_scale=d ** -0.5, causal=causal)[:2]
+                flops = 2.5 * 4 * b * h * d * visible_pairs(s, s, causal)
+                for m, n, atoms in cands:
+                    t = BwdTraits(d, m, n, 8, *atoms, q_stages=2)
+                    if not t.fits(min(arch, 90)):
+                        t = BwdTraits(d, m, n, 8, *atoms, q_stages=1)
+                    for bulk in ((False, True) if arch >= 90 else (False,)):
+                        if BwdConfig(t, dq_vec=4, dq_bulk=bulk).smem_bytes > SMEM_LIMIT[min(arch, 90)]:
+                            continue
+                        variant = dict(traits=t, dq_bulk=bulk)
+                        ms = _time_ms(lambda: flash_bwd(dout, q, k, v, out, lse, softmax_scale=d ** -0.5,
+                                                        causal=causal, variant=variant))
+                        rows.append(dict(d=d, causal=causal, seqlen=s, traits=t.name, dq_bulk=bulk,
+                                         tflops=flops / ms / 1e9))
+                        print(f"d{d} causal={causal!s:5} s{s:6} {t.name:40} bulk={bulk!s:5} "
+                              f"{rows[-1]['tflops']:6.0f}", flush=True)
+    return rows
+
+
 def format_grid(rows) -> str:
     out = ["| d | causal | seqlen | batch x heads | ours | FLASH | CUDNN | ours/FLASH |",
            "|---|---|---|---|---|---|---|---|"]

@@ -12,6 +12,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+import time
 
 from layouts.traits import sm_name
 
@@ -50,3 +51,23 @@ def compile_with_report(compile_fn, arch: int) -> tuple[object, dict]:
         ptx = glob.glob(os.path.join(tmp, "*.ptx"))
         report = ptxas_report(ptx[0], arch) if ptx else {}
     return compiled, report
+
+
+def compile_variant(arch: int, config, compile_fn, cached: bool) -> tuple[dict, float]:
+    """Compile one variant, into the compile cache when `cached`: its ptxas numbers and seconds.
+    What `python -m cute_flash compile` runs per variant (in a worker process with --jobs)."""
+    from cute_flash import compile_cache
+
+    compile_cache.log.setLevel("WARNING")  # the caller prints a row per variant
+    report, t0 = {}, time.time()
+
+    def build():
+        result, numbers = compile_with_report(lambda opts: compile_fn(config, arch, opts), arch)
+        report.update(numbers)
+        return result
+
+    if cached:
+        compile_cache.get_or_compile((config, arch), build)
+    else:
+        build()
+    return report, time.time() - t0

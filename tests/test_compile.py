@@ -32,7 +32,7 @@ def _assert_one_kernel_for(arch, ptx_dir):
 
 
 def _compile(compile_fn, arch, config, tmp_path):
-    assert config.traits.smem_bytes <= SMEM_LIMIT[arch]
+    assert config.smem_bytes <= SMEM_LIMIT[arch]
     compile_fn(config, arch, f"--keep-ptx --dump-dir={tmp_path}")
     _assert_one_kernel_for(arch, tmp_path)
 

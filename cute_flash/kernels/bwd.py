@@ -11,8 +11,8 @@ blocks that see any of its keys, recomputing the probabilities from the forward'
         dS = P * (dP - D)                           (D = rowsum(dO * O), `bwd_preprocess.py`)
         P, dS -> smem; barrier
         dV += P^T dO                                (dK / dV warp grid, ldmatrix.trans operands)
-        dQ  = dS K -> fp32 atomics into dQaccum     (dQ warp grid; coalesced: dq_accum.py)
-        dK += dS^T Q                                (under the atomics' latency)
+        dQ  = dS K -> added into dQaccum            (dQ warp grid; coalesced: dq_accum.py)
+        dK += dS^T Q                                (under the adds' latency)
     dK *= softmax scale; dK, dV -> smem -> 128-bit stores
 
 The scale of dS (the softmax scale, times the tanh derivative with softcap) is applied to dK
@@ -21,6 +21,11 @@ rows and the host sums a group's heads. `deterministic`: the grid's x holds a fi
 CTAs, each walking key blocks x, x + grid_x, ... and adding dQ into its own dQaccum slice; only
 that CTA writes the slice, in program order, and the host sums the slices in a fixed order, so
 gradients are bitwise repeatable. Otherwise every key block is a CTA and dQaccum has one slice.
+
+dQ's adds: fp32 atomics (`red`, 4 floats wide on sm_90), or with `dq_bulk` (sm_90) each warp
+stages its share of the tile in shared memory and issues one `cp.reduce.async.bulk` of it: the
+TMA unit does the adds and the warp goes on to the dK GEMM. The staging run of a warp is
+rewritten one query block later, after the warp has waited for the bulk read of it.
 """
 from __future__ import annotations
 
@@ -29,7 +34,7 @@ from dataclasses import dataclass
 import cutlass
 import cutlass.cute as cute
 
-from cute_flash.kernels.block_range import QueryBlocks, Window
+from cute_flash.kernels.block_range import BlockRange, QueryBlocks, Window
 from cute_flash.kernels.config import BwdConfig
 from cute_flash.kernels.constants import LOG2E
 from cute_flash.kernels.dq_accum import chunk_index, first_tile, tiles_of
@@ -109,6 +114,7 @@ class BwdSmem:
     sV: cute.Tensor    # (bn, d)
     sP: cute.Tensor    # (bm, bn)
     sdS: cute.Tensor   # (bm, bn)
+    sdQaccum: object   # (bm * d,) fp32, a warp's run per warp in dQaccum's order (dq_bulk), else None
 
 
 @dataclass(frozen=True)
@@ -165,20 +171,24 @@ class FlashBwd:
         sKV_layout = lsmem.smem_layout_kv(t)
         sPdS_layout = lsmem.smem_layout_pds(t)
 
-        @cute.struct
-        class SharedStorage:
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout) * t.q_stages], 1024]
-            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout) * t.q_stages], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
-            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sPdS_layout)], 1024]
-            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sPdS_layout)], 1024]
-
+        SharedStorage = self.shared_storage(sQ_layout, sKV_layout, sPdS_layout)
         recipe = BwdRecipe(sQ_layout, sKV_layout, sPdS_layout, lcopy.gmem_tiled_copy_qkv(t), lcopy.gmem_tiled_copy_o(t),
                            lmma.tiled_mma_grid(t, t.atom_m_sdp), lmma.tiled_mma_grid(t, t.atom_n_dkv),
                            lmma.tiled_mma_grid(t, t.atom_m_dq))
         self.kernel(args, scalars, recipe, SharedStorage).launch(
             grid=grid, block=[t.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)
+
+    def shared_storage(self, sQ_layout, sKV_layout, sPdS_layout):
+        """The kernel's shared-memory struct (plain Python, run while tracing): the fp32 dQ
+        staging tile exists only with dq_bulk."""
+        t, dtype = self.t, self.dtype
+        tiles = {"sQ": (dtype, cute.cosize(sQ_layout) * t.q_stages), "sdO": (dtype, cute.cosize(sQ_layout) * t.q_stages),
+                 "sK": (dtype, cute.cosize(sKV_layout)), "sV": (dtype, cute.cosize(sKV_layout)),
+                 "sP": (dtype, cute.cosize(sPdS_layout)), "sdS": (dtype, cute.cosize(sPdS_layout))}
+        if self.config.dq_bulk:
+            tiles["sdQaccum"] = (cutlass.Float32, t.block_m * t.head_dim)
+        fields = {name: cute.struct.Align[cute.struct.MemRange[ty, n], 1024] for name, (ty, n) in tiles.items()}
+        return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
     @cute.kernel
     def kernel(self, args: BwdTensors, scalars: BwdScalars, recipe: BwdRecipe, SharedStorage: cutlass.Constexpr):
@@ -187,9 +197,13 @@ class FlashBwd:
         grid_x, _, _ = cute.arch.grid_dim()
         seq, views = self.sequence(args, x if cutlass.const_expr(cfg.deterministic) else 0, bidb, bidh)
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
+        sdQaccum = None
+        if cutlass.const_expr(cfg.dq_bulk):
+            sdQaccum = storage.sdQaccum.get_tensor(cute.make_layout(t.block_m * t.head_dim))
         smem = BwdSmem(storage.sQ.get_tensor(recipe.sQ_layout), storage.sdO.get_tensor(recipe.sQ_layout),
                        storage.sK.get_tensor(recipe.sKV_layout), storage.sV.get_tensor(recipe.sKV_layout),
-                       storage.sP.get_tensor(recipe.sPdS_layout), storage.sdS.get_tensor(recipe.sPdS_layout))
+                       storage.sP.get_tensor(recipe.sPdS_layout), storage.sdS.get_tensor(recipe.sPdS_layout),
+                       sdQaccum)
         window = Window(scalars.window_left, scalars.window_right, cfg.has_left, cfg.has_right)
         slope = cutlass.Float32(0.0)
         if cutlass.const_expr(cfg.has_alibi):
@@ -199,6 +213,9 @@ class FlashBwd:
                          cfg.has_alibi, (t.block_m, t.block_n))
         for n_block in cutlass.range(x, cute.ceil_div(seq.seqlen_k, t.block_n), grid_x, unroll=1):
             self.key_block(n_block, seq, views, scalars, recipe, smem, mods, window)
+        if cutlass.const_expr(cfg.dq_bulk):
+            if cute.arch.lane_idx() == 0:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)  # shared memory outlives the bulk reads
 
     @cute.jit
     def sequence(self, args: BwdTensors, slot, bidb, bidh):
@@ -343,10 +360,11 @@ class FlashBwd:
                 dtanh[i] = 1.0 - th * th
         # Only tiles crossing the sequence end or a window edge run the mask (dynamic test)
         acc_s_mn = lmma.acc_mn_view(acc_s)
-        if kb.mods.mask.crosses(m_block, kb.n_block, bm, bn):
-            kb.mods.apply(mma_sdp, acc_s, m_block, kb.n_block, True)
-        else:
+        lo, hi = BlockRange.unmasked(seq, m_block, bm, bn, kb.mods.mask.window)
+        if lo <= kb.n_block and kb.n_block < hi:
             kb.mods.apply(mma_sdp, acc_s, m_block, kb.n_block, False)
+        else:
+            kb.mods.apply(mma_sdp, acc_s, m_block, kb.n_block, True)
         acc_dp_mn = lmma.acc_mn_view(acc_dp)
         for r in cutlass.range_constexpr(rows):
             for c in cutlass.range_constexpr(cute.size(acc_s_mn.shape[1])):
@@ -379,20 +397,48 @@ class FlashBwd:
         acc_dq.fill(0.0)
         SmemGemm.make(mma_dq, lcopy.smem_tiled_copy_a(t, mma_dq, False), smem.sdS,
                       lcopy.smem_tiled_copy_b(t, mma_dq, True), lsmem.transposed_view(smem.sK), tidx).run(acc_dq)
-        chunk = views.mdQ_tiles[m_block, None]  # (bm * d,) fp32 in thread order: coalesced adds
-        vec = cfg.dq_vec
-        for j in cutlass.range(cute.size(acc_dq) // vec, unroll_full=True):
-            where = chunk.iterator + chunk_index(j * vec, tidx, t.num_threads, vec)
-            if cutlass.const_expr(vec == 1):
-                cute.arch.red(where, acc_dq[j], op="add", dtype="f32", sem="relaxed", scope="gpu")
-            else:
-                pack = cute.make_rmem_tensor((vec,), cutlass.Float32)
-                for u in cutlass.range_constexpr(vec):
-                    pack[u] = acc_dq[j * vec + u]
-                cute.arch.red(where, pack.load(), op="add", dtype="f32", sem="relaxed", scope="gpu")
+        chunk = views.mdQ_tiles[m_block, None]  # (bm * d,) fp32 in warp order: coalesced adds
+        if cutlass.const_expr(cfg.dq_bulk):
+            self.add_dq_bulk(acc_dq, chunk, smem.sdQaccum)
+        else:
+            vec = cfg.dq_vec
+            per_thread = cute.size(acc_dq)
+            for j in cutlass.range(per_thread // vec, unroll_full=True):
+                where = chunk.iterator + chunk_index(j * vec, tidx, per_thread, vec)
+                if cutlass.const_expr(vec == 1):
+                    cute.arch.red(where, acc_dq[j], op="add", dtype="f32", sem="relaxed", scope="gpu")
+                else:
+                    pack = cute.make_rmem_tensor((vec,), cutlass.Float32)
+                    for u in cutlass.range_constexpr(vec):
+                        pack[u] = acc_dq[j * vec + u]
+                    cute.arch.red(where, pack.load(), op="add", dtype="f32", sem="relaxed", scope="gpu")
 
         SmemGemm.make(mma_dkv, copy_at, lsmem.transposed_view(smem.sdS), copy_bt, lsmem.transposed_view(sQ),
                       tidx).run(kb.acc_dk)
+
+    @cute.jit
+    def add_dq_bulk(self, acc_dq: cute.Tensor, chunk: cute.Tensor, sdQaccum: cute.Tensor):
+        """This warp's dQ values -> its run of sdQaccum (16-byte stores, a warp's store covering
+        512 consecutive bytes) -> one bulk reduce-add of the run into the same run of `chunk`,
+        issued by lane 0 (dQaccum's warp order, dq_accum.py)."""
+        per_thread = cute.size(acc_dq)
+        run = per_thread * 32  # floats
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = cute.arch.lane_idx()
+        if lane == 0:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)  # the last bulk add has read this run
+        cute.arch.sync_warp()
+        mine = cute.make_tensor(sdQaccum.iterator + cute.assume(warp * run + lane * 4, divby=4),
+                                cute.make_layout((4, per_thread // 4), stride=(1, 128)))  # (vec, adds)
+        cute.autovec_copy(cute.make_tensor(acc_dq.iterator, cute.make_layout((4, per_thread // 4))), mine)
+        cute.arch.fence_proxy("async.shared", space="cta")  # the stores, visible to the bulk copy
+        cute.arch.sync_warp()
+        if lane == 0:
+            src = sdQaccum.iterator + cute.assume(warp * run, divby=run)
+            dst = chunk.iterator + cute.assume(warp * run, divby=run)
+            cute.arch.inline_ptx("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [{$r0}], [{$r1}], {$r2};",
+                                 read_only_args=[dst.toint(), src.toint(), cutlass.Int32(run * 4)])
+            cute.arch.cp_async_bulk_commit_group()
 
     @cute.jit
     def store_dkv(self, kb: KeyBlock, rows_k, views: BwdViews, scalars: BwdScalars, recipe: BwdRecipe,

@@ -3,7 +3,9 @@ one value per query row and head, read by every key-block CTA of the main kernel
 
 A CTA takes kBlockM rows of one (batch, head); the forward's O-store thread layout reads them
 with 128-bit loads, each row spread over `gmem_threads_per_row` adjacent lanes, whose partial
-sums a butterfly shuffle completes.
+sums a butterfly shuffle completes. A thread loads and reduces one 16-byte chunk of O and dO at
+a time: holding its whole share of the tile first spilled from d 128 up (ptxas: 64 + 32 bytes
+at d 128, 5068 + 3128 at d 256, which also fell to 32 registers and a 2.9 KB stack).
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import cutlass
 import cutlass.cute as cute
 
 from cute_flash.kernels.seq_info import head_rows, query_rows
-from cute_flash.kernels.tile_copy import column_predicate, copy_tile
+from cute_flash.kernels.tile_copy import column_predicate
 from layouts import copy as lcopy
 from layouts.traits import FwdTraits, element_type
 
@@ -34,6 +36,8 @@ class PreprocessConfig:
     @property
     def entry(self) -> str:
         return "varlen" if self.varlen else "dense"
+
+    smem_bytes = 0  # registers only
 
     @property
     def name(self) -> str:
@@ -76,18 +80,21 @@ class DotDoO:
             thr_copy = tiled_copy.get_slice(tidx)
             tOcO = thr_copy.partition_S(cute.make_identity_tensor((bm, d)))  # (CPY, CPY_M, CPY_K) coordinates
             kpred = column_predicate(tOcO, head_dim)
-            frags = []
-            for src in (mO_s, mdO_s):
-                tXgX = thr_copy.partition_S(cute.local_tile(src, (bm, d), (m_block, 0)))  # (CPY, CPY_M, CPY_K)
-                tXrX = cute.make_fragment_like(tXgX, self.dtype)
-                copy_tile(tiled_copy, tXgX, tXrX, tOcO, kpred, rows_q, True, self.config.even_k, True)
-                frags.append(tXrX)
-            rO, rdO = frags
-            for m in cutlass.range_constexpr(cute.size(rO, mode=[1])):
-                prod = rO[None, m, None].load().to(cutlass.Float32) * rdO[None, m, None].load().to(cutlass.Float32)
-                dot = prod.reduce(cute.ReductionOp.ADD, cutlass.Float32.zero, 0)
+            tOgO = thr_copy.partition_S(cute.local_tile(mO_s, (bm, d), (m_block, 0)))    # (CPY, CPY_M, CPY_K)
+            tOgdO = thr_copy.partition_S(cute.local_tile(mdO_s, (bm, d), (m_block, 0)))  # (CPY, CPY_M, CPY_K)
+            for m in cutlass.range_constexpr(cute.size(tOgO, mode=[1])):
+                row = tOcO[0, m, 0][0]
+                dot = cutlass.Float32(0.0)
+                if row < rows_q:
+                    for k in cutlass.range_constexpr(cute.size(tOgO, mode=[2])):
+                        if cutlass.const_expr(self.config.even_k) or kpred[k]:
+                            rO = cute.make_fragment_like(tOgO[None, m, k], self.dtype)  # (CPY,)
+                            rdO = cute.make_fragment_like(rO, self.dtype)
+                            cute.copy(tiled_copy, tOgO[None, m, k], rO)
+                            cute.copy(tiled_copy, tOgdO[None, m, k], rdO)
+                            prod = rO.load().to(cutlass.Float32) * rdO.load().to(cutlass.Float32)
+                            dot = dot + prod.reduce(cute.ReductionOp.ADD, cutlass.Float32.zero, 0)
                 for s in cutlass.range_constexpr(t.gmem_threads_per_row.bit_length() - 1):  # the row's lanes
                     dot = dot + cute.arch.shuffle_sync_bfly(dot, offset=t.gmem_threads_per_row >> (s + 1))
-                row = tOcO[0, m, 0][0]
                 if tOcO[0, m, 0][1] == 0 and row < rows_q:
                     mD_s[m_block * bm + row] = dot

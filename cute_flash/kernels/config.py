@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from layouts.traits import BwdTraits, FwdTraits
+from layouts.traits import SMEM_LIMIT, BwdTraits, FwdTraits
 
 
 @dataclass(frozen=True)
@@ -77,6 +77,10 @@ class FwdConfig:
         share a page (KV-cache kernels share page ids across a warp instead; kv_tiles.py)."""
         return self.paged and not self.kvcache and not self.any_page_size
 
+    @property
+    def smem_bytes(self) -> int:
+        return self.traits.smem_bytes
+
     def flags(self) -> dict:
         """The feature flags that are on, by name."""
         return {f.name: True for f in fields(self) if f.name != "traits" and getattr(self, f.name)}
@@ -105,12 +109,22 @@ class BwdConfig:
     has_seqused_k: bool = False
     deterministic: bool = False   # dQ summed per key-block split in a fixed order, no cross-CTA atomics
     dq_vec: int = 1               # floats per dQ atomic add: 4 on sm_90 (red.global.add.v4.f32), 1 before
+    dq_bulk: bool = False         # dQ staged in smem, added by one bulk reduce per warp (sm_90; `dq_reduction`)
 
     def __post_init__(self):
         if self.has_seqused_k and not self.varlen:
             raise ValueError("has_seqused_k belongs to the varlen entry")
         if self.dq_vec not in (1, 4):
             raise ValueError("dq_vec is 1 or 4")
+        if self.dq_bulk and (self.dq_vec != 4 or self.deterministic):
+            raise ValueError("dq_bulk needs dq_vec 4 (its layout) and no deterministic mode (bulk adds of one "
+                             "CTA to one address are not ordered)")
+
+    @property
+    def smem_bytes(self) -> int:
+        """The traits' tiles, plus the fp32 dQ staging tile with dq_bulk."""
+        t = self.traits
+        return t.smem_bytes + (DQ_STAGE_BYTES * t.block_m * t.head_dim if self.dq_bulk else 0)
 
     @property
     def entry(self) -> str:
@@ -120,16 +134,32 @@ class BwdConfig:
     q_head_axis = FwdConfig.q_head_axis
 
     def flags(self) -> dict:
-        return {f.name: True for f in fields(self) if f.name not in ("traits", "dq_vec") and getattr(self, f.name)}
+        return {f.name: True for f in fields(self) if f.name not in DQ_FIELDS and getattr(self, f.name)}
 
     @property
     def letters(self) -> str:
         return "".join(FLAG_LETTERS[f.name] if getattr(self, f.name) else "."
-                       for f in fields(self) if f.name not in ("traits", "dq_vec"))
+                       for f in fields(self) if f.name not in DQ_FIELDS)
 
     @property
     def name(self) -> str:
-        return f"{self.traits.name}-{self.letters}-v{self.dq_vec}"
+        return f"{self.traits.name}-{self.letters}-v{self.dq_vec}{'b' if self.dq_bulk else ''}"
+
+
+DQ_FIELDS = ("traits", "dq_vec", "dq_bulk")
+DQ_STAGE_BYTES = 4  # fp32
+
+
+def dq_reduction(traits: BwdTraits, arch: int, deterministic: bool = False) -> dict:
+    """How the backward adds dQ into dQaccum on `arch` (BwdConfig's dq_vec and dq_bulk): one
+    float per atomic before sm_90; on sm_90 four (`red.global.add.v4.f32`), and where shared
+    memory holds an fp32 (block_m, head_dim) staging tile besides the traits' tiles and the run
+    is not deterministic, one `cp.reduce.async.bulk` per warp instead, which hands the adds to
+    the TMA unit while the warp goes on with the dK GEMM."""
+    if arch < 90:
+        return dict(dq_vec=1, dq_bulk=False)
+    staging = DQ_STAGE_BYTES * traits.block_m * traits.head_dim
+    return dict(dq_vec=4, dq_bulk=not deterministic and traits.smem_bytes + staging <= SMEM_LIMIT[arch])
 
 
 FLAG_LETTERS = dict(has_left="L", has_right="R", has_alibi="A", has_softcap="S", even_k="K", varlen="V",

@@ -1,19 +1,21 @@
 """Where the backward accumulates dQ in fp32, and its conversion to the input dtype.
 
-dQaccum holds one chunk of kBlockM * kHeadDim floats per (query tile, head, batch), in
-*thread order*: with `vec` floats per atomic add, value i of thread t of the dQ GEMM's
-accumulator sits at ((i // vec) * num_threads + t) * vec + i % vec. So the j-th atomic add of
-all threads of a CTA hits num_threads * vec consecutive floats, and each warp's add covers whole
-128-byte lines (in (row, col) order a warp's add touches 8 rows, half of a 32-byte sector
-each). vec is 4 on sm_90 (`red.global.add.v4.f32`), 1 before (no vector float reductions).
-Measured on the H200 (bf16 backward alone, `bench --sections bwd`): (row, col) order gave a
-geometric mean of 0.72x SDPA FLASH over the grid, thread order with vec 1 gave 0.98x.
+dQaccum holds one chunk of kBlockM * kHeadDim floats per (query tile, head, batch), in *warp
+order*: each warp of the dQ GEMM owns a contiguous run of the chunk, and within it, with `vec`
+floats per atomic add, value i of lane l sits at (i // vec) * 32 * vec + l * vec + i % vec. So
+the j-th atomic add of a warp covers 32 * vec consecutive floats: whole 128-byte lines (in
+(row, col) order a warp's add touches 8 rows, half of a 32-byte sector each). vec is 4 on sm_90
+(`red.global.add.v4.f32`), 1 before (no vector float reductions). A warp's run being contiguous
+lets sm_90 replace its atomics by one `cp.reduce.async.bulk` of the run staged in shared
+memory (BwdConfig.dq_bulk). Measured on the H200 (bf16 backward alone, `bench --sections bwd`):
+(row, col) order gave a geometric mean of 0.72x SDPA FLASH over the grid, thread order with
+vec 1 gave 0.98x.
 
 The order means nothing outside the kernels: `DQConvert` reads each chunk back in the same
-thread order (coalesced too), recovers each value's (row, col) from the same MMA partition,
-sums the deterministic slices in a fixed order, scales, and writes dQ through shared memory
-with 128-bit stores. flash-attn 2's seq-parallel
-backward pairs its atomics with a permuted copy partition the same way.
+order (coalesced too), recovers each value's (row, col) from the same MMA partition, sums the
+deterministic slices in a fixed order, scales, and writes dQ through shared memory with 128-bit
+stores. flash-attn 2's seq-parallel backward pairs its atomics with a permuted copy partition
+the same way.
 
 Packed batches: sequence b's tiles start at tile cu_seqlens_q[b] // kBlockM + b, which keeps
 every sequence's tiles apart (a tile never holds rows of two sequences); the buffer has
@@ -31,7 +33,7 @@ from cute_flash.kernels.tile_copy import column_predicate, copy_tile
 from layouts import copy as lcopy
 from layouts import mma as lmma
 from layouts import smem as lsmem
-from layouts.traits import BwdTraits, element_type
+from layouts.traits import ELEMENT_BYTES, BwdTraits, element_type
 
 
 def first_tile(seq: SeqInfo, bidb, block_m: cutlass.Constexpr):
@@ -42,9 +44,9 @@ def first_tile(seq: SeqInfo, bidb, block_m: cutlass.Constexpr):
     return seq.sum_s_q // block_m + bidb
 
 
-def chunk_index(i, tidx, num_threads: cutlass.Constexpr, vec: cutlass.Constexpr):
-    """Where value i of thread tidx lives in a chunk."""
-    return ((i // vec) * num_threads + tidx) * vec + i % vec
+def chunk_index(i, tidx, per_thread: cutlass.Constexpr, vec: cutlass.Constexpr):
+    """Where value i (of `per_thread`) of thread tidx lives in a chunk (plain ints work too)."""
+    return ((tidx // 32) * per_thread + (i // vec) * vec) * 32 + (tidx % 32) * vec + i % vec
 
 
 def tiles_of(mdQaccum: cute.Tensor, slot, bidb, bidh, varlen: cutlass.Constexpr):
@@ -66,6 +68,11 @@ class DQConvertConfig:
     @property
     def entry(self) -> str:
         return "varlen" if self.varlen else "dense"
+
+    @property
+    def smem_bytes(self) -> int:
+        """The dQ tile in the input dtype, staged for 128-bit stores."""
+        return ELEMENT_BYTES * self.traits.block_m * self.traits.head_dim
 
     @property
     def name(self) -> str:
@@ -126,7 +133,7 @@ class DQConvert:
             for s in cutlass.range(mdQaccum.shape[0], unroll=1):  # slices in a fixed order
                 chunk = tiles_of(mdQaccum, s, bidb, bidh, varlen)[tile, None]  # (block_m * kHeadDim,)
                 for i in cutlass.range(cute.size(acc_dq), unroll_full=True):
-                    acc_dq[i] = acc_dq[i] + chunk[chunk_index(i, tidx, t.num_threads, self.config.dq_vec)]
+                    acc_dq[i] = acc_dq[i] + chunk[chunk_index(i, tidx, cute.size(acc_dq), self.config.dq_vec)]
             rdQ = cute.make_fragment_like(acc_dq, self.dtype)  # (MMA, MMA_M, MMA_D)
             rdQ.store((acc_dq.load() * scale).to(self.dtype))
             storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)

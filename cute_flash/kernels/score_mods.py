@@ -52,19 +52,6 @@ class Mask:
                         acc_s_mn[r, c] = -cutlass.Float32.inf
 
 
-    @cute.jit
-    def crosses(self, m_block, n_block, block_m: cutlass.Constexpr, block_n: cutlass.Constexpr):
-        """Does tile (m_block, n_block) hold an invisible score: a key past seqlen_k, or a
-        window edge (causal included) through the tile."""
-        shift = self.seqlen_k - self.seqlen_q
-        cross = (n_block + 1) * block_n > self.seqlen_k
-        if cutlass.const_expr(self.window.has_right):
-            cross = cross or (n_block + 1) * block_n - 1 > m_block * block_m + shift + self.window.right
-        if cutlass.const_expr(self.window.has_left):
-            cross = cross or n_block * block_n < (m_block + 1) * block_m - 1 + shift - self.window.left
-        return cross
-
-
 @cute.jit
 def apply_alibi(acc_s_mn: cute.Tensor, tScS_mn: cute.Tensor, row0, col0, shift, slope):
     """Add -slope * |i + sk - sq - j|; `slope` is pre-divided by the softmax multiplier, so the

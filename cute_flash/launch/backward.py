@@ -7,10 +7,12 @@ layout is `kernels/dq_accum.py`'s), D, and with GQA per-query-head dK/dV before 
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from cute_flash.kernels.bwd_preprocess import PreprocessConfig
-from cute_flash.kernels.config import BwdConfig
+from cute_flash.kernels.config import BwdConfig, dq_reduction
 from cute_flash.kernels.dq_accum import DQConvertConfig
 from cute_flash.launch import compiled
 from cute_flash.launch.align import aligned
@@ -24,7 +26,7 @@ def _config(d_pad, dtype, index, left, right, alibi_slopes, softcap, varlen, seq
     return BwdConfig(traits, has_left=left >= 0, has_right=right >= 0, has_alibi=alibi_slopes is not None,
                      has_softcap=softcap > 0, even_k=d_pad == traits.head_dim, varlen=varlen,
                      has_seqused_k=seqused_k is not None, deterministic=deterministic,
-                     dq_vec=4 if arch >= 90 else 1)
+                     **dq_reduction(traits, arch, deterministic))
 
 
 def _grid_x(config: BwdConfig, max_seqlen_k, batch, nheads, index):
@@ -62,10 +64,11 @@ def _zeros(q, k, v, dot_shape, grads):
 
 
 def flash_bwd(dout, q, k, v, out, lse, *, softmax_scale, causal=False, window_size=(-1, -1), softcap=0.0,
-              alibi_slopes=None, deterministic=False, dq=None, dk=None, dv=None):
+              alibi_slopes=None, deterministic=False, dq=None, dk=None, dv=None, variant=None):
     """Gradients of the dense forward: q/dout/out (b, sq, h, d), k/v (b, sk, hk, d), lse
     (b, h, sq) from the forward; returns (dq, dk, dv, softmax_d), the gradients written into
-    dq/dk/dv when given; softmax_d (b, h, sq) fp32 is D = rowsum(dO * O)."""
+    dq/dk/dv when given; softmax_d (b, h, sq) fp32 is D = rowsum(dO * O). `variant`: BwdConfig
+    fields replacing the dispatcher's choice (traits, dq_bulk: `python -m cute_flash tune --bwd`)."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     if b == 0 or sq == 0 or sk == 0:
@@ -75,6 +78,7 @@ def flash_bwd(dout, q, k, v, out, lse, *, softmax_scale, causal=False, window_si
     index = device_index(q.device)
     left, right = window_edges(causal, window_size)
     config = _config(d_pad, q.dtype, index, left, right, alibi_slopes, softcap, False, None, deterministic)
+    config = replace(config, **(variant or {}))
     dot = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
     compiled.bwd_kernel_for(PreprocessConfig(config.traits.head_dim, config.traits.dtype, config.even_k),
                             index)(out, dout, dot)

@@ -18,7 +18,7 @@ import torch
 from cute_flash.compile_cache import get_or_compile
 from cute_flash.kernels.bwd import FlashBwd
 from cute_flash.kernels.bwd_preprocess import DotDoO, PreprocessConfig
-from cute_flash.kernels.config import CACHE_FLAGS, SCORE_FLAGS, BwdConfig, FwdConfig
+from cute_flash.kernels.config import CACHE_FLAGS, SCORE_FLAGS, BwdConfig, FwdConfig, dq_reduction
 from cute_flash.kernels.dq_accum import DQConvert, DQConvertConfig
 from cute_flash.kernels.fake import compile_tvm_ffi, fake_stream, fake_tensor
 from cute_flash.kernels.fwd import FlashFwd
@@ -232,24 +232,26 @@ def bwd_variants(arch: int, full: bool = False) -> list:
     """
     combos = [dict(zip(BWD_FLAGS, bits)) for bits in itertools.product((False, True), repeat=len(BWD_FLAGS))]
     traits = [choose_bwd_traits(d, dt, arch) for d in HEAD_DIM_BUCKETS for dt in DTYPES]
+    vec = dq_reduction(traits[0], arch)["dq_vec"]
+
+    def config(t, **flags):  # the launcher's dQ reduction for these traits and flags on `arch`
+        return BwdConfig(t, **flags, **dq_reduction(t, arch, flags.get("deterministic", False)))
+
     if full:
-        vec = 4 if arch >= 90 else 1
-        forms = [dict(dq_vec=vec), dict(varlen=True, dq_vec=vec), dict(varlen=True, has_seqused_k=True, dq_vec=vec)]
+        forms = [dict(), dict(varlen=True), dict(varlen=True, has_seqused_k=True)]
         pre = [PreprocessConfig(d, dt, e, vl) for d in HEAD_DIM_BUCKETS for dt in DTYPES for e in (False, True)
                for vl in (False, True)]
         convert = [DQConvertConfig(t, e, vl, vec) for t in traits for e in (False, True) for vl in (False, True)]
-        return [BwdConfig(t, **f, **form) for t in traits for f in combos for form in forms] + pre + convert
+        return [config(t, **f, **form) for t in traits for f in combos for form in forms] + pre + convert
     dtype = "bf16" if arch >= 90 else "fp16"
     causal = dict(has_right=True)
-    vec = 4 if arch >= 90 else 1  # the launcher's choice per arch
-    subset = [BwdConfig(t, dq_vec=vec, **causal) for t in traits if t.dtype == dtype]
+    subset = [config(t, **causal) for t in traits if t.dtype == dtype]
     pivot = choose_bwd_traits(128, dtype, arch)
     plain = {name: name == "even_k" for name in BWD_FLAGS}
-    subset += [BwdConfig(pivot, dq_vec=vec, **dict(plain, **{n: not plain[n]}))
-               for n in BWD_FLAGS if n != "has_right"]
-    subset += [BwdConfig(pivot, dq_vec=vec, **{n: n != "even_k" for n in BWD_FLAGS}),
-               BwdConfig(pivot, varlen=True, dq_vec=vec, **causal),
-               BwdConfig(pivot, varlen=True, has_seqused_k=True, dq_vec=vec)]
+    subset += [config(pivot, **dict(plain, **{n: not plain[n]})) for n in BWD_FLAGS if n != "has_right"]
+    subset += [config(pivot, **{n: n != "even_k" for n in BWD_FLAGS}),
+               config(pivot, varlen=True, **causal),
+               config(pivot, varlen=True, has_seqused_k=True)]
     pre = [PreprocessConfig(d, dtype) for d in HEAD_DIM_BUCKETS] + [PreprocessConfig(128, dtype, False, True)]
     convert = [DQConvertConfig(t, dq_vec=vec) for t in traits if t.dtype == dtype]
     convert += [DQConvertConfig(pivot, False, True, vec)]
