@@ -13,12 +13,18 @@ dP = dO V^T); stPdS the 32-bit stores of P and dS; ldsmPt/ldsmQt the transposed 
 dV += P^T dO and dK += dS^T Q; ldsmdS/ldsmKt those of dQ = dS K; stdKV/lddKV the dK, dV
 staging through smem. `cover` counts each element once per copy and once per warp that reads
 it in an MMA warp grid.
+
+On sm90 a third table checks the Hopper traits (layouts.verify_hopper): the GMMA smem tiles
+are bijections (sQ, sKV, and K/V staged), every stage starts 1024-byte aligned, and `P->A`
+says for how many threads the S accumulator re-viewed as the A operand of P V holds the
+element the wgmma expects at each position.
 """
 import argparse
 import sys
 from pathlib import Path
 
-from layouts import verify, verify_bwd
+from layouts import verify, verify_bwd, verify_hopper
+from layouts.hopper import shipped_hopper_traits
 from layouts.traits import ELEMENT_BYTES, SMEM_LIMIT, shipped_bwd_traits, shipped_fwd_traits
 
 BANK_COLUMNS = {"ldsm_q": "ldsmQ", "ldsm_k": "ldsmK", "ldsm_vt": "ldsmVt", "cpasync_q": "cpQ",
@@ -103,6 +109,26 @@ def print_bwd_report(arch: int) -> bool:
     return not failed
 
 
+def print_hopper_report() -> bool:
+    """The Hopper forward's traits (sm_90), one row each."""
+    header = ["hopper traits", "smem B", "fits", "bij", "stage align", "P->A"]
+    widths = [30, WIDTHS["smem"], WIDTHS["fits"], WIDTHS["bij"], 12, 12]
+    print(_row(header, widths), flush=True)
+    rows = []
+    for t in shipped_hopper_traits():
+        r = verify_hopper.report(t)
+        rows.append(r)
+        smem, p = r["smem"], r["p_operand"]
+        bij = _failed_names({k: smem[k] for k in ("sQ", "sKV", "staged_bijection")})
+        print(_row([r["name"], f"{r['smem_bytes']}", _ok(r["fits"]), bij,
+                    f"{smem['stage_bytes']} {_ok(smem['stages_aligned'])}",
+                    f"{p['threads'] - p['mismatched_threads']}/{p['threads']} {_ok(p['ok'])}"], widths), flush=True)
+    failed = [r["name"] for r in rows if not r["ok"]]
+    print(f"sm90: {len(rows) - len(failed)}/{len(rows)} Hopper traits pass"
+          + (f"; FAILED: {', '.join(failed)}" if failed else ""), flush=True)
+    return not failed
+
+
 def draw(traits, out: Path) -> None:
     """sQ's 16-byte bank group per element (the swizzle) and the Q ldmatrix thread map."""
     out.mkdir(parents=True, exist_ok=True)
@@ -127,6 +153,8 @@ def main(argv=None) -> int:
     for arch in archs:
         ok &= print_report(arch)
         ok &= print_bwd_report(arch)
+        if arch == 90:
+            ok &= print_hopper_report()
     if args.draw:
         traits = list(dict.fromkeys(t for arch in archs for t in shipped_fwd_traits(arch)))
         draw(traits, args.draw)

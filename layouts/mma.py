@@ -24,13 +24,22 @@ def acc_mn_view(acc):
 
     The atom's C values are (2 adjacent columns, 2 rows 8 apart): regrouping them with the
     repeat modes gives `acc_mn[r, c]` = row r, column c of what this thread holds, which is what
-    masks and row reductions index.
+    masks and row reductions index. A Hopper wgmma accumulator ((2, 2, N / 8), MMA_M, MMA_N)
+    repeats the same pair of rows every 8 columns: ((2, MMA_M), (2, N / 8, MMA_N)).
     """
     col_major = cute.make_layout(acc.layout.shape)
-    mn = cute.make_layout(
-        ((col_major.shape[0][1], col_major.shape[1]), (col_major.shape[0][0], col_major.shape[2])),
-        stride=((col_major.stride[0][1], col_major.stride[1]), (col_major.stride[0][0], col_major.stride[2])),
-    )
+    v = col_major.shape[0]
+    if cutlass.const_expr(cute.rank(v) == 3):
+        vs = col_major.stride[0]
+        mn = cute.make_layout(
+            ((v[1], col_major.shape[1]), (v[0], v[2], col_major.shape[2])),
+            stride=((vs[1], col_major.stride[1]), (vs[0], vs[2], col_major.stride[2])),
+        )
+    else:
+        mn = cute.make_layout(
+            ((v[1], col_major.shape[1]), (v[0], col_major.shape[2])),
+            stride=((col_major.stride[0][1], col_major.stride[1]), (col_major.stride[0][0], col_major.stride[2])),
+        )
     return cute.make_tensor(acc.iterator, cute.composition(acc.layout, mn))
 
 

@@ -63,6 +63,14 @@ def in_trace(fn, *args):
     return _traced(fn, args)
 
 
+def in_arch_trace(arch: str, fn, *args):
+    """`in_trace` for a target whose atoms check the arch (sm_90a wgmma): traced by a compile
+    for `arch`, the result kept from the trace."""
+    box = []
+    cute.compile(_traced, lambda: box.append(fn(*args)), (), options=f"--gpu-arch={arch}")
+    return box[0]
+
+
 def _leaves(t):
     return [x for e in t for x in _leaves(e)] if isinstance(t, tuple) else [t]
 

@@ -99,15 +99,61 @@ def test_append_kernel_compiles(arch, config, tmp_path):
 
 @pytest.mark.parametrize("arch", [80, 90])
 @pytest.mark.parametrize("operand", OPERANDS)
-def test_roundtrip_kernel_compiles(arch, operand):
+def test_roundtrip_kernel_compiles(arch, operand, tmp_path):
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
     shipped = shipped_fwd_traits(arch)
-    for traits in (shipped[0], shipped[len(shipped) // 2], shipped[-1]):
+    for i, traits in enumerate((shipped[0], shipped[len(shipped) // 2], shipped[-1])):
         el = cutlass.BFloat16 if traits.dtype == "bf16" else cutlass.Float16
         x, y = (make_fake_compact_tensor(el, (cute.sym_int(), traits.head_dim), stride_order=(1, 0),
                                          assumed_align=16) for _ in range(2))
-        opt = arch_option(arch)
-        assert cute.compile(TileRoundTrip(traits, operand), x, y, make_fake_stream(), options=opt) is not None
+        dump = tmp_path / str(i)
+        dump.mkdir()
+        cute.compile(TileRoundTrip(traits, operand), x, y, make_fake_stream(),
+                     options=f"{arch_option(arch)} --keep-ptx --dump-dir={dump}")
+        _assert_one_kernel_for(arch, dump)
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 160, 192, 224, 256])
+def test_hopper_tile_compiles_to_tma_and_wgmma(head_dim, tmp_path):
+    """The Hopper recipes (layouts/hopper.py) compile for sm_90a into TMA tile loads and
+    wgmma: one bulk tensor copy per 128/64/32-byte swizzle span of Q, K and V, and
+    head_dim / 16 + block_n / 16 wgmma per warpgroup."""
+    from cute_flash.kernels.hopper_tile import compile_hopper_tile
+    from layouts.hopper import HopperTileTraits
+
+    traits = HopperTileTraits(head_dim, 128, 128 if head_dim <= 128 else 64)
+    compile_hopper_tile(traits, 90, f"--keep-ptx --dump-dir={tmp_path}")
+    _assert_one_kernel_for(90, tmp_path)
+    (ptx,) = tmp_path.glob("*.ptx")
+    text = ptx.read_text()
+    assert text.count("wgmma.mma_async") == head_dim // 16 + traits.block_n // 16
+    assert text.count("cp.async.bulk.tensor") >= 3
+
+
+def _sm90_configs():
+    from cute_flash.kernels.fwd_sm90 import Sm90FwdConfig
+    from layouts.hopper import choose_hopper_traits
+    from layouts.traits import HEAD_DIM_BUCKETS
+
+    configs = [Sm90FwdConfig(choose_hopper_traits(d, "bf16"), has_right=True) for d in HEAD_DIM_BUCKETS]
+    configs += [Sm90FwdConfig(choose_hopper_traits(128, "fp16")),
+                Sm90FwdConfig(choose_hopper_traits(128, "bf16"), has_left=True, has_right=True, has_alibi=True,
+                              has_softcap=True)]
+    return [pytest.param(c, id=c.name) for c in configs]
+
+
+@pytest.mark.parametrize("config", _sm90_configs())
+def test_hopper_forward_compiles_to_wgmma(config, tmp_path):
+    """The Hopper forward (opt-in) builds for sm_90a: its two GEMMs are wgmma, head_dim / 16 +
+    block_n / 16 per key block, and it fits in shared memory."""
+    from cute_flash.launch.compiled import compile_fwd_sm90
+
+    assert config.smem_bytes <= SMEM_LIMIT[90]
+    compile_fwd_sm90(config, 90, f"--keep-ptx --dump-dir={tmp_path}")
+    _assert_one_kernel_for(90, tmp_path)
+    (ptx,) = tmp_path.glob("*.ptx")
+    t = config.traits
+    assert ptx.read_text().count("wgmma.mma_async") == t.head_dim // 16 + t.block_n // 16

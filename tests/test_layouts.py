@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from layouts import copy, smem, verify, verify_bwd
+from layouts.hopper import shipped_hopper_traits
 from layouts.traits import (DTYPES, ELEMENT_BYTES, HEAD_DIM_BUCKETS, SMEM_LIMIT, FwdTraits, choose_bwd_traits,
                             choose_fwd_traits, head_dim_bucket, shipped_bwd_traits)
 
@@ -348,3 +349,29 @@ def test_backward_coverage_counts_reading_warps():
     part = verify_bwd.partitions(t)["ldsm_q"]
     assert verify_bwd.coverage(part, 4)["ok"] and not verify_bwd.coverage(part, 1)["ok"]
     assert verify_bwd.coverage(verify_bwd.partitions(t)["ldsm_k"], 2)["ok"]
+
+
+@pytest.mark.parametrize("traits", shipped_hopper_traits(), ids=lambda t: t.name)
+def test_hopper_traits_verify(traits):
+    """layouts.verify_hopper on every Hopper forward traits: GMMA tiles are bijections, stages
+    1024-byte aligned, and the S accumulator serves as P V's A operand in place."""
+    from layouts.verify_hopper import verify_hopper
+
+    result = verify_hopper(traits)
+    assert result["ok"], result
+
+
+def test_hopper_p_operand_check_catches_a_wrong_view(monkeypatch):
+    """The P->A check is not vacuous: swapping two register groups of the view fails it for
+    every thread."""
+    from layouts import hopper
+    from layouts.verify_hopper import p_operand_checks
+
+    def swapped(acc):
+        n8 = cute.size(acc.shape[0]) // 4
+        return cute.make_tensor(acc.iterator, cute.make_layout(((2, 2, 2), cute.size(acc.shape[1]), n8 // 2),
+                                                               stride=((1, 4, 2), 4 * n8, 8)))
+
+    monkeypatch.setattr(hopper, "acc_as_operand_a", swapped)
+    traits = hopper.choose_hopper_traits(128)
+    assert p_operand_checks(traits)["mismatched_threads"] == traits.num_threads

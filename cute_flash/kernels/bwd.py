@@ -182,7 +182,8 @@ class FlashBwd:
         """The kernel's shared-memory struct (plain Python, run while tracing): the fp32 dQ
         staging tile exists only with dq_bulk."""
         t, dtype = self.t, self.dtype
-        tiles = {"sQ": (dtype, cute.cosize(sQ_layout) * t.q_stages), "sdO": (dtype, cute.cosize(sQ_layout) * t.q_stages),
+        qdo = cute.cosize(sQ_layout) * t.q_stages
+        tiles = {"sQ": (dtype, qdo), "sdO": (dtype, qdo),
                  "sK": (dtype, cute.cosize(sKV_layout)), "sV": (dtype, cute.cosize(sKV_layout)),
                  "sP": (dtype, cute.cosize(sPdS_layout)), "sdS": (dtype, cute.cosize(sPdS_layout))}
         if self.config.dq_bulk:

@@ -22,6 +22,7 @@ from cute_flash.kernels.config import CACHE_FLAGS, SCORE_FLAGS, BwdConfig, FwdCo
 from cute_flash.kernels.dq_accum import DQConvert, DQConvertConfig
 from cute_flash.kernels.fake import compile_tvm_ffi, fake_stream, fake_tensor
 from cute_flash.kernels.fwd import FlashFwd
+from cute_flash.kernels.fwd_sm90 import FlashFwdSm90, Sm90FwdConfig
 from layouts.traits import ALIGN, COPY_BYTES, DTYPES, HEAD_DIM_BUCKETS, choose_bwd_traits, choose_decode_traits, \
     choose_fwd_traits, element_type
 
@@ -143,6 +144,21 @@ def compile_fwd(config: FwdConfig, arch: int | None = None, extra_options: str =
     """Build the cubin for `config`, callable through TVM-FFI with torch tensors. arch=None
     targets the current GPU; an explicit arch (80, 90) needs no GPU (nothing is launched)."""
     return compile_tvm_ffi(entry_point(FlashFwd(config)), fake_fwd_args(config), arch, extra_options)
+
+
+def compile_fwd_sm90(config: Sm90FwdConfig, arch: int | None = 90, extra_options: str = ""):
+    """Build the Hopper forward of `config` (sm_90a; placeholders as `fake_fwd_args`)."""
+    dtype = element_type(config.traits)
+    args = [fake_tensor(dtype, 4, ALIGN, COPY_BYTES) for _ in range(4)] + [
+        fake_tensor(cutlass.Float32, 3), fake_tensor(cutlass.Float32, 2) if config.has_alibi else None,
+        1.0, 1.0, 1.0, -1, -1, fake_stream()]
+    return compile_tvm_ffi(FlashFwdSm90(config), args, arch, extra_options)
+
+
+@functools.lru_cache(maxsize=None)
+def sm90_kernel_for(config: Sm90FwdConfig):
+    """The TVM-FFI function of a Hopper forward config, through the compile cache."""
+    return get_or_compile((config, 90), lambda: compile_fwd_sm90(config, 90))
 
 
 def cached_fwd(config: FwdConfig, arch: int):

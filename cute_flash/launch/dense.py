@@ -3,6 +3,7 @@ look its compiled kernel up, launch on torch's current stream."""
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -54,13 +55,19 @@ def alibi_2d(alibi_slopes, batch, nheads):
 def flash_fwd(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1), softcap=0.0,
               alibi_slopes=None, traits: FwdTraits | None = None):
     """Dense forward: q (b, sq, h, d), k/v (b, sk, hk, d); returns (out, lse (b, h, sq)).
-    `traits` overrides the heuristic (tile tuning, `python -m cute_flash tune`)."""
+    `traits` overrides the heuristic (tile tuning, `python -m cute_flash tune`).
+    `CUTE_FLASH_ARCH_PATH=sm90` takes the Hopper kernel on sm_90 (launch/hopper.py, opt-in)."""
     b, sq, h, d = q.shape
+    index = device_index(q.device)
+    if traits is None and os.environ.get("CUTE_FLASH_ARCH_PATH") == "sm90" and compiled.device_arch(index) == 90:
+        from cute_flash.launch.hopper import flash_fwd_sm90  # it imports this module's helpers
+
+        return flash_fwd_sm90(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                              softcap=softcap, alibi_slopes=alibi_slopes)
     q, k, v = aligned(q), aligned(k), aligned(v)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
     left, right = window_edges(causal, window_size)
-    index = device_index(q.device)
     kernel = fwd_kernel(q.shape[-1], q.dtype, index, causal, traits, (
         ("has_left", left >= 0), ("has_right", right >= 0), ("has_alibi", alibi_slopes is not None),
         ("has_softcap", softcap > 0)))

@@ -1,0 +1,123 @@
+"""Hopper (sm_90a) recipes for the attention tiles: GMMA shared-memory layouts, TMA atoms and
+the two warpgroup TiledMMAs (S = Q K^T from shared memory, O = P V with P in registers).
+
+wgmma reads its shared-memory operands through descriptors, so a tile must sit in one of the
+canonical GMMA layouts: rows of the contiguous mode cut into swizzle atoms of 128, 64 or 32
+bytes (the widest that divides the row; 128 for d >= 64 in 16-bit types). TMA writes the same
+layouts, its box being the whole tile. Q and K are K-major operands (the head dim contiguous);
+V is the B operand of P V with its N mode (the head dim) contiguous: MN-major, read through a
+transposed view of the same row-major tile. One warpgroup covers 64 rows per wgmma.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.tensor_utils import LayoutEnum
+
+from layouts.traits import DTYPES, ELEMENT_BYTES, HEAD_DIM_BUCKETS, element_type, head_dim_bucket
+
+WGMMA_M = 64  # rows of one warpgroup's wgmma
+
+
+@dataclass(frozen=True)
+class HopperTileTraits:
+    """Tile sizes of a Hopper attention tile: block_m query rows (a multiple of 64, one
+    warpgroup per 64), block_n keys, head_dim."""
+    head_dim: int
+    block_m: int = 64
+    block_n: int = 128
+    dtype: str = "bf16"
+
+    def __post_init__(self):
+        if self.head_dim not in HEAD_DIM_BUCKETS:
+            raise ValueError(f"head_dim {self.head_dim} is not a bucket {HEAD_DIM_BUCKETS}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.block_m % WGMMA_M:
+            raise ValueError(f"block_m must be a multiple of {WGMMA_M} (one warpgroup's wgmma)")
+        if self.block_n % 16 or not 16 <= self.block_n <= 256:
+            raise ValueError("block_n must be a multiple of 16 in [16, 256] (a wgmma's N)")
+
+    @property
+    def warpgroups(self) -> int:
+        return self.block_m // WGMMA_M
+
+    @property
+    def num_threads(self) -> int:
+        return 128 * self.warpgroups
+
+    def smem_bytes(self, stages: int = 1) -> int:
+        """Q, and K and V tiles in `stages` stages."""
+        return ELEMENT_BYTES * (self.block_m + 2 * stages * self.block_n) * self.head_dim
+
+    @property
+    def name(self) -> str:
+        return f"sm90_d{self.head_dim}_m{self.block_m}_n{self.block_n}_{self.dtype}"
+
+
+@functools.lru_cache(maxsize=None)
+def choose_hopper_traits(head_dim: int, dtype: str = "bf16") -> HopperTileTraits:
+    """The Hopper forward's tiles: 128 query rows (two warpgroups); 128 keys per block up to
+    d 128, 64 above (two K / V stages then fit: 196 KB at d 256)."""
+    d = head_dim_bucket(head_dim)
+    return HopperTileTraits(d, 128, 128 if d <= 128 else 64, dtype)
+
+
+def shipped_hopper_traits() -> list[HopperTileTraits]:
+    return [choose_hopper_traits(d, dt) for d in HEAD_DIM_BUCKETS for dt in DTYPES]
+
+
+def smem_layout(traits: HopperTileTraits, rows: int):
+    """(rows, head_dim) row-major tile in the widest GMMA swizzle atom its rows allow."""
+    return cute.tile_to_shape(_swizzle_atom(traits), (rows, traits.head_dim), order=(0, 1))
+
+
+def smem_layout_staged(traits: HopperTileTraits, rows: int, stages: int):
+    """(rows, head_dim, stages): `stages` such tiles, one after the other."""
+    return cute.tile_to_shape(_swizzle_atom(traits), (rows, traits.head_dim, stages), order=(0, 1, 2))
+
+
+def _swizzle_atom(traits: HopperTileTraits):
+    dtype = element_type(traits)
+    return warpgroup.make_smem_layout_atom(sm90.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, traits.head_dim),
+                                           dtype)
+
+
+def tma_load_atom(traits: HopperTileTraits, gmem_tensor, smem_tile, rows: int):
+    """(TMA atom, TMA coordinate tensor) loading (rows, head_dim) boxes of `gmem_tensor`, whose
+    first two modes are (rows, head dim) with the head dim contiguous (further modes are
+    coordinates), into one (rows, head_dim) tile of layout `smem_tile`."""
+    return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), gmem_tensor, smem_tile,
+                                       (rows, traits.head_dim))
+
+
+def tiled_mma_qk(traits: HopperTileTraits):
+    """S = Q K^T: both operands K-major in shared memory; fp32 accumulators, a warpgroup per
+    64 rows."""
+    dtype = element_type(traits)
+    return sm90.make_trivial_tiled_mma(dtype, dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
+                                       cutlass.Float32, (traits.warpgroups, 1, 1), (WGMMA_M, traits.block_n))
+
+
+def tiled_mma_pv(traits: HopperTileTraits):
+    """O = P V: P from registers (the S accumulators converted in place, `acc_as_operand_a`),
+    V MN-major in shared memory."""
+    dtype = element_type(traits)
+    return sm90.make_trivial_tiled_mma(dtype, dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
+                                       cutlass.Float32, (traits.warpgroups, 1, 1), (WGMMA_M, traits.head_dim),
+                                       a_source=warpgroup.OperandSource.RMEM)
+
+
+def acc_as_operand_a(acc):
+    """The (MMA, MMA_M, MMA_N) fp32 accumulator of a wgmma, viewed as the register A operand
+    ((2, 2, 2), MMA_M, MMA_N / 16) of the next one: a thread's accumulator values come in
+    groups of (2 columns, 2 row halves) per 8 columns, and an A fragment takes two such groups
+    per 16-wide k step, so the same registers serve without moving (the m64nNk16 layouts)."""
+    n8 = cute.size(acc.shape[0]) // 4
+    return cute.make_tensor(acc.iterator, cute.make_layout(((2, 2, 2), cute.size(acc.shape[1]), n8 // 2),
+                                                           stride=((1, 2, 4), 4 * n8, 8)))

@@ -1,0 +1,82 @@
+"""Host-side checks of the Hopper recipes (layouts/hopper.py), with `layouts.verify`'s numpy
+models of the DSL's layouts.
+
+What must hold for the Hopper kernels to be right, checked without a GPU:
+- every smem tile (Q, K/V, one stage and staged) is a bijection onto its tile;
+- every stage starts on a 1024-byte boundary of its buffer (a swizzle atom's period: TMA and
+  the wgmma descriptors address swizzled tiles from such a base);
+- the S accumulator of each thread, re-viewed by `acc_as_operand_a`, holds at A-operand
+  position j exactly the (row, key) element that the P V wgmma expects there, for every thread
+  of every warpgroup: P goes from one GEMM into the next without leaving its registers.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+import cutlass
+import cutlass.cute as cute
+
+from layouts import hopper
+from layouts.hopper import HopperTileTraits
+from layouts.traits import ELEMENT_BYTES
+from layouts.verify import HostLayout, in_arch_trace, is_bijection
+
+STAGE_ALIGN = 1024
+
+
+def smem_checks(traits: HopperTileTraits, stages: int = 2) -> dict:
+    def run():
+        out = {}
+        for name, layout in (("sQ", hopper.smem_layout(traits, traits.block_m)),
+                             ("sKV", hopper.smem_layout(traits, traits.block_n))):
+            out[name] = is_bijection(HostLayout.of(layout).table())
+        staged = hopper.smem_layout_staged(traits, traits.block_n, stages)
+        stage_bytes = ELEMENT_BYTES * cute.cosize(cute.slice_(staged, (None, None, 0)))
+        out["stage_bytes"] = stage_bytes
+        out["stages_aligned"] = stage_bytes % STAGE_ALIGN == 0
+        host = HostLayout.of(staged)
+        offsets = host(np.arange(host.size))
+        out["staged_bijection"] = bool(np.array_equal(np.sort(offsets), np.arange(offsets.size)))
+        return out
+
+    return in_arch_trace("sm_90a", run)
+
+
+def p_operand_checks(traits: HopperTileTraits) -> dict:
+    """For each thread: C coordinate of S at the accumulator index `acc_as_operand_a` puts at
+    A position j == the A coordinate of the P V wgmma at j."""
+    def run():
+        qk, pv = hopper.tiled_mma_qk(traits), hopper.tiled_mma_pv(traits)
+        c_s = cute.make_identity_tensor((traits.block_m, traits.block_n))
+        shape = qk.get_slice(0).partition_shape_C((traits.block_m, traits.block_n))
+        acc = cute.make_rmem_tensor(shape, cutlass.Float32)
+        view = HostLayout.of(hopper.acc_as_operand_a(acc).layout)
+        where = view(np.arange(view.size))
+        bad = 0
+        for tidx in range(traits.num_threads):
+            c = HostLayout.of_coordinates(qk.get_slice(tidx).partition_C(c_s), checks=2)
+            a = HostLayout.of_coordinates(pv.get_slice(tidx).partition_A(c_s), checks=2)
+            c_xy = c(np.arange(c.size))
+            a_xy = a(np.arange(a.size))
+            bad += int(a.size != view.size or not np.array_equal(c_xy[where], a_xy))
+        return {"threads": traits.num_threads, "values": view.size, "mismatched_threads": bad, "ok": bad == 0}
+
+    return in_arch_trace("sm_90a", run)
+
+
+def verify_hopper(traits: HopperTileTraits) -> dict:
+    smem = smem_checks(traits)
+    p = p_operand_checks(traits)
+    ok = smem["sQ"] and smem["sKV"] and smem["staged_bijection"] and smem["stages_aligned"] and p["ok"]
+    return {"smem": smem, "p_operand": p, "ok": ok}
+
+
+def report(traits: HopperTileTraits, stages: int = 2) -> dict:
+    """The row of `python -m layouts report` for a Hopper traits (sm_90 only)."""
+    from layouts.traits import SMEM_LIMIT
+
+    checks = verify_hopper(traits)
+    smem_bytes = traits.smem_bytes(stages)
+    fits = smem_bytes <= SMEM_LIMIT[90]
+    return {"name": f"{traits.name}_s{stages}", "smem_bytes": smem_bytes, "fits": fits, **checks,
+            "ok": fits and checks["ok"]}
