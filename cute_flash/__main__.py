@@ -11,26 +11,35 @@ import sys
 import time
 
 
-def cmd_compile(archs, full, workers=1):
+def cmd_compile(archs, full, workers=1, keys_file=None):
     """Compile every variant the dispatcher can choose for `archs` into the compile cache (no
     GPU needed: a CPU machine can warm the cache for GPUs of the same arch), with each
     variant's resources from ptxas; variants already cached are skipped. `workers` > 1 compiles
-    in that many processes (the cache's file locks keep them apart)."""
+    in that many processes (the cache's file locks keep them apart). `keys_file`: exactly the
+    variants a workload recorded (CUTE_FLASH_RECORD) instead."""
     from tqdm import tqdm
 
     from cute_flash import compile_cache
     from cute_flash.kernels.append import compile_append
     from cute_flash.kernels.config import FLAG_LETTERS
-    from cute_flash.launch.compiled import append_variants, bwd_variants, compile_bwd, compile_fwd, fwd_variants
+    from cute_flash.launch.compiled import (append_variants, bwd_variants, compile_bwd, compile_fwd, compiler_of,
+                                            fwd_variants)
     from cute_flash.resources import find_ptxas
     from layouts.traits import SMEM_LIMIT, sm_name
 
-    jobs = [(arch, config, compile_fwd) for arch in archs for config in fwd_variants(arch, full)]
-    jobs += [(arch, config, compile_append) for arch in archs for config in append_variants(full)]
-    jobs += [(arch, config, compile_bwd) for arch in archs for config in bwd_variants(arch, full)]
+    if keys_file is not None:
+        recorded = compile_cache.read_keys(keys_file)
+        jobs = [(arch, config, compiler_of(config)) for config, arch in recorded]
+        archs = sorted({arch for _, arch in recorded})
+        what = f"the {len(jobs)} recorded in {keys_file}"
+    else:
+        jobs = [(arch, config, compile_fwd) for arch in archs for config in fwd_variants(arch, full)]
+        jobs += [(arch, config, compile_append) for arch in archs for config in append_variants(full)]
+        jobs += [(arch, config, compile_bwd) for arch in archs for config in bwd_variants(arch, full)]
+        what = 'every traits x every flag combination' if full else 'the CI subset; --full for all'
     where = compile_cache.cache_root() / compile_cache.fingerprint() if compile_cache.enabled() else None
     print(f"compile-only (no GPU used): {len(jobs)} variants for {', '.join(sm_name(a) for a in archs)} "
-          f"({'every traits x every flag combination' if full else 'the CI subset; --full for all'}), "
+          f"({what}), "
           f"about 4 s each on one core when not cached, {workers} worker process(es); "
           f"cache: {where or 'off (CUTE_FLASH_CACHE=0)'}", flush=True)
     print(f"ptxas for resource numbers: {find_ptxas() or 'not found (registers not reported)'}")
@@ -296,6 +305,8 @@ def main(argv=None):
     c.add_argument("--full", action="store_true",
                    help="every traits x every flag combination (thousands of variants: hours) instead of the CI subset")
     c.add_argument("--jobs", type=int, default=1, help="compile in this many processes (default 1)")
+    c.add_argument("--keys", metavar="FILE",
+                   help="compile the variants a workload recorded with CUTE_FLASH_RECORD=FILE")
     sub.add_parser("check", help="quick GPU correctness against cute_flash.reference")
     b = sub.add_parser("bench", help="TFLOP/s against torch SDPA FLASH and CUDNN (GPU)")
     b.add_argument("--quick", action="store_true")
@@ -340,7 +351,7 @@ def main(argv=None):
 
         return layouts_main(["report", "--arch", "all"])
     if cmd == "compile":
-        cmd_compile(args.arch, args.full, args.jobs)
+        cmd_compile(args.arch, args.full, args.jobs, args.keys)
     elif cmd == "check":
         return int(cmd_check() > 0)
     elif cmd == "bench":

@@ -16,6 +16,12 @@ place, and an entry that fails to load is deleted and rebuilt.
 
 Every compile logs one INFO line on the `cute_flash` logger (variant, arch, seconds, file);
 loads and hits log at DEBUG. `CUTE_FLASH_LOG_LEVEL` sets the level (default INFO).
+
+A workload's own variants: with `CUTE_FLASH_RECORD=FILE`, every key a process uses is added
+to FILE (a pickled list, shared by concurrent processes under a file lock), and
+`python -m cute_flash compile --keys FILE` compiles exactly those, for instance on a CPU build
+box for a new release of this package (a new fingerprint). The CI set that `compile` fills by
+default is a small part of what a test suite or a model uses (docs/perf.md).
 """
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ import functools
 import hashlib
 import logging
 import os
+import pickle
 import sys
 import threading
 import time
@@ -95,7 +102,33 @@ def get_or_compile(key: Hashable, build: Callable[[], object]):
         with _lock:
             if key not in _memory:  # None on a machine without a GPU: compiled, not loadable
                 _memory[key] = _load_or_build(key, build)
+                _record(key)
             return _memory[key]
+
+
+def _record(key):
+    """Add `key` to the list in CUTE_FLASH_RECORD, if set."""
+    path = os.environ.get("CUTE_FLASH_RECORD")
+    if not path:
+        return
+    from filelock import FileLock
+
+    with FileLock(f"{path}.lock"):
+        keys = read_keys(path)
+        if key not in keys:
+            tmp = f"{path}.{os.getpid()}.tmp"
+            with open(tmp, "wb") as f:
+                pickle.dump(keys + [key], f)
+            os.replace(tmp, path)
+
+
+def read_keys(path) -> list:
+    """The (config, arch) keys recorded in `path` (a file this package wrote: it is a pickle)."""
+    try:
+        with open(path, "rb") as f:
+            return pickle.load(f)
+    except FileNotFoundError:
+        return []
 
 
 def _load_or_build(key, build):

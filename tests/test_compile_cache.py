@@ -101,3 +101,25 @@ def test_eight_cold_processes_compile_each_variant_once(tmp_path):
         results = [line.split()[2] for line in text.splitlines() if line.startswith(f"RESULT {config.name} ")]
         assert len(results) == 8 and results.count("Function") == 7 and results.count("none") == 1, text
     assert len(list(tmp_path.rglob("*.o"))) == 2 and not list(tmp_path.rglob("*.tmp"))
+
+
+def test_recorded_keys_are_what_compile_keys_builds(cache_dir, monkeypatch, tmp_path, capsys):
+    """CUTE_FLASH_RECORD lists each variant a process uses once; `compile --keys` builds exactly
+    those into a fresh cache (a build box warming a new release for a workload)."""
+    from cute_flash.__main__ import cmd_compile
+
+    record = tmp_path / "keys.pkl"
+    monkeypatch.setenv("CUTE_FLASH_RECORD", str(record))
+    for config in (PLAIN, ROTARY, PLAIN):
+        cached_append(config, 90)
+    compile_cache.clear_memory()
+    cached_append(ROTARY, 90)  # a second process using a recorded variant adds nothing
+    assert compile_cache.read_keys(record) == [(PLAIN, 90), (ROTARY, 90)]
+
+    fresh = tmp_path / "fresh"
+    monkeypatch.setenv("CUTE_FLASH_CACHE_DIR", str(fresh))
+    monkeypatch.delenv("CUTE_FLASH_RECORD")
+    compile_cache.clear_memory()
+    assert cmd_compile([80], False, 1, str(record)) == 0
+    assert sorted(fresh.rglob("*.o")) == sorted(compile_cache.entry_path(k) for k in [(PLAIN, 90), (ROTARY, 90)])
+    assert "2 compiled, 0 already cached" in capsys.readouterr().out

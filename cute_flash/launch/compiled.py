@@ -274,6 +274,17 @@ def bwd_variants(arch: int, full: bool = False) -> list:
     return subset + pre + convert
 
 
+def compiler_of(config):
+    """The compile function of a config of any kernel (`python -m cute_flash compile --keys`)."""
+    from cute_flash.kernels.append import AppendConfig, compile_append
+
+    for kinds, fn in (((FwdConfig,), compile_fwd), ((BwdConfig, PreprocessConfig, DQConvertConfig), compile_bwd),
+                      ((AppendConfig,), compile_append), ((Sm90FwdConfig,), compile_fwd_sm90)):
+        if isinstance(config, kinds):
+            return fn
+    raise TypeError(f"no kernel compiles a {type(config).__name__}")
+
+
 def cached_append(config, arch: int):
     """The TVM-FFI function of an append config on `arch`, through the compile cache."""
     from cute_flash.kernels.append import compile_append
