@@ -7,7 +7,9 @@ What must hold for the Hopper kernels to be right, checked without a GPU:
   the wgmma descriptors address swizzled tiles from such a base);
 - the S accumulator of each thread, re-viewed by `acc_as_operand_a`, holds at A-operand
   position j exactly the (row, key) element that the P V wgmma expects there, for every thread
-  of every warpgroup: P goes from one GEMM into the next without leaving its registers.
+  of every warpgroup: P goes from one GEMM into the next without leaving its registers;
+- the threads' accumulators cover S and O exactly once (what the softmax and the O store
+  rely on).
 """
 from __future__ import annotations
 
@@ -64,11 +66,32 @@ def p_operand_checks(traits: HopperTileTraits) -> dict:
     return in_arch_trace("sm_90a", run)
 
 
+def accumulator_coverage(traits: HopperTileTraits) -> dict:
+    """The C partitions of all threads hold every element of S (block_m, block_n) and of O
+    (block_m, head_dim) exactly once: the warpgroups split the rows, nothing overlaps."""
+    def run():
+        out = {}
+        for name, mma, tile in (("S", hopper.tiled_mma_qk(traits), (traits.block_m, traits.block_n)),
+                                ("O", hopper.tiled_mma_pv(traits), (traits.block_m, traits.head_dim))):
+            counts = np.zeros(tile, dtype=np.int64)
+            ident = cute.make_identity_tensor(tile)
+            for tidx in range(traits.num_threads):
+                c = HostLayout.of_coordinates(mma.get_slice(tidx).partition_C(ident), checks=2)
+                xy = c(np.arange(c.size))
+                np.add.at(counts, (xy[:, 0], xy[:, 1]), 1)
+            out[name] = bool((counts == 1).all())
+        return out
+
+    return in_arch_trace("sm_90a", run)
+
+
 def verify_hopper(traits: HopperTileTraits) -> dict:
     smem = smem_checks(traits)
     p = p_operand_checks(traits)
-    ok = smem["sQ"] and smem["sKV"] and smem["staged_bijection"] and smem["stages_aligned"] and p["ok"]
-    return {"smem": smem, "p_operand": p, "ok": ok}
+    cover = accumulator_coverage(traits)
+    ok = (smem["sQ"] and smem["sKV"] and smem["staged_bijection"] and smem["stages_aligned"] and p["ok"]
+          and all(cover.values()))
+    return {"smem": smem, "p_operand": p, "acc_coverage": cover, "ok": ok}
 
 
 def report(traits: HopperTileTraits, stages: int = 2) -> dict:
