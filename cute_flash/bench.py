@@ -504,7 +504,7 @@ def tune_bwd(seqlens=(512, 2048, 8192)):
             for s in seqlens:
                 b, h = max(1, TOKENS // s), HIDDEN // d
                 q, k, v, dout = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-                out, lse = flash_fwd(q, k, v, softmax_scale=d ** -0.5, causal=causal)[:2]
+                out, lse = flash_fwd(q, k, v, softmax_scale=d ** -0.5, causal=causal)
                 flops = 2.5 * 4 * b * h * d * visible_pairs(s, s, causal)
                 for m, n, atoms in cands:
                     t = BwdTraits(d, m, n, 8, *atoms, q_stages=2)
