@@ -19,7 +19,8 @@ import cutlass.utils.hopper_helpers as sm90
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from layouts.traits import DTYPES, ELEMENT_BYTES, HEAD_DIM_BUCKETS, element_type, head_dim_bucket
+from layouts.traits import (DTYPES, ELEMENT_BYTES, HEAD_DIM_BUCKETS, check_bucket_and_dtype, element_type,
+                            head_dim_bucket)
 
 WGMMA_M = 64  # rows of one warpgroup's wgmma
 
@@ -34,10 +35,7 @@ class HopperTileTraits:
     dtype: str = "bf16"
 
     def __post_init__(self):
-        if self.head_dim not in HEAD_DIM_BUCKETS:
-            raise ValueError(f"head_dim {self.head_dim} is not a bucket {HEAD_DIM_BUCKETS}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        check_bucket_and_dtype(self.head_dim, self.dtype)
         if self.block_m % WGMMA_M:
             raise ValueError(f"block_m must be a multiple of {WGMMA_M} (one warpgroup's wgmma)")
         if self.block_n % 16 or not 16 <= self.block_n <= 256:
@@ -111,6 +109,14 @@ def tiled_mma_pv(traits: HopperTileTraits):
     return sm90.make_trivial_tiled_mma(dtype, dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
                                        cutlass.Float32, (traits.warpgroups, 1, 1), (WGMMA_M, traits.head_dim),
                                        a_source=warpgroup.OperandSource.RMEM)
+
+
+def p_operand(acc_s, dtype):
+    """P = the S accumulator converted to `dtype`, laid out as P V's register A operand."""
+    view = acc_as_operand_a(acc_s)  # ((2, 2, 2), MMA_M, MMA_K) fp32
+    p = cute.make_rmem_tensor(view.layout, dtype)
+    p.store(view.load().to(dtype))
+    return p
 
 
 def acc_as_operand_a(acc):

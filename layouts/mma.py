@@ -28,18 +28,10 @@ def acc_mn_view(acc):
     repeats the same pair of rows every 8 columns: ((2, MMA_M), (2, N / 8, MMA_N)).
     """
     col_major = cute.make_layout(acc.layout.shape)
-    v = col_major.shape[0]
-    if cutlass.const_expr(cute.rank(v) == 3):
-        vs = col_major.stride[0]
-        mn = cute.make_layout(
-            ((v[1], col_major.shape[1]), (v[0], v[2], col_major.shape[2])),
-            stride=((vs[1], col_major.stride[1]), (vs[0], vs[2], col_major.stride[2])),
-        )
-    else:
-        mn = cute.make_layout(
-            ((v[1], col_major.shape[1]), (v[0], col_major.shape[2])),
-            stride=((col_major.stride[0][1], col_major.stride[1]), (col_major.stride[0][0], col_major.stride[2])),
-        )
+    (v, m, n), (vs, ms, ns) = col_major.shape, col_major.stride
+    col_modes = [0] + list(range(2, cute.rank(v)))  # 2 columns (and the 8-column groups of a wgmma)
+    mn = cute.make_layout(((v[1], m), (*(v[i] for i in col_modes), n)),
+                          stride=((vs[1], ms), (*(vs[i] for i in col_modes), ns)))
     return cute.make_tensor(acc.iterator, cute.composition(acc.layout, mn))
 
 

@@ -39,12 +39,28 @@ def smem_layout_o(traits: FwdTraits):
 
 
 def transposed_view(s_v):
-    """(kHeadDim, kBlockN) view of a (kBlockN, kHeadDim) sV tensor or layout, no data moved.
+    """(kHeadDim, kBlockN) view of a (kBlockN, kHeadDim) sV tensor or layout, no data moved;
+    (kHeadDim, kBlockN, stages) of a staged (kBlockN, kHeadDim, stages) one.
 
-    The B operand of O = P V is V^T; ldmatrix.trans reads it from the same swizzled storage.
+    The B operand of O = P V is V^T; ldmatrix.trans (or an MN-major wgmma) reads it from the
+    same swizzled storage.
     """
     n, d = cute.size(s_v.shape[0]), cute.size(s_v.shape[1])
+    if cute.rank(s_v.shape) == 3:
+        return cute.composition(s_v, cute.make_layout((d, n, cute.size(s_v.shape[2])), stride=(n, 1, n * d)))
     return cute.composition(s_v, cute.make_layout((d, n), stride=(n, 1)))
+
+
+def smem_struct(fields: dict):
+    """A kernel's shared-memory struct from {name: element type, element count, alignment}
+    (alignment None: a plain MemRange, e.g. mbarriers). Built from type objects, not a class
+    body: under `from __future__ import annotations` those are strings, which the DSL failed to
+    resolve in some call stacks (seen in the CPU suite)."""
+    annotations = {}
+    for name, (dtype, count, align) in fields.items():
+        member = cute.struct.MemRange[dtype, count]
+        annotations[name] = member if align is None else cute.struct.Align[member, align]
+    return cute.struct(type("SharedStorage", (), {"__annotations__": annotations}))
 
 
 def smem_layout_unswizzled(rows: int, cols: int):

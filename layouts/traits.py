@@ -26,6 +26,14 @@ def head_dim_bucket(d: int) -> int:
     return next(b for b in HEAD_DIM_BUCKETS if b >= d)
 
 
+def check_bucket_and_dtype(head_dim: int, dtype: str) -> None:
+    """What every traits requires of its head dim and dtype."""
+    if head_dim not in HEAD_DIM_BUCKETS:
+        raise ValueError(f"head_dim {head_dim} is not a bucket {HEAD_DIM_BUCKETS}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+
+
 @dataclass(frozen=True)
 class FwdTraits:
     head_dim: int          # kHeadDim: the bucket, a multiple of 32
@@ -35,10 +43,7 @@ class FwdTraits:
     dtype: str = "bf16"    # "fp16" | "bf16"; accumulation is always fp32
 
     def __post_init__(self):
-        if self.head_dim not in HEAD_DIM_BUCKETS:
-            raise ValueError(f"head_dim {self.head_dim} is not a bucket {HEAD_DIM_BUCKETS}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        check_bucket_and_dtype(self.head_dim, self.dtype)
         if self.block_m % (16 * self.num_warps):
             raise ValueError("block_m must be a multiple of 16 * num_warps (one MMA row group per warp)")
         if self.block_n % 16:
@@ -138,10 +143,7 @@ class BwdTraits:
     dtype: str = "bf16"
 
     def __post_init__(self):
-        if self.head_dim not in HEAD_DIM_BUCKETS:
-            raise ValueError(f"head_dim {self.head_dim} is not a bucket {HEAD_DIM_BUCKETS}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        check_bucket_and_dtype(self.head_dim, self.dtype)
         if self.q_stages not in (1, 2):
             raise ValueError("q_stages is 1 or 2")
         for atom, (rows, cols) in ((self.atom_m_sdp, (self.block_m, self.block_n)),

@@ -13,10 +13,9 @@ What must hold for the Hopper kernels to be right, checked without a GPU:
 """
 from __future__ import annotations
 
-import numpy as np
-
 import cutlass
 import cutlass.cute as cute
+import numpy as np
 
 from layouts import hopper
 from layouts.hopper import HopperTileTraits

@@ -183,13 +183,12 @@ class FlashBwd:
         staging tile exists only with dq_bulk."""
         t, dtype = self.t, self.dtype
         qdo = cute.cosize(sQ_layout) * t.q_stages
-        tiles = {"sQ": (dtype, qdo), "sdO": (dtype, qdo),
-                 "sK": (dtype, cute.cosize(sKV_layout)), "sV": (dtype, cute.cosize(sKV_layout)),
-                 "sP": (dtype, cute.cosize(sPdS_layout)), "sdS": (dtype, cute.cosize(sPdS_layout))}
+        tiles = {"sQ": (dtype, qdo, 1024), "sdO": (dtype, qdo, 1024),
+                 "sK": (dtype, cute.cosize(sKV_layout), 1024), "sV": (dtype, cute.cosize(sKV_layout), 1024),
+                 "sP": (dtype, cute.cosize(sPdS_layout), 1024), "sdS": (dtype, cute.cosize(sPdS_layout), 1024)}
         if self.config.dq_bulk:
-            tiles["sdQaccum"] = (cutlass.Float32, t.block_m * t.head_dim)
-        fields = {name: cute.struct.Align[cute.struct.MemRange[ty, n], 1024] for name, (ty, n) in tiles.items()}
-        return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+            tiles["sdQaccum"] = (cutlass.Float32, t.block_m * t.head_dim, 1024)
+        return lsmem.smem_struct(tiles)
 
     @cute.kernel
     def kernel(self, args: BwdTensors, scalars: BwdScalars, recipe: BwdRecipe, SharedStorage: cutlass.Constexpr):

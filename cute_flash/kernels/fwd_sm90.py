@@ -26,15 +26,17 @@ from dataclasses import dataclass, fields
 import cutlass
 import cutlass.cute as cute
 from cutlass import pipeline
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu import cpasync
 
 from cute_flash.kernels.block_range import BlockRange, Window
 from cute_flash.kernels.config import FLAG_LETTERS
+from cute_flash.kernels.gemm import wgmma
 from cute_flash.kernels.score_mods import Mask, ScoreMods
 from cute_flash.kernels.seq_info import SeqInfo
 from cute_flash.kernels.softmax import OnlineSoftmax
 from layouts import hopper
 from layouts import mma as lmma
+from layouts import smem as lsmem
 from layouts.hopper import HopperTileTraits
 from layouts.traits import element_type
 
@@ -145,12 +147,10 @@ class FlashFwdSm90:
         tma_k, tma_mK = hopper.tma_load_atom(t, seq_first(mK), sKV_stage, t.block_n)
         tma_v, tma_mV = hopper.tma_load_atom(t, seq_first(mV), sKV_stage, t.block_n)
 
-        tile = cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
-        SharedStorage = cute.struct(type("SharedStorage", (), {"__annotations__": {  # real objects, not strings
-            "q_full": cute.struct.MemRange[cutlass.Int64, 1],
-            "kv_barriers": cute.struct.MemRange[cutlass.Int64, 2 * stages],
-            "sQ": cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024],
-            "sK": tile, "sV": tile}}))
+        kv = (self.dtype, cute.cosize(sKV_layout), 1024)
+        SharedStorage = lsmem.smem_struct({"q_full": (cutlass.Int64, 1, None),
+                                           "kv_barriers": (cutlass.Int64, 2 * stages, None),
+                                           "sQ": (self.dtype, cute.cosize(sQ_layout), 1024), "sK": kv, "sV": kv})
 
         recipe = Sm90Recipe(sQ_layout, sKV_layout, tma_q, tma_k, tma_v, hopper.tiled_mma_qk(t),
                             hopper.tiled_mma_pv(t))
@@ -220,7 +220,7 @@ class FlashFwdSm90:
         wg_pv = recipe.mma_pv.get_slice(wg(tidx // 128))
         tSrQ = recipe.mma_qk.make_fragment_A(wg_qk.partition_A(sQ))  # (MMA, MMA_M, MMA_K) descriptors
         tSrK = recipe.mma_qk.make_fragment_B(wg_qk.partition_B(sK))  # (MMA, MMA_N, MMA_K, stages)
-        sVt = cute.composition(sV, cute.make_layout((d, bn, cfg.stages), stride=(bn, 1, bn * d)))  # (d, bn, stages)
+        sVt = lsmem.transposed_view(sV)  # (d, bn, stages)
         tOrV = recipe.mma_pv.make_fragment_B(wg_pv.partition_B(sVt))  # (MMA, MMA_N, MMA_K, stages)
         acc_o = cute.make_rmem_tensor(wg_pv.partition_shape_C((bm, d)), cutlass.Float32)  # (MMA, MMA_M, MMA_N)
         acc_o.fill(0.0)
@@ -260,17 +260,15 @@ class FlashFwdSm90:
         loop.kv_pipe.consumer_wait(consumer)
         acc_s = cute.make_rmem_tensor(recipe.mma_qk.get_slice(0).partition_shape_C((bm, bn)),
                                       cutlass.Float32)  # (MMA, MMA_M, MMA_N)
-        self.gemm(recipe.mma_qk, acc_s, loop.tSrQ, loop.tSrK[None, None, None, consumer.index])
+        wgmma(recipe.mma_qk, acc_s, loop.tSrQ, loop.tSrK[None, None, None, consumer.index])
         if i == 0:
             self.softmax_step(loop, acc_s, n_block, recipe, True, True)
         elif loop.unmasked_lo <= n_block and n_block < loop.unmasked_hi:
             self.softmax_step(loop, acc_s, n_block, recipe, False, False)
         else:
             self.softmax_step(loop, acc_s, n_block, recipe, False, True)
-        p_view = hopper.acc_as_operand_a(acc_s)  # ((2, 2, 2), MMA_M, MMA_K) fp32
-        tOrP = cute.make_rmem_tensor(p_view.layout, self.dtype)
-        tOrP.store(p_view.load().to(self.dtype))
-        self.gemm(recipe.mma_pv, loop.acc_o, tOrP, loop.tOrV[None, None, None, consumer.index], accumulate=True)
+        tOrP = hopper.p_operand(acc_s, self.dtype)  # ((2, 2, 2), MMA_M, MMA_K)
+        wgmma(recipe.mma_pv, loop.acc_o, tOrP, loop.tOrV[None, None, None, consumer.index], accumulate=True)
         loop.kv_pipe.consumer_release(consumer)
 
     @cute.jit
@@ -286,18 +284,6 @@ class FlashFwdSm90:
         bar = kv_pipe.producer_get_barrier(producer)
         cute.copy(loads.tma_k, loads.tKgK[None, n_block], loads.tKsK[None, producer.index], tma_bar_ptr=bar)
         cute.copy(loads.tma_v, loads.tVgV[None, n_block], loads.tVsV[None, producer.index], tma_bar_ptr=bar)
-
-    @cute.jit
-    def gemm(self, tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor,
-             accumulate: cutlass.Constexpr = False):
-        """acc (+)= A B over the k mode, one warpgroup's wgmma batch, waited for."""
-        tiled_mma.set(warpgroup.Field.ACCUMULATE, accumulate)
-        warpgroup.fence()
-        for k in cutlass.range_constexpr(cute.size(tA, mode=[2])):
-            cute.gemm(tiled_mma, acc, tA[None, None, k], tB[None, None, k], acc)
-            tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-        warpgroup.commit_group()
-        warpgroup.wait_group(0)
 
     @cute.jit
     def store(self, acc_o_mn: cute.Tensor, lse: cute.Tensor, tOcO_mn: cute.Tensor, args: Sm90Tensors, seq: SeqInfo,

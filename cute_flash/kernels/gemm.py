@@ -4,6 +4,7 @@ from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
+from cutlass.cute.nvgpu import warpgroup
 
 
 @cute.jit
@@ -19,6 +20,20 @@ def gemm_ss(tiled_mma: cute.TiledMma, acc: cute.Tensor,
             cute.copy(copy_A, tCsA[None, None, k + 1], tCrA_view[None, None, k + 1])
             cute.copy(copy_B, tCsB[None, None, k + 1], tCrB_view[None, None, k + 1])
         cute.gemm(tiled_mma, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+
+
+@cute.jit
+def wgmma(tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor,
+          accumulate: cutlass.Constexpr = False):
+    """Hopper: acc (+)= A B over the k mode, one warpgroup's batch of wgmma (A from smem
+    descriptors or registers, B from smem), issued and waited for."""
+    tiled_mma.set(warpgroup.Field.ACCUMULATE, accumulate)
+    warpgroup.fence()
+    for k in cutlass.range_constexpr(cute.size(tA, mode=[2])):
+        cute.gemm(tiled_mma, acc, tA[None, None, k], tB[None, None, k], acc)
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+    warpgroup.commit_group()
+    warpgroup.wait_group(0)
 
 
 @cute.jit

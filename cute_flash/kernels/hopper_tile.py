@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu import cpasync
 
+from cute_flash.kernels.gemm import wgmma
 from layouts import hopper
+from layouts import smem as lsmem
 from layouts.hopper import HopperTileTraits
 from layouts.traits import element_type
 
@@ -33,11 +35,9 @@ class HopperTile:
         tma_k, tma_mK = hopper.tma_load_atom(t, mK, sKV_layout, t.block_n)
         tma_v, tma_mV = hopper.tma_load_atom(t, mV, sKV_layout, t.block_n)
 
-        tile = cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
-        SharedStorage = cute.struct(type("SharedStorage", (), {"__annotations__": {  # real objects, not strings
-            "full": cute.struct.MemRange[cutlass.Int64, 1],
-            "sQ": cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024],
-            "sK": tile, "sV": tile}}))
+        kv = (self.dtype, cute.cosize(sKV_layout), 1024)
+        SharedStorage = lsmem.smem_struct({"full": (cutlass.Int64, 1, None),
+                                           "sQ": (self.dtype, cute.cosize(sQ_layout), 1024), "sK": kv, "sV": kv})
 
         self.kernel(tma_q, tma_mQ, tma_k, tma_mK, tma_v, tma_mV, mS, mO, sQ_layout, sKV_layout,
                     hopper.tiled_mma_qk(t), hopper.tiled_mma_pv(t), SharedStorage).launch(
@@ -82,29 +82,14 @@ class HopperTile:
         tSrQ = mma_qk.make_fragment_A(thr_qk.partition_A(sQ))  # (MMA, MMA_M, MMA_K) descriptors
         tSrK = mma_qk.make_fragment_B(thr_qk.partition_B(sK))  # (MMA, MMA_N, MMA_K)
         acc_s = cute.make_rmem_tensor(thr_qk.partition_shape_C((t.block_m, t.block_n)), cutlass.Float32)
-        mma_qk.set(warpgroup.Field.ACCUMULATE, False)
-        warpgroup.fence()
-        for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
-            cute.gemm(mma_qk, acc_s, tSrQ[None, None, k], tSrK[None, None, k], acc_s)
-            mma_qk.set(warpgroup.Field.ACCUMULATE, True)
-        warpgroup.commit_group()
-        warpgroup.wait_group(0)
+        wgmma(mma_qk, acc_s, tSrQ, tSrK)
         cute.autovec_copy(acc_s, mma_qk.get_slice(tidx).partition_C(mS))  # C: each thread its own values
 
         thr_pv = mma_pv.get_slice(wg(tidx // 128))
-        sVt = cute.composition(sV, cute.make_layout((t.head_dim, t.block_n), stride=(t.block_n, 1)))  # (d, bn)
-        tOrV = mma_pv.make_fragment_B(thr_pv.partition_B(sVt))  # (MMA, MMA_N, MMA_K)
-        p_view = hopper.acc_as_operand_a(acc_s)                 # ((2, 2, 2), MMA_M, MMA_K) fp32
-        tOrP = cute.make_rmem_tensor(p_view.layout, self.dtype)
-        tOrP.store(p_view.load().to(self.dtype))
+        tOrV = mma_pv.make_fragment_B(thr_pv.partition_B(lsmem.transposed_view(sV)))  # (MMA, MMA_N, MMA_K)
+        tOrP = hopper.p_operand(acc_s, self.dtype)  # ((2, 2, 2), MMA_M, MMA_K)
         acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((t.block_m, t.head_dim)), cutlass.Float32)
-        mma_pv.set(warpgroup.Field.ACCUMULATE, False)
-        warpgroup.fence()
-        for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
-            cute.gemm(mma_pv, acc_o, tOrP[None, None, k], tOrV[None, None, k], acc_o)
-            mma_pv.set(warpgroup.Field.ACCUMULATE, True)
-        warpgroup.commit_group()
-        warpgroup.wait_group(0)
+        wgmma(mma_pv, acc_o, tOrP, tOrV)
         cute.autovec_copy(acc_o, mma_pv.get_slice(tidx).partition_C(mO))
 
 
