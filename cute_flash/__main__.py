@@ -56,8 +56,9 @@ def cmd_compile(archs, full, workers=1, keys_file=None):
             worst = max(worst, spill)
             smem = getattr(config, "smem_bytes", 0)
             assert smem <= SMEM_LIMIT[arch]
+            serialized = "  wgmma SERIALIZED (ptxas C7512)" if report.get("wgmma_serialized") else ""
             bar.write(f"{sm_name(arch):6} {config.name:34} {smem or '-':>7} {report.get('registers', '-'):>5} "
-                      f"{spill if report else '-':>6} {seconds:5.1f}")
+                      f"{spill if report else '-':>6} {seconds:5.1f}{serialized}")
     legend = ", ".join(f"{letter}={name}" for name, letter in FLAG_LETTERS.items())
     print(f"flags (FwdConfig fields in order): {legend}; append: P=paged B=batch_idx R=rotary "
           f"I=interleaved Q=per-row q angle")
@@ -319,6 +320,7 @@ def main(argv=None):
     sub.add_parser("coldstart", help="first calls of a fresh process, empty vs warm compile cache (GPU)")
     t = sub.add_parser("tune", help="TFLOP/s of each tile candidate per head dim (GPU)")
     t.add_argument("--bwd", action="store_true", help="the backward's tile candidates instead of the forward's")
+    t.add_argument("--sm90", action="store_true", help="the Hopper forward's tile candidates (sm_90 GPUs)")
     sub.add_parser("traincheck", help="a 2-block transformer trained 200 steps with cute-flash and with SDPA: "
                                       "the two loss curves compared (GPU, about a minute)")
     m = sub.add_parser("memcheck", help="the GPU suite under compute-sanitizer memcheck (GPU); "
@@ -369,9 +371,9 @@ def main(argv=None):
 
         traincheck()
     elif cmd == "tune":
-        from cute_flash.bench import tune, tune_bwd
+        from cute_flash.bench import tune, tune_bwd, tune_sm90
 
-        tune_bwd() if args.bwd else tune()
+        tune_bwd() if args.bwd else tune_sm90() if args.sm90 else tune()
     return 0
 
 

@@ -71,7 +71,40 @@ def _sdpa(q, k, v, backend, causal, enable_gqa=False):
         return None
 
 
+@contextlib.contextmanager
+def arch_path(path):
+    """Our calls inside take the `CUTE_FLASH_ARCH_PATH=path` kernels."""
+    import os
+
+    before = os.environ.get("CUTE_FLASH_ARCH_PATH")
+    os.environ["CUTE_FLASH_ARCH_PATH"] = path
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["CUTE_FLASH_ARCH_PATH"]
+        else:
+            os.environ["CUTE_FLASH_ARCH_PATH"] = before
+
+
+def hopper_gpu() -> bool:
+    import torch
+
+    return torch.cuda.get_device_capability()[0] == 9
+
+
+def fa4_func():
+    """flash-attn-4's `flash_attn_func` (CuTe DSL, Hopper kernels on sm_90) when importable, else None."""
+    try:
+        from flash_attn.cute import flash_attn_func
+    except ImportError:
+        return None
+    return flash_attn_func
+
+
 def bench_cell(d, seqlen, causal=False, window=(-1, -1), softcap=0.0, peers=True, batch=None, nheads=None):
+    """ours (the default path), `sm90` (our Hopper kernel, on sm_90 GPUs), SDPA FLASH and CUDNN
+    and flash-attn-4 (when importable), in TFLOP/s."""
     import torch
     from torch.nn.attention import SDPBackend
 
@@ -85,7 +118,14 @@ def bench_cell(d, seqlen, causal=False, window=(-1, -1), softcap=0.0, peers=True
                softcap=softcap, flops=flops)
     ours = _time_ms(lambda: flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=softcap))
     row["ours_tflops"] = flops / ours / 1e9
+    if hopper_gpu():
+        with arch_path("sm90"):
+            row["sm90_tflops"] = flops / _time_ms(
+                lambda: flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=softcap)) / 1e9
     if peers:
+        fa4 = fa4_func()
+        if fa4 is not None:
+            row["fa4_tflops"] = flops / _time_ms(lambda: fa4(q, k, v, causal=causal)) / 1e9
         for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
             fn = _sdpa(q, k, v, backend, causal)
             row[f"{name}_tflops"] = flops / _time_ms(fn) / 1e9 if fn else None
@@ -126,8 +166,12 @@ def bench_bwd_cell(d, seqlen, causal=False):
         return (_time_ms(lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)),
                 _time_ms(lambda: torch.autograd.grad(fwd(*leaves), leaves, dout)))
 
-    for name, fwd in (("ours", ours_fwd), ("flash", sdpa_fwd(SDPBackend.FLASH_ATTENTION)),
-                      ("cudnn", sdpa_fwd(SDPBackend.CUDNN_ATTENTION))):
+    peers = [("ours", ours_fwd), ("flash", sdpa_fwd(SDPBackend.FLASH_ATTENTION)),
+             ("cudnn", sdpa_fwd(SDPBackend.CUDNN_ATTENTION))]
+    fa4 = fa4_func()
+    if fa4 is not None:
+        peers.append(("fa4", lambda q, k, v: fa4(q, k, v, causal=causal)))
+    for name, fwd in peers:
         ms = timed(fwd)
         row[f"{name}_bwd"] = 2.5 * fwd_flops / ms[0] / 1e9 if ms else None
         row[f"{name}_fwdbwd"] = 3.5 * fwd_flops / ms[1] / 1e9 if ms else None
@@ -148,16 +192,16 @@ def ratio_summary(ratios) -> str:
 def format_bwd(rows) -> str:
     out = []
     for key, title in (("bwd", "backward alone (FLOPs 2.5x forward)"), ("fwdbwd", "forward + backward (3.5x)")):
-        out += [f"{title}, TFLOP/s:", "", "| d | causal | seqlen | batch x heads | ours | FLASH | CUDNN | ours/FLASH "
-                "| ours/CUDNN |", "|---|---|---|---|---|---|---|---|---|"]
+        out += [f"{title}, TFLOP/s:", "", "| d | causal | seqlen | batch x heads | ours | FLASH | CUDNN | FA4 "
+                "| ours/FLASH | ours/CUDNN |", "|---|---|---|---|---|---|---|---|---|---|"]
         ratios = []
         for r in rows:
-            ours, flash, cudnn = r.get(f"ours_{key}"), r.get(f"flash_{key}"), r.get(f"cudnn_{key}")
+            ours, flash, cudnn, fa4 = (r.get(f"{name}_{key}") for name in ("ours", "flash", "cudnn", "fa4"))
             rf = ours / flash if ours and flash else math.nan
             rc = ours / cudnn if ours and cudnn else math.nan
             if not math.isnan(rf):
                 ratios.append(rf)
-            cells = [f"{x:.0f}" if x else "-" for x in (ours, flash, cudnn)]
+            cells = [f"{x:.0f}" if x else "-" for x in (ours, flash, cudnn, fa4)]
             out.append(f"| {r['d']} | {r['causal']} | {r['seqlen']} | {r['batch']}x{r['nheads']} | "
                        f"{' | '.join(cells)} | {rf:.3f} | {rc:.3f} |")
         if ratios:
@@ -478,6 +522,35 @@ def tune(seqlens=(1024, 4096, 16384)):
     return rows
 
 
+SM90_TUNE_CANDIDATES = {64: [(128, 128, True), (128, 128, False), (192, 128, True)],
+                        128: [(128, 128, True), (128, 128, False), (128, 160, True)]}
+
+
+def tune_sm90(seqlens=(512, 2048, 16384)):
+    """TFLOP/s of each Hopper forward candidate (block_m, block_n, persistent) on the forward
+    grid's shapes, bf16: `python -m cute_flash tune --sm90`."""
+    import torch
+
+    from cute_flash.launch.hopper import flash_fwd_sm90
+    from layouts.hopper import HopperTileTraits
+
+    rows = []
+    for d, cands in SM90_TUNE_CANDIDATES.items():
+        for causal in (False, True):
+            for s in seqlens:
+                b, h = max(1, TOKENS // s), HIDDEN // d
+                q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+                flops = 4 * b * h * d * visible_pairs(s, s, causal)
+                for m, n, persistent in cands:
+                    t = HopperTileTraits(d, m, n, "bf16")
+                    ms = _time_ms(lambda: flash_fwd_sm90(q, k, v, softmax_scale=d ** -0.5, causal=causal, traits=t,
+                                                         persistent=persistent))
+                    name = t.name + ("_persistent" if persistent else "")
+                    rows.append(dict(d=d, causal=causal, seqlen=s, traits=name, tflops=flops / ms / 1e9))
+                    print(f"d{d} causal={causal!s:5} s{s:6} {name:36} {rows[-1]['tflops']:6.0f}", flush=True)
+    return rows
+
+
 BWD_TUNE_CANDIDATES = {  # (block_m, block_n, (atom_m_sdp, atom_n_dkv, atom_m_dq)), 8 warps
     64: [(128, 128, (2, 4, 4)), (128, 128, (4, 4, 4)), (64, 128, (2, 4, 2)), (64, 128, (2, 4, 4)),
          (128, 64, (4, 2, 4))],
@@ -524,18 +597,28 @@ def tune_bwd(seqlens=(512, 2048, 8192)):
 
 
 def format_grid(rows) -> str:
-    out = ["| d | causal | seqlen | batch x heads | ours | FLASH | CUDNN | ours/FLASH |",
-           "|---|---|---|---|---|---|---|---|"]
-    ratios = []
+    """ours/FLASH, and on sm_90 the Hopper kernel against the better of CUDNN and flash-attn-4."""
+    out = ["| d | causal | seqlen | batch x heads | ours | sm90 | FLASH | CUDNN | FA4 | ours/FLASH | sm90/best peer |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    ratios, hopper = [], []
     for r in rows:
         ratio = r["ours_tflops"] / r["flash_tflops"] if r.get("flash_tflops") else math.nan
         if not math.isnan(ratio):
             ratios.append(ratio)
-        cudnn = f"{r['cudnn_tflops']:.0f}" if r.get("cudnn_tflops") else "-"
+        best = max((r[k] for k in ("cudnn_tflops", "fa4_tflops") if r.get(k)), default=None)
+        vs_best = r["sm90_tflops"] / best if best and r.get("sm90_tflops") else math.nan
+        if not math.isnan(vs_best):
+            hopper.append(vs_best)
+        cells = [f"{r[k]:.0f}" if r.get(k) else "-"
+                 for k in ("ours_tflops", "sm90_tflops", "flash_tflops", "cudnn_tflops", "fa4_tflops")]
         out.append(f"| {r['d']} | {r['causal']} | {r['seqlen']} | {r['batch']}x{r['nheads']} | "
-                   f"{r['ours_tflops']:.0f} | {r['flash_tflops']:.0f} | {cudnn} | {ratio:.3f} |")
+                   f"{' | '.join(cells)} | {ratio:.3f} | {vs_best:.3f} |")
     if ratios:
         out.append(ratio_summary(ratios))
+    if hopper:
+        gm = math.exp(statistics.fmean(math.log(x) for x in hopper))
+        out.append(f"sm90 / max(CUDNN, FA4): geometric mean {gm:.3f}; min {min(hopper):.3f}; cells >= 1.0: "
+                   f"{sum(x >= 1.0 for x in hopper)}/{len(hopper)}")
     return "\n".join(out)
 
 

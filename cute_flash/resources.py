@@ -41,6 +41,8 @@ def ptxas_report(ptx_path: str, arch: int) -> dict:
         m = re.search(pat, text)
         if m:
             out[key] = int(m.group(1))
+    if "C7512" in text:  # "wgmma.mma_async instructions are serialized due to ..."
+        out["wgmma_serialized"] = True
     return out
 
 

@@ -17,8 +17,9 @@ it in an MMA warp grid.
 On sm90 a third table checks the Hopper traits (layouts.verify_hopper): the GMMA smem tiles
 are bijections (sQ, sKV, and K/V staged), every stage starts 1024-byte aligned, `P->A` says
 for how many threads the S accumulator re-viewed as the A operand of P V holds the element the
-wgmma expects at each position, and `acc cover` that the threads' S and O accumulators hold
-every element once.
+wgmma expects at each position, `acc cover` that the threads' S and O accumulators hold
+every element once, and `O boxes` that each warpgroup's TMA store boxes (one swizzle atom
+wide) read exactly its rows of O's staging tile, from 1024-byte aligned bases.
 """
 import argparse
 import sys
@@ -112,8 +113,8 @@ def print_bwd_report(arch: int) -> bool:
 
 def print_hopper_report() -> bool:
     """The Hopper forward's traits (sm_90), one row each."""
-    header = ["hopper traits", "smem B", "fits", "bij", "stage align", "P->A", "acc cover"]
-    widths = [30, WIDTHS["smem"], WIDTHS["fits"], WIDTHS["bij"], 12, 12, 10]
+    header = ["hopper traits", "smem B", "fits", "bij", "stage align", "P->A", "acc cover", "O boxes"]
+    widths = [30, WIDTHS["smem"], WIDTHS["fits"], WIDTHS["bij"], 12, 12, 10, 8]
     print(_row(header, widths), flush=True)
     rows = []
     for t in shipped_hopper_traits():
@@ -124,7 +125,7 @@ def print_hopper_report() -> bool:
         print(_row([r["name"], f"{r['smem_bytes']}", _ok(r["fits"]), bij,
                     f"{smem['stage_bytes']} {_ok(smem['stages_aligned'])}",
                     f"{p['threads'] - p['mismatched_threads']}/{p['threads']} {_ok(p['ok'])}",
-                    _failed_names(r["acc_coverage"])], widths), flush=True)
+                    _failed_names(r["acc_coverage"]), _ok(r["o_staging"]["ok"])], widths), flush=True)
     failed = [r["name"] for r in rows if not r["ok"]]
     print(f"sm90: {len(rows) - len(failed)}/{len(rows)} Hopper traits pass"
           + (f"; FAILED: {', '.join(failed)}" if failed else ""), flush=True)

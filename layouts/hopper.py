@@ -72,15 +72,17 @@ def shipped_hopper_traits() -> list[HopperTileTraits]:
 
 def smem_layout(traits: HopperTileTraits, rows: int):
     """(rows, head_dim) row-major tile in the widest GMMA swizzle atom its rows allow."""
-    return cute.tile_to_shape(_swizzle_atom(traits), (rows, traits.head_dim), order=(0, 1))
+    return cute.tile_to_shape(swizzle_atom(traits), (rows, traits.head_dim), order=(0, 1))
 
 
 def smem_layout_staged(traits: HopperTileTraits, rows: int, stages: int):
     """(rows, head_dim, stages): `stages` such tiles, one after the other."""
-    return cute.tile_to_shape(_swizzle_atom(traits), (rows, traits.head_dim, stages), order=(0, 1, 2))
+    return cute.tile_to_shape(swizzle_atom(traits), (rows, traits.head_dim, stages), order=(0, 1, 2))
 
 
-def _swizzle_atom(traits: HopperTileTraits):
+def swizzle_atom(traits: HopperTileTraits):
+    """The GMMA swizzle atom of a (rows, head_dim) row-major tile: 8 rows of the widest swizzle
+    span (128, 64 or 32 bytes) the row allows."""
     dtype = element_type(traits)
     return warpgroup.make_smem_layout_atom(sm90.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, traits.head_dim),
                                            dtype)
@@ -91,6 +93,14 @@ def tma_load_atom(traits: HopperTileTraits, gmem_tensor, smem_tile, rows: int):
     first two modes are (rows, head dim) with the head dim contiguous (further modes are
     coordinates), into one (rows, head_dim) tile of layout `smem_tile`."""
     return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), gmem_tensor, smem_tile,
+                                       (rows, traits.head_dim))
+
+
+def tma_store_atom(traits: HopperTileTraits, gmem_tensor, smem_tile, rows: int):
+    """(TMA atom, TMA coordinate tensor) storing one (rows, head_dim) tile of layout
+    `smem_tile` into boxes of `gmem_tensor` (modes as `tma_load_atom`); TMA drops what falls
+    past the tensor's end."""
+    return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), gmem_tensor, smem_tile,
                                        (rows, traits.head_dim))
 
 

@@ -9,7 +9,10 @@ What must hold for the Hopper kernels to be right, checked without a GPU:
   position j exactly the (row, key) element that the P V wgmma expects there, for every thread
   of every warpgroup: P goes from one GEMM into the next without leaving its registers;
 - the threads' accumulators cover S and O exactly once (what the softmax and the O store
-  rely on).
+  rely on);
+- O's staging: the (64, d) box each warpgroup's TMA store reads, in the one-warpgroup layout
+  its atom was built for, addresses exactly that warpgroup's rows of the (block_m, d) tile
+  the threads wrote, from a 1024-byte aligned base (TMA swizzles by address bits).
 """
 from __future__ import annotations
 
@@ -84,13 +87,39 @@ def accumulator_coverage(traits: HopperTileTraits) -> dict:
     return in_arch_trace("sm_90a", run)
 
 
+def o_staging_checks(traits: HopperTileTraits) -> dict:
+    """TMA moves a tile in boxes one swizzle atom wide (128 bytes of a row at most). For each
+    warpgroup w and atom column j: the offset of (64 w + r, j * cols + c) in the (block_m, d)
+    tile == the offset of (r, c) in a (64, cols) box of the same atom, plus one base per box,
+    and that base is a multiple of 1024 bytes."""
+    def run():
+        rows = hopper.WGMMA_M
+        cols = cute.size(hopper.swizzle_atom(traits).shape[1])
+        tile = HostLayout.of(hopper.smem_layout(traits, traits.block_m))
+        box = HostLayout.of(cute.tile_to_shape(hopper.swizzle_atom(traits), (rows, cols), order=(0, 1)))
+        r, c = (x.ravel() for x in np.meshgrid(np.arange(rows), np.arange(cols), indexing="ij"))
+        box_offsets = box(r + rows * c)
+        bases, same = [], True
+        for w in range(traits.warpgroups):
+            for j in range(traits.head_dim // cols):
+                delta = tile(rows * w + r + traits.block_m * (j * cols + c)) - box_offsets
+                same = same and bool((delta == delta[0]).all())
+                bases.append(int(delta[0]))
+        aligned = all(b * ELEMENT_BYTES % STAGE_ALIGN == 0 for b in bases)
+        return {"box_cols": cols, "bases": bases, "boxes_match_rows": same, "bases_aligned": aligned,
+                "ok": same and aligned}
+
+    return in_arch_trace("sm_90a", run)
+
+
 def verify_hopper(traits: HopperTileTraits) -> dict:
     smem = smem_checks(traits)
     p = p_operand_checks(traits)
     cover = accumulator_coverage(traits)
+    o_staging = o_staging_checks(traits)
     ok = (smem["sQ"] and smem["sKV"] and smem["staged_bijection"] and smem["stages_aligned"] and p["ok"]
-          and all(cover.values()))
-    return {"smem": smem, "p_operand": p, "acc_coverage": cover, "ok": ok}
+          and all(cover.values()) and o_staging["ok"])
+    return {"smem": smem, "p_operand": p, "acc_coverage": cover, "o_staging": o_staging, "ok": ok}
 
 
 def report(traits: HopperTileTraits, stages: int = 2) -> dict:

@@ -140,7 +140,8 @@ def _sm90_configs():
     from layouts.hopper import choose_hopper_traits
     from layouts.traits import HEAD_DIM_BUCKETS
 
-    configs = [Sm90FwdConfig(choose_hopper_traits(d, "bf16"), has_right=True) for d in HEAD_DIM_BUCKETS]
+    configs = [Sm90FwdConfig(t, persistent=Sm90FwdConfig.fits_persistent(t), has_right=True)
+               for t in (choose_hopper_traits(d, "bf16") for d in HEAD_DIM_BUCKETS)]
     configs += [Sm90FwdConfig(choose_hopper_traits(128, "fp16")),
                 Sm90FwdConfig(choose_hopper_traits(128, "bf16"), has_left=True, has_right=True, has_alibi=True,
                               has_softcap=True)]
@@ -150,7 +151,8 @@ def _sm90_configs():
 @pytest.mark.parametrize("config", _sm90_configs())
 def test_hopper_forward_compiles_to_wgmma(config, tmp_path):
     """The Hopper forward (opt-in) builds for sm_90a: its two GEMMs are wgmma, head_dim / 16 +
-    block_n / 16 per key block, and it fits in shared memory."""
+    block_n / 16 per key block, each GEMM traced twice (the first S and the last P V are peeled
+    off the loop), and it fits in shared memory."""
     from cute_flash.launch.compiled import compile_fwd_sm90
 
     assert config.smem_bytes <= SMEM_LIMIT[90]
@@ -158,4 +160,21 @@ def test_hopper_forward_compiles_to_wgmma(config, tmp_path):
     _assert_one_kernel_for(90, tmp_path)
     (ptx,) = tmp_path.glob("*.ptx")
     t = config.traits
-    assert ptx.read_text().count("wgmma.mma_async") == t.head_dim // 16 + t.block_n // 16
+    assert ptx.read_text().count("wgmma.mma_async") == 2 * (t.head_dim // 16 + t.block_n // 16)
+
+
+@pytest.mark.parametrize("config", _sm90_configs())
+def test_hopper_forward_wgmma_not_serialized(config, tmp_path):
+    """ptxas keeps the Hopper forward's wgmmas asynchronous: its C7512 warning (serialized for
+    want of registers) cost d 128 a quarter of its speed once (docs/perf.md, Hopper step 4).
+    Needs a ptxas (CUDA toolkit) on the machine."""
+    from cute_flash.launch.compiled import compile_fwd_sm90
+    from cute_flash.resources import find_ptxas, ptxas_report
+
+    if find_ptxas() is None:
+        pytest.skip("no ptxas on this machine")
+    compile_fwd_sm90(config, 90, f"--keep-ptx --dump-dir={tmp_path}")
+    (ptx,) = tmp_path.glob("*.ptx")
+    report = ptxas_report(str(ptx), 90)
+    assert report.get("registers"), "ptxas gave no resource report"
+    assert not report.get("wgmma_serialized")

@@ -40,3 +40,22 @@ def test_alibi_with_gqa():
     slopes = torch.rand(2, 6, device="cuda", dtype=torch.float32)
     out, lse = _run(q, k, v, causal=True, alibi_slopes=slopes)
     assert_matches_reference(out, lse, q, k, v, causal=True, alibi_slopes=slopes)
+
+
+@pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "cta-per-tile"])
+@pytest.mark.parametrize("d, sk, opts", [(64, 1500, {}), (128, 700, dict(causal=True)),
+                                         (128, 1100, dict(window_size=(300, 40))), (96, 600, dict(softcap=20.0))],
+                         ids=["d64", "d128-causal-sq>sk", "d128-window", "d96-softcap"])
+def test_both_schedules(persistent, d, sk, opts):
+    """Both schedules whatever the launcher would choose, on more tiles than SMs (3 x 12 heads x 8
+    query blocks), so a persistent CTA runs several tiles: its pipelines, Q's barriers and O's
+    staging tile carry over from tile to tile; sq > sk leaves causal rows with no key (tiles with
+    no key block)."""
+    from cute_flash.launch.hopper import flash_fwd_sm90
+    from tests.gpu_utils import poison_allocator
+
+    q, k, v = _inputs(3, 1000, sk, 12, 4, d, torch.bfloat16)
+    poison_allocator()
+    out, lse = flash_fwd_sm90(q, k, v, softmax_scale=d ** -0.5, persistent=persistent, **opts)
+    torch.cuda.synchronize()
+    assert_matches_reference(out, lse, q, k, v, **opts)

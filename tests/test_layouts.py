@@ -354,7 +354,8 @@ def test_backward_coverage_counts_reading_warps():
 @pytest.mark.parametrize("traits", shipped_hopper_traits(), ids=lambda t: t.name)
 def test_hopper_traits_verify(traits):
     """layouts.verify_hopper on every Hopper forward traits: GMMA tiles are bijections, stages
-    1024-byte aligned, and the S accumulator serves as P V's A operand in place."""
+    1024-byte aligned, the S accumulator serves as P V's A operand in place, the accumulators
+    cover S and O once, and each warpgroup's TMA store boxes read its own rows of O's tile."""
     from layouts.verify_hopper import verify_hopper
 
     result = verify_hopper(traits)
@@ -375,3 +376,19 @@ def test_hopper_p_operand_check_catches_a_wrong_view(monkeypatch):
     monkeypatch.setattr(hopper, "acc_as_operand_a", swapped)
     traits = hopper.choose_hopper_traits(128)
     assert p_operand_checks(traits)["mismatched_threads"] == traits.num_threads
+
+
+def test_hopper_o_staging_check_catches_a_tile_in_another_order(monkeypatch):
+    """The O staging check is not vacuous: a (block_m, d) tile whose swizzle atoms run along the
+    head dim first puts a warpgroup's 64 rows in no box-shaped region."""
+    from layouts import hopper
+    from layouts.verify_hopper import o_staging_checks
+
+    def head_dim_first(traits, rows):
+        return cute.tile_to_shape(hopper.swizzle_atom(traits), (rows, traits.head_dim), order=(1, 0))
+
+    traits = hopper.choose_hopper_traits(128)
+    assert o_staging_checks(traits)["ok"]
+    monkeypatch.setattr(hopper, "smem_layout", head_dim_first)
+    result = o_staging_checks(traits)
+    assert not result["boxes_match_rows"], result

@@ -1,23 +1,29 @@
-"""The Hopper forward (sm_90a), first version: TMA tile loads on mbarrier pipelines and wgmma,
-the SM80 kernel's softmax and score modifiers; no warp specialization yet. Device code only.
+"""The Hopper forward (sm_90a): a producer warpgroup issues TMA tile loads on mbarrier
+pipelines, consumer warpgroups run wgmma and the SM80 kernel's softmax and score modifiers,
+overlapping each block's softmax with the tensor cores. Device code only.
 
-One CTA computes O and LSE for block_m query rows of one (batch, head), one warpgroup per 64
-rows. Warp 0 issues the TMA copies; everyone computes:
+A tile is block_m query rows of one (batch, head): warpgroup 0 produces, warpgroups 1..
+consume, 64 query rows each (FlashAttention-3's design, written here):
 
-    warp 0: Q, then K[n] and V[n] of the first `stages` key blocks (last first)
-    for n = last .. first:
-        wait stage of n
-        S = Q K^T            (wgmma, both operands in shared memory)
-        mask / ALiBi / softcap, online softmax (`ScoreMods`, `OnlineSoftmax`: the SM80 code,
-                              on the wgmma accumulator's row/column view)
-        O += P V             (wgmma, P from the S accumulators' registers, V^T a view of sV)
-        release the stage; warp 0 refills it with the block `stages` further on
-    O /= rowsum; O, LSE stored from registers
+    producer (warp 0, 24 registers):  K[last], Q, V[last], then K[n] and V[n] of the other key
+                                      blocks (last first), each into a free stage of its pipeline
+    consumers (240 registers):
+        S = Q K[first]^T; mask; softmax -> P
+        for each further block n (n_prev the one before):
+            S = Q K[n]^T          issued, not waited for       } the tensor cores run both
+            O += P V[n_prev]      issued, not waited for       } while this warpgroup waits
+            wait for S; modifiers; softmax -> new P, rescale factors
+            wait for O += ...; rescale O
+        O += P V[last]; O /= rowsum; O via shared memory and a TMA store, LSE from registers
 
-TMA zero-fills what lies past a tensor's end (rows past seqlen, columns past a padded head
-dim), so no load needs a predicate; the first block processed (the last one) and blocks a
-window edge crosses run the mask. Dense batches only so far: the dispatcher keeps every other
-entry (and everything until the GPU tests pass) on the SM80 kernel.
+A persistent variant runs one CTA per SM over a static round robin of tiles: Q's tile is
+released by a barrier once the consumers' last wgmma is done, O has a tile of its own, so the
+next tile's Q and K / V load during this one's last P V and epilogue. Otherwise one CTA per
+tile, O staged in Q's tile. With two consumer warpgroups (d <= 128) a pair of named barriers makes them take turns at
+issuing their GEMMs, so one's softmax runs while the other's GEMMs occupy the tensor cores
+(ping-pong). TMA zero-fills what lies past a tensor's end (rows past seqlen, columns past a
+padded head dim), so no load needs a predicate; the first block processed (the last one) and
+blocks a window edge crosses run the mask.
 """
 from __future__ import annotations
 
@@ -26,11 +32,11 @@ from dataclasses import dataclass, fields
 import cutlass
 import cutlass.cute as cute
 from cutlass import pipeline
-from cutlass.cute.nvgpu import cpasync
+from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from cute_flash.kernels.block_range import BlockRange, Window
 from cute_flash.kernels.config import FLAG_LETTERS
-from cute_flash.kernels.gemm import wgmma
+from cute_flash.kernels.gemm import wgmma, wgmma_issue
 from cute_flash.kernels.score_mods import Mask, ScoreMods
 from cute_flash.kernels.seq_info import SeqInfo
 from cute_flash.kernels.softmax import OnlineSoftmax
@@ -38,7 +44,15 @@ from layouts import hopper
 from layouts import mma as lmma
 from layouts import smem as lsmem
 from layouts.hopper import HopperTileTraits
-from layouts.traits import element_type
+from layouts.traits import ELEMENT_BYTES, SMEM_LIMIT, element_type
+
+SMEM_LIMIT_SM90 = SMEM_LIMIT[90]
+
+# (producer, consumer) registers per thread by consumer warpgroups: 128 x producer + 128 x
+# warpgroups x consumer <= 64K registers per SM, multiples of 8, at most 256.
+REGISTERS = {1: (56, 256), 2: (24, 240), 3: (32, 160)}
+SCHEDULER_BARRIER = 1  # named barriers 1..3: consumer warpgroup 0's..2's turn to issue GEMMs
+EPILOGUE_BARRIER = 4   # named barriers 4..6: consumer warpgroup 0's..2's O tile written to smem
 
 
 @dataclass(frozen=True)
@@ -46,21 +60,42 @@ class Sm90FwdConfig:
     """One compiled Hopper forward variant: traits, K/V pipeline depth and the score flags."""
     traits: HopperTileTraits
     stages: int = 2
+    persistent: bool = False  # launch/hopper.py:prefers_persistent chooses
     has_left: bool = False
     has_right: bool = False
     has_alibi: bool = False
     has_softcap: bool = False
 
     @property
+    def num_threads(self) -> int:
+        """The consumer warpgroups and one producer warpgroup."""
+        return self.traits.num_threads + 128
+
+    @property
+    def pingpong(self) -> bool:
+        """Consumer warpgroups take turns at the tensor cores, round robin (d <= 128: above,
+        O's registers leave no room for the overlap to pay)."""
+        return self.traits.warpgroups >= 2 and self.traits.head_dim <= 128
+
+    @staticmethod
+    def fits_persistent(traits: HopperTileTraits, stages: int = 2) -> bool:
+        """Persistent: one CTA per SM looping over tiles, O in a tile of its own in shared
+        memory (room for it in all but d 256), so the next tile's Q and K / V load while this
+        one's last P V and epilogue run. Otherwise one CTA per tile, O staged in Q's tile."""
+        return Sm90FwdConfig(traits, stages, persistent=True).smem_bytes <= SMEM_LIMIT_SM90
+
+    @property
     def smem_bytes(self) -> int:
-        """The tiles, and the mbarriers (8 bytes each: Q's, a full and an empty one per stage)."""
-        return self.traits.smem_bytes(self.stages) + 8 * (1 + 2 * self.stages)
+        """The tiles (O's own when persistent), and the mbarriers (8 bytes each: Q's full and
+        empty ones, a full and an empty one per stage of K and of V)."""
+        o_tile = ELEMENT_BYTES * self.traits.block_m * self.traits.head_dim if self.persistent else 0
+        return self.traits.smem_bytes(self.stages) + o_tile + 8 * (2 + 4 * self.stages)
 
     @property
     def name(self) -> str:
         flags = "".join(FLAG_LETTERS[f.name] if getattr(self, f.name) else "." for f in fields(self)
                         if f.name.startswith("has_"))
-        return f"{self.traits.name}_s{self.stages}-{flags}"
+        return f"{self.traits.name}_s{self.stages}{'p' if self.persistent else ''}-{flags}"
 
 
 @dataclass(frozen=True)
@@ -80,6 +115,7 @@ class Sm90Recipe:
     tma_q: cute.CopyAtom
     tma_k: cute.CopyAtom
     tma_v: cute.CopyAtom
+    tma_o: cute.CopyAtom             # stores one warpgroup's (64, d) rows of O
     mma_qk: cute.TiledMma
     mma_pv: cute.TiledMma
 
@@ -89,36 +125,60 @@ class Sm90Tensors:
     tma_mQ: cute.Tensor  # (seqlen_q, d, heads, batch) TMA coordinates
     tma_mK: cute.Tensor  # (seqlen_k, d, heads_k, batch)
     tma_mV: cute.Tensor
-    mO: cute.Tensor      # (batch, seqlen_q, heads, d)
+    tma_mO: cute.Tensor  # (seqlen_q, d, heads, batch)
     mLSE: cute.Tensor    # (batch, heads, seqlen_q) fp32
     mAlibi: object       # (batch, heads) fp32 slopes
 
 
 @dataclass(frozen=True)
-class KVLoads:
-    """The TMA copies of K and V: atoms and partitions."""
-    tma_k: cute.CopyAtom
-    tKgK: cute.Tensor  # (TMA, n_blocks) TMA coordinates of each key block
-    tKsK: cute.Tensor  # (TMA, stages)
-    tma_v: cute.CopyAtom
-    tVgV: cute.Tensor
-    tVsV: cute.Tensor
+class Tile:
+    """One work tile (a query block of one head) and what follows from it."""
+    m_block: object
+    bidh: object
+    bidb: object
+    seq: SeqInfo
+    n_block_max: object
+    count: object       # key blocks to visit: n_block_max - 1 down to n_block_max - count
+
+
+@dataclass(frozen=True)
+class Pipes:
+    """Q's mbarriers (full: the TMA bytes landed; empty: every consumer thread is done with the
+    tile) and the K and V stage pipelines (`PipelineTmaAsync`: a full barrier the TMA bytes
+    complete, an empty one each consumer warp arrives on)."""
+    q_full: object
+    q_empty: object
+    k: object
+    v: object
 
 
 @dataclass(frozen=True)
 class Sm90Loop:
-    """What every key-block step reads."""
-    kv_pipe: object           # PipelineTmaAsync of the K / V stages
+    """What every key-block step of a consumer warpgroup reads and writes."""
+    pipes: Pipes
     tSrQ: cute.Tensor         # (MMA, MMA_M, MMA_K) smem descriptors
     tSrK: cute.Tensor         # (MMA, MMA_N, MMA_K, stages)
     tOrV: cute.Tensor         # (MMA, MMA_N, MMA_K, stages): V^T
+    acc_s: cute.Tensor        # (MMA, MMA_M, MMA_N) fp32, S then P
+    tOrP: cute.Tensor         # ((2, 2, 2), MMA_M, MMA_K): P in the input dtype, P V's A operand
     acc_o: cute.Tensor        # (MMA, MMA_M, MMA_N) fp32
     acc_o_mn: cute.Tensor     # its (row, col) view
+    row_scale: cute.Tensor    # (rows,) fp32: O's rescale factors of the latest softmax step
     softmax: OnlineSoftmax
     mods: ScoreMods
     m_block: object
     unmasked_lo: object       # [lo, hi): key blocks no mask edge crosses (BlockRange.unmasked)
     unmasked_hi: object
+    consumer_wg: object       # 0, 1, ..: this consumer warpgroup
+    kv_uses: object           # K / V stage uses before this tile's (the pipelines' position)
+
+
+def use_state(n, stages: int, producer: bool) -> pipeline.PipelineState:
+    """The pipeline state of the n-th stage use (n from 0): stage n % stages, its phase bit
+    flipping each round (a producer's starts flipped). Computed from n rather than carried
+    through the loop by `advance()`: a state object rebound in a helper is not a loop variable
+    the DSL can carry."""
+    return pipeline.PipelineState(stages, n, n % stages, (n // stages) % 2 ^ (1 if producer else 0))
 
 
 def seq_first(t: cute.Tensor) -> cute.Tensor:
@@ -136,9 +196,10 @@ class FlashFwdSm90:
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
                  mAlibi, scale_log2: cutlass.Float32, score_premul: cutlass.Float32, alibi_div: cutlass.Float32,
-                 window_left: cutlass.Int32, window_right: cutlass.Int32, stream):
+                 window_left: cutlass.Int32, window_right: cutlass.Int32, max_ctas: cutlass.Int32, stream):
         """mQ / mO (batch, seqlen_q, heads, d), mK / mV (batch, seqlen_k, heads_k, d), mLSE
-        (batch, heads, seqlen_q) fp32, mAlibi (batch, heads) fp32 or None."""
+        (batch, heads, seqlen_q) fp32, mAlibi (batch, heads) fp32 or None; max_ctas: the SMs
+        a persistent variant spreads its tiles over."""
         t, stages = self.t, self.config.stages
         sQ_layout = hopper.smem_layout(t, t.block_m)
         sKV_layout = hopper.smem_layout_staged(t, t.block_n, stages)
@@ -146,160 +207,301 @@ class FlashFwdSm90:
         tma_q, tma_mQ = hopper.tma_load_atom(t, seq_first(mQ), sQ_layout, t.block_m)
         tma_k, tma_mK = hopper.tma_load_atom(t, seq_first(mK), sKV_stage, t.block_n)
         tma_v, tma_mV = hopper.tma_load_atom(t, seq_first(mV), sKV_stage, t.block_n)
+        tma_o, tma_mO = hopper.tma_store_atom(t, seq_first(mO), hopper.smem_layout(t, hopper.WGMMA_M), hopper.WGMMA_M)
 
         kv = (self.dtype, cute.cosize(sKV_layout), 1024)
-        SharedStorage = lsmem.smem_struct({"q_full": (cutlass.Int64, 1, None),
-                                           "kv_barriers": (cutlass.Int64, 2 * stages, None),
-                                           "sQ": (self.dtype, cute.cosize(sQ_layout), 1024), "sK": kv, "sV": kv})
+        fields = {"q_barriers": (cutlass.Int64, 2, None), "k_barriers": (cutlass.Int64, 2 * stages, None),
+                  "v_barriers": (cutlass.Int64, 2 * stages, None),
+                  "sQ": (self.dtype, cute.cosize(sQ_layout), 1024), "sK": kv, "sV": kv}
+        if cutlass.const_expr(self.config.persistent):
+            fields["sO"] = (self.dtype, cute.cosize(sQ_layout), 1024)
+        SharedStorage = lsmem.smem_struct(fields)
 
-        recipe = Sm90Recipe(sQ_layout, sKV_layout, tma_q, tma_k, tma_v, hopper.tiled_mma_qk(t),
+        recipe = Sm90Recipe(sQ_layout, sKV_layout, tma_q, tma_k, tma_v, tma_o, hopper.tiled_mma_qk(t),
                             hopper.tiled_mma_pv(t))
-        args = Sm90Tensors(tma_mQ, tma_mK, tma_mV, mO, mLSE, mAlibi)
+        args = Sm90Tensors(tma_mQ, tma_mK, tma_mV, tma_mO, mLSE, mAlibi)
         scalars = Sm90Scalars(scale_log2, score_premul, alibi_div, window_left, window_right)
+        tiles = cute.ceil_div(mQ.shape[1], t.block_m) * mQ.shape[2] * mQ.shape[0]
+        ctas = cutlass.min(tiles, max_ctas) if cutlass.const_expr(self.config.persistent) else tiles
         self.kernel(args, scalars, recipe, SharedStorage).launch(
-            grid=(cute.ceil_div(mQ.shape[1], t.block_m), mQ.shape[2], mQ.shape[0]), block=[t.num_threads, 1, 1],
-            smem=SharedStorage.size_in_bytes(), stream=stream)
+            grid=(ctas, 1, 1), block=[self.config.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(),
+            stream=stream, min_blocks_per_mp=1)
 
     @cute.kernel
     def kernel(self, args: Sm90Tensors, scalars: Sm90Scalars, recipe: Sm90Recipe, SharedStorage: cutlass.Constexpr):
         cfg, t = self.config, self.t
-        bm, bn, d = t.block_m, t.block_n, t.head_dim
         tidx, _, _ = cute.arch.thread_idx()
-        m_block, bidh, bidb = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        heads, heads_k = args.tma_mQ.shape[2], args.tma_mK.shape[2]
-        bidh_kv = bidh // (heads // heads_k)
-        seq = SeqInfo.make(bidb, args.tma_mQ.shape[0], args.tma_mK.shape[0])
-        window = Window(scalars.window_left, scalars.window_right, cfg.has_left, cfg.has_right)
-        blocks = BlockRange.make(seq, m_block, bm, bn, window)
-        count = blocks.n_block_max - blocks.n_block_min
 
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
-        q_full = storage.q_full.data_ptr()
+        q_full, q_empty = storage.q_barriers.data_ptr(), storage.q_barriers.data_ptr() + 1
         if warp == 0:
             for atom in (recipe.tma_q, recipe.tma_k, recipe.tma_v):
                 cpasync.prefetch_descriptor(atom)
         if tidx == 0:
             cute.arch.mbarrier_init(q_full, 1)
-        # K[n] and V[n] share a stage: one full barrier per stage with both tiles' bytes, one
-        # empty barrier that every warp arrives on when done with the stage (this also
-        # fences and synchronizes the barrier inits).
-        kv_pipe = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.kv_barriers.data_ptr(), num_stages=cfg.stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, t.num_threads // 32),
-            tx_count=2 * cute.size_in_bytes(self.dtype, cute.slice_(recipe.sKV_layout, (None, None, 0))))
+            cute.arch.mbarrier_init(q_empty, t.num_threads)
+        stage_bytes = cute.size_in_bytes(self.dtype, cute.slice_(recipe.sKV_layout, (None, None, 0)))
+        consumer_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, t.num_threads // 32)
+        k_pipe, v_pipe = (pipeline.PipelineTmaAsync.create(
+            barrier_storage=barriers, num_stages=cfg.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread), consumer_group=consumer_warps,
+            tx_count=stage_bytes, defer_sync=True) for barriers in (storage.k_barriers.data_ptr(),
+                                                                    storage.v_barriers.data_ptr()))
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+        pipes = Pipes(q_full, q_empty, k_pipe, v_pipe)
         sQ = storage.sQ.get_tensor(recipe.sQ_layout.outer, swizzle=recipe.sQ_layout.inner)    # (bm, d)
         sK = storage.sK.get_tensor(recipe.sKV_layout.outer, swizzle=recipe.sKV_layout.inner)  # (bn, d, stages)
         sV = storage.sV.get_tensor(recipe.sKV_layout.outer, swizzle=recipe.sKV_layout.inner)  # (bn, d, stages)
+        sO = sQ  # (bm, d) O's staging tile: Q's, unless the variant has room for one of its own
+        if cutlass.const_expr(cfg.persistent):
+            sO = storage.sO.get_tensor(recipe.sQ_layout.outer, swizzle=recipe.sQ_layout.inner)
 
-        gQ = cute.local_tile(args.tma_mQ[None, None, bidh, bidb], (bm, d), (m_block, 0))  # (bm, d)
-        gK = cute.local_tile(args.tma_mK[None, None, bidh_kv, bidb], (bn, d), (None, 0))  # (bn, d, n_blocks)
-        gV = cute.local_tile(args.tma_mV[None, None, bidh_kv, bidb], (bn, d), (None, 0))  # (bn, d, n_blocks)
+        producer_regs, consumer_regs = REGISTERS[t.warpgroups]
+        if warp < 4:
+            cute.arch.setmaxregister_decrease(producer_regs)
+            if warp == 0:
+                self.produce(args, scalars, recipe, pipes, sQ, sK, sV)
+        else:
+            cute.arch.setmaxregister_increase(consumer_regs)
+            self.consume(args, scalars, recipe, pipes, sQ, sK, sV, sO, tidx - 128)
+
+    @cute.jit
+    def tile(self, args: Sm90Tensors, scalars: Sm90Scalars, tile_idx) -> Tile:
+        """Work tile tile_idx: query blocks fastest, last first (the longest under a causal
+        mask go first), then heads (consecutive tiles share K / V in L2), then batches."""
+        cfg, t = self.config, self.t
+        seqlen_q, heads = args.tma_mQ.shape[0], args.tma_mQ.shape[2]
+        m_blocks = cute.ceil_div(seqlen_q, t.block_m)
+        m_block = m_blocks - 1 - tile_idx % m_blocks
+        bidh = (tile_idx // m_blocks) % heads
+        bidb = tile_idx // (m_blocks * heads)
+        seq = SeqInfo.make(bidb, seqlen_q, args.tma_mK.shape[0])
+        window = Window(scalars.window_left, scalars.window_right, cfg.has_left, cfg.has_right)
+        blocks = BlockRange.make(seq, m_block, t.block_m, t.block_n, window)
+        return Tile(m_block, bidh, bidb, seq, blocks.n_block_max, blocks.n_block_max - blocks.n_block_min)
+
+    @cute.jit
+    def produce(self, args: Sm90Tensors, scalars: Sm90Scalars, recipe: Sm90Recipe, pipes: Pipes, sQ, sK, sV):
+        """Warp 0, per tile: K[last], Q (once the consumers are done with the previous tile's),
+        V[last], then K[n] and V[n] for n = last - 1 .. first, each into its pipeline's next
+        free stage (a TMA copy is issued by the whole warp: it elects one lane itself)."""
+        bidx, _, _ = cute.arch.block_idx()
+        ctas, _, _ = cute.arch.grid_dim()
+        heads = args.tma_mQ.shape[2]
+        tiles = cute.ceil_div(args.tma_mQ.shape[0], self.t.block_m) * heads * args.tma_mQ.shape[3]
+        q_loads = cutlass.Int32(0)
+        kv_uses = cutlass.Int32(0)
+        for tile_idx in cutlass.range(bidx, tiles, ctas, unroll=1):
+            tile = self.tile(args, scalars, tile_idx)
+            if tile.count > 0:
+                self.produce_tile(args, recipe, pipes, sQ, sK, sV, tile, heads, q_loads, kv_uses)
+                q_loads = q_loads + 1
+                kv_uses = kv_uses + tile.count
+
+    @cute.jit
+    def produce_tile(self, args: Sm90Tensors, recipe: Sm90Recipe, pipes: Pipes, sQ, sK, sV, tile: Tile, heads,
+                     q_loads, kv_uses):
+        bm, bn, d, stages = self.t.block_m, self.t.block_n, self.t.head_dim, self.config.stages
+        bidh_kv = tile.bidh // (heads // args.tma_mK.shape[2])
+        gQ = cute.local_tile(args.tma_mQ[None, None, tile.bidh, tile.bidb], (bm, d), (tile.m_block, 0))  # (bm, d)
+        gK = cute.local_tile(args.tma_mK[None, None, bidh_kv, tile.bidb], (bn, d), (None, 0))  # (bn, d, n_blocks)
+        gV = cute.local_tile(args.tma_mV[None, None, bidh_kv, tile.bidb], (bn, d), (None, 0))  # (bn, d, n_blocks)
         one = cute.make_layout(1)
         tQsQ, tQgQ = cpasync.tma_partition(recipe.tma_q, 0, one, cute.group_modes(sQ, 0, 2),
                                            cute.group_modes(gQ, 0, 2))  # (TMA,), (TMA,)
         tKsK, tKgK = cpasync.tma_partition(recipe.tma_k, 0, one, cute.group_modes(sK, 0, 2),
                                            cute.group_modes(gK, 0, 2))  # (TMA, stages), (TMA, n_blocks)
         tVsV, tVgV = cpasync.tma_partition(recipe.tma_v, 0, one, cute.group_modes(sV, 0, 2),
-                                           cute.group_modes(gV, 0, 2))
-        kv_loads = KVLoads(recipe.tma_k, tKgK, tKsK, recipe.tma_v, tVgV, tVsV)
+                                           cute.group_modes(gV, 0, 2))  # (TMA, stages), (TMA, n_blocks)
+        for i in cutlass.range(tile.count, unroll=1):
+            n_block = tile.n_block_max - 1 - i
+            write = use_state(kv_uses + i, stages, producer=True)
+            pipes.k.producer_acquire(write)
+            cute.copy(recipe.tma_k, tKgK[None, n_block], tKsK[None, write.index],
+                      tma_bar_ptr=pipes.k.producer_get_barrier(write))
+            if i == 0:
+                if q_loads > 0:
+                    cute.arch.mbarrier_wait(pipes.q_empty, (q_loads - 1) % 2)
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_arrive_and_expect_tx(pipes.q_full,
+                                                            cute.size_in_bytes(self.dtype, recipe.sQ_layout))
+                cute.copy(recipe.tma_q, tQgQ, tQsQ, tma_bar_ptr=pipes.q_full)
+            pipes.v.producer_acquire(write)
+            cute.copy(recipe.tma_v, tVgV[None, n_block], tVsV[None, write.index],
+                      tma_bar_ptr=pipes.v.producer_get_barrier(write))
 
-        producer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.stages)
-        if warp == 0:  # a TMA copy is issued by a whole warp: it elects one lane itself
-            if tidx == 0:
-                cute.arch.mbarrier_arrive_and_expect_tx(q_full, cute.size_in_bytes(self.dtype, recipe.sQ_layout))
-            cute.arch.sync_warp()
-            cute.copy(recipe.tma_q, tQgQ, tQsQ, tma_bar_ptr=q_full)
-            for i in cutlass.range(cutlass.min(count, cfg.stages), unroll=1):
-                self.load_kv(kv_pipe, producer, blocks.n_block_max - 1 - i, kv_loads)
-                producer.advance()
-
+    @cute.jit
+    def consume(self, args: Sm90Tensors, scalars: Sm90Scalars, recipe: Sm90Recipe, pipes: Pipes, sQ, sK, sV, sO,
+                mma_tidx):
+        """A consumer warpgroup, per tile: its 64 rows of O and LSE (mma_tidx: the thread's
+        index among the consumers)."""
+        t = self.t
+        bm, bn, d = t.block_m, t.block_n, t.head_dim
+        consumer_wg = mma_tidx // 128
         wg = cute.make_layout(t.warpgroups, stride=128)  # A / B partitions are per warpgroup: its first thread
-        wg_qk = recipe.mma_qk.get_slice(wg(tidx // 128))
-        wg_pv = recipe.mma_pv.get_slice(wg(tidx // 128))
+        wg_qk = recipe.mma_qk.get_slice(wg(consumer_wg))
+        wg_pv = recipe.mma_pv.get_slice(wg(consumer_wg))
         tSrQ = recipe.mma_qk.make_fragment_A(wg_qk.partition_A(sQ))  # (MMA, MMA_M, MMA_K) descriptors
         tSrK = recipe.mma_qk.make_fragment_B(wg_qk.partition_B(sK))  # (MMA, MMA_N, MMA_K, stages)
         sVt = lsmem.transposed_view(sV)  # (d, bn, stages)
         tOrV = recipe.mma_pv.make_fragment_B(wg_pv.partition_B(sVt))  # (MMA, MMA_N, MMA_K, stages)
+        acc_s = cute.make_rmem_tensor(wg_qk.partition_shape_C((bm, bn)), cutlass.Float32)  # (MMA, MMA_M, MMA_N)
+        tOrP = cute.make_rmem_tensor(hopper.acc_as_operand_a(acc_s).layout, self.dtype)  # ((2, 2, 2), MMA_M, MMA_K)
         acc_o = cute.make_rmem_tensor(wg_pv.partition_shape_C((bm, d)), cutlass.Float32)  # (MMA, MMA_M, MMA_N)
-        acc_o.fill(0.0)
-        acc_o_mn = lmma.acc_mn_view(acc_o)
-        tOcO_mn = lmma.acc_mn_view(recipe.mma_pv.get_slice(tidx).partition_C(cute.make_identity_tensor((bm, d))))
+        row_scale = cute.make_rmem_tensor((cute.size(lmma.acc_mn_view(acc_o).shape[0]),), cutlass.Float32)
+        if cutlass.const_expr(self.config.pingpong):
+            if consumer_wg == 0:  # warpgroup 0 takes the first turn
+                cute.arch.barrier_arrive(barrier_id=SCHEDULER_BARRIER, number_of_threads=256)
 
+        bidx, _, _ = cute.arch.block_idx()
+        ctas, _, _ = cute.arch.grid_dim()
+        tiles = cute.ceil_div(args.tma_mQ.shape[0], bm) * args.tma_mQ.shape[2] * args.tma_mQ.shape[3]
+        q_loads = cutlass.Int32(0)
+        kv_uses = cutlass.Int32(0)
+        for tile_idx in cutlass.range(bidx, tiles, ctas, unroll=1):
+            tile = self.tile(args, scalars, tile_idx)
+            self.consume_tile(args, scalars, recipe, pipes, tSrQ, tSrK, tOrV, acc_s, tOrP, acc_o, row_scale, sO,
+                              tile, mma_tidx, q_loads, kv_uses)
+            if tile.count > 0:
+                q_loads = q_loads + 1
+                kv_uses = kv_uses + tile.count
+        if mma_tidx % 128 < 32:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)  # sO stays until TMA has read it
+
+    @cute.jit
+    def consume_tile(self, args: Sm90Tensors, scalars: Sm90Scalars, recipe: Sm90Recipe, pipes: Pipes, tSrQ, tSrK,
+                     tOrV, acc_s, tOrP, acc_o, row_scale, sO, tile: Tile, mma_tidx, q_loads, kv_uses):
+        cfg, t = self.config, self.t
+        bm, bn = t.block_m, t.block_n
+        acc_o.fill(0.0)
+        # S is fully written by its first wgmma, but a wgmma's accumulators are also its inputs:
+        # without this the previous tile's S stays live around the tile loop, and at d 128 ptxas
+        # then serializes every wgmma for want of registers (C7512).
+        acc_s.fill(0.0)
+        acc_o_mn = lmma.acc_mn_view(acc_o)
         softmax = OnlineSoftmax(cute.size(acc_o_mn.shape[0]), scalars.scale_log2)
         softmax.init_empty()
         slope = cutlass.Float32(0.0)
         if cutlass.const_expr(cfg.has_alibi):
-            slope = args.mAlibi[bidb, bidh] * scalars.alibi_div
-        mods = ScoreMods(Mask(seq.seqlen_q, seq.seqlen_k, window), scalars.score_premul, slope, cfg.has_softcap,
-                         cfg.has_alibi, (bm, bn))
-        lo, hi = BlockRange.unmasked(seq, m_block, bm, bn, window)
-
-        loop = Sm90Loop(kv_pipe, tSrQ, tSrK, tOrV, acc_o, acc_o_mn, softmax, mods, m_block, lo, hi)
-        cute.arch.mbarrier_wait(q_full, 0)
-        consumer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.stages)
-        for i in cutlass.range(count, unroll=1):
-            n_block = blocks.n_block_max - 1 - i
-            self.step(i, n_block, loop, consumer, recipe)
-            consumer.advance()
-            if warp == 0:
-                if i + cfg.stages < count:
-                    self.load_kv(kv_pipe, producer, n_block - cfg.stages, kv_loads)
-                    producer.advance()
+            slope = args.mAlibi[tile.bidb, tile.bidh] * scalars.alibi_div
+        window = Window(scalars.window_left, scalars.window_right, cfg.has_left, cfg.has_right)
+        mods = ScoreMods(Mask(tile.seq.seqlen_q, tile.seq.seqlen_k, window), scalars.score_premul, slope,
+                         cfg.has_softcap, cfg.has_alibi, (bm, bn), mma_tidx=mma_tidx)
+        lo, hi = BlockRange.unmasked(tile.seq, tile.m_block, bm, bn, window)
+        loop = Sm90Loop(pipes, tSrQ, tSrK, tOrV, acc_s, tOrP, acc_o, acc_o_mn, row_scale, softmax, mods, tile.m_block,
+                        lo, hi, mma_tidx // 128, kv_uses)
+        if tile.count > 0:
+            cute.arch.mbarrier_wait(pipes.q_full, q_loads % 2)
+            self.mainloop(loop, tile.n_block_max, tile.count, recipe)
+            cute.arch.mbarrier_arrive(pipes.q_empty)  # this thread's wgmmas are done with sQ
 
         lse = cute.make_rmem_tensor(softmax.row_max.layout, cutlass.Float32)
         softmax.finalize(acc_o_mn, lse, cutlass.Float32.inf)
-        self.store(acc_o_mn, lse, tOcO_mn, args, seq, m_block, bidb, bidh)
+        self.store(acc_o, lse, sO, args, recipe, tile, mma_tidx)
 
     @cute.jit
-    def step(self, i, n_block, loop: Sm90Loop, consumer, recipe: Sm90Recipe):
-        """Key block n_block, the i-th processed: S, modifiers and softmax (the first block
-        processed and blocks an edge crosses masked), O += P V; its stage released."""
-        bm, bn = self.t.block_m, self.t.block_n
-        loop.kv_pipe.consumer_wait(consumer)
-        acc_s = cute.make_rmem_tensor(recipe.mma_qk.get_slice(0).partition_shape_C((bm, bn)),
-                                      cutlass.Float32)  # (MMA, MMA_M, MMA_N)
-        wgmma(recipe.mma_qk, acc_s, loop.tSrQ, loop.tSrK[None, None, None, consumer.index])
-        if i == 0:
-            self.softmax_step(loop, acc_s, n_block, recipe, True, True)
-        elif loop.unmasked_lo <= n_block and n_block < loop.unmasked_hi:
-            self.softmax_step(loop, acc_s, n_block, recipe, False, False)
-        else:
-            self.softmax_step(loop, acc_s, n_block, recipe, False, True)
-        tOrP = hopper.p_operand(acc_s, self.dtype)  # ((2, 2, 2), MMA_M, MMA_K)
-        wgmma(recipe.mma_pv, loop.acc_o, tOrP, loop.tOrV[None, None, None, consumer.index], accumulate=True)
-        loop.kv_pipe.consumer_release(consumer)
+    def mainloop(self, loop: Sm90Loop, n_block_max, count, recipe: Sm90Recipe):
+        """Key blocks n_block_max - 1 down to n_block_max - count: the first one's S and softmax,
+        then per block its S = Q K^T with the previous block's O += P V in flight, the last P V
+        at the end."""
+        stages = self.config.stages
+        # MMAs of this function's own (recipe's only partition): wgmma sets an MMA's accumulate
+        # field, state that must not escape the dynamic branch / loop it was set in.
+        mma_qk, mma_pv = hopper.tiled_mma_qk(self.t), hopper.tiled_mma_pv(self.t)
+        first = use_state(loop.kv_uses, stages, producer=False)
+        loop.pipes.k.consumer_wait(first)
+        wgmma(mma_qk, loop.acc_s, loop.tSrQ, loop.tSrK[None, None, None, first.index])
+        loop.pipes.k.consumer_release(first)
+        self.scores(loop, n_block_max - 1, recipe, True, True)
+        for i in cutlass.range(1, count, unroll=1):
+            n_block = n_block_max - 1 - i
+            k_read = use_state(loop.kv_uses + i, stages, producer=False)
+            v_read = use_state(loop.kv_uses + i - 1, stages, producer=False)
+            loop_qk, loop_pv = hopper.tiled_mma_qk(self.t), hopper.tiled_mma_pv(self.t)
+            loop.pipes.k.consumer_wait(k_read)
+            self.take_turn(loop)
+            wgmma_issue(loop_qk, loop.acc_s, loop.tSrQ, loop.tSrK[None, None, None, k_read.index])
+            loop.pipes.v.consumer_wait(v_read)
+            wgmma_issue(loop_pv, loop.acc_o, loop.tOrP, loop.tOrV[None, None, None, v_read.index],
+                        accumulate=True)
+            self.pass_turn(loop)
+            warpgroup.wait_group(1)  # S landed; P V may still run
+            loop.pipes.k.consumer_release(k_read)
+            if loop.unmasked_lo <= n_block and n_block < loop.unmasked_hi:
+                self.scores(loop, n_block, recipe, False, False)
+            else:
+                self.scores(loop, n_block, recipe, False, True)
+            warpgroup.wait_group(0)
+            loop.pipes.v.consumer_release(v_read)
+            loop.softmax.rescale(loop.acc_o_mn, loop.row_scale)
+            self.convert_p(loop)
+        last = use_state(loop.kv_uses + count - 1, stages, producer=False)
+        loop.pipes.v.consumer_wait(last)
+        wgmma(mma_pv, loop.acc_o, loop.tOrP, loop.tOrV[None, None, None, last.index], accumulate=True)
+        loop.pipes.v.consumer_release(last)
 
     @cute.jit
-    def softmax_step(self, loop: Sm90Loop, acc_s, n_block, recipe: Sm90Recipe, is_first: cutlass.Constexpr,
-                     masked: cutlass.Constexpr):
-        acc_s_mn = loop.mods.apply(recipe.mma_qk, acc_s, loop.m_block, n_block, masked)
-        loop.softmax.step(acc_s_mn, loop.acc_o_mn, is_first, masked)
+    def scores(self, loop: Sm90Loop, n_block, recipe: Sm90Recipe, is_first: cutlass.Constexpr,
+               masked: cutlass.Constexpr):
+        """S of key block n_block (in acc_s) -> modifiers -> unnormalised P; the first block's
+        P is converted here, a later one's after O is rescaled."""
+        acc_s_mn = loop.mods.apply(recipe.mma_qk, loop.acc_s, loop.m_block, n_block, masked)
+        loop.softmax.update(acc_s_mn, loop.row_scale, is_first, masked)
+        if cutlass.const_expr(is_first):
+            self.convert_p(loop)
 
     @cute.jit
-    def load_kv(self, kv_pipe, producer, n_block, loads: KVLoads):
-        """Warp 0: K[n_block] and V[n_block] into the producer's stage, once it is free."""
-        kv_pipe.producer_acquire(producer)
-        bar = kv_pipe.producer_get_barrier(producer)
-        cute.copy(loads.tma_k, loads.tKgK[None, n_block], loads.tKsK[None, producer.index], tma_bar_ptr=bar)
-        cute.copy(loads.tma_v, loads.tVgV[None, n_block], loads.tVsV[None, producer.index], tma_bar_ptr=bar)
+    def convert_p(self, loop: Sm90Loop):
+        loop.tOrP.store(hopper.acc_as_operand_a(loop.acc_s).load().to(self.dtype))
 
     @cute.jit
-    def store(self, acc_o_mn: cute.Tensor, lse: cute.Tensor, tOcO_mn: cute.Tensor, args: Sm90Tensors, seq: SeqInfo,
-              m_block, bidb, bidh):
-        """O from registers, rows past seqlen_q and columns past the tensor's head dim skipped;
-        one thread of each quad writes its rows' LSE."""
+    def take_turn(self, loop: Sm90Loop):
+        """Ping-pong: wait until the previous consumer warpgroup (round robin) has issued its
+        GEMMs."""
+        if cutlass.const_expr(self.config.pingpong):
+            cute.arch.barrier(barrier_id=SCHEDULER_BARRIER + loop.consumer_wg, number_of_threads=256)
+
+    @cute.jit
+    def pass_turn(self, loop: Sm90Loop):
+        if cutlass.const_expr(self.config.pingpong):
+            nxt = (loop.consumer_wg + 1) % self.t.warpgroups
+            cute.arch.barrier_arrive(barrier_id=SCHEDULER_BARRIER + nxt, number_of_threads=256)
+
+    @cute.jit
+    def store(self, acc_o: cute.Tensor, lse: cute.Tensor, sO: cute.Tensor, args: Sm90Tensors, recipe: Sm90Recipe,
+              tile: Tile, mma_tidx):
+        """O through shared memory: each consumer warpgroup writes its 64 rows into its rows of
+        sO, which lie in swizzle atoms of their own (so, in Q's tile, no other warpgroup's last
+        Q K^T reads them), once the previous tile's TMA store has read them; one of its warps
+        then stores them with TMA, which drops rows past seqlen_q and columns past the tensor's
+        head dim. One thread of each quad writes its rows' LSE."""
         bm, d = self.t.block_m, self.t.head_dim
-        rows_q = seq.seqlen_q - m_block * bm
-        gO = cute.local_tile(args.mO[bidb, None, bidh, None], (bm, d), (m_block, 0))  # (bm, d)
-        head_dim = args.mO.shape[3]
-        for r in cutlass.range_constexpr(cute.size(acc_o_mn.shape[0])):
+        wg = mma_tidx // 128
+        store_warp = mma_tidx % 128 < 32
+        rO = cute.make_rmem_tensor(acc_o.layout, self.dtype)  # (MMA, MMA_M, MMA_N)
+        rO.store(acc_o.load().to(self.dtype))
+        if store_warp:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        cute.arch.barrier(barrier_id=EPILOGUE_BARRIER + wg, number_of_threads=128)
+        tOsO = recipe.mma_pv.get_slice(mma_tidx).partition_C(sO)  # (MMA, MMA_M, MMA_N)
+        cute.autovec_copy(rO, tOsO)
+        cute.arch.fence_view_async_shared()  # the generic-proxy writes, before TMA (async proxy) reads them
+        cute.arch.barrier(barrier_id=EPILOGUE_BARRIER + wg, number_of_threads=128)
+        if store_warp:
+            sO_wg = cute.local_tile(sO, (hopper.WGMMA_M, d), (wg, 0))  # (64, d) this warpgroup's rows
+            gO = cute.local_tile(args.tma_mO[None, None, tile.bidh, tile.bidb], (hopper.WGMMA_M, d),
+                                 (tile.m_block * self.t.warpgroups + wg, 0))  # (64, d)
+            tOsO_tma, tOgO = cpasync.tma_partition(recipe.tma_o, 0, cute.make_layout(1),
+                                                   cute.group_modes(sO_wg, 0, 2),
+                                                   cute.group_modes(gO, 0, 2))  # (TMA,), (TMA,)
+            cute.copy(recipe.tma_o, tOsO_tma, tOgO)
+            cute.arch.cp_async_bulk_commit_group()
+        rows_q = tile.seq.seqlen_q - tile.m_block * bm
+        cO = cute.make_identity_tensor((bm, d))
+        tOcO_mn = lmma.acc_mn_view(recipe.mma_pv.get_slice(mma_tidx).partition_C(cO))  # (rows, cols) coordinates
+        for r in cutlass.range_constexpr(cute.size(lse)):
             row = tOcO_mn[r, 0][0]
-            if row < rows_q:
-                for c in cutlass.range(cute.size(acc_o_mn.shape[1]), unroll_full=True):
-                    col = tOcO_mn[r, c][1]
-                    if col < head_dim:
-                        gO[row, col] = acc_o_mn[r, c].to(self.dtype)
-                if tOcO_mn[0, 0][1] == 0:
-                    args.mLSE[bidb, bidh, m_block * bm + row] = lse[r]
+            if row < rows_q and tOcO_mn[0, 0][1] == 0:
+                args.mLSE[tile.bidb, tile.bidh, tile.m_block * bm + row] = lse[r]

@@ -25,15 +25,24 @@ def gemm_ss(tiled_mma: cute.TiledMma, acc: cute.Tensor,
 @cute.jit
 def wgmma(tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor,
           accumulate: cutlass.Constexpr = False):
-    """Hopper: acc (+)= A B over the k mode, one warpgroup's batch of wgmma (A from smem
-    descriptors or registers, B from smem), issued and waited for."""
+    """Hopper: acc (+)= A B over the k mode, one warpgroup's batch of wgmma, issued and waited for."""
+    wgmma_issue(tiled_mma, acc, tA, tB, accumulate)
+    warpgroup.wait_group(0)
+
+
+@cute.jit
+def wgmma_issue(tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor,
+                accumulate: cutlass.Constexpr = False):
+    """Hopper: issue acc (+)= A B (A from smem descriptors or registers, B from smem) as one
+    committed wgmma group, without waiting: acc, and A in registers, stay untouchable until a
+    `warpgroup.wait_group` says the group is done. The fence orders earlier register writes
+    (a rescaled acc, a converted P) before the wgmma reads them."""
     tiled_mma.set(warpgroup.Field.ACCUMULATE, accumulate)
     warpgroup.fence()
     for k in cutlass.range_constexpr(cute.size(tA, mode=[2])):
         cute.gemm(tiled_mma, acc, tA[None, None, k], tB[None, None, k], acc)
         tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
     warpgroup.commit_group()
-    warpgroup.wait_group(0)
 
 
 @cute.jit

@@ -76,6 +76,7 @@ class ScoreMods:
     has_softcap: bool
     has_alibi: bool
     tile_mn: tuple        # (block_m, block_n): the S tile
+    mma_tidx: object = None  # the thread's index in the MMA (None: its thread index)
 
     @cute.jit
     def apply(self, tiled_mma: cute.TiledMma, acc_s: cute.Tensor, m_block, n_block, masked: cutlass.Constexpr):
@@ -91,7 +92,9 @@ class ScoreMods:
         # loop, so the coordinates are rematerialised instead of occupying registers.
         tScS_mn = None
         if cutlass.const_expr(masked or self.has_alibi):
-            tidx, _, _ = cute.arch.thread_idx()
+            tidx = self.mma_tidx
+            if cutlass.const_expr(tidx is None):
+                tidx, _, _ = cute.arch.thread_idx()
             cS = cute.make_identity_tensor(self.tile_mn)
             tScS_mn = lmma.acc_mn_view(tiled_mma.get_slice(tidx).partition_C(cS))
         if cutlass.const_expr(self.has_alibi):

@@ -32,7 +32,16 @@ class OnlineSoftmax:
     @cute.jit
     def step(self, acc_s_mn: cute.Tensor, acc_o_mn: cute.Tensor,
              is_first: cutlass.Constexpr, check_inf: cutlass.Constexpr):
-        """Turn S into unnormalised P in place and rescale O by exp(old max - new max).
+        """Turn S into unnormalised P in place and rescale O by exp(old max - new max)."""
+        self.update(acc_s_mn, acc_o_mn, is_first, check_inf, True)
+
+    @cute.jit
+    def update(self, acc_s_mn: cute.Tensor, scale_to: cute.Tensor, is_first: cutlass.Constexpr,
+               check_inf: cutlass.Constexpr, rescale_o: cutlass.Constexpr = False):
+        """Turn S into unnormalised P in place and update the row maxima and sums. Unless
+        is_first, each row's exp(old max - new max) goes to `scale_to`: O's rows are rescaled by
+        it there (rescale_o: scale_to is O's (row, col) view), or it is stored as row_scale[r]
+        for `rescale` to apply later (the Hopper kernel, once the P V in flight has landed).
 
         check_inf: a masked tile can leave a row all -inf; its max is then taken as 0 so that
         exp2 gives 0 instead of NaN.
@@ -52,9 +61,17 @@ class OnlineSoftmax:
             else:
                 correction = cute.math.exp2(self.row_max[r] * self.scale_log2 - max_scaled, fastmath=True)
                 self.row_sum[r] = self.row_sum[r] * correction + row_sum
-                acc_o_mn[r, None] = acc_o_mn[r, None].load() * correction
+                if cutlass.const_expr(rescale_o):
+                    scale_to[r, None] = scale_to[r, None].load() * correction
+                else:
+                    scale_to[r] = correction
             self.row_max[r] = row_max
             acc_s_mn[r, None] = p_row
+
+    @cute.jit
+    def rescale(self, acc_o_mn: cute.Tensor, row_scale: cute.Tensor):
+        for r in cutlass.range_constexpr(cute.size(self.row_max)):
+            acc_o_mn[r, None] = acc_o_mn[r, None].load() * row_scale[r]
 
     def init_empty(self):
         self.row_max.fill(-cutlass.Float32.inf)

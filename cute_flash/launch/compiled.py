@@ -151,7 +151,7 @@ def compile_fwd_sm90(config: Sm90FwdConfig, arch: int | None = 90, extra_options
     dtype = element_type(config.traits)
     args = [fake_tensor(dtype, 4, ALIGN, COPY_BYTES) for _ in range(4)] + [
         fake_tensor(cutlass.Float32, 3), fake_tensor(cutlass.Float32, 2) if config.has_alibi else None,
-        1.0, 1.0, 1.0, -1, -1, fake_stream()]
+        1.0, 1.0, 1.0, -1, -1, 132, fake_stream()]
     return compile_tvm_ffi(FlashFwdSm90(config), args, arch, extra_options)
 
 
