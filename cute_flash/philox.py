@@ -1,0 +1,114 @@
+"""The random numbers of attention dropout: Philox4x32-10 and the map from an attention element
+(batch, head, query row, key column) to its Philox counter. Pure arithmetic, no DSL: the host
+reference (numpy, `keep_mask`) and the kernels (`kernels/philox.py`, DSL integers) run the same
+functions with their own integer operations, so a kernel's mask can be checked element by
+element against this one.
+
+Philox4x32-10 (Salmon, Moraes, Dror, Shaw, SC 2011): a 128-bit counter and a 64-bit key give
+four 32-bit words through ten rounds of two 32x32 -> 64-bit multiplies. The map (docs/semantics.md,
+"Dropout") depends only on the element's coordinates, the seed and the offset, never on a tile
+shape or a split, so every kernel (forward, backward, SM80, Hopper) draws the same mask:
+
+    key     = (seed mod 2^32, seed div 2^32)
+    counter = (c0, c1, bh, offset mod 2^32) with
+              c0 = 4 (j div 16) + (j mod 8) div 2   columns {2q, 2q+1, 2q+8, 2q+9} + 16 (j div 16)
+              c1 = 8 (i div 16) + i mod 8            rows {r, r+8} + 16 (i div 16)
+              bh = batch * heads + head
+    element (i, j) takes 16-bit word  s = 4 ((i div 8) mod 2) + 2 ((j div 8) mod 2) + j mod 2
+    of the 8 in the output (word s div 2, low half if s is even), and is kept iff that word is
+    below keep_threshold(p).
+
+The 8 elements of one counter are exactly those one thread holds in a 16x16 piece of an S
+accumulator, both in mma.sync's m16n8 layout (two n8 tiles) and in a wgmma's m64nN layout:
+one Philox call per 8 elements, none wasted. 16 bits per element (not 8 as flash-attn 2 uses)
+keep the kept fraction within 2^-17 of 1 - p.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+M0, M1 = 0xD2511F53, 0xCD9E8D57  # round multipliers
+W0, W1 = 0x9E3779B9, 0xBB67AE85  # key bumps (golden ratio, sqrt(3) - 1)
+ROUNDS = 10
+MASK32 = 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class NumpyOps:
+    """32-bit operations on uint64 numpy arrays (or Python ints) holding values below 2^32."""
+
+    @staticmethod
+    def mulhilo(a, b):
+        prod = np.asarray(a, dtype=np.uint64) * np.asarray(b, dtype=np.uint64)
+        return prod >> np.uint64(32), prod & np.uint64(MASK32)
+
+    @staticmethod
+    def add(a, b):
+        return (np.asarray(a, dtype=np.uint64) + np.uint64(b)) & np.uint64(MASK32)
+
+    @staticmethod
+    def xor(a, b):
+        return np.asarray(a, dtype=np.uint64) ^ np.asarray(b, dtype=np.uint64)
+
+    @staticmethod
+    def const(x):
+        return np.uint64(x)
+
+
+def philox4x32_10(ctr, key, ops=NumpyOps):
+    """Philox4x32-10 of counter (c0, c1, c2, c3) under key (k0, k1): four 32-bit words. `ops`
+    gives mulhilo(a, b) -> (hi, lo), add (mod 2^32), xor and const (a constant of the
+    operations' integer type)."""
+    c0, c1, c2, c3 = ctr
+    k0, k1 = key
+    m0, m1, w0, w1 = ops.const(M0), ops.const(M1), ops.const(W0), ops.const(W1)
+    for r in range(ROUNDS):
+        if r:
+            k0, k1 = ops.add(k0, w0), ops.add(k1, w1)
+        hi0, lo0 = ops.mulhilo(m0, c0)
+        hi1, lo1 = ops.mulhilo(m1, c2)
+        c0, c1, c2, c3 = ops.xor(ops.xor(hi1, c1), k0), lo1, ops.xor(ops.xor(hi0, c3), k1), lo0
+    return c0, c1, c2, c3
+
+
+def counter_of(i, j):
+    """(c0, c1, s): the first two counter words and the 16-bit word index of element (row i,
+    column j); integer-generic (Python ints, numpy arrays, DSL integers)."""
+    c0 = (j // 16) * 4 + (j % 8) // 2
+    c1 = (i // 16) * 8 + i % 8
+    s = ((i // 8) % 2) * 4 + ((j // 8) % 2) * 2 + j % 2
+    return c0, c1, s
+
+
+def keep_threshold(p: float) -> int:
+    """An element is kept iff its 16-bit random word is below this: round((1 - p) * 2^16),
+    which is 65536 (always kept) for p = 0."""
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout probability must be in [0, 1), got {p!r}")
+    return int(round((1.0 - p) * 65536))
+
+
+def split_seed(seed: int) -> tuple[int, int]:
+    """The Philox key of a 64-bit seed."""
+    seed &= (1 << 64) - 1
+    return seed & MASK32, seed >> 32
+
+
+def keep_mask(seed: int, offset: int, batch: int, heads: int, seqlen_q: int, seqlen_k: int, p: float):
+    """(batch, heads, seqlen_q, seqlen_k) bool numpy array: True where dropout keeps the element."""
+    k0, k1 = split_seed(seed)
+    i = np.arange(seqlen_q, dtype=np.int64)[:, None]
+    j = np.arange(seqlen_k, dtype=np.int64)[None, :]
+    c0, c1, s = counter_of(i, j)
+    c0, c1, s = np.broadcast_arrays(c0, c1, s)
+    threshold = np.uint64(keep_threshold(p))
+    out = np.empty((batch, heads, seqlen_q, seqlen_k), dtype=bool)
+    for bh in range(batch * heads):
+        words = philox4x32_10((c0, c1, np.full(c0.shape, bh, dtype=np.uint64),
+                               np.full(c0.shape, offset & MASK32, dtype=np.uint64)), (k0, k1))
+        word = np.choose(s // 2, words)
+        half = (word >> (np.uint64(16) * (s % 2).astype(np.uint64))) & np.uint64(0xFFFF)
+        out[bh // heads, bh % heads] = half < threshold
+    return out

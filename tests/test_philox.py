@@ -1,0 +1,93 @@
+"""The dropout RNG (cute_flash/philox.py) on the CPU: Philox4x32-10 against Random123's published
+known-answer vectors, the element -> counter map (a bijection that gives each counter the 8
+elements one thread holds in a 16x16 piece of an MMA accumulator), the kept fraction, and
+independence between neighbouring heads, batches and offsets. The device version compiles to
+20 wide multiplies per call (tests/test_philox_gpu.py checks its words against these)."""
+import numpy as np
+import pytest
+
+from cute_flash import philox
+
+# Random123's kat_vectors for philox4x32_10: (counter, key, output).
+KAT = [((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+       ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+       ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+        (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1))]
+
+
+@pytest.mark.parametrize("ctr, key, expected", KAT)
+def test_philox_known_answers(ctr, key, expected):
+    out = philox.philox4x32_10(tuple(np.uint64(c) for c in ctr), tuple(np.uint64(k) for k in key))
+    assert tuple(int(x) for x in out) == expected
+
+
+def test_counter_map_is_a_bijection_onto_8_words_per_counter():
+    i, j = np.meshgrid(np.arange(96), np.arange(80), indexing="ij")
+    c0, c1, s = philox.counter_of(i, j)
+    triples = np.stack([c0.ravel(), c1.ravel(), s.ravel()], axis=1)
+    assert len(np.unique(triples, axis=0)) == i.size
+    assert s.min() == 0 and s.max() == 7
+    counters, counts = np.unique(triples[:, :2], axis=0, return_counts=True)
+    assert (counts == 8).all()
+
+
+def test_a_counter_covers_one_threads_accumulator_elements():
+    """mma.sync m16n8 (two n8 tiles) and wgmma m64nN give a thread, in each 16x16 piece of S,
+    rows r and r + 8 (r = lane / 4) and columns 2q, 2q + 1, 2q + 8, 2q + 9 (q = lane % 4): one
+    counter's 8 elements."""
+    for lane in range(32):
+        r, q = lane // 4, lane % 4
+        for bi, bj in ((0, 0), (1, 2), (5, 3)):
+            rows = [16 * bi + r, 16 * bi + r + 8]
+            cols = [16 * bj + 2 * q + dc for dc in (0, 1, 8, 9)]
+            got = {philox.counter_of(i, j)[:2] for i in rows for j in cols}
+            subs = sorted(philox.counter_of(i, j)[2] for i in rows for j in cols)
+            assert len(got) == 1 and subs == list(range(8))
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+def test_kept_fraction_within_4_sigma(p):
+    mask = philox.keep_mask(seed=2024, offset=3, batch=2, heads=4, seqlen_q=500, seqlen_k=520, p=p)
+    n = mask.size
+    assert abs(mask.mean() - (1 - p)) <= 4 * np.sqrt(p * (1 - p) / n)
+
+
+def test_threshold_quantization_and_no_dropout():
+    assert philox.keep_threshold(0.0) == 65536
+    for p in (0.1, 0.17, 0.5, 0.999):
+        assert abs(philox.keep_threshold(p) / 65536 - (1 - p)) <= 2 ** -17
+    with pytest.raises(ValueError):
+        philox.keep_threshold(1.0)
+    assert philox.keep_mask(1, 0, 1, 1, 40, 40, 0.0).all()
+
+
+def _chi2_2x2(a, b):
+    """Pearson chi-square of the 2x2 table of two bool arrays (1 degree of freedom)."""
+    table = np.array([[np.sum(~a & ~b), np.sum(~a & b)], [np.sum(a & ~b), np.sum(a & b)]], dtype=np.float64)
+    expected = table.sum(1, keepdims=True) * table.sum(0, keepdims=True) / table.sum()
+    return float(((table - expected) ** 2 / expected).sum())
+
+
+def test_neighbouring_heads_batches_and_offsets_are_independent():
+    """chi-square of the keep bits of neighbours at the same (row, column) below 10.83 (p = 0.001
+    for one degree of freedom); the same call twice gives the same mask."""
+    m = philox.keep_mask(seed=77, offset=11, batch=2, heads=3, seqlen_q=256, seqlen_k=256, p=0.3)
+    assert _chi2_2x2(m[0, 0], m[0, 1]) < 10.83
+    assert _chi2_2x2(m[0, 2], m[1, 0]) < 10.83  # last head of batch 0, first of batch 1
+    assert _chi2_2x2(m[0, 0], m[1, 0]) < 10.83
+    other = philox.keep_mask(seed=77, offset=12, batch=2, heads=3, seqlen_q=256, seqlen_k=256, p=0.3)
+    assert _chi2_2x2(m, other) < 10.83
+    again = philox.keep_mask(seed=77, offset=11, batch=2, heads=3, seqlen_q=256, seqlen_k=256, p=0.3)
+    assert np.array_equal(m, again)
+    seed_hi = philox.keep_mask(seed=77 + (1 << 32), offset=11, batch=1, heads=1, seqlen_q=64, seqlen_k=64, p=0.3)
+    assert not np.array_equal(m[0, 0, :64, :64], seed_hi[0, 0])
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+def test_device_philox_compiles_to_wide_multiplies(arch, tmp_path):
+    """kernels/philox.py: one Philox call is 10 rounds of two 32x32 -> 64-bit multiplies."""
+    from cute_flash.kernels.philox import compile_philox_probe
+
+    compile_philox_probe(arch, f"--keep-ptx --dump-dir={tmp_path}")
+    (ptx,) = tmp_path.glob("*.ptx")
+    assert ptx.read_text().count("mul.wide.u32") == 2 * philox.ROUNDS
