@@ -1,5 +1,6 @@
 """`python -m cute_flash bench`: forward TFLOP/s against torch SDPA's FLASH (flash-attn 2 C++) and
-CUDNN backends, measured side by side in one run.
+CUDNN backends and flash-attn-4 (when importable), measured side by side in one run; on sm_90
+GPUs our Hopper kernel has a column of its own.
 
 TFLOP/s counts the FLOPs of the visible (i, j) pairs: 4 * b * h * d per pair, which is docs/semantics.md's
 4*b*h*sq*sk*d (halved for causal) up to the diagonal's rounding, and for a local window the work
@@ -94,12 +95,13 @@ def hopper_gpu() -> bool:
 
 
 def fa4_func():
-    """flash-attn-4's `flash_attn_func` (CuTe DSL, Hopper kernels on sm_90) when importable, else None."""
+    """flash-attn-4's `flash_attn_func` (CuTe DSL, Hopper kernels on sm_90) when importable, as
+    fn(q, k, v, causal) -> out (it returns (out, lse)), else None."""
     try:
         from flash_attn.cute import flash_attn_func
     except ImportError:
         return None
-    return flash_attn_func
+    return lambda q, k, v, causal: flash_attn_func(q, k, v, causal=causal)[0]
 
 
 def bench_cell(d, seqlen, causal=False, window=(-1, -1), softcap=0.0, peers=True, batch=None, nheads=None):

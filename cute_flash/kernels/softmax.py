@@ -42,6 +42,7 @@ class OnlineSoftmax:
         is_first, each row's exp(old max - new max) goes to `scale_to`: O's rows are rescaled by
         it there (rescale_o: scale_to is O's (row, col) view), or it is stored as row_scale[r]
         for `rescale` to apply later (the Hopper kernel, once the P V in flight has landed).
+        One loop for both keeps the SM80 kernels' code as it was (their PTX is unchanged).
 
         check_inf: a masked tile can leave a row all -inf; its max is then taken as 0 so that
         exp2 gives 0 instead of NaN.
@@ -70,6 +71,7 @@ class OnlineSoftmax:
 
     @cute.jit
     def rescale(self, acc_o_mn: cute.Tensor, row_scale: cute.Tensor):
+        """O's rows times the factors `update` stored."""
         for r in cutlass.range_constexpr(cute.size(self.row_max)):
             acc_o_mn[r, None] = acc_o_mn[r, None].load() * row_scale[r]
 
