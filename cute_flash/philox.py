@@ -19,13 +19,12 @@ shape or a split, so every kernel (forward, backward, SM80, Hopper) draws the sa
     below keep_threshold(p).
 
 The 8 elements of one counter are exactly those one thread holds in a 16x16 piece of an S
-accumulator, both in mma.sync's m16n8 layout (two n8 tiles) and in a wgmma's m64nN layout:
-one Philox call per 8 elements, none wasted. 16 bits per element (not 8 as flash-attn 2 uses)
-keep the kept fraction within 2^-17 of 1 - p.
+accumulator, in the SM80 forward's mma.sync tiles (two adjacent n8 tiles) and in a wgmma's
+m64nN layout: one Philox call per 8 elements, none wasted (layouts/verify_dropout.py; the
+backward's S tile, whose warps interleave along N, uses 4 of each call's 8). 16 bits per
+element (not 8 as flash-attn 2 uses) keep the kept fraction within 2^-17 of 1 - p.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -35,7 +34,6 @@ ROUNDS = 10
 MASK32 = 0xFFFFFFFF
 
 
-@dataclass(frozen=True)
 class NumpyOps:
     """32-bit operations on uint64 numpy arrays (or Python ints) holding values below 2^32."""
 

@@ -392,3 +392,50 @@ def test_hopper_o_staging_check_catches_a_tile_in_another_order(monkeypatch):
     monkeypatch.setattr(hopper, "smem_layout", head_dim_first)
     result = o_staging_checks(traits)
     assert not result["boxes_match_rows"], result
+
+
+def _fwd_mma_shapes():
+    from layouts.traits import shipped_fwd_traits
+
+    shapes = {(t.block_m, t.block_n, t.num_warps): t for arch in (80, 90) for t in shipped_fwd_traits(arch)}
+    return [pytest.param(t, id=f"m{m}_n{n}_w{w}") for (m, n, w), t in sorted(shapes.items())]
+
+
+@pytest.mark.parametrize("traits", _fwd_mma_shapes())
+def test_dropout_words_sm80_forward(traits):
+    """Every SM80 forward tile: each thread's S values come in groups of 8 sharing one Philox
+    counter (docs/semantics.md, Dropout), each value's word a static function of its fragment
+    index: one Philox call per 8 values, no run-time word selects."""
+    from layouts import mma
+    from layouts.verify import in_arch_trace
+    from layouts.verify_dropout import word_groups
+
+    result = in_arch_trace("sm_80", lambda: word_groups(mma.tiled_mma(traits), (traits.block_m, traits.block_n),
+                                                        traits.num_warps * 32, wgmma=False))
+    assert result["ok"], result
+
+
+@pytest.mark.parametrize("traits", shipped_hopper_traits()[::2], ids=lambda t: t.name)
+def test_dropout_words_hopper(traits):
+    from layouts import hopper
+    from layouts.verify import in_arch_trace
+    from layouts.verify_dropout import word_groups
+
+    result = in_arch_trace("sm_90a", lambda: word_groups(hopper.tiled_mma_qk(traits), (traits.block_m, traits.block_n),
+                                                         traits.num_threads, wgmma=True))
+    assert result["ok"], result
+
+
+def test_dropout_word_check_catches_the_backward_s_tile():
+    """Not vacuous: the backward's S tiled MMA puts a warp's n8 tiles 32 columns apart (its warp
+    grid interleaves warps along N), so a thread holds 4 of each counter's 8 values: the check
+    fails for every thread."""
+    from layouts import mma
+    from layouts.traits import shipped_bwd_traits
+    from layouts.verify import in_arch_trace
+    from layouts.verify_dropout import word_groups
+
+    (t,) = [t for t in shipped_bwd_traits(90) if (t.block_m, t.block_n, t.atom_m_sdp) == (64, 128, 2)][:1]
+    result = in_arch_trace("sm_80", lambda: word_groups(mma.tiled_mma_grid(t, t.atom_m_sdp), (t.block_m, t.block_n),
+                                                        t.num_warps * 32, wgmma=False))
+    assert result["bad_threads"] == result["threads"]

@@ -1,0 +1,60 @@
+"""Host-side check of what dropout in the kernels will rely on (`cute_flash/philox.py`): in every
+tiled MMA that holds an attention score tile, each thread's accumulator values come in groups
+of 8 that share one Philox counter, and the word each value takes is a static function of its
+index in the fragment. A kernel then makes one Philox call per group and picks words without
+run-time selects.
+
+Groups, by accumulator shape:
+- mma.sync m16n8 fragments ((2, 2), MMA_M, MMA_N), SM80 forward and backward: value (v, m, n)
+  belongs to the group of (0, m, n - n % 2) and takes word 4 (v // 2) + 2 (n % 2) + v % 2;
+- wgmma fragments ((2, 2, N / 8), MMA_M, MMA_N), Hopper: value ((c, r, k), m, n) belongs to the
+  group of ((0, 0, k - k % 2), m, n) and takes word 4 r + 2 (k % 2) + c.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from cute_flash import philox
+from layouts.verify import HostLayout
+
+
+def _groups_sm80(shape):
+    """(representative flat index, word) of every flat index of a ((2, 2), MMA_M, MMA_N) fragment."""
+    (_, _), mm, nn = shape
+    v, m, n = np.meshgrid(np.arange(4), np.arange(mm), np.arange(nn), indexing="ij")
+    flat = lambda v, m, n: v + 4 * (m + mm * n)  # noqa: E731 (colexicographic)
+    return flat(v, m, n).ravel(), flat(0, m, n - n % 2).ravel(), (4 * (v // 2) + 2 * (n % 2) + v % 2).ravel()
+
+
+def _groups_wgmma(shape):
+    """The same for a ((2, 2, N / 8), MMA_M, MMA_N) wgmma fragment."""
+    (_, _, kk), mm, nn = shape
+    c, r, k, m, n = np.meshgrid(np.arange(2), np.arange(2), np.arange(kk), np.arange(mm), np.arange(nn),
+                                indexing="ij")
+    flat = lambda c, r, k, m, n: c + 2 * (r + 2 * (k + kk * (m + mm * n)))  # noqa: E731
+    return (flat(c, r, k, m, n).ravel(), flat(0, 0, k - k % 2, m, n).ravel(),
+            (4 * r + 2 * (k % 2) + c).ravel())
+
+
+def word_groups(tiled_mma, tile_mn, threads: int, wgmma: bool) -> dict:
+    """For every thread: the counter of each value equals its group representative's, the words
+    of a group are 0..7 once each, and equal the Philox map's (inside a trace)."""
+    import cutlass.cute as cute
+
+    ident = cute.make_identity_tensor(tile_mn)
+    bad = 0
+    for tidx in range(threads):
+        part = tiled_mma.get_slice(tidx).partition_C(ident)
+        coords = HostLayout.of_coordinates(part, checks=2)
+        xy = coords(np.arange(coords.size))
+        idx, rep, word = (_groups_wgmma if wgmma else _groups_sm80)(_static_shape(part.shape))
+        c0, c1, s = philox.counter_of(xy[:, 0], xy[:, 1])
+        same_counter = (c0[idx] == c0[rep]).all() and (c1[idx] == c1[rep]).all()
+        words_match = np.array_equal(s[idx], word)
+        complete = all(sorted(word[rep == g]) == list(range(8)) for g in np.unique(rep))
+        bad += int(not (same_counter and words_match and complete))
+    return {"threads": threads, "bad_threads": bad, "ok": bad == 0}
+
+
+def _static_shape(shape):
+    return tuple(_static_shape(x) if isinstance(x, tuple) else int(x) for x in shape)
