@@ -25,8 +25,14 @@ def attention_ref(
     query_padding_mask=None,
     key_padding_mask=None,
     key_leftpad=None,
+    dropout_p=0.0,
+    dropout_mask=None,
 ):
     """Dense attention: q (b, sq, h, d), k/v (b, sk, hk, d) -> out (b, sq, h, d), lse (b, h, sq).
+
+    ``dropout_mask`` (b, h, sq, sk) bool (True: kept, e.g. ``philox.keep_mask``) drops
+    probabilities after the softmax; the kept ones are scaled by 1 / P(keep), P(keep) being
+    ``philox.keep_threshold(dropout_p) / 2^16`` (docs/semantics.md, Dropout). lse is not affected.
 
     ``key_padding_mask`` / ``query_padding_mask`` (b, s) bool mark the valid rows (a prefix) and
     ``key_leftpad`` (b,) hides the first key columns; the valid counts are the per-batch "sk" and
@@ -82,6 +88,10 @@ def attention_ref(
     empty = ~visible.any(-1)
     lse = torch.logsumexp(scores.float(), dim=-1).masked_fill(empty, float("inf"))
     probs = torch.softmax(scores, dim=-1).masked_fill(empty.unsqueeze(-1), 0.0)
+    if dropout_mask is not None:
+        from cute_flash.philox import keep_threshold
+
+        probs = probs.masked_fill(~dropout_mask.to(probs.device), 0.0) * (65536.0 / keep_threshold(dropout_p))
     out = torch.einsum("bhqk,bkhd->bqhd", probs.to(v.dtype), v)
     return out.to(out_dtype), lse
 

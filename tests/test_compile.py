@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("cutlass")
 
-from cute_flash.kernels.config import CACHE_FLAGS, SCORE_FLAGS  # noqa: E402
+from cute_flash.kernels.config import CACHE_FLAGS, SCORE_FLAGS, FwdConfig  # noqa: E402
 from cute_flash.kernels.fake import arch_option  # noqa: E402
 from cute_flash.launch.compiled import (BWD_FLAGS, append_variants, bwd_variants, compile_bwd, compile_fwd,  # noqa: E402
                                         fwd_variants)
@@ -57,12 +57,34 @@ def test_subset_covers_every_traits_and_every_flag():
         assert any(c.varlen and c.has_seqused_k for c in fwd_variants(arch))
         assert any(c.varlen and c.paged for c in fwd_variants(arch))
         assert any(c.varlen and c.any_page_size for c in fwd_variants(arch))
+        assert any(c.has_dropout and not c.varlen for c in fwd_variants(arch))
+        assert any(c.has_dropout and c.varlen for c in fwd_variants(arch))
     configs = fwd_variants(90)
     for name in SCORE_FLAGS + CACHE_FLAGS + ("any_page_size",):
         assert {getattr(c, name) for c in configs} == {False, True}, name
     assert any(all(getattr(c, n) != (n == "even_k") for n in SCORE_FLAGS) for c in configs)  # all on
     assert any(c.kvcache and c.paged and c.split for c in configs)
     assert any(c.kvcache and c.any_page_size and c.split for c in configs)
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+def test_dropout_variant_adds_philox(arch, tmp_path):
+    """A dropout variant compiles, and its main loop holds Philox calls: one per 8 S values of a
+    thread per key block (layouts/verify_dropout.py), each 20 wide multiplies of which only the
+    first round's on the head row can be shared between calls; so at least 19 more per call of
+    one step body than the plain variant (whose multiplies are address arithmetic)."""
+    from layouts.traits import choose_fwd_traits
+
+    t = choose_fwd_traits(128, "bf16", arch)
+    counts = []
+    for dropout in (False, True):
+        out = tmp_path / str(dropout)
+        out.mkdir()
+        compile_fwd(FwdConfig(t, has_right=True, has_dropout=dropout), arch, f"--keep-ptx --dump-dir={out}")
+        (ptx,) = out.glob("*.ptx")
+        counts.append(ptx.read_text().count("mul.wide.u32"))
+    calls_per_step = t.block_m * t.block_n // (32 * t.num_warps) // 8
+    assert counts[1] - counts[0] >= 19 * calls_per_step
 
 
 @pytest.mark.parametrize("arch, config", _cases(bwd_variants, full=False))

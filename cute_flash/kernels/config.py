@@ -21,6 +21,7 @@ class FwdConfig:
     has_right: bool = False       # a right window edge (causal is right = 0)
     has_alibi: bool = False
     has_softcap: bool = False
+    has_dropout: bool = False     # P's elements dropped by the Philox mask (docs/semantics.md, Dropout)
     even_k: bool = True           # the head dim fills traits.head_dim: no column predicates
     # input form: dense (default), packed varlen, or a KV cache
     varlen: bool = False
@@ -46,6 +47,8 @@ class FwdConfig:
             raise ValueError("a paged cache has neither leftpad nor cache_batch_idx (as in flash-attn)")
         if self.any_page_size and not self.paged:
             raise ValueError("any_page_size is a form of paged KV")
+        if self.has_dropout and self.kvcache:
+            raise ValueError("a KV cache is read without dropout (flash-attn's flash_attn_with_kvcache has none)")
         if self.pack_gqa and not (self.kvcache and not (self.has_left or self.has_right or self.has_alibi)):
             raise ValueError("pack_gqa folds single-row decode queries: kvcache, no window, no ALiBi")
 
@@ -162,8 +165,8 @@ def dq_reduction(traits: BwdTraits, arch: int, deterministic: bool = False) -> d
     return dict(dq_vec=4, dq_bulk=not deterministic and traits.smem_bytes + staging <= SMEM_LIMIT[arch])
 
 
-FLAG_LETTERS = dict(has_left="L", has_right="R", has_alibi="A", has_softcap="S", even_k="K", varlen="V",
-                    has_seqused_k="U", paged="P", any_page_size="p", kvcache="C", split="X", has_leftpad="l",
-                    has_batch_idx="B", pack_gqa="G", deterministic="D")
+FLAG_LETTERS = dict(has_left="L", has_right="R", has_alibi="A", has_softcap="S", has_dropout="Z", even_k="K",
+                    varlen="V", has_seqused_k="U", paged="P", any_page_size="p", kvcache="C", split="X",
+                    has_leftpad="l", has_batch_idx="B", pack_gqa="G", deterministic="D")
 SCORE_FLAGS = ("has_left", "has_right", "has_alibi", "has_softcap", "even_k")
 CACHE_FLAGS = ("paged", "split", "has_leftpad", "has_batch_idx", "pack_gqa")

@@ -39,6 +39,7 @@ from cute_flash.kernels.block_range import BlockRange, Window
 from cute_flash.kernels.config import FwdConfig
 from cute_flash.kernels.gemm import MmaOperands
 from cute_flash.kernels.kv_tiles import KVTiles
+from cute_flash.kernels.philox import Dropout
 from cute_flash.kernels.score_mods import Mask, ScoreMods
 from cute_flash.kernels.seq_info import SeqInfo, clamp
 from cute_flash.kernels.softmax import OnlineSoftmax
@@ -76,6 +77,7 @@ class FwdTensors:
     mLeftpadK: object  # (batch,) int32
     mBatchIdx: object  # (batch,) int32: cache row of each sequence
     mBlockTable: object  # (batch, max_blocks) int32
+    mRng: object = None  # (4,) uint32: dropout's Philox key, offset and keep threshold
 
 
 @dataclass(frozen=True)
@@ -137,6 +139,7 @@ class LoopState:
     mods: ScoreMods
     m_block: object
     n_block_min: object
+    dropout: object = None  # kernels/philox.py:Dropout (has_dropout)
 
 
 @cute.jit
@@ -157,20 +160,20 @@ class FlashFwd:
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
-                 mLSE: cute.Tensor, mAlibi,
+                 mLSE: cute.Tensor, mAlibi, mRng,
                  scale_log2: cutlass.Float32, score_premul: cutlass.Float32, alibi_div: cutlass.Float32,
                  window_left: cutlass.Int32, window_right: cutlass.Int32, stream):
         """mQ/mO (batch, seqlen_q, heads, d), mK/mV (batch, seqlen_k, heads_k, d) with strides the
         compiler may take as multiples of 8 (one 128-bit copy per 8 elements); mLSE (batch, heads,
-        seqlen_q) fp32; mAlibi (batch, heads) fp32 slopes. In every entry, a tensor the config
-        does not read is None (compiled as absent)."""
-        args = FwdTensors(mQ, mK, mV, mO, mLSE, None, mAlibi, None, None, None, None, None, None)
+        seqlen_q) fp32; mAlibi (batch, heads) fp32 slopes; mRng (4,) uint32 dropout state. In every
+        entry, a tensor the config does not read is None (compiled as absent)."""
+        args = FwdTensors(mQ, mK, mV, mO, mLSE, None, mAlibi, None, None, None, None, None, None, mRng)
         self.launch(args, FwdScalars(0, 1, scale_log2, score_premul, alibi_div, window_left, window_right),
                     (cute.ceil_div(mQ.shape[1], self.t.block_m), mQ.shape[0], mQ.shape[2]), stream)
 
     @cute.jit
     def call_varlen(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
-                    mLSE: cute.Tensor, mAlibi, mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor,
+                    mLSE: cute.Tensor, mAlibi, mRng, mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor,
                     mSeqUsedK, mBlockTable,
                     max_seqlen_q: cutlass.Int32,
                     scale_log2: cutlass.Float32, score_premul: cutlass.Float32, alibi_div: cutlass.Float32,
@@ -180,7 +183,7 @@ class FlashFwd:
         (heads, total_q), int32 prefix sums mCuSeqlens* (batch + 1,) and mSeqUsedK (batch,)
         (has_seqused_k). The grid covers max_seqlen_q; CTAs past a sequence's end exit."""
         args = FwdTensors(mQ, mK, mV, mO, mLSE, None, mAlibi, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, None, None,
-                          mBlockTable)
+                          mBlockTable, mRng)
         self.launch(args, FwdScalars(0, 1, scale_log2, score_premul, alibi_div, window_left, window_right),
                     (cute.ceil_div(max_seqlen_q, self.t.block_m), mCuSeqlensQ.shape[0] - 1, mQ.shape[1]), stream)
 
@@ -254,8 +257,12 @@ class FlashFwd:
         if cutlass.const_expr(cfg.split):
             split = SplitKV.make(args.split.mOaccum, args.split.mLSEaccum, args.split.mCounters, split_idx,
                                  scalars.num_splits, (m_block, bidb, bidh, nheads), self.t)
+        dropout = None
+        if cutlass.const_expr(cfg.has_dropout):
+            dropout = Dropout.load(args.mRng, bidb * nheads + bidh)
         if m_block * self.t.block_m < seq.seqlen_q:
-            self.attend(CtaTile(m_block, bidb, bidh, split_idx), seq, views, scalars, recipe, split, SharedStorage)
+            self.attend(CtaTile(m_block, bidb, bidh, split_idx), seq, views, scalars, recipe, split, dropout,
+                        SharedStorage)
 
     @cute.jit
     def sequence(self, args: FwdTensors, k_extra, bidb, bidh):
@@ -299,7 +306,7 @@ class FlashFwd:
 
     @cute.jit
     def attend(self, cta: CtaTile, seq: SeqInfo, views: CtaTensors, scalars: FwdScalars, recipe: TileRecipe,
-               split, SharedStorage: cutlass.Constexpr):
+               split, dropout, SharedStorage: cutlass.Constexpr):
         """One CTA's work on (seqlen, d) views of its sequence and head (keys: contiguous, or
         pages through mTable): SeqInfo gives the lengths, so dense, packed and cached batches
         share everything from here on. A split takes its share of the visible key blocks."""
@@ -362,7 +369,8 @@ class FlashFwd:
         mods = ScoreMods(mask, scalars.score_premul, slope, cfg.has_softcap, cfg.has_alibi, (bm, bn))
 
         if blocks.n_block_max > blocks.n_block_min:
-            loop = LoopState(mma, kv, tKsK, tVsV, acc_o, acc_o_mn, softmax, mods, m_block, blocks.n_block_min)
+            loop = LoopState(mma, kv, tKsK, tVsV, acc_o, acc_o_mn, softmax, mods, m_block, blocks.n_block_min,
+                             dropout)
             self.mainloop(loop, blocks, seq, window,
                           (recipe.gmem_tiled_copy_QKV, tQgQ, tQsQ, tQcQ, tQpQ, rows_q))
 
@@ -371,6 +379,8 @@ class FlashFwd:
         lse = cute.make_rmem_tensor(softmax.row_max.layout, cutlass.Float32)
         softmax.finalize(acc_o_mn, lse, -cutlass.Float32.inf if cutlass.const_expr(cfg.split)
                          else cutlass.Float32.inf)
+        if cutlass.const_expr(cfg.has_dropout):  # the kept values' 1 / P(keep), once for all of O
+            acc_o.store(acc_o.load() * dropout.scale())
         if cutlass.const_expr(cfg.split):
             split.store_partial(acc_o_mn, lse, tOcO_mn, m_block, rows_q)
             split.merge(views.mO_s, views.mLSE_s, sQ, m_block, rows_q)
@@ -481,6 +491,9 @@ class FlashFwd:
 
         acc_s_mn = loop.mods.apply(mma.tiled_mma, acc_s, loop.m_block, n_block, masked)
         loop.softmax.step(acc_s_mn, loop.acc_o_mn, is_first, masked)
+        if cutlass.const_expr(cfg.has_dropout):  # after the row sums: they are taken before dropout
+            loop.dropout.apply_sm80(mma.tiled_mma, acc_s, loop.m_block * t.block_m, n_block * t.block_n,
+                                    (t.block_m, t.block_n))
 
         rP = cute.make_fragment_like(acc_s, self.dtype)  # (MMA, MMA_M, MMA_N)
         rP.store(acc_s.load().to(self.dtype))

@@ -1,5 +1,8 @@
 """Philox4x32-10 on the GPU for attention dropout: the rounds and the element -> counter map of
-`cute_flash/philox.py`, run on the DSL's 32-bit integers. Device code only."""
+`cute_flash/philox.py`, run on the DSL's 32-bit integers, and `Dropout`, which applies the mask
+to a P tile in registers. Device code only."""
+from dataclasses import dataclass
+
 import cutlass
 import cutlass.cute as cute
 
@@ -80,3 +83,44 @@ def philox_probe(out, seed: int, offset: int, bh: int, row0: int = 0, col0: int 
     key_lo, key_hi = philox.split_seed(seed)
     compile_philox_probe()(out, key_lo, key_hi, offset & philox.MASK32, bh, row0, col0)
     return out
+
+
+@dataclass(frozen=True)
+class Dropout:
+    """One CTA's dropout: the Philox key and offset, the keep threshold (a 16-bit word below it
+    keeps its element) and the CTA's head row bh = batch * heads + head."""
+    key_lo: object
+    key_hi: object
+    offset_lo: object
+    threshold: object
+    bh: object
+
+    @staticmethod
+    def load(mRng: cute.Tensor, bh) -> "Dropout":
+        """mRng (4,) uint32: key_lo, key_hi, offset_lo, threshold (`launch/dropout.py`)."""
+        return Dropout(mRng[0], mRng[1], mRng[2], mRng[3], bh)
+
+    @cute.jit
+    def scale(self) -> cutlass.Float32:
+        """1 / P(keep) = 2^16 / threshold: what the kept values are multiplied by (applied to O
+        once at the end), exact for the quantized keep probability."""
+        return cutlass.Float32(65536.0) / cutlass.Float32(self.threshold)
+
+    @cute.jit
+    def apply_sm80(self, tiled_mma: cute.TiledMma, acc_s: cute.Tensor, row0, col0, tile_mn: cutlass.Constexpr):
+        """Zero the dropped values of a ((2, 2), MMA_M, MMA_N) mma.sync P tile whose element (r, c)
+        is (row0 + r, col0 + c) of the head: one Philox call per value group (0, m, 2t) .. (3, m,
+        2t + 1), value (v, m, 2t + n2) taking word 4 (v // 2) + 2 n2 + v % 2
+        (layouts/verify_dropout.py proves both for every SM80 forward tile)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        tScS = tiled_mma.get_slice(tidx).partition_C(cute.make_identity_tensor(tile_mn))  # (MMA, MMA_M, MMA_N)
+        for m in cutlass.range_constexpr(cute.size(acc_s.shape[1])):
+            for t in cutlass.range_constexpr(cute.size(acc_s.shape[2]) // 2):
+                rc = tScS[0, m, 2 * t]
+                words = dropout_words(self.key_lo, self.key_hi, self.offset_lo, self.bh, row0 + rc[0], col0 + rc[1])
+                for n2 in cutlass.range_constexpr(2):
+                    for v in cutlass.range_constexpr(4):
+                        s = 4 * (v // 2) + 2 * n2 + v % 2
+                        word = (words[s // 2] >> (16 * (s % 2))) & cutlass.Uint32(0xFFFF)
+                        if word >= self.threshold:
+                            acc_s[v, m, 2 * t + n2] = cutlass.Float32(0.0)

@@ -59,9 +59,10 @@ def fake_fwd_args(config: FwdConfig):
 
     scalars = [1.0, 1.0, 1.0, -1, -1, fake_stream()]  # scales, window edges, stream
     alibi = f32(2, config.has_alibi)
+    rng = fake_tensor(cutlass.Uint32, 1) if config.has_dropout else None
     if config.entry == "varlen":
         kv_rank = 4 if config.paged else 3
-        return ([elems(3), elems(kv_rank), elems(kv_rank), elems(3), f32(2), alibi, i32(1), i32(1)]
+        return ([elems(3), elems(kv_rank), elems(kv_rank), elems(3), f32(2), alibi, rng, i32(1), i32(1)]
                 + [i32(1, config.has_seqused_k), i32(2, config.paged), 1] + scalars)
     if config.entry == "kvcache":
         split = config.split
@@ -69,7 +70,7 @@ def fake_fwd_args(config: FwdConfig):
                  if split else None)
         return ([elems(4), elems(4), elems(4), elems(4), f32(3), accum, f32(4, split), i32(1, split), alibi, i32(1)]
                 + [i32(1, config.has_leftpad), i32(1, config.has_batch_idx), i32(2, config.paged), 0, 1] + scalars)
-    return [elems(4) for _ in range(4)] + [f32(3), alibi] + scalars
+    return [elems(4) for _ in range(4)] + [f32(3), alibi, rng] + scalars
 
 
 def _fake_dq_accum(traits, varlen):
@@ -182,8 +183,8 @@ def fwd_variants(arch: int, full: bool = False) -> list[FwdConfig]:
     Otherwise a covering subset for CI (a compile takes 5-20 s on its 2 cores): every head-dim
     bucket of both kernels (forward and KV-cache), fp16 on sm_80 and bf16 on sm_90 (the dtype
     only changes the MMA atom); the varlen, seqused_k and paged variants (pages of a multiple of
-    16 rows, and of any size); and on sm_90 each score flag alone and all together, each cache
-    flag alone, and the split + paged pair with both page forms.
+    16 rows, and of any size); dropout, dense and varlen; and on sm_90 each score flag alone and
+    all together, each cache flag alone, and the split + paged pair with both page forms.
     """
     combos = [dict(zip(SCORE_FLAGS, bits)) for bits in itertools.product((False, True), repeat=len(SCORE_FLAGS))]
     causal = dict(has_left=False, has_right=True, has_alibi=False, has_softcap=False, even_k=True)
@@ -194,6 +195,7 @@ def fwd_variants(arch: int, full: bool = False) -> list[FwdConfig]:
                    if not (bits[0] and (bits[2] or bits[3]))]
     cache_flags += [dict(c, any_page_size=True) for c in cache_flags if c["paged"]]
     if full:
+        combos += [dict(f, has_dropout=True) for f in combos]
         varlen = [dict(f, varlen=True, has_seqused_k=u, paged=p, any_page_size=a) for f in combos
                   for u in (False, True) for p in (False, True) for a in (False, True) if p or not a]
         cache = [dict(has_right=r, kvcache=True, **c) for r in (False, True) for c in cache_flags
@@ -207,7 +209,8 @@ def fwd_variants(arch: int, full: bool = False) -> list[FwdConfig]:
     subset += [(t, dict(kvcache=True, split=True, pack_gqa=True)) for t in decode_traits if t.dtype == dtype]
     subset += [(pivot, dict(causal, varlen=True)), (pivot, dict(causal, varlen=True, has_seqused_k=True)),
                (pivot, dict(causal, varlen=True, paged=True)),
-               (pivot, dict(causal, varlen=True, paged=True, any_page_size=True))]
+               (pivot, dict(causal, varlen=True, paged=True, any_page_size=True)),
+               (pivot, dict(causal, has_dropout=True)), (pivot, dict(causal, varlen=True, has_dropout=True))]
     if arch >= 90:
         all_on = dict(has_left=True, has_right=True, has_alibi=True, has_softcap=True, even_k=False)
         plain = dict(causal, has_right=False)

@@ -11,6 +11,7 @@ from cute_flash.kernels.config import FwdConfig
 from cute_flash.kernels.constants import LOG2E
 from cute_flash.launch.align import aligned
 from cute_flash.launch import compiled
+from cute_flash.launch.dropout import DropoutArgs, rng_of
 from layouts.traits import FwdTraits, choose_fwd_traits
 
 PAGE_ROWS = 16  # pages of a multiple of this many rows take the page-run / shared-page-id copies
@@ -53,13 +54,15 @@ def alibi_2d(alibi_slopes, batch, nheads):
 
 
 def flash_fwd(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1), softcap=0.0,
-              alibi_slopes=None, traits: FwdTraits | None = None):
+              alibi_slopes=None, traits: FwdTraits | None = None, dropout: DropoutArgs | None = None):
     """Dense forward: q (b, sq, h, d), k/v (b, sk, hk, d); returns (out, lse (b, h, sq)).
-    `traits` overrides the heuristic (tile tuning, `python -m cute_flash tune`).
-    `CUTE_FLASH_ARCH_PATH=sm90` takes the Hopper kernel on sm_90 (launch/hopper.py, opt-in)."""
+    `traits` overrides the heuristic (tile tuning, `python -m cute_flash tune`); `dropout` drops
+    P's elements by the Philox mask (launch/dropout.py).
+    `CUTE_FLASH_ARCH_PATH=sm90` takes the Hopper kernel on sm_90 (launch/hopper.py, opt-in; no dropout)."""
     b, sq, h, d = q.shape
     index = device_index(q.device)
-    if traits is None and os.environ.get("CUTE_FLASH_ARCH_PATH") == "sm90" and compiled.device_arch(index) == 90:
+    if (traits is None and dropout is None and os.environ.get("CUTE_FLASH_ARCH_PATH") == "sm90"
+            and compiled.device_arch(index) == 90):
         from cute_flash.launch.hopper import flash_fwd_sm90  # it imports this module's helpers
 
         return flash_fwd_sm90(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
@@ -70,16 +73,18 @@ def flash_fwd(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1), sof
     left, right = window_edges(causal, window_size)
     kernel = fwd_kernel(q.shape[-1], q.dtype, index, causal, traits, (
         ("has_left", left >= 0), ("has_right", right >= 0), ("has_alibi", alibi_slopes is not None),
-        ("has_softcap", softcap > 0)))
-    kernel(q, k, v, out, lse, alibi_2d(alibi_slopes, b, h), *scales(softmax_scale, softcap), left, right)
+        ("has_softcap", softcap > 0), ("has_dropout", dropout is not None)))
+    kernel(q, k, v, out, lse, alibi_2d(alibi_slopes, b, h), rng_of(dropout, q.device), *scales(softmax_scale, softcap),
+           left, right)
     return (out if out.shape[-1] == d else out[..., :d]), lse
 
 
 def flash_fwd_varlen(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                      causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                     block_table=None, seqused_k=None):
+                     block_table=None, seqused_k=None, dropout: DropoutArgs | None = None):
     """Packed-batch forward: q (total_q, h, d), k/v (total_k, hk, d) or pages (num_blocks,
-    page_size, hk, d) through block_table; returns (out (total_q, h, d), lse (h, total_q))."""
+    page_size, hk, d) through block_table; returns (out (total_q, h, d), lse (h, total_q)).
+    Dropout's rows and columns count from each sequence's start."""
     total_q, h, d = q.shape
     paged = block_table is not None
     q, k, v = aligned(q), aligned(k), aligned(v)
@@ -90,9 +95,10 @@ def flash_fwd_varlen(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     kernel = fwd_kernel(q.shape[-1], q.dtype, index, causal, None, (
         ("has_left", left >= 0), ("has_right", right >= 0), ("has_alibi", alibi_slopes is not None),
         ("has_softcap", softcap > 0), ("varlen", True), ("has_seqused_k", seqused_k is not None),
-        ("paged", paged), ("any_page_size", paged and k.shape[1] % PAGE_ROWS != 0)))
+        ("paged", paged), ("any_page_size", paged and k.shape[1] % PAGE_ROWS != 0),
+        ("has_dropout", dropout is not None)))
     cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     seqused = None if seqused_k is None else seqused_k.contiguous()
-    kernel(q, k, v, out, lse, alibi_2d(alibi_slopes, cu_seqlens_q.shape[0] - 1, h), cu_seqlens_q, cu_seqlens_k,
-           seqused, block_table, max_seqlen_q, *scales(softmax_scale, softcap), left, right)
+    kernel(q, k, v, out, lse, alibi_2d(alibi_slopes, cu_seqlens_q.shape[0] - 1, h), rng_of(dropout, q.device),
+           cu_seqlens_q, cu_seqlens_k, seqused, block_table, max_seqlen_q, *scales(softmax_scale, softcap), left, right)
     return (out if out.shape[-1] == d else out[..., :d]), lse
