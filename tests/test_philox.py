@@ -91,3 +91,19 @@ def test_device_philox_compiles_to_wide_multiplies(arch, tmp_path):
     compile_philox_probe(arch, f"--keep-ptx --dump-dir={tmp_path}")
     (ptx,) = tmp_path.glob("*.ptx")
     assert ptx.read_text().count("mul.wide.u32") == 2 * philox.ROUNDS
+
+
+def test_dropout_args_pack_the_kernels_rng_words():
+    """launch/dropout.py: (key_lo, key_hi, offset mod 2^32, threshold) as uint32, and p outside
+    what the kernels can draw refused."""
+    import torch
+
+    from cute_flash.launch.dropout import DropoutArgs
+
+    words = DropoutArgs(0.1, (7 << 32) | 0xFFFFFFF0, (5 << 32) + 9).rng_tensor("cpu")
+    assert words.dtype == torch.uint32
+    assert [int(x) for x in words.view(torch.int32).to(torch.int64) & philox.MASK32] == [
+        0xFFFFFFF0, 7, 9, philox.keep_threshold(0.1)]
+    for p in (0.0, 1.0, 1 - 2 ** -18):
+        with pytest.raises(ValueError):
+            DropoutArgs(p, 0, 0)

@@ -20,6 +20,8 @@ class DropoutArgs:
     def __post_init__(self):
         if not 0.0 < self.p < 1.0:
             raise ValueError(f"dropout p must be in (0, 1) here (p = 0 compiles no dropout), got {self.p!r}")
+        if philox.keep_threshold(self.p) == 0:
+            raise ValueError(f"dropout p = {self.p!r} keeps nothing at 16-bit resolution (p must be below 1 - 2^-17)")
 
     def rng_tensor(self, device) -> torch.Tensor:
         key_lo, key_hi = philox.split_seed(self.seed)
