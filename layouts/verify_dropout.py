@@ -58,3 +58,25 @@ def word_groups(tiled_mma, tile_mn, threads: int, wgmma: bool) -> dict:
 
 def _static_shape(shape):
     return tuple(_static_shape(x) if isinstance(x, tuple) else int(x) for x in shape)
+
+
+def atom_checks(tiled_mma, tile_mn, threads: int) -> dict:
+    """mma.sync fragments, atom by atom (what `Dropout.atom_keeps` relies on, in any warp
+    grid): values (v, m, n), v = 0..3, sit at (i + 8 (v // 2), j + v % 2) with i mod 16 < 8 and
+    j even, so the 4 share one Philox counter (inside a trace)."""
+    import cutlass.cute as cute
+
+    ident = cute.make_identity_tensor(tile_mn)
+    bad = 0
+    for tidx in range(threads):
+        part = tiled_mma.get_slice(tidx).partition_C(ident)
+        coords = HostLayout.of_coordinates(part, checks=2)
+        xy = coords(np.arange(coords.size)).reshape(-1, 4, 2)  # (atom, v, (row, col)): v is the fastest mode
+        i0, j0 = xy[:, 0, 0], xy[:, 0, 1]
+        offsets = xy - xy[:, :1, :]
+        want = np.array([[0, 0], [0, 1], [8, 0], [8, 1]])
+        c0, c1, _ = philox.counter_of(xy[..., 0], xy[..., 1])
+        ok = ((offsets == want).all() and (i0 % 16 < 8).all() and (j0 % 2 == 0).all()
+              and (c0 == c0[:, :1]).all() and (c1 == c1[:, :1]).all())
+        bad += int(not ok)
+    return {"threads": threads, "bad_threads": bad, "ok": bad == 0}

@@ -67,3 +67,29 @@ def test_same_seed_same_output_other_offset_other_output():
     q, k, v = (torch.randn(2, 200, 4, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     run = [flash_fwd(q, k, v, softmax_scale=0.125, dropout=DropoutArgs(0.3, 5, off))[0] for off in (0, 0, 1)]
     assert torch.equal(run[0], run[1]) and not torch.equal(run[0], run[2])
+
+
+@pytest.mark.parametrize("b, sq, sk, h, hk, d, opts", [
+    (2, 257, 300, 4, 2, 64, {}),
+    (1, 200, 333, 6, 3, 128, dict(causal=True)),
+    (2, 129, 65, 4, 4, 96, dict(window_size=(40, 10), softcap=20.0)),
+], ids=["d64-gqa", "d128-causal", "d96-window-softcap"])
+def test_dense_dropout_grads_match_reference(b, sq, sk, h, hk, d, opts):
+    """The backward recomputes the forward's mask from the same seed and offset: dq, dk, dv
+    against the reference's autograd with that mask, by the backward tests' rule."""
+    from cute_flash.launch.backward import flash_bwd
+    from cute_flash.launch.dense import flash_fwd
+    from cute_flash.launch.dropout import DropoutArgs
+    from tests.test_bwd_gpu import assert_grads_match
+
+    p, seed, offset = 0.25, 31337, 3
+    drop = DropoutArgs(p, seed, offset)
+    q = torch.randn(b, sq, h, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(b, sk, hk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    dout = torch.randn_like(q)
+    out, lse = flash_fwd(q, k, v, softmax_scale=d ** -0.5, dropout=drop, **opts)
+    poison_allocator()
+    dq, dk, dv, _ = flash_bwd(dout, q, k, v, out, lse, softmax_scale=d ** -0.5, dropout=drop, **opts)
+    torch.cuda.synchronize()
+    ref = functools.partial(attention_ref, dropout_p=p, dropout_mask=_mask(seed, offset, b, h, sq, sk, p))
+    assert_grads_match([dq, dk, dv], q, k, v, dout, ref_fn=ref, **opts)

@@ -439,3 +439,24 @@ def test_dropout_word_check_catches_the_backward_s_tile():
     result = in_arch_trace("sm_80", lambda: word_groups(mma.tiled_mma_grid(t, t.atom_m_sdp), (t.block_m, t.block_n),
                                                         t.num_warps * 32, wgmma=False))
     assert result["bad_threads"] == result["threads"]
+
+
+def _bwd_sdp_shapes():
+    from layouts.traits import shipped_bwd_traits
+
+    shapes = {(t.block_m, t.block_n, t.num_warps, t.atom_m_sdp): t
+              for arch in (80, 90) for t in shipped_bwd_traits(arch)}
+    return [pytest.param(t, id=f"m{m}_n{n}_w{w}_a{a}") for (m, n, w, a), t in sorted(shapes.items())]
+
+
+@pytest.mark.parametrize("traits", _bwd_sdp_shapes())
+def test_dropout_atoms_backward(traits):
+    """Every backward S tile: each mma.sync atom's 4 values share one Philox counter, at the
+    offsets `Dropout.atom_keeps` assumes (whatever the warp grid)."""
+    from layouts import mma
+    from layouts.verify import in_arch_trace
+    from layouts.verify_dropout import atom_checks
+
+    result = in_arch_trace("sm_80", lambda: atom_checks(mma.tiled_mma_grid(traits, traits.atom_m_sdp),
+                                                        (traits.block_m, traits.block_n), traits.num_warps * 32))
+    assert result["ok"], result

@@ -39,6 +39,7 @@ from cute_flash.kernels.config import BwdConfig
 from cute_flash.kernels.constants import LOG2E
 from cute_flash.kernels.dq_accum import chunk_index, first_tile, tiles_of
 from cute_flash.kernels.gemm import SmemGemm
+from cute_flash.kernels.philox import Dropout
 from cute_flash.kernels.score_mods import Mask, ScoreMods
 from cute_flash.kernels.seq_info import SeqInfo, head_rows
 from cute_flash.kernels.tile_copy import column_predicate, copy_tile
@@ -65,6 +66,7 @@ class BwdTensors:
     mCuSeqlensQ: object  # (batch + 1,) int32
     mCuSeqlensK: object
     mSeqUsedK: object    # (batch,) int32
+    mRng: object = None  # (4,) uint32: the forward's dropout state (kernels/philox.py:Dropout)
 
 
 @dataclass(frozen=True)
@@ -124,6 +126,7 @@ class KeyBlock:
     acc_dk: cute.Tensor  # (MMA, MMA_N, MMA_D) fp32, dK/dV warp grid
     acc_dv: cute.Tensor
     mods: ScoreMods
+    dropout: object = None  # kernels/philox.py:Dropout (has_dropout)
 
 
 class FlashBwd:
@@ -137,7 +140,7 @@ class FlashBwd:
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
-                 mD: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, mAlibi,
+                 mD: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, mAlibi, mRng,
                  softmax_scale: cutlass.Float32, scale_log2: cutlass.Float32, score_premul: cutlass.Float32,
                  alibi_div: cutlass.Float32, window_left: cutlass.Int32, window_right: cutlass.Int32,
                  grid_x: cutlass.Int32, stream):
@@ -145,13 +148,13 @@ class FlashBwd:
         d), mdK/mdV (batch, seqlen_k, heads, d), mLSE/mD (batch, heads, seqlen_q) fp32, mdQaccum
         (slices, batch, heads, ceil(seqlen_q / kBlockM), kBlockM * kHeadDim) fp32 zeroed.
         grid_x: the key blocks, or the deterministic split count (= slices)."""
-        args = BwdTensors(mQ, mK, mV, mdO, mLSE, mD, mdQaccum, mdK, mdV, mAlibi, None, None, None)
+        args = BwdTensors(mQ, mK, mV, mdO, mLSE, mD, mdQaccum, mdK, mdV, mAlibi, None, None, None, mRng)
         self.launch(args, BwdScalars(softmax_scale, scale_log2, score_premul, alibi_div, window_left, window_right),
                     (grid_x, mQ.shape[0], mQ.shape[2]), stream)
 
     @cute.jit
     def call_varlen(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
-                    mD: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, mAlibi,
+                    mD: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, mAlibi, mRng,
                     mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, mSeqUsedK,
                     softmax_scale: cutlass.Float32, scale_log2: cutlass.Float32, score_premul: cutlass.Float32,
                     alibi_div: cutlass.Float32, window_left: cutlass.Int32, window_right: cutlass.Int32,
@@ -160,7 +163,7 @@ class FlashBwd:
         (total_k, heads, d), mLSE/mD (heads, total_q), mdQaccum (slices, heads, total_q //
         kBlockM + batch + 1, kBlockM * kHeadDim); grid_x covers max_seqlen_k (or the split count)."""
         args = BwdTensors(mQ, mK, mV, mdO, mLSE, mD, mdQaccum, mdK, mdV, mAlibi, mCuSeqlensQ, mCuSeqlensK,
-                          mSeqUsedK)
+                          mSeqUsedK, mRng)
         self.launch(args, BwdScalars(softmax_scale, scale_log2, score_premul, alibi_div, window_left, window_right),
                     (grid_x, mCuSeqlensQ.shape[0] - 1, mQ.shape[1]), stream)
 
@@ -211,8 +214,11 @@ class FlashBwd:
         # softcap is applied here, not by ScoreMods: its derivative needs tanh before the masks
         mods = ScoreMods(Mask(seq.seqlen_q, seq.seqlen_k, window), scalars.score_premul, slope, False,
                          cfg.has_alibi, (t.block_m, t.block_n))
+        dropout = None
+        if cutlass.const_expr(cfg.has_dropout):
+            dropout = Dropout.load(args.mRng, bidb * args.mQ.shape[1 if cutlass.const_expr(cfg.varlen) else 2] + bidh)
         for n_block in cutlass.range(x, cute.ceil_div(seq.seqlen_k, t.block_n), grid_x, unroll=1):
-            self.key_block(n_block, seq, views, scalars, recipe, smem, mods, window)
+            self.key_block(n_block, seq, views, scalars, recipe, smem, mods, window, dropout)
         if cutlass.const_expr(cfg.dq_bulk):
             if cute.arch.lane_idx() == 0:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)  # shared memory outlives the bulk reads
@@ -246,7 +252,7 @@ class FlashBwd:
 
     @cute.jit
     def key_block(self, n_block, seq: SeqInfo, views: BwdViews, scalars: BwdScalars, recipe: BwdRecipe,
-                  smem: BwdSmem, mods: ScoreMods, window: Window):
+                  smem: BwdSmem, mods: ScoreMods, window: Window, dropout):
         """dK and dV of key block n_block, and its share of dQ."""
         cfg, t = self.config, self.t
         bm, bn, d = t.block_m, t.block_n, t.head_dim
@@ -268,7 +274,7 @@ class FlashBwd:
         acc_dv = cute.make_rmem_tensor(thr_dkv.partition_shape_C((bn, d)), cutlass.Float32)
         acc_dk.fill(0.0)
         acc_dv.fill(0.0)
-        kb = KeyBlock(n_block, acc_dk, acc_dv, mods)
+        kb = KeyBlock(n_block, acc_dk, acc_dv, mods, dropout)
 
         blocks = QueryBlocks.make(seq, n_block, bm, bn, window)
         count = blocks.m_block_max - blocks.m_block_min
@@ -366,11 +372,15 @@ class FlashBwd:
         else:
             kb.mods.apply(mma_sdp, acc_s, m_block, kb.n_block, True)
         acc_dp_mn = lmma.acc_mn_view(acc_dp)
-        for r in cutlass.range_constexpr(rows):
-            for c in cutlass.range_constexpr(cute.size(acc_s_mn.shape[1])):
-                p = cute.math.exp2(acc_s_mn[r, c] * scalars.scale_log2 - lse_log2[r], fastmath=True)
-                acc_s_mn[r, c] = p
-                acc_dp_mn[r, c] = p * (acc_dp_mn[r, c] - dot[r])
+        if cutlass.const_expr(cfg.has_dropout):
+            self.dropout_p_ds(kb.dropout, acc_s, acc_dp, lse_log2, dot, thr_sdp, m_block * bm, kb.n_block * bn,
+                              scalars.scale_log2)
+        else:
+            for r in cutlass.range_constexpr(rows):
+                for c in cutlass.range_constexpr(cute.size(acc_s_mn.shape[1])):
+                    p = cute.math.exp2(acc_s_mn[r, c] * scalars.scale_log2 - lse_log2[r], fastmath=True)
+                    acc_s_mn[r, c] = p
+                    acc_dp_mn[r, c] = p * (acc_dp_mn[r, c] - dot[r])
         if cutlass.const_expr(cfg.has_softcap):
             for i in cutlass.range(cute.size(acc_dp), unroll_full=True):
                 acc_dp[i] = acc_dp[i] * dtanh[i]
@@ -415,6 +425,28 @@ class FlashBwd:
 
         SmemGemm.make(mma_dkv, copy_at, lsmem.transposed_view(smem.sdS), copy_bt, lsmem.transposed_view(sQ),
                       tidx).run(kb.acc_dk)
+
+    @cute.jit
+    def dropout_p_ds(self, dropout: Dropout, acc_s, acc_dp, lse_log2, dot, thr_sdp, row0, col0, scale_log2):
+        """With dropout (Z the forward's keep mask, 1 / P(keep) its scale): acc_s becomes the
+        dropped P~ = P Z / P(keep) that dV reads, acc_dp becomes dS = P (dP Z / P(keep) - D) (D,
+        rowsum(dO * O), is already the dropped output's). Per mma.sync atom (m, n): one Philox
+        call for its 4 values (v, m, n) at rows r + 8 (v // 2), columns c + v % 2."""
+        bm, bn = self.t.block_m, self.t.block_n
+        tScS = thr_sdp.partition_C(cute.make_identity_tensor((bm, bn)))  # (MMA, MMA_M, MMA_N) coordinates
+        scale = dropout.scale()
+        for m in cutlass.range_constexpr(cute.size(acc_s.shape[1])):
+            for n in cutlass.range_constexpr(cute.size(acc_s.shape[2])):
+                rc = tScS[0, m, n]
+                keeps = dropout.atom_keeps(row0 + rc[0], col0 + rc[1])
+                for v in cutlass.range_constexpr(4):
+                    r = v // 2 + 2 * m  # the value's row in acc_mn_view order
+                    p = cute.math.exp2(acc_s[v, m, n] * scale_log2 - lse_log2[r], fastmath=True)
+                    z = cutlass.Float32(0.0)
+                    if keeps[v]:
+                        z = scale
+                    acc_s[v, m, n] = p * z
+                    acc_dp[v, m, n] = p * (acc_dp[v, m, n] * z - dot[r])
 
     @cute.jit
     def add_dq_bulk(self, acc_dq: cute.Tensor, chunk: cute.Tensor, sdQaccum: cute.Tensor):

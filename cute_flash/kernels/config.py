@@ -107,6 +107,7 @@ class BwdConfig:
     has_right: bool = False
     has_alibi: bool = False
     has_softcap: bool = False
+    has_dropout: bool = False     # the forward's Philox mask, recomputed (kernels/philox.py)
     even_k: bool = True
     varlen: bool = False
     has_seqused_k: bool = False

@@ -107,6 +107,22 @@ class Dropout:
         return cutlass.Float32(65536.0) / cutlass.Float32(self.threshold)
 
     @cute.jit
+    def atom_keeps(self, i, j):
+        """The keep decisions of an mma.sync m16n8 accumulator atom whose value 0 is element
+        (i, j) (i mod 16 < 8, j even): values v = 0..3 at (i + 8 (v // 2), j + v % 2) share one
+        Philox call; the word pair they take depends on (j div 8) mod 2, which the backward's
+        warp grid fixes per warp but not at compile time (layouts/verify_dropout.py,
+        `atom_checks`). Returns 4 Booleans."""
+        words = dropout_words(self.key_lo, self.key_hi, self.offset_lo, self.bh, i, j)
+        odd = cutlass.Uint32(0) - cutlass.Uint32((j // 8) % 2)  # all ones when the right 8 columns
+        keeps = []
+        for v in cutlass.range_constexpr(4):
+            lo, hi = words[2 * (v // 2)], words[2 * (v // 2) + 1]
+            word = lo ^ ((lo ^ hi) & odd)
+            keeps.append(((word >> (16 * (v % 2))) & cutlass.Uint32(0xFFFF)) < self.threshold)
+        return keeps
+
+    @cute.jit
     def apply_sm80(self, tiled_mma: cute.TiledMma, acc_s: cute.Tensor, row0, col0, tile_mn: cutlass.Constexpr):
         """Zero the dropped values of a ((2, 2), MMA_M, MMA_N) mma.sync P tile whose element (r, c)
         is (row0 + r, col0 + c) of the head: one Philox call per value group (0, m, 2t) .. (3, m,

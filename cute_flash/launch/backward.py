@@ -17,14 +17,17 @@ from cute_flash.kernels.dq_accum import DQConvertConfig
 from cute_flash.launch import compiled
 from cute_flash.launch.align import aligned
 from cute_flash.launch.dense import alibi_2d, device_index, scales, window_edges
+from cute_flash.launch.dropout import DropoutArgs, rng_of
 from layouts.traits import choose_bwd_traits
 
 
-def _config(d_pad, dtype, index, left, right, alibi_slopes, softcap, varlen, seqused_k, deterministic):
+def _config(d_pad, dtype, index, left, right, alibi_slopes, softcap, varlen, seqused_k, deterministic,
+            dropout=None):
     arch = compiled.device_arch(index)
     traits = choose_bwd_traits(d_pad, compiled.DTYPE_NAMES[dtype], min(arch, 90))
     return BwdConfig(traits, has_left=left >= 0, has_right=right >= 0, has_alibi=alibi_slopes is not None,
-                     has_softcap=softcap > 0, even_k=d_pad == traits.head_dim, varlen=varlen,
+                     has_softcap=softcap > 0, has_dropout=dropout is not None, even_k=d_pad == traits.head_dim,
+                     varlen=varlen,
                      has_seqused_k=seqused_k is not None, deterministic=deterministic,
                      **dq_reduction(traits, arch, deterministic))
 
@@ -64,11 +67,13 @@ def _zeros(q, k, v, dot_shape, grads):
 
 
 def flash_bwd(dout, q, k, v, out, lse, *, softmax_scale, causal=False, window_size=(-1, -1), softcap=0.0,
-              alibi_slopes=None, deterministic=False, dq=None, dk=None, dv=None, variant=None):
+              alibi_slopes=None, deterministic=False, dq=None, dk=None, dv=None, variant=None,
+              dropout: DropoutArgs | None = None):
     """Gradients of the dense forward: q/dout/out (b, sq, h, d), k/v (b, sk, hk, d), lse
     (b, h, sq) from the forward; returns (dq, dk, dv, softmax_d), the gradients written into
     dq/dk/dv when given; softmax_d (b, h, sq) fp32 is D = rowsum(dO * O). `variant`: BwdConfig
-    fields replacing the dispatcher's choice (traits, dq_bulk: `python -m cute_flash tune --bwd`)."""
+    fields replacing the dispatcher's choice (traits, dq_bulk: `python -m cute_flash tune --bwd`).
+    `dropout`: the forward's (the same seed and offset recompute its mask)."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     if b == 0 or sq == 0 or sk == 0:
@@ -77,7 +82,8 @@ def flash_bwd(dout, q, k, v, out, lse, *, softmax_scale, causal=False, window_si
     d_pad = q.shape[-1]
     index = device_index(q.device)
     left, right = window_edges(causal, window_size)
-    config = _config(d_pad, q.dtype, index, left, right, alibi_slopes, softcap, False, None, deterministic)
+    config = _config(d_pad, q.dtype, index, left, right, alibi_slopes, softcap, False, None, deterministic,
+                     dropout)
     config = replace(config, **(variant or {}))
     dot = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
     compiled.bwd_kernel_for(PreprocessConfig(config.traits.head_dim, config.traits.dtype, config.even_k),
@@ -89,8 +95,8 @@ def flash_bwd(dout, q, k, v, out, lse, *, softmax_scale, causal=False, window_si
     dk_h = torch.empty((b, sk, h, d_pad), dtype=q.dtype, device=q.device)
     dv_h = torch.empty((b, sk, h, d_pad), dtype=q.dtype, device=q.device)
     compiled.bwd_kernel_for(config, index)(
-        q, k, v, dout, lse, dot, dq_accum, dk_h, dv_h, alibi_2d(alibi_slopes, b, h), softmax_scale,
-        *scales(softmax_scale, softcap), left, right, grid_x)
+        q, k, v, dout, lse, dot, dq_accum, dk_h, dv_h, alibi_2d(alibi_slopes, b, h), rng_of(dropout, q.device),
+        softmax_scale, *scales(softmax_scale, softcap), left, right, grid_x)
     dq_out = torch.empty((b, sq, h, d_pad), dtype=q.dtype, device=q.device)
     compiled.bwd_kernel_for(DQConvertConfig(t, config.even_k, False, config.dq_vec), index)(
         dq_accum, dq_out, softmax_scale)
@@ -99,9 +105,10 @@ def flash_bwd(dout, q, k, v, out, lse, *, softmax_scale, causal=False, window_si
 
 def flash_bwd_varlen(dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                      softmax_scale, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                     seqused_k=None, deterministic=False, dq=None, dk=None, dv=None):
+                     seqused_k=None, deterministic=False, dq=None, dk=None, dv=None,
+                     dropout: DropoutArgs | None = None):
     """Gradients of the packed forward: q/dout/out (total_q, h, d), k/v (total_k, hk, d), lse
-    (h, total_q); returns (dq, dk, dv, softmax_d (h, total_q))."""
+    (h, total_q); returns (dq, dk, dv, softmax_d (h, total_q)). `dropout`: the forward's."""
     total_q, h, d = q.shape
     total_k, hk = k.shape[0], k.shape[1]
     batch = cu_seqlens_q.shape[0] - 1
@@ -111,7 +118,8 @@ def flash_bwd_varlen(dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max
     d_pad = q.shape[-1]
     index = device_index(q.device)
     left, right = window_edges(causal, window_size)
-    config = _config(d_pad, q.dtype, index, left, right, alibi_slopes, softcap, True, seqused_k, deterministic)
+    config = _config(d_pad, q.dtype, index, left, right, alibi_slopes, softcap, True, seqused_k, deterministic,
+                     dropout)
     cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     dot = torch.empty((h, total_q), dtype=torch.float32, device=q.device)
     compiled.bwd_kernel_for(PreprocessConfig(config.traits.head_dim, config.traits.dtype, config.even_k, True),
@@ -125,8 +133,8 @@ def flash_bwd_varlen(dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max
     dk_h.zero_()  # keys no sequence covers (or past seqused_k) get a zero gradient
     dv_h.zero_()
     compiled.bwd_kernel_for(config, index)(
-        q, k, v, dout, lse, dot, dq_accum, dk_h, dv_h, alibi_2d(alibi_slopes, batch, h), cu_seqlens_q,
-        cu_seqlens_k, None if seqused_k is None else seqused_k.contiguous(), softmax_scale,
+        q, k, v, dout, lse, dot, dq_accum, dk_h, dv_h, alibi_2d(alibi_slopes, batch, h), rng_of(dropout, q.device),
+        cu_seqlens_q, cu_seqlens_k, None if seqused_k is None else seqused_k.contiguous(), softmax_scale,
         *scales(softmax_scale, softcap), left, right, grid_x)
     dq_out = torch.zeros((total_q, h, d_pad), dtype=q.dtype, device=q.device)  # rows no sequence covers: 0
     compiled.bwd_kernel_for(DQConvertConfig(t, config.even_k, True, config.dq_vec), index)(

@@ -93,7 +93,8 @@ def fake_bwd_args(config: BwdConfig):
 
     accum = _fake_dq_accum(config.traits, config.varlen)
     tensors = [elems() for _ in range(4)] + [f32(rank - 1), f32(rank - 1), accum, elems(), elems(),
-                                             f32(2) if config.has_alibi else None]
+                                             f32(2) if config.has_alibi else None,
+                                             fake_tensor(cutlass.Uint32, 1) if config.has_dropout else None]
     if config.varlen:
         i32 = fake_tensor(cutlass.Int32, 1)
         tensors += [i32, fake_tensor(cutlass.Int32, 1), fake_tensor(cutlass.Int32, 1) if config.has_seqused_k else None]
@@ -238,7 +239,7 @@ def append_variants(full: bool = False) -> list:
     return [AppendConfig(dt, *lay, *rot) for dt in DTYPES for lay in layouts for rot in rotary]
 
 
-BWD_FLAGS = ("has_left", "has_right", "has_alibi", "has_softcap", "even_k", "deterministic")
+BWD_FLAGS = ("has_left", "has_right", "has_alibi", "has_softcap", "has_dropout", "even_k", "deterministic")
 
 
 def bwd_variants(arch: int, full: bool = False) -> list:
