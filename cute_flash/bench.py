@@ -501,27 +501,37 @@ TUNE_CANDIDATES = {
 }
 
 
-def tune(seqlens=(1024, 4096, 16384)):
-    """TFLOP/s of each tile candidate on the forward grid's shapes (docs/semantics.md), bf16, for
-    choosing traits."""
+def _tune_fwd(candidates: dict, seqlens, variant):
+    """TFLOP/s of each forward candidate on the forward grid's shapes, bf16: `variant(d, cand)`
+    gives (name, fn(q, k, v, causal)) for each entry of candidates[d]."""
     import torch
 
-    from cute_flash.launch.dense import flash_fwd
-    from layouts.traits import FwdTraits
-
     rows = []
-    for d, cands in TUNE_CANDIDATES.items():
+    for d, cands in candidates.items():
         for causal in (False, True):
             for s in seqlens:
                 b, h = max(1, TOKENS // s), HIDDEN // d
                 q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
                 flops = 4 * b * h * d * visible_pairs(s, s, causal)
-                for m, n, w in cands:
-                    t = FwdTraits(d, m, n, w, "bf16")
-                    ms = _time_ms(lambda: flash_fwd(q, k, v, softmax_scale=d ** -0.5, causal=causal, traits=t))
-                    rows.append(dict(d=d, causal=causal, seqlen=s, traits=t.name, tflops=flops / ms / 1e9))
-                    print(f"d{d} causal={causal!s:5} s{s:6} {t.name:26} {rows[-1]['tflops']:6.0f}", flush=True)
+                for cand in cands:
+                    name, fn = variant(d, cand)
+                    ms = _time_ms(lambda: fn(q, k, v, causal))
+                    rows.append(dict(d=d, causal=causal, seqlen=s, traits=name, tflops=flops / ms / 1e9))
+                    print(f"d{d} causal={causal!s:5} s{s:6} {name:36} {rows[-1]['tflops']:6.0f}", flush=True)
     return rows
+
+
+def tune(seqlens=(1024, 4096, 16384)):
+    """TFLOP/s of each tile candidate on the forward grid's shapes (docs/semantics.md), bf16, for
+    choosing traits."""
+    from cute_flash.launch.dense import flash_fwd
+    from layouts.traits import FwdTraits
+
+    def variant(d, cand):
+        t = FwdTraits(d, *cand, "bf16")
+        return t.name, lambda q, k, v, causal: flash_fwd(q, k, v, softmax_scale=d ** -0.5, causal=causal, traits=t)
+
+    return _tune_fwd(TUNE_CANDIDATES, seqlens, variant)
 
 
 SM90_TUNE_CANDIDATES = {64: [(128, 128, True), (128, 128, False), (192, 128, True)],
@@ -531,26 +541,17 @@ SM90_TUNE_CANDIDATES = {64: [(128, 128, True), (128, 128, False), (192, 128, Tru
 def tune_sm90(seqlens=(512, 2048, 16384)):
     """TFLOP/s of each Hopper forward candidate (block_m, block_n, persistent) on the forward
     grid's shapes, bf16: `python -m cute_flash tune --sm90`."""
-    import torch
-
     from cute_flash.launch.hopper import flash_fwd_sm90
     from layouts.hopper import HopperTileTraits
 
-    rows = []
-    for d, cands in SM90_TUNE_CANDIDATES.items():
-        for causal in (False, True):
-            for s in seqlens:
-                b, h = max(1, TOKENS // s), HIDDEN // d
-                q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-                flops = 4 * b * h * d * visible_pairs(s, s, causal)
-                for m, n, persistent in cands:
-                    t = HopperTileTraits(d, m, n, "bf16")
-                    ms = _time_ms(lambda: flash_fwd_sm90(q, k, v, softmax_scale=d ** -0.5, causal=causal, traits=t,
-                                                         persistent=persistent))
-                    name = t.name + ("_persistent" if persistent else "")
-                    rows.append(dict(d=d, causal=causal, seqlen=s, traits=name, tflops=flops / ms / 1e9))
-                    print(f"d{d} causal={causal!s:5} s{s:6} {name:36} {rows[-1]['tflops']:6.0f}", flush=True)
-    return rows
+    def variant(d, cand):
+        m, n, persistent = cand
+        t = HopperTileTraits(d, m, n, "bf16")
+        return (t.name + ("_persistent" if persistent else ""),
+                lambda q, k, v, causal: flash_fwd_sm90(q, k, v, softmax_scale=d ** -0.5, causal=causal, traits=t,
+                                                       persistent=persistent))
+
+    return _tune_fwd(SM90_TUNE_CANDIDATES, seqlens, variant)
 
 
 BWD_TUNE_CANDIDATES = {  # (block_m, block_n, (atom_m_sdp, atom_n_dkv, atom_m_dq)), 8 warps

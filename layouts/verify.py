@@ -255,7 +255,7 @@ class Partition:
         return self.coords.shape[0]
 
 
-def _partition_coords(tiled, method: str, tile) -> np.ndarray:
+def partition_coords(tiled, method: str, tile) -> np.ndarray:
     """(Inside a trace) coords[t, v, a] of each thread's slice of a tiled copy / MMA applied, by
     `method` ("partition_S", "partition_D", "partition_A", ...), to an identity tensor of `tile`."""
     vec = cute.size(tiled.layout_src_tv, mode=[1]) if hasattr(tiled, "layout_src_tv") else 1
@@ -277,7 +277,7 @@ def _partition_coords(tiled, method: str, tile) -> np.ndarray:
 
 def capture_partition(build, args, method: str, tile, replicas: int = 1) -> Partition:
     """Partition of `tile` by the tiled copy / MMA `build(*args)` (one trace, not cached)."""
-    return Partition(in_trace(lambda: _partition_coords(build(*args), method, tile)), tuple(tile), replicas)
+    return Partition(in_trace(lambda: partition_coords(build(*args), method, tile)), tuple(tile), replicas)
 
 
 def _ldsm_q(t):
@@ -345,7 +345,7 @@ def capture_partitions(traits, entries: dict) -> dict:
         for name, (build, method, which) in entries.items():
             if build not in built:
                 built[build] = build(traits)
-            coords[name] = _partition_coords(built[build], method, _tile(traits, which))
+            coords[name] = partition_coords(built[build], method, _tile(traits, which))
         return coords
 
     return in_trace(run)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from cute_flash import philox
-from layouts.verify import HostLayout
+from layouts.verify import partition_coords
 
 
 def _groups_sm80(shape):
@@ -36,47 +36,40 @@ def _groups_wgmma(shape):
             (4 * r + 2 * (k % 2) + c).ravel())
 
 
-def word_groups(tiled_mma, tile_mn, threads: int, wgmma: bool) -> dict:
+def word_groups(tiled_mma, tile_mn, wgmma: bool) -> dict:
     """For every thread: the counter of each value equals its group representative's, the words
     of a group are 0..7 once each, and equal the Philox map's (inside a trace)."""
     import cutlass.cute as cute
 
-    ident = cute.make_identity_tensor(tile_mn)
+    shape = _static_shape(tiled_mma.get_slice(0).partition_C(cute.make_identity_tensor(tile_mn)).shape)
+    idx, rep, word = (_groups_wgmma if wgmma else _groups_sm80)(shape)
+    coords = partition_coords(tiled_mma, "partition_C", tile_mn)[:, 0]  # (threads, values, (row, col))
     bad = 0
-    for tidx in range(threads):
-        part = tiled_mma.get_slice(tidx).partition_C(ident)
-        coords = HostLayout.of_coordinates(part, checks=2)
-        xy = coords(np.arange(coords.size))
-        idx, rep, word = (_groups_wgmma if wgmma else _groups_sm80)(_static_shape(part.shape))
+    for xy in coords:
         c0, c1, s = philox.counter_of(xy[:, 0], xy[:, 1])
         same_counter = (c0[idx] == c0[rep]).all() and (c1[idx] == c1[rep]).all()
         words_match = np.array_equal(s[idx], word)
         complete = all(sorted(word[rep == g]) == list(range(8)) for g in np.unique(rep))
         bad += int(not (same_counter and words_match and complete))
-    return {"threads": threads, "bad_threads": bad, "ok": bad == 0}
+    return {"threads": len(coords), "bad_threads": bad, "ok": bad == 0}
 
 
 def _static_shape(shape):
     return tuple(_static_shape(x) if isinstance(x, tuple) else int(x) for x in shape)
 
 
-def atom_checks(tiled_mma, tile_mn, threads: int) -> dict:
+def atom_checks(tiled_mma, tile_mn) -> dict:
     """mma.sync fragments, atom by atom (what `Dropout.atom_keeps` relies on, in any warp
     grid): values (v, m, n), v = 0..3, sit at (i + 8 (v // 2), j + v % 2) with i mod 16 < 8 and
     j even, so the 4 share one Philox counter (inside a trace)."""
-    import cutlass.cute as cute
-
-    ident = cute.make_identity_tensor(tile_mn)
+    coords = partition_coords(tiled_mma, "partition_C", tile_mn)[:, 0]  # (threads, values, (row, col))
+    want = np.array([[0, 0], [0, 1], [8, 0], [8, 1]])
     bad = 0
-    for tidx in range(threads):
-        part = tiled_mma.get_slice(tidx).partition_C(ident)
-        coords = HostLayout.of_coordinates(part, checks=2)
-        xy = coords(np.arange(coords.size)).reshape(-1, 4, 2)  # (atom, v, (row, col)): v is the fastest mode
+    for flat in coords:
+        xy = flat.reshape(-1, 4, 2)  # (atom, v, (row, col)): v is the fastest mode
         i0, j0 = xy[:, 0, 0], xy[:, 0, 1]
-        offsets = xy - xy[:, :1, :]
-        want = np.array([[0, 0], [0, 1], [8, 0], [8, 1]])
         c0, c1, _ = philox.counter_of(xy[..., 0], xy[..., 1])
-        ok = ((offsets == want).all() and (i0 % 16 < 8).all() and (j0 % 2 == 0).all()
+        ok = (((xy - xy[:, :1, :]) == want).all() and (i0 % 16 < 8).all() and (j0 % 2 == 0).all()
               and (c0 == c0[:, :1]).all() and (c1 == c1[:, :1]).all())
         bad += int(not ok)
-    return {"threads": threads, "bad_threads": bad, "ok": bad == 0}
+    return {"threads": len(coords), "bad_threads": bad, "ok": bad == 0}

@@ -23,7 +23,7 @@ import numpy as np
 from layouts import hopper
 from layouts.hopper import HopperTileTraits
 from layouts.traits import ELEMENT_BYTES
-from layouts.verify import HostLayout, in_arch_trace, is_bijection
+from layouts.verify import HostLayout, in_arch_trace, is_bijection, partition_coords
 
 STAGE_ALIGN = 1024
 
@@ -51,18 +51,14 @@ def p_operand_checks(traits: HopperTileTraits) -> dict:
     A position j == the A coordinate of the P V wgmma at j."""
     def run():
         qk, pv = hopper.tiled_mma_qk(traits), hopper.tiled_mma_pv(traits)
-        c_s = cute.make_identity_tensor((traits.block_m, traits.block_n))
-        shape = qk.get_slice(0).partition_shape_C((traits.block_m, traits.block_n))
-        acc = cute.make_rmem_tensor(shape, cutlass.Float32)
+        tile = (traits.block_m, traits.block_n)
+        acc = cute.make_rmem_tensor(qk.get_slice(0).partition_shape_C(tile), cutlass.Float32)
         view = HostLayout.of(hopper.acc_as_operand_a(acc).layout)
         where = view(np.arange(view.size))
-        bad = 0
-        for tidx in range(traits.num_threads):
-            c = HostLayout.of_coordinates(qk.get_slice(tidx).partition_C(c_s), checks=2)
-            a = HostLayout.of_coordinates(pv.get_slice(tidx).partition_A(c_s), checks=2)
-            c_xy = c(np.arange(c.size))
-            a_xy = a(np.arange(a.size))
-            bad += int(a.size != view.size or not np.array_equal(c_xy[where], a_xy))
+        c = partition_coords(qk, "partition_C", tile)[:, 0]  # (threads, values, (row, col))
+        a = partition_coords(pv, "partition_A", tile)[:, 0]
+        bad = sum(int(a_xy.shape[0] != view.size or not np.array_equal(c_xy[where], a_xy))
+                  for c_xy, a_xy in zip(c, a))
         return {"threads": traits.num_threads, "values": view.size, "mismatched_threads": bad, "ok": bad == 0}
 
     return in_arch_trace("sm_90a", run)
@@ -76,11 +72,8 @@ def accumulator_coverage(traits: HopperTileTraits) -> dict:
         for name, mma, tile in (("S", hopper.tiled_mma_qk(traits), (traits.block_m, traits.block_n)),
                                 ("O", hopper.tiled_mma_pv(traits), (traits.block_m, traits.head_dim))):
             counts = np.zeros(tile, dtype=np.int64)
-            ident = cute.make_identity_tensor(tile)
-            for tidx in range(traits.num_threads):
-                c = HostLayout.of_coordinates(mma.get_slice(tidx).partition_C(ident), checks=2)
-                xy = c(np.arange(c.size))
-                np.add.at(counts, (xy[:, 0], xy[:, 1]), 1)
+            xy = partition_coords(mma, "partition_C", tile).reshape(-1, 2)  # every thread's (row, col)
+            np.add.at(counts, (xy[:, 0], xy[:, 1]), 1)
             out[name] = bool((counts == 1).all())
         return out
 

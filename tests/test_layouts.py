@@ -411,7 +411,7 @@ def test_dropout_words_sm80_forward(traits):
     from layouts.verify_dropout import word_groups
 
     result = in_arch_trace("sm_80", lambda: word_groups(mma.tiled_mma(traits), (traits.block_m, traits.block_n),
-                                                        traits.num_warps * 32, wgmma=False))
+                                                        wgmma=False))
     assert result["ok"], result
 
 
@@ -422,7 +422,7 @@ def test_dropout_words_hopper(traits):
     from layouts.verify_dropout import word_groups
 
     result = in_arch_trace("sm_90a", lambda: word_groups(hopper.tiled_mma_qk(traits), (traits.block_m, traits.block_n),
-                                                         traits.num_threads, wgmma=True))
+                                                         wgmma=True))
     assert result["ok"], result
 
 
@@ -437,7 +437,7 @@ def test_dropout_word_check_catches_the_backward_s_tile():
 
     (t,) = [t for t in shipped_bwd_traits(90) if (t.block_m, t.block_n, t.atom_m_sdp) == (64, 128, 2)][:1]
     result = in_arch_trace("sm_80", lambda: word_groups(mma.tiled_mma_grid(t, t.atom_m_sdp), (t.block_m, t.block_n),
-                                                        t.num_warps * 32, wgmma=False))
+                                                        wgmma=False))
     assert result["bad_threads"] == result["threads"]
 
 
@@ -458,5 +458,5 @@ def test_dropout_atoms_backward(traits):
     from layouts.verify_dropout import atom_checks
 
     result = in_arch_trace("sm_80", lambda: atom_checks(mma.tiled_mma_grid(traits, traits.atom_m_sdp),
-                                                        (traits.block_m, traits.block_n), traits.num_warps * 32))
+                                                        (traits.block_m, traits.block_n)))
     assert result["ok"], result

@@ -46,8 +46,6 @@ from layouts import smem as lsmem
 from layouts.hopper import HopperTileTraits
 from layouts.traits import ELEMENT_BYTES, SMEM_LIMIT, element_type
 
-SMEM_LIMIT_SM90 = SMEM_LIMIT[90]
-
 # (producer, consumer) registers per thread by consumer warpgroups: 128 x producer + 128 x
 # warpgroups x consumer <= 64K registers per SM, multiples of 8, at most 256.
 REGISTERS = {1: (56, 256), 2: (24, 240), 3: (32, 160)}
@@ -82,7 +80,7 @@ class Sm90FwdConfig:
         """Persistent: one CTA per SM looping over tiles, O in a tile of its own in shared
         memory (room for it in all but d 256), so the next tile's Q and K / V load while this
         one's last P V and epilogue run. Otherwise one CTA per tile, O staged in Q's tile."""
-        return Sm90FwdConfig(traits, stages, persistent=True).smem_bytes <= SMEM_LIMIT_SM90
+        return Sm90FwdConfig(traits, stages, persistent=True).smem_bytes <= SMEM_LIMIT[90]
 
     @property
     def smem_bytes(self) -> int:
