@@ -4,7 +4,8 @@ ops carry their own registered gradients: `cute_flash/ops.py`).
 One `torch.autograd.Function` serves all six: the differentiable inputs are q, k, v apart, q and
 a packed kv, or one packed qkv (`Packing`), so packed inputs get their gradient as one packed
 tensor, written through views as flash-attn's `dqkv` is. Only q, k, v, out and lse are saved;
-the options travel in a frozen `AttnOptions`.
+the options travel in a frozen `AttnOptions`, with dropout's p and rng_state (the backward
+regenerates the forward's mask from them).
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from typing import Callable, Optional
 
 import torch
 from torch import Tensor
+
+from cute_flash.dropout import DropoutArgs
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,7 @@ class AttnOptions:
     deterministic: bool
     packing: Packing
     varlen: Optional[Varlen] = None
+    dropout: Optional[DropoutArgs] = None
 
 
 def _launch():
@@ -91,7 +95,8 @@ class FlashAttnFunction(torch.autograd.Function):
             grads = tuple(torch.zeros_like(x) for x in inputs)
         else:
             common = dict(softmax_scale=o.softmax_scale, causal=o.causal, window_size=o.window, softcap=o.softcap,
-                          alibi_slopes=ctx.alibi_slopes, deterministic=o.deterministic, dq=dq, dk=dk, dv=dv)
+                          alibi_slopes=ctx.alibi_slopes, deterministic=o.deterministic, dropout=o.dropout,
+                          dq=dq, dk=dk, dv=dv)
             if o.varlen is None:
                 qkv_grads = _launch().flash_bwd(dout, q, k, v, out, lse, **common)
             else:

@@ -1,6 +1,6 @@
 """`python -m cute_flash bench`: forward TFLOP/s against torch SDPA's FLASH (flash-attn 2 C++) and
 CUDNN backends and flash-attn-4 (when importable), measured side by side in one run; on sm_90
-GPUs our Hopper kernel has a column of its own.
+GPUs, where our default is the Hopper kernel, our SM80 kernel has a column of its own.
 
 TFLOP/s counts the FLOPs of the visible (i, j) pairs: 4 * b * h * d per pair, which is docs/semantics.md's
 4*b*h*sq*sk*d (halved for causal) up to the diagonal's rounding, and for a local window the work
@@ -105,8 +105,8 @@ def fa4_func():
 
 
 def bench_cell(d, seqlen, causal=False, window=(-1, -1), softcap=0.0, peers=True, batch=None, nheads=None):
-    """ours (the default path), `sm90` (our Hopper kernel, on sm_90 GPUs), SDPA FLASH and CUDNN
-    and flash-attn-4 (when importable), in TFLOP/s."""
+    """ours (the default path: the Hopper kernel on sm_90 GPUs), `sm80` (our SM80 kernel, on
+    sm_90 GPUs), SDPA FLASH and CUDNN and flash-attn-4 (when importable), in TFLOP/s."""
     import torch
     from torch.nn.attention import SDPBackend
 
@@ -121,8 +121,8 @@ def bench_cell(d, seqlen, causal=False, window=(-1, -1), softcap=0.0, peers=True
     ours = _time_ms(lambda: flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=softcap))
     row["ours_tflops"] = flops / ours / 1e9
     if hopper_gpu():
-        with arch_path("sm90"):
-            row["sm90_tflops"] = flops / _time_ms(
+        with arch_path("sm80"):
+            row["sm80_tflops"] = flops / _time_ms(
                 lambda: flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=softcap)) / 1e9
     if peers:
         fa4 = fa4_func()
@@ -209,6 +209,65 @@ def format_bwd(rows) -> str:
         if ratios:
             out.append(ratio_summary(ratios))
         out.append("")
+    return "\n".join(out)
+
+
+def bench_dropout_cell(d, seqlen, causal=False, p=0.1):
+    """The cost of dropout: forward and backward (through autograd, as `bench_bwd_cell`) at
+    dropout p against p = 0, ours (the public function, its per-call state draw included) and
+    SDPA's FLASH backend (flash-attn 2's C++ dropout), TFLOP/s of the same FLOP count."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from cute_flash import flash_attn_func
+
+    batch, nheads = max(1, TOKENS // seqlen), HIDDEN // d
+    q, k, v, dout = (torch.randn(batch, seqlen, nheads, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    fwd_flops = 4 * batch * nheads * d * visible_pairs(seqlen, seqlen, causal)
+    row = dict(d=d, seqlen=seqlen, batch=batch, nheads=nheads, causal=causal, p=p, fwd_flops=fwd_flops)
+
+    def ours(q, k, v, p):
+        return flash_attn_func(q, k, v, dropout_p=p, causal=causal)
+
+    def flash(q, k, v, p):
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p=p, is_causal=causal).transpose(1, 2)
+
+    for name, fn in (("ours", ours), ("flash", flash)):
+        for tag, prob in (("p0", 0.0), ("p", p)):
+            with torch.no_grad():
+                row[f"{name}_fwd_{tag}"] = fwd_flops / _time_ms(lambda: fn(q, k, v, prob)) / 1e9
+            leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+            out = fn(*leaves, prob)
+            ms = _time_ms(lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True))
+            row[f"{name}_bwd_{tag}"] = 2.5 * fwd_flops / ms / 1e9
+    return row
+
+
+def run_dropout(seqlens=SEQLENS, head_dims=HEAD_DIMS):
+    return [bench_dropout_cell(d, s, causal) for d in head_dims for causal in (False, True) for s in seqlens]
+
+
+def format_dropout(rows) -> str:
+    """Each pass's overhead = time at p / time at p = 0 - 1 (the TFLOP/s ratio inverted)."""
+    def overhead(r, name, kind):
+        return r[f"{name}_{kind}_p0"] / r[f"{name}_{kind}_p"] - 1
+
+    p = rows[0]["p"] if rows else 0.1
+    out = [f"dropout p = {p} against p = 0, TFLOP/s (bf16) and overhead:", "",
+           "| d | causal | seqlen | fwd p=0 | fwd p | fwd overhead | FLASH fwd overhead | bwd p=0 | bwd p "
+           "| bwd overhead | FLASH bwd overhead |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['d']} | {r['causal']} | {r['seqlen']} | {r['ours_fwd_p0']:.0f} | {r['ours_fwd_p']:.0f} | "
+                   f"{overhead(r, 'ours', 'fwd'):+.1%} | {overhead(r, 'flash', 'fwd'):+.1%} | "
+                   f"{r['ours_bwd_p0']:.0f} | {r['ours_bwd_p']:.0f} | {overhead(r, 'ours', 'bwd'):+.1%} | "
+                   f"{overhead(r, 'flash', 'bwd'):+.1%} |")
+    if rows:
+        fwd = [overhead(r, "ours", "fwd") for r in rows]
+        bwd = [overhead(r, "ours", "bwd") for r in rows]
+        out.append(f"\nforward overhead: max {max(fwd):+.1%}, cells <= 15%: {sum(x <= 0.15 for x in fwd)}/{len(fwd)}; "
+                   f"backward overhead: max {max(bwd):+.1%}, cells <= 20%: {sum(x <= 0.20 for x in bwd)}/{len(bwd)}")
     return "\n".join(out)
 
 
@@ -600,28 +659,30 @@ def tune_bwd(seqlens=(512, 2048, 8192)):
 
 
 def format_grid(rows) -> str:
-    """ours/FLASH, and on sm_90 the Hopper kernel against the better of CUDNN and flash-attn-4."""
-    out = ["| d | causal | seqlen | batch x heads | ours | sm90 | FLASH | CUDNN | FA4 | ours/FLASH | sm90/best peer |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
-    ratios, hopper = [], []
+    """ours/FLASH, ours against the better of CUDNN and flash-attn-4, and on sm_90 ours (the
+    Hopper kernel) against our SM80 kernel."""
+    out = ["| d | causal | seqlen | batch x heads | ours | SM80 | FLASH | CUDNN | FA4 | ours/FLASH | ours/best peer "
+           "| ours/SM80 |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    ratios, vs_peers, vs_sm80 = [], [], []
     for r in rows:
         ratio = r["ours_tflops"] / r["flash_tflops"] if r.get("flash_tflops") else math.nan
-        if not math.isnan(ratio):
-            ratios.append(ratio)
         best = max((r[k] for k in ("cudnn_tflops", "fa4_tflops") if r.get(k)), default=None)
-        vs_best = r["sm90_tflops"] / best if best and r.get("sm90_tflops") else math.nan
-        if not math.isnan(vs_best):
-            hopper.append(vs_best)
+        vs_best = r["ours_tflops"] / best if best else math.nan
+        vs_own = r["ours_tflops"] / r["sm80_tflops"] if r.get("sm80_tflops") else math.nan
+        for kept, x in ((ratios, ratio), (vs_peers, vs_best), (vs_sm80, vs_own)):
+            if not math.isnan(x):
+                kept.append(x)
         cells = [f"{r[k]:.0f}" if r.get(k) else "-"
-                 for k in ("ours_tflops", "sm90_tflops", "flash_tflops", "cudnn_tflops", "fa4_tflops")]
+                 for k in ("ours_tflops", "sm80_tflops", "flash_tflops", "cudnn_tflops", "fa4_tflops")]
         out.append(f"| {r['d']} | {r['causal']} | {r['seqlen']} | {r['batch']}x{r['nheads']} | "
-                   f"{' | '.join(cells)} | {ratio:.3f} | {vs_best:.3f} |")
+                   f"{' | '.join(cells)} | {ratio:.3f} | {vs_best:.3f} | {vs_own:.3f} |")
     if ratios:
         out.append(ratio_summary(ratios))
-    if hopper:
-        gm = math.exp(statistics.fmean(math.log(x) for x in hopper))
-        out.append(f"sm90 / max(CUDNN, FA4): geometric mean {gm:.3f}; min {min(hopper):.3f}; cells >= 1.0: "
-                   f"{sum(x >= 1.0 for x in hopper)}/{len(hopper)}")
+    for name, xs in (("ours / max(CUDNN, FA4)", vs_peers), ("ours / our SM80 kernel", vs_sm80)):
+        if xs:
+            gm = math.exp(statistics.fmean(math.log(x) for x in xs))
+            out.append(f"{name}: geometric mean {gm:.3f}; min {min(xs):.3f}; cells >= 1.0: "
+                       f"{sum(x >= 1.0 for x in xs)}/{len(xs)}")
     return "\n".join(out)
 
 
@@ -651,8 +712,8 @@ def plot(rows, path):
     for ax, (d, causal) in zip(axes, [(d, c) for d in HEAD_DIMS for c in (False, True)]):
         cell = [r for r in rows if r["d"] == d and r["causal"] == causal]
         xs = [r["seqlen"] for r in cell]
-        for key, label in (("ours_tflops", "cute-flash"), ("flash_tflops", "SDPA FLASH"),
-                           ("cudnn_tflops", "SDPA CUDNN")):
+        for key, label in (("ours_tflops", "cute-flash"), ("sm80_tflops", "cute-flash SM80"),
+                           ("flash_tflops", "SDPA FLASH"), ("cudnn_tflops", "SDPA CUDNN"), ("fa4_tflops", "FA4")):
             ys = [r.get(key) or math.nan for r in cell]
             ax.plot(xs, ys, marker="o", label=label)
         ax.set_xscale("log", base=2)
@@ -665,7 +726,7 @@ def plot(rows, path):
     return path
 
 
-SECTIONS = ("grid", "extra", "varlen", "paged", "decode", "unaligned", "bwd")
+SECTIONS = ("grid", "extra", "varlen", "paged", "decode", "unaligned", "bwd", "dropout")
 
 
 def main(out_dir=None, quick=False, sections=SECTIONS):
@@ -697,6 +758,9 @@ def main(out_dir=None, quick=False, sections=SECTIONS):
     if "bwd" in sections:
         result["bwd"] = run_bwd((1024, 4096) if quick else SEQLENS)
         text += "\n" + format_bwd(result["bwd"]) + "\n"
+    if "dropout" in sections:
+        result["dropout"] = run_dropout((1024, 4096) if quick else SEQLENS)
+        text += "\n" + format_dropout(result["dropout"]) + "\n"
     meta = dict(date=time.strftime("%Y-%m-%d"), gpu=torch.cuda.get_device_name(),
                 torch=torch.__version__, seconds=round(time.time() - t0, 1))
     text = f"{meta}\n\n{text}"

@@ -6,30 +6,33 @@ build on, works by changing that one import.
 order and defaults and return `(out, softmax_lse, S_dmask, rng_state)`;
 `_flash_attn_backward` and `_flash_attn_varlen_backward` likewise write the gradients into the
 given dq, dk, dv and return `softmax_d` (D = rowsum(dO * O), fp32, shaped like softmax_lse, where
-flash-attn's rounds seqlen_q up to 128). In the forwards, `S_dmask` is an empty
-tensor (no dropout), `rng_state` two int64 zeros (no random numbers drawn). Like flash-attn's,
+flash-attn's rounds seqlen_q up to 128). In the forwards, `rng_state` is the call's dropout
+state, (seed, offset) int64 on the device (two zeros without dropout: nothing drawn), and
+`S_dmask` with `return_softmax` and dropout the probabilities with dropped entries negated
+(`cute_flash.dropout`; empty without dropout). A backward with `dropout_p > 0` needs the
+forward's `rng_state` to regenerate its mask. Like flash-attn's,
 they have no autograd (their callers wrap them in their own `torch.autograd.Function`), so
 they do not refuse inputs that require grad; the output is not differentiable. Unlike
 flash-attn's they take any head dim up to 256 and any strides with a unit last dim (no caller
-padding needed). Not supported yet: dropout (NotImplementedError, as the public functions) and
-`leftpad_k` (NotImplementedError); `zero_tensors` is accepted and has no effect, since every
-output row is written.
+padding needed). Not supported yet: `leftpad_k` (NotImplementedError); `zero_tensors` is
+accepted and has no effect, since every output row is written.
 """
 from typing import Optional, Tuple
 
 import torch
 
 from cute_flash import _validate, interface
+from cute_flash.dropout import DropoutArgs
 from cute_flash.interface import *  # noqa: F401,F403 (the public functions)
-from cute_flash.interface import _flash_attn, _flash_attn_varlen, _kernels, _mask, _no_probs
+from cute_flash.interface import _flash_attn, _flash_attn_varlen, _kernels, _mask
 
 __all__ = interface.__all__ + ["_flash_attn_forward", "_flash_attn_varlen_forward", "_flash_attn_backward",
                                "_flash_attn_varlen_backward"]
 
 
-def _rng_state(q):
-    """flash-attn's (seed, offset) of the call's dropout: nothing drawn, so zeros."""
-    return torch.zeros((2,), dtype=torch.int64, device=q.device)
+def _rng_state(q, dropout):
+    """flash-attn's (seed, offset) of the call's dropout; zeros when nothing was drawn."""
+    return torch.zeros((2,), dtype=torch.int64, device=q.device) if dropout is None else dropout.rng_state
 
 
 def _flash_attn_forward(
@@ -47,9 +50,10 @@ def _flash_attn_forward(
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """q (batch, seqlen_q, nheads, d), k, v (batch, seqlen_k, nheads_k, d) ->
     (out, softmax_lse (batch, nheads, seqlen_q), S_dmask, rng_state)."""
-    out, lse = _flash_attn(q, k, v, ("q", "k", "v"), dropout_p, softmax_scale, causal,
-                           (window_size_left, window_size_right), softcap, alibi_slopes)
-    return out, lse, _no_probs(q), _rng_state(q)
+    out, lse, probs, dropout = _flash_attn(q, k, v, ("q", "k", "v"), dropout_p, softmax_scale, causal,
+                                           (window_size_left, window_size_right), softcap, alibi_slopes,
+                                           return_probs=return_softmax)
+    return out, lse, probs, _rng_state(q, dropout)
 
 
 def _flash_attn_varlen_forward(
@@ -78,15 +82,20 @@ def _flash_attn_varlen_forward(
     if leftpad_k is not None:
         raise NotImplementedError("leftpad_k is not implemented for the variable-length forward yet")
     names = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
-    out, lse = _flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, names,
-                                  dropout_p, softmax_scale, causal, (window_size_left, window_size_right),
-                                  softcap, alibi_slopes, block_table, seqused_k)
-    return out, lse, _no_probs(q), _rng_state(q)
+    out, lse, probs, dropout = _flash_attn_varlen(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, names, dropout_p, softmax_scale, causal,
+        (window_size_left, window_size_right), softcap, alibi_slopes, block_table, seqused_k,
+        return_probs=return_softmax)
+    return out, lse, probs, _rng_state(q, dropout)
 
 
-def _check_backward(dropout_p, tensors):
-    _validate.check_dropout(dropout_p)
-    _validate.check_cuda(tensors)
+def _check_backward(dropout_p, rng_state, tensors):
+    """The backward's checks; returns its DropoutArgs (None without dropout)."""
+    p = _validate.check_dropout(dropout_p)
+    if p > 0 and rng_state is None:
+        raise ValueError("dropout_p > 0 needs the forward's rng_state to regenerate its dropout mask")
+    _validate.check_cuda(tensors + ([("rng_state", rng_state)] if p > 0 else []))
+    return DropoutArgs(p, rng_state) if p > 0 else None
 
 
 def _flash_attn_backward(
@@ -111,13 +120,13 @@ def _flash_attn_backward(
 ) -> torch.Tensor:
     """Gradients of `_flash_attn_forward` written into dq, dk, dv (allocated when None);
     returns softmax_d (batch, nheads, seqlen_q)."""
-    _check_backward(dropout_p, [("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out),
-                                ("softmax_lse", softmax_lse)])
+    dropout = _check_backward(dropout_p, rng_state, [("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out),
+                                                     ("softmax_lse", softmax_lse)])
     causal, window = _mask(causal, (window_size_left, window_size_right), q.shape[1], k.shape[1])
     *_, softmax_d = _kernels().flash_bwd(dout, q, k, v, out, softmax_lse, softmax_scale=softmax_scale,
                                          causal=causal, window_size=window, softcap=float(softcap),
                                          alibi_slopes=alibi_slopes, deterministic=bool(deterministic),
-                                         dq=dq, dk=dk, dv=dv)
+                                         dropout=dropout, dq=dq, dk=dk, dv=dv)
     return softmax_d
 
 
@@ -148,13 +157,13 @@ def _flash_attn_varlen_backward(
 ) -> torch.Tensor:
     """Gradients of `_flash_attn_varlen_forward` (unpaged) written into dq, dk, dv; returns
     softmax_d (nheads, total_q). `zero_tensors` has no effect: every gradient row is written."""
-    _check_backward(dropout_p, [("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out),
-                                ("softmax_lse", softmax_lse), ("cu_seqlens_q", cu_seqlens_q),
-                                ("cu_seqlens_k", cu_seqlens_k)])
+    dropout = _check_backward(dropout_p, rng_state, [
+        ("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("softmax_lse", softmax_lse),
+        ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)])
     causal, window = _mask(causal, (window_size_left, window_size_right), max_seqlen_q, max_seqlen_k)
     *_, softmax_d = _kernels().flash_bwd_varlen(
         dout, q, k, v, out, softmax_lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
         window_size=window, softcap=float(softcap), alibi_slopes=alibi_slopes, deterministic=bool(deterministic),
-        dq=dq, dk=dk, dv=dv)
+        dropout=dropout, dq=dq, dk=dk, dv=dv)
     return softmax_d

@@ -6,9 +6,11 @@ and hands the tensors, never copied (packed inputs become views), to `cute_flash
 With grad mode on and an input requiring grad, the six attention functions are differentiable
 (`cute_flash.autograd`; packed inputs get one packed gradient); `deterministic=True` makes
 their backward bitwise repeatable. `flash_attn_with_kvcache` and paged varlen calls have no
-backward (as in flash-attn) and refuse inputs that require grad. `return_attn_probs=True`
-returns `(out, softmax_lse, S_dmask)` with `S_dmask` an empty tensor, as flash-attn does
-without dropout. flash-attn's private forwards and backwards live in
+backward (as in flash-attn) and refuse inputs that require grad. `dropout_p > 0` drops
+attention probabilities with a mask drawn from torch's CUDA generator (`cute_flash.dropout`);
+the backward regenerates it. `return_attn_probs=True` returns `(out, softmax_lse, S_dmask)`:
+with dropout the probabilities with dropped entries negated, without it an empty tensor, as
+flash-attn's. flash-attn's private forwards and backwards live in
 `cute_flash.flash_attn_interface`.
 """
 
@@ -21,6 +23,7 @@ import torch
 from torch import Tensor
 
 from cute_flash import _validate
+from cute_flash.dropout import DropoutArgs, s_dmask, s_dmask_varlen
 from cute_flash.autograd import AttnOptions, FlashAttnFunction, Packing, Varlen
 from cute_flash import ops  # noqa: F401  (registers torch.ops.cute_flash.*, used while compiling)
 
@@ -95,11 +98,11 @@ def _check_qkv(q, k, v, names, q_dims, kv_dims):
 
 
 def _check_options(dropout_p, window_size, softcap):
-    """The options' checks; returns the window as a pair of Python ints."""
-    _validate.check_dropout(dropout_p)
+    """The options' checks; returns dropout_p as a float and the window as a pair of Python ints."""
+    dropout_p = _validate.check_dropout(dropout_p)
     window_size = _validate.check_window(window_size)
     _validate.check_softcap(softcap)
-    return window_size
+    return dropout_p, window_size
 
 
 def _no_probs(q):
@@ -107,8 +110,13 @@ def _no_probs(q):
     return torch.empty((0,), dtype=q.dtype, device=q.device)
 
 
-def _result(out, lse, q, return_attn_probs):
-    return (out, lse, _no_probs(q)) if return_attn_probs else out
+def _result(out, lse, probs, return_attn_probs):
+    return (out, lse, probs) if return_attn_probs else out
+
+
+def _draw(p, q, has_work):
+    """The call's dropout state, drawn only when there is dropout and work to drop from."""
+    return DropoutArgs.draw(p, q.device) if p > 0 and has_work else None
 
 
 def _grad_inputs(q, k, v, packed):
@@ -118,13 +126,15 @@ def _grad_inputs(q, k, v, packed):
 
 
 def _flash_attn(q, k, v, names, dropout_p, softmax_scale, causal, window_size, softcap,
-                alibi_slopes, caller=None, deterministic=False, packed=None):
-    """Shared body of the fixed-length functions: (out, lse). `names` are the caller's argument
-    names; `caller` is the public function's name, None for the private forward, which has no
-    autograd in flash-attn either. With grad mode on and an input requiring grad, eager calls
-    go through `FlashAttnFunction` (compiled ones through the op's registered gradient)."""
+                alibi_slopes, caller=None, deterministic=False, packed=None, return_probs=False):
+    """Shared body of the fixed-length functions: (out, lse, S_dmask, dropout), S_dmask empty
+    unless `return_probs` with dropout, dropout the call's DropoutArgs or None. `names` are the
+    caller's argument names; `caller` is the public function's name, None for the private
+    forward, which has no autograd in flash-attn either. With grad mode on and an input
+    requiring grad, eager calls go through `FlashAttnFunction` (compiled ones through the op's
+    registered gradient)."""
     named = _check_qkv(q, k, v, names, _Q_DIMS, _KV_DIMS)
-    window_size = _check_options(dropout_p, window_size, softcap)
+    p, window_size = _check_options(dropout_p, window_size, softcap)
     batch, seqlen_q, nheads, headdim = q.shape
     _validate.check_alibi(alibi_slopes, batch, nheads)
     _validate.check_cuda(named + [("alibi_slopes", alibi_slopes)])
@@ -133,6 +143,7 @@ def _flash_attn(q, k, v, names, dropout_p, softmax_scale, causal, window_size, s
     lse_shape = (batch, nheads, seqlen_q)
     causal, window = _mask(causal, window_size, seqlen_q, seqlen_k)
     scale, softcap, deterministic = _scale(softmax_scale, headdim), float(softcap), bool(deterministic)
+    dropout = _draw(p, q, batch and seqlen_q and seqlen_k)
 
     def run(q, k, v):
         if batch == 0 or seqlen_q == 0:
@@ -141,23 +152,36 @@ def _flash_attn(q, k, v, names, dropout_p, softmax_scale, causal, window_size, s
             return _no_keys(q, lse_shape)
         if torch.compiler.is_compiling():  # one graph node (cute_flash/ops.py), gradient registered
             return torch.ops.cute_flash.fwd(q, k, v, scale, causal, window[0], window[1], softcap, alibi_slopes,
-                                            deterministic)
+                                            deterministic, *_op_dropout(dropout))
         return _kernels().flash_fwd(q, k, v, softmax_scale=scale, causal=causal, window_size=window,
-                                    softcap=softcap, alibi_slopes=alibi_slopes)
+                                    softcap=softcap, alibi_slopes=alibi_slopes, dropout=dropout)
 
     packing, inputs = _grad_inputs(q, k, v, packed)
     if caller is not None and not torch.compiler.is_compiling() and _validate.needs_grad(inputs):
-        options = AttnOptions(scale, causal, window, softcap, deterministic, packing)
-        return FlashAttnFunction.apply(options, run, alibi_slopes, *inputs)
-    return run(q, k, v)
+        options = AttnOptions(scale, causal, window, softcap, deterministic, packing, dropout=dropout)
+        out, lse = FlashAttnFunction.apply(options, run, alibi_slopes, *inputs)
+    else:
+        out, lse = run(q, k, v)
+    probs = _no_probs(q)
+    if return_probs and p > 0:
+        probs = (q.new_zeros((batch, nheads, seqlen_q, seqlen_k)) if dropout is None else
+                 s_dmask(q, k, v, dropout, softmax_scale=scale, causal=causal, window_size=window, softcap=softcap,
+                         alibi_slopes=alibi_slopes))
+    return out, lse, probs, dropout
+
+
+def _op_dropout(dropout):
+    """The custom ops' (dropout_p, rng_state) arguments."""
+    return (0.0, None) if dropout is None else (dropout.p, dropout.rng_state)
 
 
 def _flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, names,
                        dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                       block_table, seqused_k, caller=None, deterministic=False, packed=None):
-    """Shared body of the variable-length functions: (out, lse). `names` name q, k, v, the two
-    cu_seqlens and the two max_seqlen as the caller spelled them; `caller` and autograd as in
-    _flash_attn. A paged cache (block_table) has no gradient, as in flash-attn."""
+                       block_table, seqused_k, caller=None, deterministic=False, packed=None, return_probs=False):
+    """Shared body of the variable-length functions: (out, lse, S_dmask, dropout) as
+    _flash_attn's. `names` name q, k, v, the two cu_seqlens and the two max_seqlen as the caller
+    spelled them; `caller` and autograd as in _flash_attn. A paged cache (block_table) has no
+    gradient, as in flash-attn."""
     paged = block_table is not None
     kv_dims = _PAGED_KV_DIMS if paged else _VARLEN_KV_DIMS
     named = _check_qkv(q, k, v, names[:3], _VARLEN_Q_DIMS, kv_dims)
@@ -166,7 +190,7 @@ def _flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
     if paged and wants_grad:
         _validate.check_no_grad(zip(names[:3], (q, k, v)), caller,
                                 why="there is no gradient through a paged KV cache (block_table), as in flash-attn")
-    window_size = _check_options(dropout_p, window_size, softcap)
+    p, window_size = _check_options(dropout_p, window_size, softcap)
     _validate.check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, names[3:])
     batch = cu_seqlens_q.shape[0] - 1
     if seqused_k is not None:
@@ -183,26 +207,36 @@ def _flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
     lse_shape = (nheads, total_q)
     causal, window = _mask(causal, window_size, max_seqlen_q, max_seqlen_k)
     scale, softcap, deterministic = _scale(softmax_scale, headdim), float(softcap), bool(deterministic)
+    no_keys = k.shape[0] == 0 or (paged and block_table.shape[1] == 0)
+    dropout = _draw(p, q, batch and total_q and not no_keys)
 
     def run(q, k, v):
         if batch == 0 or total_q == 0:
             return _empty(q, lse_shape)
-        if k.shape[0] == 0 or (paged and block_table.shape[1] == 0):
+        if no_keys:
             return _no_keys(q, lse_shape)
         if torch.compiler.is_compiling():
             return torch.ops.cute_flash.fwd_varlen(
                 q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, window[0],
-                window[1], softcap, alibi_slopes, block_table, seqused_k, deterministic)
+                window[1], softcap, alibi_slopes, block_table, seqused_k, deterministic, *_op_dropout(dropout))
         return _kernels().flash_fwd_varlen(
             q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
             max_seqlen_k=max_seqlen_k, softmax_scale=scale, causal=causal, window_size=window, softcap=softcap,
-            alibi_slopes=alibi_slopes, block_table=block_table, seqused_k=seqused_k)
+            alibi_slopes=alibi_slopes, block_table=block_table, seqused_k=seqused_k, dropout=dropout)
 
     if wants_grad and not torch.compiler.is_compiling():
         varlen = Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k)
-        options = AttnOptions(scale, causal, window, softcap, deterministic, packing, varlen)
-        return FlashAttnFunction.apply(options, run, alibi_slopes, *inputs)
-    return run(q, k, v)
+        options = AttnOptions(scale, causal, window, softcap, deterministic, packing, varlen, dropout)
+        out, lse = FlashAttnFunction.apply(options, run, alibi_slopes, *inputs)
+    else:
+        out, lse = run(q, k, v)
+    probs = _no_probs(q)
+    if return_probs and p > 0:
+        probs = (q.new_zeros((batch, nheads, max_seqlen_q, max_seqlen_k)) if dropout is None else
+                 s_dmask_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout,
+                                seqused_k=seqused_k, block_table=block_table, softmax_scale=scale, causal=causal,
+                                window_size=window, softcap=softcap, alibi_slopes=alibi_slopes))
+    return out, lse, probs, dropout
 
 
 def flash_attn_qkvpacked_func(
@@ -220,10 +254,10 @@ def flash_attn_qkvpacked_func(
     Returns out (batch, seqlen, nheads, headdim), or (out, softmax_lse, S_dmask)."""
     _validate.check_packed(qkv, "qkv", 2, 3, ("batch", "seqlen", "3", "nheads", "headdim"))
     q, k, v = qkv.unbind(dim=2)
-    out, lse = _flash_attn(q, k, v, ("qkv",) * 3, dropout_p, softmax_scale, causal, window_size,
-                           softcap, alibi_slopes, "flash_attn_qkvpacked_func", deterministic,
-                           (Packing("qkv", 2), (qkv,)))
-    return _result(out, lse, q, return_attn_probs)
+    out, lse, probs, _ = _flash_attn(q, k, v, ("qkv",) * 3, dropout_p, softmax_scale, causal, window_size,
+                                     softcap, alibi_slopes, "flash_attn_qkvpacked_func", deterministic,
+                                     (Packing("qkv", 2), (qkv,)), return_probs=return_attn_probs)
+    return _result(out, lse, probs, return_attn_probs)
 
 
 def flash_attn_kvpacked_func(
@@ -242,10 +276,10 @@ def flash_attn_kvpacked_func(
     headdim); k, v are views of kv. Returns out, or (out, softmax_lse, S_dmask)."""
     _validate.check_packed(kv, "kv", 2, 2, ("batch", "seqlen_k", "2", "nheads_k", "headdim"))
     k, v = kv.unbind(dim=2)
-    out, lse = _flash_attn(q, k, v, ("q", "kv", "kv"), dropout_p, softmax_scale, causal,
-                           window_size, softcap, alibi_slopes, "flash_attn_kvpacked_func", deterministic,
-                           (Packing("q,kv", 2), (q, kv)))
-    return _result(out, lse, q, return_attn_probs)
+    out, lse, probs, _ = _flash_attn(q, k, v, ("q", "kv", "kv"), dropout_p, softmax_scale, causal,
+                                     window_size, softcap, alibi_slopes, "flash_attn_kvpacked_func", deterministic,
+                                     (Packing("q,kv", 2), (q, kv)), return_probs=return_attn_probs)
+    return _result(out, lse, probs, return_attn_probs)
 
 
 def flash_attn_func(
@@ -262,11 +296,13 @@ def flash_attn_func(
     return_attn_probs: bool = False,
 ) -> Union[Tensor, tuple[Tensor, Tensor, Tensor]]:
     """Attention of q (batch, seqlen_q, nheads, headdim) over k, v (batch, seqlen_k, nheads_k,
-    headdim). Returns out like q, or (out, softmax_lse (batch, nheads, seqlen_q), S_dmask), S_dmask
-    empty (flash-attn's value without dropout)."""
-    out, lse = _flash_attn(q, k, v, ("q", "k", "v"), dropout_p, softmax_scale, causal, window_size,
-                           softcap, alibi_slopes, "flash_attn_func", deterministic)
-    return _result(out, lse, q, return_attn_probs)
+    headdim). Returns out like q, or (out, softmax_lse (batch, nheads, seqlen_q), S_dmask): with
+    dropout the probabilities (batch, nheads, seqlen_q, seqlen_k), dropped ones negated; without
+    it empty (flash-attn's value)."""
+    out, lse, probs, _ = _flash_attn(q, k, v, ("q", "k", "v"), dropout_p, softmax_scale, causal, window_size,
+                                     softcap, alibi_slopes, "flash_attn_func", deterministic,
+                                     return_probs=return_attn_probs)
+    return _result(out, lse, probs, return_attn_probs)
 
 
 def flash_attn_varlen_qkvpacked_func(
@@ -287,11 +323,11 @@ def flash_attn_varlen_qkvpacked_func(
     _validate.check_packed(qkv, "qkv", 1, 3, ("total", "3", "nheads", "headdim"))
     q, k, v = qkv.unbind(dim=1)
     names = ("qkv", "qkv", "qkv", "cu_seqlens", "cu_seqlens", "max_seqlen", "max_seqlen")
-    out, lse = _flash_attn_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, names,
-                                  dropout_p, softmax_scale, causal, window_size, softcap,
-                                  alibi_slopes, None, None, "flash_attn_varlen_qkvpacked_func", deterministic,
-                                  (Packing("qkv", 1), (qkv,)))
-    return _result(out, lse, q, return_attn_probs)
+    out, lse, probs, _ = _flash_attn_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, names,
+                                            dropout_p, softmax_scale, causal, window_size, softcap,
+                                            alibi_slopes, None, None, "flash_attn_varlen_qkvpacked_func", deterministic,
+                                            (Packing("qkv", 1), (qkv,)), return_probs=return_attn_probs)
+    return _result(out, lse, probs, return_attn_probs)
 
 
 def flash_attn_varlen_kvpacked_func(
@@ -315,11 +351,11 @@ def flash_attn_varlen_kvpacked_func(
     _validate.check_packed(kv, "kv", 1, 2, ("total_k", "2", "nheads_k", "headdim"))
     k, v = kv.unbind(dim=1)
     names = ("q", "kv", "kv", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
-    out, lse = _flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                  names, dropout_p, softmax_scale, causal, window_size, softcap,
-                                  alibi_slopes, None, None, "flash_attn_varlen_kvpacked_func", deterministic,
-                                  (Packing("q,kv", 1), (q, kv)))
-    return _result(out, lse, q, return_attn_probs)
+    out, lse, probs, _ = _flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                            names, dropout_p, softmax_scale, causal, window_size, softcap,
+                                            alibi_slopes, None, None, "flash_attn_varlen_kvpacked_func", deterministic,
+                                            (Packing("q,kv", 1), (q, kv)), return_probs=return_attn_probs)
+    return _result(out, lse, probs, return_attn_probs)
 
 
 def flash_attn_varlen_func(
@@ -347,10 +383,11 @@ def flash_attn_varlen_func(
     seqused_k (batch,) int32, keyword-only (not in flash-attn 2.8.3's Python API), caps the keys
     used per sequence. Returns out, or (out, softmax_lse (nheads, total_q), S_dmask)."""
     names = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
-    out, lse = _flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                  names, dropout_p, softmax_scale, causal, window_size, softcap,
-                                  alibi_slopes, block_table, seqused_k, "flash_attn_varlen_func", deterministic)
-    return _result(out, lse, q, return_attn_probs)
+    out, lse, probs, _ = _flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                            names, dropout_p, softmax_scale, causal, window_size, softcap,
+                                            alibi_slopes, block_table, seqused_k, "flash_attn_varlen_func",
+                                            deterministic, return_probs=return_attn_probs)
+    return _result(out, lse, probs, return_attn_probs)
 
 
 def flash_attn_with_kvcache(

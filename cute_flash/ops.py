@@ -5,7 +5,9 @@ gives the outputs' shapes, dtypes and strides without running anything, so Dynam
 that calls attention into one graph. `fwd_kvcache` declares that it writes the caches
 (`mutates_args`), since it appends k/v in place. `fwd` and `fwd_varlen` have their gradients
 registered (`register_autograd`): the `bwd` / `bwd_varlen` ops, which a compiled training step
-traces into its backward graph. (`deterministic` rides along in the forward ops for them.)
+traces into its backward graph. (`deterministic` and dropout's `dropout_p` / `rng_state` ride
+along in the forward ops for them; the caller draws rng_state before the op, so the compiled
+graph holds the draw.)
 
 Eager calls do not go through the dispatcher: the public functions call the launchers directly
 when not compiling (`torch.compiler.is_compiling()`), so decode host time does not grow by the
@@ -28,22 +30,30 @@ def _launch():
     return launch
 
 
+def _dropout(dropout_p: float, rng_state: Optional[Tensor]):
+    from cute_flash.dropout import DropoutArgs
+
+    return None if dropout_p == 0.0 else DropoutArgs(dropout_p, rng_state)
+
+
 def _fresh(out: Tensor) -> Tensor:
     return out if out.is_contiguous() else out.contiguous()
 
 
 @torch.library.custom_op("cute_flash::fwd", mutates_args=())
 def fwd(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool, window_left: int, window_right: int,
-        softcap: float, alibi_slopes: Optional[Tensor], deterministic: bool = False) -> tuple[Tensor, Tensor]:
+        softcap: float, alibi_slopes: Optional[Tensor], deterministic: bool = False, dropout_p: float = 0.0,
+        rng_state: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """Dense forward: q (b, sq, h, d), k/v (b, sk, hk, d) -> out like q, lse (b, h, sq) fp32."""
     out, lse = _launch().flash_fwd(q, k, v, softmax_scale=softmax_scale, causal=causal,
                                    window_size=(window_left, window_right), softcap=softcap,
-                                   alibi_slopes=alibi_slopes)
+                                   alibi_slopes=alibi_slopes, dropout=_dropout(dropout_p, rng_state))
     return _fresh(out), lse
 
 
 @fwd.register_fake
-def _fwd_fake(q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, deterministic=False):
+def _fwd_fake(q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, deterministic=False,
+              dropout_p=0.0, rng_state=None):
     b, sq, h, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((b, h, sq), dtype=torch.float32)
 
@@ -52,19 +62,21 @@ def _fwd_fake(q, k, v, softmax_scale, causal, window_left, window_right, softcap
 def fwd_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
                max_seqlen_k: int, softmax_scale: float, causal: bool, window_left: int, window_right: int,
                softcap: float, alibi_slopes: Optional[Tensor], block_table: Optional[Tensor],
-               seqused_k: Optional[Tensor], deterministic: bool = False) -> tuple[Tensor, Tensor]:
+               seqused_k: Optional[Tensor], deterministic: bool = False, dropout_p: float = 0.0,
+               rng_state: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """Packed forward: q (total_q, h, d) -> out like q, lse (h, total_q) fp32."""
     out, lse = _launch().flash_fwd_varlen(
         q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
         window_size=(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes,
-        block_table=block_table, seqused_k=seqused_k)
+        block_table=block_table, seqused_k=seqused_k, dropout=_dropout(dropout_p, rng_state))
     return _fresh(out), lse
 
 
 @fwd_varlen.register_fake
 def _fwd_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                     window_left, window_right, softcap, alibi_slopes, block_table, seqused_k, deterministic=False):
+                     window_left, window_right, softcap, alibi_slopes, block_table, seqused_k, deterministic=False,
+                     dropout_p=0.0, rng_state=None):
     total_q, h, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((h, total_q), dtype=torch.float32)
 
@@ -99,17 +111,19 @@ def _fwd_kvcache_fake(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_s
 @torch.library.custom_op("cute_flash::bwd", mutates_args=())
 def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, softmax_scale: float, causal: bool,
         window_left: int, window_right: int, softcap: float, alibi_slopes: Optional[Tensor],
-        deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
+        deterministic: bool, dropout_p: float = 0.0,
+        rng_state: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of `fwd`: (dq, dk, dv) shaped like q, k, v."""
     grads = _launch().backward.flash_bwd(dout, q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal,
                                          window_size=(window_left, window_right), softcap=softcap,
-                                         alibi_slopes=alibi_slopes, deterministic=deterministic)
+                                         alibi_slopes=alibi_slopes, deterministic=deterministic,
+                                         dropout=_dropout(dropout_p, rng_state))
     return tuple(_fresh(g) for g in grads[:3])
 
 
 @bwd.register_fake
 def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
-              deterministic):
+              deterministic, dropout_p=0.0, rng_state=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -117,19 +131,21 @@ def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal, window_left, windo
 def bwd_varlen(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_seqlens_q: Tensor,
                cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool,
                window_left: int, window_right: int, softcap: float, alibi_slopes: Optional[Tensor],
-               seqused_k: Optional[Tensor], deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
+               seqused_k: Optional[Tensor], deterministic: bool, dropout_p: float = 0.0,
+               rng_state: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of `fwd_varlen` (unpaged): (dq, dk, dv) shaped like q, k, v."""
     grads = _launch().backward.flash_bwd_varlen(
         dout, q, k, v, out, lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
         window_size=(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes, seqused_k=seqused_k,
-        deterministic=deterministic)
+        deterministic=deterministic, dropout=_dropout(dropout_p, rng_state))
     return tuple(_fresh(g) for g in grads[:3])
 
 
 @bwd_varlen.register_fake
 def _bwd_varlen_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                     causal, window_left, window_right, softcap, alibi_slopes, seqused_k, deterministic):
+                     causal, window_left, window_right, softcap, alibi_slopes, seqused_k, deterministic, dropout_p=0.0,
+                     rng_state=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -141,10 +157,11 @@ def _save(ctx, inputs, output, names):
     ctx.set_materialize_grads(True)
 
 
-_FWD_OPTIONS = ("softmax_scale", "causal", "window_left", "window_right", "softcap", "alibi_slopes", "deterministic")
+_FWD_OPTIONS = ("softmax_scale", "causal", "window_left", "window_right", "softcap", "alibi_slopes", "deterministic",
+                "dropout_p", "rng_state")
 _VARLEN_OPTIONS = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "softmax_scale", "causal",
                    "window_left", "window_right", "softcap", "alibi_slopes", "block_table", "seqused_k",
-                   "deterministic")
+                   "deterministic", "dropout_p", "rng_state")
 
 
 def _fwd_backward(ctx, dout, dlse):

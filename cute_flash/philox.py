@@ -2,7 +2,8 @@
 (batch, head, query row, key column) to its Philox counter. Pure arithmetic, no DSL: the host
 reference (numpy, `keep_mask`) and the kernels (`kernels/philox.py`, DSL integers) run the same
 functions with their own integer operations, so a kernel's mask can be checked element by
-element against this one.
+element against this one. `TorchOps` runs them on int64 tensors, on the device that holds a
+call's drawn rng_state (`keep_mask_of_state`, which builds S_dmask without a host sync).
 
 Philox4x32-10 (Salmon, Moraes, Dror, Shaw, SC 2011): a 128-bit counter and a 64-bit key give
 four 32-bit words through ten rounds of two 32x32 -> 64-bit multiplies. The map (docs/semantics.md,
@@ -53,6 +54,30 @@ class NumpyOps:
     @staticmethod
     def const(x):
         return np.uint64(x)
+
+
+class TorchOps:
+    """32-bit operations on torch int64 tensors holding values below 2^32. The multiply splits
+    b into 16-bit halves so that no product passes 2^48 (int64 has no unsigned 64-bit product)."""
+
+    @staticmethod
+    def mulhilo(a, b):
+        x = a * (b & 0xFFFF)  # < 2^48
+        y = a * (b >> 16)  # < 2^48; a * b = y * 2^16 + x
+        t = x + ((y & 0xFFFF) << 16)
+        return (y >> 16) + (t >> 32), t & MASK32
+
+    @staticmethod
+    def add(a, b):
+        return (a + b) & MASK32
+
+    @staticmethod
+    def xor(a, b):
+        return a ^ b
+
+    @staticmethod
+    def const(x):
+        return x
 
 
 def philox4x32_10(ctr, key, ops=NumpyOps):
@@ -110,3 +135,23 @@ def keep_mask(seed: int, offset: int, batch: int, heads: int, seqlen_q: int, seq
         half = (word >> (np.uint64(16) * (s % 2).astype(np.uint64))) & np.uint64(0xFFFF)
         out[bh // heads, bh % heads] = half < threshold
     return out
+
+
+def keep_mask_of_state(rng_state, p: float, batch: int, heads: int, seqlen_q: int, seqlen_k: int):
+    """`keep_mask` computed with torch on rng_state's device: rng_state (2,) int64 holds the seed
+    (two's complement of the 64-bit value) and the offset, as `cute_flash/dropout.py:DropoutArgs`.
+    (batch, heads, seqlen_q, seqlen_k) bool tensor."""
+    import torch
+
+    dev = rng_state.device
+    seed, offset = rng_state[0].long(), rng_state[1].long()
+    key = (seed & MASK32, (seed >> 32) & MASK32)  # the arithmetic shift's sign bits are masked off
+    i = torch.arange(seqlen_q, device=dev).view(1, -1, 1)
+    j = torch.arange(seqlen_k, device=dev).view(1, 1, -1)
+    c0, c1, s = counter_of(i, j)
+    bh = torch.arange(batch * heads, device=dev).view(-1, 1, 1)
+    words = philox4x32_10((c0, c1, bh, offset & MASK32), key, TorchOps)
+    shape = (batch * heads, seqlen_q, seqlen_k)
+    word = torch.stack([w.expand(shape) for w in words]).gather(0, (s // 2).expand(shape).unsqueeze(0))[0]
+    half = (word >> (16 * (s % 2))) & 0xFFFF
+    return (half < keep_threshold(p)).view(batch, heads, seqlen_q, seqlen_k)

@@ -27,8 +27,10 @@ def attention_ref(
     key_leftpad=None,
     dropout_p=0.0,
     dropout_mask=None,
+    return_probs=False,
 ):
-    """Dense attention: q (b, sq, h, d), k/v (b, sk, hk, d) -> out (b, sq, h, d), lse (b, h, sq).
+    """Dense attention: q (b, sq, h, d), k/v (b, sk, hk, d) -> out (b, sq, h, d), lse (b, h, sq),
+    and with ``return_probs`` the probabilities before dropout (b, h, sq, sk), float32 when upcast.
 
     ``dropout_mask`` (b, h, sq, sk) bool (True: kept, e.g. ``philox.keep_mask``) drops
     probabilities after the softmax; the kept ones are scaled by 1 / P(keep), P(keep) being
@@ -88,12 +90,13 @@ def attention_ref(
     empty = ~visible.any(-1)
     lse = torch.logsumexp(scores.float(), dim=-1).masked_fill(empty, float("inf"))
     probs = torch.softmax(scores, dim=-1).masked_fill(empty.unsqueeze(-1), 0.0)
+    kept = probs
     if dropout_mask is not None:
         from cute_flash.philox import keep_threshold
 
-        probs = probs.masked_fill(~dropout_mask.to(probs.device), 0.0) * (65536.0 / keep_threshold(dropout_p))
-    out = torch.einsum("bhqk,bkhd->bqhd", probs.to(v.dtype), v)
-    return out.to(out_dtype), lse
+        kept = probs.masked_fill(~dropout_mask.to(probs.device), 0.0) * (65536.0 / keep_threshold(dropout_p))
+    out = torch.einsum("bhqk,bkhd->bqhd", kept.to(v.dtype), v)
+    return (out.to(out_dtype), lse, probs) if return_probs else (out.to(out_dtype), lse)
 
 
 def gather_paged(cache, block_table, seqlen):
@@ -119,8 +122,10 @@ def attention_varlen_ref(
     softcap=0.0,
     alibi_slopes=None,
     upcast=True,
+    return_probs=False,
 ):
-    """Packed sequences: q (total_q, h, d) -> out (total_q, h, d), lse (h, total_q).
+    """Packed sequences: q (total_q, h, d) -> out (total_q, h, d), lse (h, total_q), and with
+    ``return_probs`` each sequence's probabilities in a zero (b, h, max sq, max sk) tensor.
 
     Each sequence is run through :func:`attention_ref` on its own. Its keys are
     k[cu_seqlens_k[b]:][:n], or with ``block_table`` the first n rows of its pages (k/v then are
@@ -131,6 +136,10 @@ def attention_varlen_ref(
     out = torch.zeros_like(q)
     lse = torch.full((h, q.shape[0]), float("inf"), dtype=torch.float32, device=q.device)
     cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    lengths_q = [b - a for a, b in zip(cu_q, cu_q[1:])]
+    lengths_k = seqused_k.tolist() if seqused_k is not None else [b - a for a, b in zip(cu_k, cu_k[1:])]
+    probs = torch.zeros((len(lengths_q), h, max(lengths_q, default=0), max(lengths_k, default=0)),
+                        dtype=torch.float32 if upcast else q.dtype, device=q.device) if return_probs else None
     for i in range(len(cu_q) - 1):
         q0, q1, k0 = cu_q[i], cu_q[i + 1], cu_k[i]
         n = int(seqused_k[i]) if seqused_k is not None else cu_k[i + 1] - k0
@@ -142,13 +151,15 @@ def attention_varlen_ref(
         slopes = alibi_slopes
         if slopes is not None and slopes.dim() == 2:
             slopes = slopes[i : i + 1]
-        o, l = attention_ref(
+        o, l, *p = attention_ref(
             q[None, q0:q1], ki, vi, softmax_scale=softmax_scale, causal=causal,
-            window_size=window_size, softcap=softcap, alibi_slopes=slopes, upcast=upcast,
+            window_size=window_size, softcap=softcap, alibi_slopes=slopes, upcast=upcast, return_probs=return_probs,
         )
         out[q0:q1] = o[0]
         lse[:, q0:q1] = l[0]
-    return out, lse
+        if return_probs:
+            probs[i, :, : q1 - q0, :n] = p[0][0]
+    return (out, lse, probs) if return_probs else (out, lse)
 
 
 def apply_rotary_ref(x, cos, sin, *, seqlen_offsets=0, interleaved=False):

@@ -178,15 +178,11 @@ def test_private_varlen_forward_returns_flash_attn_tuple(gpu_free):
     assert s_dmask.shape == (0,) and rng_state.tolist() == [0, 0]
 
 
-def test_private_varlen_forward_refuses_leftpad_and_dropout(gpu_free):
+def test_private_varlen_forward_refuses_leftpad(gpu_free):
     args = valid("varlen")
     pos = [args[a] for a in ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")]
     with pytest.raises(NotImplementedError, match="^leftpad_k is not implemented"):
         fai._flash_attn_varlen_forward(*pos, 0.0, 0.25, False, leftpad_k=args["cu_seqlens_k"][1:])
-    with pytest.raises(NotImplementedError, match="^dropout is not implemented"):
-        fai._flash_attn_varlen_forward(*pos, 0.1, 0.25, False)
-    with pytest.raises(NotImplementedError, match="^dropout is not implemented"):
-        fai._flash_attn_forward(*(valid("func")[a] for a in "qkv"), 0.1, 0.25, False, -1, -1, 0.0, None, False)
     assert gpu_free.calls == []
 
 

@@ -158,23 +158,16 @@ def test_hopper_tile_compiles_to_tma_and_wgmma(head_dim, tmp_path):
 
 
 def _sm90_configs():
-    from cute_flash.kernels.fwd_sm90 import Sm90FwdConfig
-    from layouts.hopper import choose_hopper_traits
-    from layouts.traits import HEAD_DIM_BUCKETS
+    from cute_flash.launch.compiled import sm90_variants
 
-    configs = [Sm90FwdConfig(t, persistent=Sm90FwdConfig.fits_persistent(t), has_right=True)
-               for t in (choose_hopper_traits(d, "bf16") for d in HEAD_DIM_BUCKETS)]
-    configs += [Sm90FwdConfig(choose_hopper_traits(128, "fp16")),
-                Sm90FwdConfig(choose_hopper_traits(128, "bf16"), has_left=True, has_right=True, has_alibi=True,
-                              has_softcap=True)]
-    return [pytest.param(c, id=c.name) for c in configs]
+    return [pytest.param(c, id=c.name) for c in sm90_variants()]
 
 
 @pytest.mark.parametrize("config", _sm90_configs())
 def test_hopper_forward_compiles_to_wgmma(config, tmp_path):
-    """The Hopper forward (opt-in) builds for sm_90a: its two GEMMs are wgmma, head_dim / 16 +
-    block_n / 16 per key block, each GEMM traced twice (the first S and the last P V are peeled
-    off the loop), and it fits in shared memory."""
+    """The Hopper forward (the sm_90 default for dense forwards) builds for sm_90a: its two GEMMs
+    are wgmma, head_dim / 16 + block_n / 16 per key block, each GEMM traced twice (the first S
+    and the last P V are peeled off the loop), and it fits in shared memory."""
     from cute_flash.launch.compiled import compile_fwd_sm90
 
     assert config.smem_bytes <= SMEM_LIMIT[90]

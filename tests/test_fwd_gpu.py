@@ -1,6 +1,8 @@
-"""The forward kernel against `cute_flash.reference` on the GPU (issues: forward kernel, score
+"""The SM80 forward kernel against `cute_flash.reference` on the GPU (issues: forward kernel, score
 modifiers). Shapes are drawn by hypothesis; every output is checked by the criterion of docs/semantics.md on
-fresh inputs with the allocator poisoned first."""
+fresh inputs with the allocator poisoned first. On sm_90 GPUs, where dense forwards default to
+the Hopper kernel, this module selects the SM80 kernel (`CUTE_FLASH_ARCH_PATH=sm80`, the path of
+every sm_80/86/89 GPU); tests/test_fwd_sm90_gpu.py runs the same shape tests on the Hopper one."""
 import pytest
 import torch
 from hypothesis import given
@@ -13,6 +15,11 @@ pytestmark = pytest.mark.gpu
 ODD_LENGTHS = [1, 2, 17, 63, 64, 65, 113, 128, 255, 256, 257, 1023]
 BUCKETS = [32, 64, 96, 128, 160, 192, 224, 256]
 GPU_SETTINGS = gpu_settings(20)
+
+
+@pytest.fixture(autouse=True)
+def sm80_path(monkeypatch):
+    monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", "sm80")
 
 
 def _run(q, k, v, **opts):

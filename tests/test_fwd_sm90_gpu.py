@@ -1,4 +1,4 @@
-"""The Hopper forward (kernels/fwd_sm90.py, opt-in with CUTE_FLASH_ARCH_PATH=sm90) against
+"""The Hopper forward (kernels/fwd_sm90.py, the default for dense forwards on sm_90) against
 `cute_flash.reference` on an sm_90 GPU, through the public `flash_attn_func`, by the criterion
 of docs/semantics.md with the allocator poisoned first: test_fwd_gpu's hypothesis shapes and
 head-dim buckets, plus the score modifiers with GQA. Each test also checks that the Hopper
@@ -19,7 +19,7 @@ def hopper_path(monkeypatch):
         pytest.skip("the Hopper kernel is sm_90a")
     from cute_flash.launch import compiled
 
-    monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", "sm90")
+    monkeypatch.delenv("CUTE_FLASH_ARCH_PATH", raising=False)  # the default path
     calls = compiled.sm90_kernel_for.cache_info()
     yield
     after = compiled.sm90_kernel_for.cache_info()

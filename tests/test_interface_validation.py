@@ -505,16 +505,16 @@ def test_softcap_non_negative(name, softcap):
 
 
 @pytest.mark.parametrize("name", WITH_DROPOUT)
-@given(p=st.floats(0.0, 1.0, exclude_min=True, exclude_max=True))
-@settings(max_examples=10, deadline=None)
-def test_dropout_not_implemented(name, p):
-    match = (r"^dropout is not implemented:"
-             r" dropout_p must be 0.0")
-    with pytest.raises(NotImplementedError, match=match):
+@given(p=st.floats(1.0 - 2.0 ** -17, 1.0, exclude_min=True, exclude_max=True))
+@settings(max_examples=5, deadline=None)
+def test_dropout_that_keeps_nothing_at_16_bits_refused(name, p):
+    """Above 1 - 2^-17 the 16-bit keep threshold rounds to 0: nothing would be kept, and 1 / P(keep)
+    would be infinite."""
+    with pytest.raises(ValueError, match=r"^dropout_p must be at most 1 - 2\^-17"):
         call(name, **with_(name, dropout_p=p))
 
 
-@pytest.mark.parametrize("p", [-0.1, 1.0, 2.0, math.nan, None])
+@pytest.mark.parametrize("p", [-0.1, 1.0, 2.0, math.nan, None, True])
 @pytest.mark.parametrize("name", WITH_DROPOUT)
 def test_dropout_out_of_range(name, p):
     with pytest.raises(ValueError, match=r"^dropout_p must be a float in \[0, 1\)"):
@@ -829,7 +829,7 @@ def test_dense_dispatch_passes_inputs_and_defaults(gpu_free):
     assert fn == "flash_fwd"
     assert q is args["q"] and k is args["k"] and v is args["v"]
     assert kw == dict(softmax_scale=D ** -0.5, causal=False, window_size=(-1, -1), softcap=0.0,
-                      alibi_slopes=None)
+                      alibi_slopes=None, dropout=None)
     assert out.shape == args["q"].shape and bool((out == 7).all())
 
 
@@ -947,7 +947,7 @@ def test_varlen_dispatch_keywords(gpu_free, name):
         cu_seqlens_q=args["cu_seqlens_q"], cu_seqlens_k=args["cu_seqlens_k"],
         max_seqlen_q=3, max_seqlen_k=args["max_seqlen_k"], softmax_scale=D ** -0.5, causal=True,
         window_size=(left, 0), softcap=5.0, alibi_slopes=None,
-        block_table=args.get("block_table"), seqused_k=args.get("seqused_k"),
+        block_table=args.get("block_table"), seqused_k=args.get("seqused_k"), dropout=None,
     )
     for key in ("cu_seqlens_q", "cu_seqlens_k", "block_table", "seqused_k"):
         assert kw[key] is args.get(key)

@@ -80,6 +80,13 @@ class Recorder:
         entry = entry_point(FlashFwd(config))
         return lambda *args: self.launches.append(Launch(config, entry, args))
 
+    def sm90_kernel_for(self, config):
+        from cute_flash.kernels.fwd_sm90 import FlashFwdSm90
+
+        self.configs.append(config)
+        entry = FlashFwdSm90(config).__call__
+        return lambda *args: self.launches.append(Launch(config, entry, args))
+
     def append_for(self, config, index):
         from cute_flash.kernels.append import AppendKV
 
@@ -93,7 +100,9 @@ def recorder(monkeypatch):
 
     rec = Recorder()
     monkeypatch.setattr(compiled, "kernel_for", rec.kernel_for)
+    monkeypatch.setattr(compiled, "sm90_kernel_for", rec.sm90_kernel_for)
     monkeypatch.setattr(compiled, "device_arch", lambda index: 90)
+    monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", "sm80")  # the SM80 launches; the Hopper default has its own test
     monkeypatch.setattr(compiled, "num_sms", lambda index: 132)
     monkeypatch.setattr(kvcache, "append_for", rec.append_for)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
@@ -125,6 +134,32 @@ def test_dense_launch_arguments(recorder):
     assert launch["scale_log2"] == pytest.approx(0.5 * LOG2E) and launch["score_premul"] == 1.0
     assert launch["alibi_div"] == 2.0
     assert out.shape == q.shape and out.data_ptr() == launch["mO"].data_ptr() and lse is launch["mLSE"]
+
+
+def test_dense_forwards_on_sm90_default_to_the_hopper_kernel(recorder, monkeypatch):
+    """Without CUTE_FLASH_ARCH_PATH an sm_90 dense forward launches the Hopper kernel; sm80 in
+    the variable, given SM80 traits, dropout, or another GPU take the SM80 kernel."""
+    from cute_flash.dropout import DropoutArgs
+    from cute_flash.kernels.config import FwdConfig
+    from cute_flash.kernels.fwd_sm90 import Sm90FwdConfig
+    from cute_flash.launch import compiled, flash_fwd
+    from layouts.traits import choose_fwd_traits
+
+    q, k, v = (torch.randn(2, 5, 4, 64, dtype=torch.bfloat16) for _ in range(3))
+    monkeypatch.delenv("CUTE_FLASH_ARCH_PATH")
+    flash_fwd(q, k, v, softmax_scale=0.5, causal=True)
+    (launch,) = recorder.launches
+    assert isinstance(launch.config, Sm90FwdConfig) and launch.config.has_right and not launch.config.has_left
+    assert (launch["window_left"], launch["window_right"]) == (-1, 0) and launch["max_ctas"] == 132
+    routes = [dict(traits=choose_fwd_traits(64, "bf16", 90)), dict(dropout=DropoutArgs.seeded(0.1, 1, 2, "cpu"))]
+    for extra in routes:
+        flash_fwd(q, k, v, softmax_scale=0.5, **extra)
+    monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", "sm80")
+    flash_fwd(q, k, v, softmax_scale=0.5)
+    monkeypatch.delenv("CUTE_FLASH_ARCH_PATH")
+    monkeypatch.setattr(compiled, "device_arch", lambda index: 89)
+    flash_fwd(q, k, v, softmax_scale=0.5)
+    assert [type(x.config) for x in recorder.launches[1:]] == [FwdConfig] * 4
 
 
 def test_softcap_and_alibi_scales(recorder):

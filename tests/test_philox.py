@@ -94,16 +94,44 @@ def test_device_philox_compiles_to_wide_multiplies(arch, tmp_path):
 
 
 def test_dropout_args_pack_the_kernels_rng_words():
-    """launch/dropout.py: (key_lo, key_hi, offset mod 2^32, threshold) as uint32, and p outside
-    what the kernels can draw refused."""
+    """cute_flash/dropout.py: (key_lo, key_hi, offset mod 2^32, threshold) as uint32, for seeds on
+    both sides of 2^63 (stored as int64), and p outside what the kernels can draw refused."""
     import torch
 
-    from cute_flash.launch.dropout import DropoutArgs
+    from cute_flash.dropout import DropoutArgs
 
-    words = DropoutArgs(0.1, (7 << 32) | 0xFFFFFFF0, (5 << 32) + 9).rng_tensor("cpu")
-    assert words.dtype == torch.uint32
-    assert [int(x) for x in words.view(torch.int32).to(torch.int64) & philox.MASK32] == [
-        0xFFFFFFF0, 7, 9, philox.keep_threshold(0.1)]
+    for hi in (7, 0x8000_0001):
+        words = DropoutArgs.seeded(0.1, (hi << 32) | 0xFFFFFFF0, (5 << 32) + 9, "cpu").rng_tensor("cpu")
+        assert words.dtype == torch.uint32
+        assert [int(x) for x in words.view(torch.int32).to(torch.int64) & philox.MASK32] == [
+            0xFFFFFFF0, hi, 9, philox.keep_threshold(0.1)]
+    state = torch.zeros(2, dtype=torch.int64)
     for p in (0.0, 1.0, 1 - 2 ** -18):
         with pytest.raises(ValueError):
-            DropoutArgs(p, 0, 0)
+            DropoutArgs(p, state)
+    with pytest.raises(ValueError, match="rng_state"):
+        DropoutArgs(0.5, state.int())
+
+
+def test_drawn_states_follow_torch_manual_seed():
+    """DropoutArgs.draw takes its state from torch's generator: the same after the same
+    manual_seed, different from one call to the next."""
+    import torch
+
+    from cute_flash.dropout import DropoutArgs
+
+    torch.manual_seed(3)
+    a, b = (DropoutArgs.draw(0.2, "cpu").rng_state for _ in range(2))
+    torch.manual_seed(3)
+    assert torch.equal(DropoutArgs.draw(0.2, "cpu").rng_state, a) and not torch.equal(a, b)
+
+
+@pytest.mark.parametrize("seed, offset", [(0, 0), (2024, 7), ((1 << 64) - 1, (1 << 32) + 3), ((1 << 63) + 5, 11)])
+def test_torch_mask_matches_numpy_mask(seed, offset):
+    """philox.keep_mask_of_state (torch int64, what S_dmask is built from) against the numpy
+    keep_mask, element for element, odd sizes past one 16x16 counter block."""
+    from cute_flash.dropout import DropoutArgs
+
+    state = DropoutArgs.seeded(0.3, seed, offset, "cpu").rng_state
+    got = philox.keep_mask_of_state(state, 0.3, 2, 3, 37, 70).numpy()
+    assert np.array_equal(got, philox.keep_mask(seed, offset, 2, 3, 37, 70, 0.3))

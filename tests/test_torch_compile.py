@@ -126,3 +126,32 @@ def test_a_training_step_traces_the_backward_op(fake, packed, monkeypatch):
     targets = {kind: [str(n.target) for n in g.graph.nodes if n.op == "call_function"] for kind, g in seen}
     assert any("cute_flash.fwd" in t for t in targets["fw"]), targets["fw"]
     assert any("cute_flash.bwd" in t for t in targets["bw"]), targets["bw"]
+
+
+def test_dropout_state_is_drawn_in_the_graph_and_reaches_the_backward_op(fake, monkeypatch):
+    """With dropout the compiled forward graph draws the state (a random op before the forward
+    op) and passes it, with p, to both the forward and the backward op."""
+    monkeypatch.setattr(cute_flash._validate, "check_cuda", lambda named: None)
+    seen = []
+
+    def backend(gm, example_inputs):
+        keep = {kind: (lambda g, _, kind=kind: seen.append((kind, g)) or make_boxed_func(g.forward))
+                for kind in ("fw", "bw")}
+        return aot_autograd(fw_compiler=keep["fw"], bw_compiler=keep["bw"])(gm, example_inputs)
+
+    @torch.compile(fullgraph=True, backend=backend)
+    def step(q, k, v):
+        return flash_attn_func(q, k, v, dropout_p=0.15, causal=True).float().sum()
+
+    q, k, v = (torch.randn(2, 128, 4, 64, dtype=torch.bfloat16).requires_grad_() for _ in range(3))
+    step(q, k, v).backward()
+    assert q.grad.shape == q.shape
+    graphs = dict(seen)
+    ops = {kind: [n for n in g.graph.nodes if n.op == "call_function"] for kind, g in graphs.items()}
+    fwd = [n for n in ops["fw"] if "cute_flash.fwd" in str(n.target)]
+    bwd = [n for n in ops["bw"] if "cute_flash.bwd" in str(n.target)]
+    assert len(fwd) == len(bwd) == 1
+    assert any("randint" in str(n.target) for n in ops["fw"]), [str(n.target) for n in ops["fw"]]
+    for node in fwd + bwd:
+        args = list(node.args) + list(node.kwargs.values())
+        assert 0.15 in args and any(getattr(a, "op", None) is not None for a in args[-1:]), node.format_node()

@@ -97,7 +97,7 @@ class Dropout:
 
     @staticmethod
     def load(mRng: cute.Tensor, bh) -> "Dropout":
-        """mRng (4,) uint32: key_lo, key_hi, offset_lo, threshold (`launch/dropout.py`)."""
+        """mRng (4,) uint32: key_lo, key_hi, offset_lo, threshold (`cute_flash/dropout.py`)."""
         return Dropout(mRng[0], mRng[1], mRng[2], mRng[3], bh)
 
     @cute.jit

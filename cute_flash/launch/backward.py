@@ -17,7 +17,7 @@ from cute_flash.kernels.dq_accum import DQConvertConfig
 from cute_flash.launch import compiled
 from cute_flash.launch.align import aligned
 from cute_flash.launch.dense import alibi_2d, device_index, scales, window_edges
-from cute_flash.launch.dropout import DropoutArgs, rng_of
+from cute_flash.dropout import DropoutArgs, rng_of
 from layouts.traits import choose_bwd_traits
 
 

@@ -242,6 +242,31 @@ def append_variants(full: bool = False) -> list:
 BWD_FLAGS = ("has_left", "has_right", "has_alibi", "has_softcap", "has_dropout", "even_k", "deterministic")
 
 
+def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
+    """The Hopper forward configs the sm_90 dispatcher can choose (launch/hopper.py).
+
+    full: every head-dim bucket and dtype times every score-flag combination, persistent too
+    where no mask is set and the tiles fit. Otherwise the CI subset: every bucket in bf16 with a
+    causal edge (the persistent variant where it fits, so both schedules compile), d 128 in fp16,
+    and d 128 with every score flag on."""
+    from layouts.hopper import choose_hopper_traits
+
+    if full:
+        out = []
+        for t in dict.fromkeys(choose_hopper_traits(d, dt) for d in HEAD_DIM_BUCKETS for dt in DTYPES):
+            for bits in itertools.product((False, True), repeat=4):
+                flags = dict(zip(("has_left", "has_right", "has_alibi", "has_softcap"), bits))
+                out.append(Sm90FwdConfig(t, **flags))
+                if not (bits[0] or bits[1]) and Sm90FwdConfig.fits_persistent(t):
+                    out.append(Sm90FwdConfig(t, persistent=True, **flags))
+        return out
+    out = [Sm90FwdConfig(t, persistent=Sm90FwdConfig.fits_persistent(t), has_right=True)
+           for t in (choose_hopper_traits(d, "bf16") for d in HEAD_DIM_BUCKETS)]
+    return out + [Sm90FwdConfig(choose_hopper_traits(128, "fp16")),
+                  Sm90FwdConfig(choose_hopper_traits(128, "bf16"), has_left=True, has_right=True, has_alibi=True,
+                                has_softcap=True)]
+
+
 def bwd_variants(arch: int, full: bool = False) -> list:
     """Backward configs (main kernel, preprocess, dQ convert) the dispatcher can choose on `arch`.
 

@@ -11,7 +11,7 @@ from cute_flash.kernels.config import FwdConfig
 from cute_flash.kernels.constants import LOG2E
 from cute_flash.launch.align import aligned
 from cute_flash.launch import compiled
-from cute_flash.launch.dropout import DropoutArgs, rng_of
+from cute_flash.dropout import DropoutArgs, rng_of
 from layouts.traits import FwdTraits, choose_fwd_traits
 
 PAGE_ROWS = 16  # pages of a multiple of this many rows take the page-run / shared-page-id copies
@@ -53,16 +53,22 @@ def alibi_2d(alibi_slopes, batch, nheads):
     return alibi_slopes.unsqueeze(0).expand(batch, nheads)
 
 
+def takes_hopper_path(index: int) -> bool:
+    """Dense forwards on sm_90 GPUs take the Hopper kernel (launch/hopper.py) unless
+    `CUTE_FLASH_ARCH_PATH=sm80` selects the SM80 kernel, which every other GPU runs."""
+    return os.environ.get("CUTE_FLASH_ARCH_PATH") != "sm80" and compiled.device_arch(index) == 90
+
+
 def flash_fwd(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1), softcap=0.0,
               alibi_slopes=None, traits: FwdTraits | None = None, dropout: DropoutArgs | None = None):
     """Dense forward: q (b, sq, h, d), k/v (b, sk, hk, d); returns (out, lse (b, h, sq)).
-    `traits` overrides the heuristic (tile tuning, `python -m cute_flash tune`); `dropout` drops
-    P's elements by the Philox mask (launch/dropout.py).
-    `CUTE_FLASH_ARCH_PATH=sm90` takes the Hopper kernel on sm_90 (launch/hopper.py, opt-in; no dropout)."""
+    On sm_90 the Hopper kernel (`takes_hopper_path`), except with dropout, which only the SM80
+    kernel has. `traits` (SM80 tiles) overrides the heuristic and selects the SM80 kernel (tile
+    tuning, `python -m cute_flash tune`); `dropout` drops P's elements by the Philox mask
+    (cute_flash/dropout.py)."""
     b, sq, h, d = q.shape
     index = device_index(q.device)
-    if (traits is None and dropout is None and os.environ.get("CUTE_FLASH_ARCH_PATH") == "sm90"
-            and compiled.device_arch(index) == 90):
+    if traits is None and dropout is None and takes_hopper_path(index):
         from cute_flash.launch.hopper import flash_fwd_sm90  # it imports this module's helpers
 
         return flash_fwd_sm90(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,

@@ -1,10 +1,10 @@
 """The Hopper forward (kernels/fwd_sm90.py) on validated CUDA tensors, and when to take it.
 
-Opt-in for now: with `CUTE_FLASH_ARCH_PATH=sm90`, `dense.flash_fwd` routes dense forwards on
-sm_90 GPUs here; every other call, and every call without the variable, takes the SM80 kernel.
-The path passes its GPU tests and leads the SM80 kernel on the forward grid (docs/perf.md); it
-becomes the default once it serves the other entries (varlen, paged, KV cache, split-KV) or
-falls back for them, and the full GPU suite has run with it on.
+The default for dense forwards on sm_90 GPUs (`dense.takes_hopper_path`): the full GPU suite
+passes with it, and it leads the SM80 kernel on the forward grid (docs/perf.md).
+`CUTE_FLASH_ARCH_PATH=sm80` selects the SM80 kernel instead. The other entries (varlen, paged,
+KV cache, split-KV) and dropout take the SM80 kernel on every GPU; docs/perf.md lists these
+fall backs and why.
 """
 from __future__ import annotations
 

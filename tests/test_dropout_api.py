@@ -1,0 +1,102 @@
+"""Dropout through the public and private functions, on the CPU (the kernels replaced by the
+recording fake of test_interface_validation): each call draws a fresh state from torch's
+generator and hands it to the launcher; autograd hands the same state to the backward; S_dmask
+carries the mask of that state (checked against the numpy Philox, an implementation of its
+own) on the reference's probabilities."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from cute_flash import flash_attn_interface as fai
+from cute_flash import philox
+from cute_flash.dropout import DropoutArgs
+from tests.test_interface_validation import B, H, SK, SQ, WITH_DROPOUT, call, gpu_free, valid, with_  # noqa: F401
+
+
+def _seed_offset(dropout: DropoutArgs):
+    seed, offset = dropout.rng_state.tolist()
+    return seed % (1 << 64), offset
+
+
+@pytest.mark.parametrize("name", WITH_DROPOUT)
+def test_each_call_draws_a_state_for_the_launch(gpu_free, name):
+    """The launcher gets DropoutArgs with the caller's p; two calls draw different states, and
+    the same torch.manual_seed draws the same one."""
+    states = []
+    for seed in (5, None, 5):
+        if seed is not None:
+            torch.manual_seed(seed)
+        call(name, **with_(name, dropout_p=0.25))
+        dropout = gpu_free.calls[-1][2]["dropout"]
+        assert isinstance(dropout, DropoutArgs) and dropout.p == 0.25
+        states.append(dropout.rng_state)
+    assert torch.equal(states[0], states[2]) and not torch.equal(states[0], states[1])
+
+
+@pytest.mark.parametrize("name", WITH_DROPOUT)
+def test_no_dropout_passes_none(gpu_free, name):
+    call(name, **valid(name))
+    assert gpu_free.calls[-1][2]["dropout"] is None
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_s_dmask_signs_are_the_calls_mask(gpu_free, causal):
+    """S_dmask (b, h, sq, sk) in q's dtype: its sign bits are the numpy keep mask of the call's
+    seed and offset, its magnitudes rows of probabilities (each visible row sums to 1)."""
+    q, k, v = (valid("func")[n] for n in "qkv")
+    out, lse, s = call("func", q=q, k=k, v=v, dropout_p=0.4, causal=causal, return_attn_probs=True)
+    assert s.shape == (B, H, SQ, SK) and s.dtype == q.dtype
+    seed, offset = _seed_offset(gpu_free.calls[-1][2]["dropout"])
+    keep = philox.keep_mask(seed, offset, B, H, SQ, SK, 0.4)
+    assert np.array_equal(~torch.signbit(s).numpy(), keep)
+    assert 0.3 < keep.mean() < 0.9  # both signs present: the sign check above can fail
+    sums = s.float().abs().sum(-1)
+    assert torch.allclose(sums, torch.ones_like(sums), atol=1e-2)
+
+
+def test_varlen_s_dmask_counts_from_each_sequence(gpu_free):
+    """Varlen S_dmask is (b, h, max_seqlen_q, max_seqlen_k): sequence i's corner carries the
+    signs of batch row i of the mask, rows and columns from the sequence's start; zero elsewhere."""
+    args = valid("varlen")
+    out, lse, s = call("varlen", **{**args, "dropout_p": 0.3, "return_attn_probs": True})
+    b = args["cu_seqlens_q"].numel() - 1
+    mq, mk = args["max_seqlen_q"], args["max_seqlen_k"]
+    assert s.shape == (b, H, mq, mk)
+    seed, offset = _seed_offset(gpu_free.calls[-1][2]["dropout"])
+    keep = philox.keep_mask(seed, offset, b, H, mq, mk, 0.3)
+    lq, lk = args["cu_seqlens_q"].diff().tolist(), args["cu_seqlens_k"].diff().tolist()
+    for i in range(b):
+        corner = s[i, :, :lq[i], :lk[i]]
+        assert np.array_equal(~torch.signbit(corner).numpy(), keep[i, :, :lq[i], :lk[i]])
+        assert s[i, :, lq[i]:].abs().sum() == 0 and s[i, :, :, lk[i]:].abs().sum() == 0
+
+
+def test_backward_gets_the_forwards_state(gpu_free):
+    q, k, v = (valid("func")[n].requires_grad_() for n in "qkv")
+    out = call("func", q=q, k=k, v=v, dropout_p=0.1)
+    out.sum().backward()
+    (_, _, fwd_kw), (fn, _, bwd_kw) = gpu_free.calls
+    assert fn == "flash_bwd" and bwd_kw["dropout"] is fwd_kw["dropout"]
+
+
+def test_private_forward_returns_the_state_and_backward_takes_it(gpu_free):
+    q, k, v = (valid("func")[n] for n in "qkv")
+    out, lse, s_dmask, rng_state = fai._flash_attn_forward(q, k, v, 0.2, 0.5, False, -1, -1, 0.0, None, False)
+    drawn = gpu_free.calls[-1][2]["dropout"]
+    assert rng_state is drawn.rng_state and s_dmask.shape == (0,)
+    with pytest.raises(ValueError, match="needs the forward's rng_state"):
+        fai._flash_attn_backward(out, q, k, v, out, lse, None, None, None, 0.2, 0.5, False, -1, -1, 0.0, None, False)
+    fai._flash_attn_backward(out, q, k, v, out, lse, None, None, None, 0.2, 0.5, False, -1, -1, 0.0, None, False,
+                             rng_state)
+    bwd = gpu_free.calls[-1][2]["dropout"]
+    assert bwd.p == 0.2 and torch.equal(bwd.rng_state, rng_state)
+
+
+def test_empty_problem_draws_nothing(gpu_free):
+    q = torch.empty(B, 0, H, valid("func")["q"].shape[-1], dtype=torch.float16)
+    k, v = valid("func")["k"], valid("func")["v"]
+    out, lse, s = call("func", q=q, k=k, v=v, dropout_p=0.5, return_attn_probs=True)
+    assert gpu_free.calls == [] and s.shape == (B, H, 0, SK)
+    assert not math.isnan(out.sum().item())
