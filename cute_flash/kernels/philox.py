@@ -32,12 +32,19 @@ class DslOps:
 
 
 @cute.jit
+def counter_words(key_lo: cutlass.Uint32, key_hi: cutlass.Uint32, offset_lo: cutlass.Uint32, bh, c0, c1):
+    """The four Philox words of counter (c0, c1, bh, offset_lo) under the key: the words of
+    the 8 elements whose `philox.counter_of` is (c0, c1) in head row bh."""
+    return philox.philox4x32_10((cutlass.Uint32(c0), cutlass.Uint32(c1), cutlass.Uint32(bh), offset_lo),
+                                (key_lo, key_hi), DslOps)
+
+
+@cute.jit
 def dropout_words(key_lo: cutlass.Uint32, key_hi: cutlass.Uint32, offset_lo: cutlass.Uint32, bh, i, j):
     """The four Philox words of element (row i, column j) of head row bh (batch * heads + head):
     the words of all 8 elements that share its counter (`philox.counter_of`)."""
     c0, c1, _ = philox.counter_of(i, j)
-    return philox.philox4x32_10((cutlass.Uint32(c0), cutlass.Uint32(c1), cutlass.Uint32(bh), offset_lo),
-                                (key_lo, key_hi), DslOps)
+    return counter_words(key_lo, key_hi, offset_lo, bh, c0, c1)
 
 
 class PhiloxProbe:
@@ -107,6 +114,22 @@ class Dropout:
         return cutlass.Float32(65536.0) / cutlass.Float32(self.threshold)
 
     @cute.jit
+    def keeps(self, word, half: cutlass.Constexpr):
+        """Whether 16-bit half `half` (0: low) of a Philox word is below the threshold. The high
+        half needs no shift: w div 2^16 < t iff w <= t * 2^16 - 1 (mod 2^32, which is all ones
+        for t = 2^16, keep all)."""
+        if cutlass.const_expr(half == 1):
+            return word <= (self.threshold << 16) - cutlass.Uint32(1)
+        return (word & cutlass.Uint32(0xFFFF)) < self.threshold
+
+    @cute.jit
+    def drops(self, word, half: cutlass.Constexpr):
+        """not `keeps(word, half)`."""
+        if cutlass.const_expr(half == 1):
+            return word > (self.threshold << 16) - cutlass.Uint32(1)
+        return (word & cutlass.Uint32(0xFFFF)) >= self.threshold
+
+    @cute.jit
     def atom_keeps(self, i, j):
         """The keep decisions of an mma.sync m16n8 accumulator atom whose value 0 is element
         (i, j) (i mod 16 < 8, j even): values v = 0..3 at (i + 8 (v // 2), j + v % 2) share one
@@ -118,8 +141,7 @@ class Dropout:
         keeps = []
         for v in cutlass.range_constexpr(4):
             lo, hi = words[2 * (v // 2)], words[2 * (v // 2) + 1]
-            word = lo ^ ((lo ^ hi) & odd)
-            keeps.append(((word >> (16 * (v % 2))) & cutlass.Uint32(0xFFFF)) < self.threshold)
+            keeps.append(self.keeps(lo ^ ((lo ^ hi) & odd), v % 2))
         return keeps
 
     @cute.jit
@@ -127,16 +149,24 @@ class Dropout:
         """Zero the dropped values of a ((2, 2), MMA_M, MMA_N) mma.sync P tile whose element (r, c)
         is (row0 + r, col0 + c) of the head: one Philox call per value group (0, m, 2t) .. (3, m,
         2t + 1), value (v, m, 2t + n2) taking word 4 (v // 2) + 2 n2 + v % 2
-        (layouts/verify_dropout.py proves both for every SM80 forward tile)."""
+        (layouts/verify_dropout.py proves both for every SM80 forward tile). A group's counter is
+        the thread's first one plus compile-time steps: its first value sits a multiple of 16
+        rows and columns past the thread's (0, 0, 0), read off thread 0's static coordinates, so
+        each call's c0 / c1 cost an add instead of `counter_of`'s divisions."""
         tidx, _, _ = cute.arch.thread_idx()
-        tScS = tiled_mma.get_slice(tidx).partition_C(cute.make_identity_tensor(tile_mn))  # (MMA, MMA_M, MMA_N)
+        ident = cute.make_identity_tensor(tile_mn)
+        tScS = tiled_mma.get_slice(tidx).partition_C(ident)  # (MMA, MMA_M, MMA_N)
+        tScS_0 = tiled_mma.get_slice(0).partition_C(ident)  # (MMA, MMA_M, MMA_N), static coordinates
+        base = tScS[0, 0, 0]
+        c0_base, c1_base, _ = philox.counter_of(row0 + base[0], col0 + base[1])
         for m in cutlass.range_constexpr(cute.size(acc_s.shape[1])):
             for t in cutlass.range_constexpr(cute.size(acc_s.shape[2]) // 2):
-                rc = tScS[0, m, 2 * t]
-                words = dropout_words(self.key_lo, self.key_hi, self.offset_lo, self.bh, row0 + rc[0], col0 + rc[1])
+                step = tuple(int(a) - int(b) for a, b in zip(tScS_0[0, m, 2 * t], tScS_0[0, 0, 0]))
+                assert step[0] % 16 == 0 and step[1] % 16 == 0, f"value group {(m, t)} at {step}"
+                words = counter_words(self.key_lo, self.key_hi, self.offset_lo, self.bh,
+                                      c0_base + 4 * (step[1] // 16), c1_base + 8 * (step[0] // 16))
                 for n2 in cutlass.range_constexpr(2):
                     for v in cutlass.range_constexpr(4):
                         s = 4 * (v // 2) + 2 * n2 + v % 2
-                        word = (words[s // 2] >> (16 * (s % 2))) & cutlass.Uint32(0xFFFF)
-                        if word >= self.threshold:
+                        if self.drops(words[s // 2], s % 2):
                             acc_s[v, m, 2 * t + n2] = cutlass.Float32(0.0)
