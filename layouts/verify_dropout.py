@@ -2,7 +2,9 @@
 tiled MMA that holds an attention score tile, each thread's accumulator values come in groups
 of 8 that share one Philox counter, and the word each value takes is a static function of its
 index in the fragment. A kernel then makes one Philox call per group and picks words without
-run-time selects.
+run-time selects; and each group's first value sits the same multiple of 16 rows and columns
+past the thread's first value in every thread, so a group's counter is the thread's first
+counter plus compile-time steps (`Dropout.apply_sm80` reads those steps off thread 0).
 
 Groups, by accumulator shape:
 - mma.sync m16n8 fragments ((2, 2), MMA_M, MMA_N), SM80 forward and backward: value (v, m, n)
@@ -38,19 +40,24 @@ def _groups_wgmma(shape):
 
 def word_groups(tiled_mma, tile_mn, wgmma: bool) -> dict:
     """For every thread: the counter of each value equals its group representative's, the words
-    of a group are 0..7 once each, and equal the Philox map's (inside a trace)."""
+    of a group are 0..7 once each, and equal the Philox map's; and the representatives' steps
+    from the thread's first value are thread 0's, multiples of 16 (inside a trace)."""
     import cutlass.cute as cute
 
     shape = _static_shape(tiled_mma.get_slice(0).partition_C(cute.make_identity_tensor(tile_mn)).shape)
     idx, rep, word = (_groups_wgmma if wgmma else _groups_sm80)(shape)
     coords = partition_coords(tiled_mma, "partition_C", tile_mn)[:, 0]  # (threads, values, (row, col))
+    reps = np.unique(rep)
+    steps_0 = coords[0][reps] - coords[0][0]
     bad = 0
     for xy in coords:
         c0, c1, s = philox.counter_of(xy[:, 0], xy[:, 1])
         same_counter = (c0[idx] == c0[rep]).all() and (c1[idx] == c1[rep]).all()
         words_match = np.array_equal(s[idx], word)
-        complete = all(sorted(word[rep == g]) == list(range(8)) for g in np.unique(rep))
-        bad += int(not (same_counter and words_match and complete))
+        complete = all(sorted(word[rep == g]) == list(range(8)) for g in reps)
+        steps = xy[reps] - xy[0]
+        static_steps = np.array_equal(steps, steps_0) and not (steps % 16).any()
+        bad += int(not (same_counter and words_match and complete and static_steps))
     return {"threads": len(coords), "bad_threads": bad, "ok": bad == 0}
 
 
