@@ -114,6 +114,14 @@ def _result(out, lse, probs, return_attn_probs):
     return (out, lse, probs) if return_attn_probs else out
 
 
+def _s_dmask(q, p, return_probs, dropout, shape, build):
+    """The S_dmask a call returns: empty unless asked for with dropout (flash-attn's value), zeros
+    of `shape` when nothing was drawn (no rows or keys), else `build(dropout)`."""
+    if not (return_probs and p > 0):
+        return _no_probs(q)
+    return q.new_zeros(shape) if dropout is None else build(dropout)
+
+
 def _draw(p, q, has_work):
     """The call's dropout state, drawn only when there is dropout and work to drop from."""
     return DropoutArgs.draw(p, q.device) if p > 0 and has_work else None
@@ -162,11 +170,9 @@ def _flash_attn(q, k, v, names, dropout_p, softmax_scale, causal, window_size, s
         out, lse = FlashAttnFunction.apply(options, run, alibi_slopes, *inputs)
     else:
         out, lse = run(q, k, v)
-    probs = _no_probs(q)
-    if return_probs and p > 0:
-        probs = (q.new_zeros((batch, nheads, seqlen_q, seqlen_k)) if dropout is None else
-                 s_dmask(q, k, v, dropout, softmax_scale=scale, causal=causal, window_size=window, softcap=softcap,
-                         alibi_slopes=alibi_slopes))
+    probs = _s_dmask(q, p, return_probs, dropout, (batch, nheads, seqlen_q, seqlen_k), lambda drop: s_dmask(
+        q, k, v, drop, softmax_scale=scale, causal=causal, window_size=window, softcap=softcap,
+        alibi_slopes=alibi_slopes))
     return out, lse, probs, dropout
 
 
@@ -230,12 +236,10 @@ def _flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
         out, lse = FlashAttnFunction.apply(options, run, alibi_slopes, *inputs)
     else:
         out, lse = run(q, k, v)
-    probs = _no_probs(q)
-    if return_probs and p > 0:
-        probs = (q.new_zeros((batch, nheads, max_seqlen_q, max_seqlen_k)) if dropout is None else
-                 s_dmask_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout,
-                                seqused_k=seqused_k, block_table=block_table, softmax_scale=scale, causal=causal,
-                                window_size=window, softcap=softcap, alibi_slopes=alibi_slopes))
+    probs = _s_dmask(q, p, return_probs, dropout, (batch, nheads, max_seqlen_q, max_seqlen_k), lambda drop: (
+        s_dmask_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, drop, seqused_k=seqused_k,
+                       block_table=block_table, softmax_scale=scale, causal=causal, window_size=window,
+                       softcap=softcap, alibi_slopes=alibi_slopes)))
     return out, lse, probs, dropout
 
 
