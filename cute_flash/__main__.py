@@ -23,7 +23,7 @@ def cmd_compile(archs, full, workers=1, keys_file=None):
     from cute_flash.kernels.append import compile_append
     from cute_flash.kernels.config import FLAG_LETTERS
     from cute_flash.launch.compiled import (append_variants, bwd_variants, compile_bwd, compile_fwd, compile_fwd_sm90,
-                                            compiler_of, fwd_variants, sm90_variants)
+                                            compiler_of, fwd_variants, sm90_bwd_variants, sm90_variants)
     from cute_flash.resources import find_ptxas
     from layouts.traits import SMEM_LIMIT, sm_name
 
@@ -37,6 +37,7 @@ def cmd_compile(archs, full, workers=1, keys_file=None):
         jobs += [(arch, config, compile_append) for arch in archs for config in append_variants(full)]
         jobs += [(arch, config, compile_bwd) for arch in archs for config in bwd_variants(arch, full)]
         jobs += [(90, config, compile_fwd_sm90) for config in sm90_variants(full) if 90 in archs]
+        jobs += [(90, config, compile_bwd) for config in sm90_bwd_variants(full) if 90 in archs]
         what = 'every traits x every flag combination' if full else 'the CI subset; --full for all'
     where = compile_cache.cache_root() / compile_cache.fingerprint() if compile_cache.enabled() else None
     print(f"compile-only (no GPU used): {len(jobs)} variants for {', '.join(sm_name(a) for a in archs)} "

@@ -170,11 +170,14 @@ def bench_bwd_cell(d, seqlen, causal=False):
 
     peers = [("ours", ours_fwd), ("flash", sdpa_fwd(SDPBackend.FLASH_ATTENTION)),
              ("cudnn", sdpa_fwd(SDPBackend.CUDNN_ATTENTION))]
+    if hopper_gpu():
+        peers.insert(1, ("sm80", ours_fwd))
     fa4 = fa4_func()
     if fa4 is not None:
         peers.append(("fa4", lambda q, k, v: fa4(q, k, v, causal=causal)))
     for name, fwd in peers:
-        ms = timed(fwd)
+        with arch_path("sm80") if name == "sm80" else contextlib.nullcontext():
+            ms = timed(fwd)
         row[f"{name}_bwd"] = 2.5 * fwd_flops / ms[0] / 1e9 if ms else None
         row[f"{name}_fwdbwd"] = 3.5 * fwd_flops / ms[1] / 1e9 if ms else None
     return row
@@ -192,22 +195,32 @@ def ratio_summary(ratios) -> str:
 
 
 def format_bwd(rows) -> str:
+    """ours (the default path: the Hopper backward on sm_90 where it applies), SM80 (our SM80
+    kernels, sm_90 only), the peers, and ours over FLASH and over the best of CUDNN and FA4."""
     out = []
     for key, title in (("bwd", "backward alone (FLOPs 2.5x forward)"), ("fwdbwd", "forward + backward (3.5x)")):
-        out += [f"{title}, TFLOP/s:", "", "| d | causal | seqlen | batch x heads | ours | FLASH | CUDNN | FA4 "
-                "| ours/FLASH | ours/CUDNN |", "|---|---|---|---|---|---|---|---|---|---|"]
-        ratios = []
+        out += [f"{title}, TFLOP/s:", "", "| d | causal | seqlen | batch x heads | ours | SM80 | FLASH | CUDNN | FA4 "
+                "| ours/FLASH | ours/best peer |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        ratios, vs_peers = [], []
         for r in rows:
-            ours, flash, cudnn, fa4 = (r.get(f"{name}_{key}") for name in ("ours", "flash", "cudnn", "fa4"))
+            ours, sm80, flash, cudnn, fa4 = (r.get(f"{name}_{key}") for name in ("ours", "sm80", "flash", "cudnn",
+                                                                                 "fa4"))
+            best = max((x for x in (cudnn, fa4) if x), default=None)
             rf = ours / flash if ours and flash else math.nan
-            rc = ours / cudnn if ours and cudnn else math.nan
+            rp = ours / best if ours and best else math.nan
             if not math.isnan(rf):
                 ratios.append(rf)
-            cells = [f"{x:.0f}" if x else "-" for x in (ours, flash, cudnn, fa4)]
+            if not math.isnan(rp):
+                vs_peers.append(rp)
+            cells = [f"{x:.0f}" if x else "-" for x in (ours, sm80, flash, cudnn, fa4)]
             out.append(f"| {r['d']} | {r['causal']} | {r['seqlen']} | {r['batch']}x{r['nheads']} | "
-                       f"{' | '.join(cells)} | {rf:.3f} | {rc:.3f} |")
+                       f"{' | '.join(cells)} | {rf:.3f} | {rp:.3f} |")
         if ratios:
             out.append(ratio_summary(ratios))
+        if vs_peers:
+            gm = math.exp(statistics.fmean(math.log(x) for x in vs_peers))
+            out.append(f"ours / max(CUDNN, FA4): geometric mean {gm:.3f}; min {min(vs_peers):.3f}; cells >= 1.0: "
+                       f"{sum(x >= 1.0 for x in vs_peers)}/{len(vs_peers)}")
         out.append("")
     return "\n".join(out)
 

@@ -19,7 +19,7 @@ import cutlass.utils.hopper_helpers as sm90
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from layouts.traits import (DTYPES, ELEMENT_BYTES, HEAD_DIM_BUCKETS, check_bucket_and_dtype, element_type,
+from layouts.traits import (DTYPES, ELEMENT_BYTES, HEAD_DIM_BUCKETS, BwdTraits, check_bucket_and_dtype, element_type,
                             head_dim_bucket)
 
 WGMMA_M = 64  # rows of one warpgroup's wgmma
@@ -83,9 +83,12 @@ def smem_layout_staged(traits: HopperTileTraits, rows: int, stages: int):
 def swizzle_atom(traits: HopperTileTraits):
     """The GMMA swizzle atom of a (rows, head_dim) row-major tile: 8 rows of the widest swizzle
     span (128, 64 or 32 bytes) the row allows."""
-    dtype = element_type(traits)
-    return warpgroup.make_smem_layout_atom(sm90.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, traits.head_dim),
-                                           dtype)
+    return row_major_atom(element_type(traits), traits.head_dim)
+
+
+def row_major_atom(dtype, cols: int):
+    """8 rows of `cols` elements in the widest GMMA swizzle span the row allows."""
+    return warpgroup.make_smem_layout_atom(sm90.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols), dtype)
 
 
 def tma_load_atom(traits: HopperTileTraits, gmem_tensor, smem_tile, rows: int):
@@ -137,3 +140,71 @@ def acc_as_operand_a(acc):
     n8 = cute.size(acc.shape[0]) // 4
     return cute.make_tensor(acc.iterator, cute.make_layout(((2, 2, 2), cute.size(acc.shape[1]), n8 // 2),
                                                            stride=((1, 2, 4), 4 * n8, 8)))
+
+
+# The backward (kernels/bwd_sm90.py). One CTA owns block_n keys, a consumer warpgroup per 64 of
+# them; it walks block_m-row query blocks. S and dP are computed transposed (S^T = K Q^T, keys
+# on the wgmma's M), so each warpgroup's P^T and dS^T sit in its accumulators in the layout of
+# the register A operand of dV += P^T dO and dK += dS^T Q: neither goes through shared memory
+# for those GEMMs. dQ = dS K needs dS whole (every key of the block): dS^T goes to a (block_n,
+# block_m) row-major tile, read back transposed as dQ's MN-major A operand.
+
+BWD_HEAD_DIMS = (32, 64, 128)  # d 96's dQ tile (48 columns per warpgroup) splits its 32-column swizzle atoms
+
+
+@functools.lru_cache(maxsize=None)
+def choose_hopper_bwd_traits(head_dim: int, dtype: str = "bf16") -> BwdTraits:
+    """The Hopper backward's tiles (BwdTraits; its SM80 warp grids only shape the dQ convert's
+    copies): 128 keys per CTA; query blocks of 128 rows at d 32, 64 above. Measured on the H200
+    (bf16, backward alone, TFLOP/s at 512 / 2k / 8k tokens, non-causal): d 64 with 64 rows
+    283 / 403 / 441 against 273 / 380 / 428 with 128 (whose S^T and dP^T tiles push ptxas to
+    serialize the wgmmas); d 32 with 128 rows 223 / 314 / 352 against 196 / 263 / 287."""
+    d = head_dim_bucket(head_dim)
+    if d not in BWD_HEAD_DIMS:
+        raise ValueError(f"the Hopper backward takes head-dim buckets {BWD_HEAD_DIMS}, not {d}")
+    if d == 32:
+        return BwdTraits(d, 128, 128, 8, 4, 4, 4, dtype=dtype)
+    return BwdTraits(d, 64, 128, 8, 2, 4, 4 if d == 64 else 2, dtype=dtype)
+
+
+def bwd_warpgroups(traits) -> int:
+    """Consumer warpgroups of the backward: one per 64 keys."""
+    return traits.block_n // WGMMA_M
+
+
+def smem_layout_ds(traits, stages: int):
+    """(block_n, block_m, stages): dS^T, keys as rows, each row's block_m queries contiguous and
+    swizzled as a GMMA row-major tile (the S^T accumulators' own orientation)."""
+    return cute.tile_to_shape(row_major_atom(element_type(traits), traits.block_m),
+                              (traits.block_n, traits.block_m, stages), order=(0, 1, 2))
+
+
+def tiled_mma_sdp_t(traits):
+    """S^T = K Q^T and dP^T = V dO^T: (block_n, block_m) tiles, both operands K-major (the head
+    dim contiguous), a warpgroup per 64 keys."""
+    dtype = element_type(traits)
+    return sm90.make_trivial_tiled_mma(dtype, dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
+                                       cutlass.Float32, (bwd_warpgroups(traits), 1, 1), (WGMMA_M, traits.block_m))
+
+
+def tiled_mma_dkv(traits):
+    """dV += P^T dO and dK += dS^T Q: (block_n, head_dim), A from registers (the converted S^T /
+    dP^T accumulators), B = dO^T / Q^T read MN-major from their row-major tiles."""
+    dtype = element_type(traits)
+    return sm90.make_trivial_tiled_mma(dtype, dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
+                                       cutlass.Float32, (bwd_warpgroups(traits), 1, 1), (WGMMA_M, traits.head_dim),
+                                       a_source=warpgroup.OperandSource.RMEM)
+
+
+def tiled_mma_dq(traits):
+    """dQ = dS K: (block_m, head_dim), A = dS (the dS^T tile read MN-major), B = K^T (MN-major).
+    The warpgroups split dQ's rows where there are 64 per warpgroup (block_m 128), else its
+    columns."""
+    dtype = element_type(traits)
+    wgs = bwd_warpgroups(traits)
+    if traits.block_m >= WGMMA_M * wgs:
+        atoms, tiler = (wgs, 1, 1), (WGMMA_M, traits.head_dim)
+    else:
+        atoms, tiler = (1, wgs, 1), (WGMMA_M, traits.head_dim // wgs)
+    return sm90.make_trivial_tiled_mma(dtype, dtype, cute.nvgpu.OperandMajorMode.MN, cute.nvgpu.OperandMajorMode.MN,
+                                       cutlass.Float32, atoms, tiler)

@@ -13,7 +13,7 @@ pytest.importorskip("cutlass")
 from cute_flash.kernels.config import CACHE_FLAGS, SCORE_FLAGS, FwdConfig  # noqa: E402
 from cute_flash.kernels.fake import arch_option  # noqa: E402
 from cute_flash.launch.compiled import (BWD_FLAGS, append_variants, bwd_variants, compile_bwd, compile_fwd,  # noqa: E402
-                                        fwd_variants)
+                                        fwd_variants, sm90_bwd_variants)
 from cute_flash.kernels.roundtrip import OPERANDS, TileRoundTrip  # noqa: E402
 from layouts.traits import SMEM_LIMIT, shipped_fwd_traits  # noqa: E402
 
@@ -193,3 +193,27 @@ def test_hopper_forward_wgmma_not_serialized(config, tmp_path):
     report = ptxas_report(str(ptx), 90)
     assert report.get("registers"), "ptxas gave no resource report"
     assert not report.get("wgmma_serialized")
+
+
+@pytest.mark.parametrize("config", sm90_bwd_variants(), ids=lambda c: c.name)
+def test_hopper_backward_compiles_to_wgmma(config, tmp_path):
+    """The Hopper backward (the sm_90 default for dense backwards at d 32 / 64 / 128) and its dQ
+    convert build for sm_90a and fit in shared memory. The main kernel's five GEMMs are wgmma,
+    one per 16-wide k step: S^T and dP^T over the head dim, dV and dK over the query block, dQ
+    over the 128 keys."""
+    from cute_flash.kernels.bwd_sm90 import Sm90BwdConfig
+
+    assert config.smem_bytes <= SMEM_LIMIT[90]
+    compile_bwd(config, 90, f"--keep-ptx --dump-dir={tmp_path}")
+    _assert_one_kernel_for(90, tmp_path)
+    if isinstance(config, Sm90BwdConfig):
+        t = config.traits
+        (ptx,) = tmp_path.glob("*.ptx")
+        assert ptx.read_text().count("wgmma.mma_async") == 2 * t.head_dim // 16 + 2 * t.block_m // 16 + t.block_n // 16
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", sm90_bwd_variants(True), ids=lambda c: c.name)
+def test_hopper_backward_full_sweep(config, tmp_path):
+    compile_bwd(config, 90, f"--keep-ptx --dump-dir={tmp_path}")
+    _assert_one_kernel_for(90, tmp_path)

@@ -87,6 +87,18 @@ class Recorder:
         entry = FlashFwdSm90(config).__call__
         return lambda *args: self.launches.append(Launch(config, entry, args))
 
+    def bwd_kernel_for(self, config, index):
+        from cute_flash.kernels.bwd import FlashBwd
+        from cute_flash.kernels.bwd_preprocess import DotDoO, PreprocessConfig
+        from cute_flash.kernels.bwd_sm90 import FlashBwdSm90, Sm90BwdConfig
+        from cute_flash.kernels.dq_accum import DQConvert, DQConvertConfig
+
+        kernels = {Sm90BwdConfig: FlashBwdSm90, PreprocessConfig: DotDoO, DQConvertConfig: DQConvert}
+        kernel = kernels.get(type(config), FlashBwd)(config)
+        entry = kernel.call_varlen if getattr(config, "varlen", False) else kernel.__call__
+        self.configs.append(config)
+        return lambda *args: self.launches.append(Launch(config, entry, args))
+
     def append_for(self, config, index):
         from cute_flash.kernels.append import AppendKV
 
@@ -160,6 +172,57 @@ def test_dense_forwards_on_sm90_default_to_the_hopper_kernel(recorder, monkeypat
     monkeypatch.setattr(compiled, "device_arch", lambda index: 89)
     flash_fwd(q, k, v, softmax_scale=0.5)
     assert [type(x.config) for x in recorder.launches[1:]] == [FwdConfig] * 4
+
+
+def test_dense_backwards_on_sm90_default_to_the_hopper_kernel(recorder, monkeypatch):
+    """Without CUTE_FLASH_ARCH_PATH an sm_90 dense backward launches the preprocess, the Hopper
+    kernel and the Hopper dQ convert, with LSE (times log2 e) and D in rows padded to whole
+    query blocks (+inf and 0 past seqlen_q; the preprocess writes D into the padded rows);
+    deterministic, dropout, a head dim the Hopper kernel does not take (bucket 96), sm80 in the
+    variable, or another GPU take the SM80 kernel."""
+    from cute_flash.dropout import DropoutArgs
+    from cute_flash.kernels.bwd_preprocess import PreprocessConfig
+    from cute_flash.kernels.bwd_sm90 import Sm90BwdConfig
+    from cute_flash.kernels.config import BwdConfig
+    from cute_flash.kernels.constants import LOG2E
+    from cute_flash.kernels.dq_accum import DQConvertConfig
+    from cute_flash.launch import compiled
+    from cute_flash.launch.backward import flash_bwd
+
+    monkeypatch.setattr(compiled, "bwd_kernel_for", recorder.bwd_kernel_for)
+    q, dout = (torch.randn(2, 70, 4, 20, dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(2, 90, 2, 20, dtype=torch.bfloat16) for _ in range(2))
+    lse = torch.randn(2, 4, 70)
+    monkeypatch.delenv("CUTE_FLASH_ARCH_PATH")
+    dq, dk, dv, softmax_d = flash_bwd(dout, q, k, v, q, lse, softmax_scale=0.5, causal=True, softcap=5.0)
+    pre, main, convert = recorder.launches
+    assert [type(x.config) for x in (pre, main, convert)] == [PreprocessConfig, Sm90BwdConfig, DQConvertConfig]
+    assert main.config.has_right and main.config.has_softcap and not main.config.has_left
+    assert main.config.traits.head_dim == 32 and main.config.traits.block_m == 128 and convert.config.hopper
+    assert not convert.config.even_k  # d 20 of 32: the convert predicates the columns
+    padded = (2, 4, 128)
+    assert main["mLSE"].shape == padded and torch.equal(main["mLSE"][..., :70], lse * LOG2E)
+    assert (main["mLSE"][..., 70:] == float("inf")).all()
+    assert main["mD"].shape == padded and (main["mD"][..., 70:] == 0).all()
+    assert pre["mD"].data_ptr() == main["mD"].data_ptr() and pre["mD"].shape == (2, 4, 70)
+    assert softmax_d.shape == (2, 4, 70) and softmax_d.data_ptr() == main["mD"].data_ptr()
+    assert main["mdQaccum"].shape == (1, 2, 4, 1, 128 * 32) and convert["mdQaccum"] is main["mdQaccum"]
+    assert main["mdK"].shape == (2, 90, 4, 24)  # per query head, summed over the group after
+    assert (main["window_left"], main["window_right"]) == (-1, 0) and main["softmax_scale"] == 0.5
+    assert dq.shape == q.shape and dk.shape == dv.shape == k.shape
+
+    dropout = DropoutArgs.seeded(0.1, 1, 2, "cpu")
+    for extra in (dict(deterministic=True), dict(dropout=dropout)):
+        flash_bwd(dout, q, k, v, q, lse, softmax_scale=0.5, **extra)
+    q96 = torch.randn(2, 70, 4, 96, dtype=torch.bfloat16)
+    flash_bwd(q96, q96, q96, q96, q96, lse, softmax_scale=0.5)
+    monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", "sm80")
+    flash_bwd(dout, q, k, v, q, lse, softmax_scale=0.5)
+    monkeypatch.delenv("CUTE_FLASH_ARCH_PATH")
+    monkeypatch.setattr(compiled, "device_arch", lambda index: 80)
+    flash_bwd(dout, q, k, v, q, lse, softmax_scale=0.5)
+    mains = [x.config for x in recorder.launches[3:] if not isinstance(x.config, (PreprocessConfig, DQConvertConfig))]
+    assert [type(c) for c in mains] == [BwdConfig] * 5
 
 
 def test_softcap_and_alibi_scales(recorder):

@@ -31,6 +31,7 @@ import cutlass.cute as cute
 from cute_flash.kernels.seq_info import SeqInfo, query_rows
 from cute_flash.kernels.tile_copy import column_predicate, copy_tile
 from layouts import copy as lcopy
+from layouts import hopper
 from layouts import mma as lmma
 from layouts import smem as lsmem
 from layouts.traits import ELEMENT_BYTES, BwdTraits, element_type
@@ -44,9 +45,13 @@ def first_tile(seq: SeqInfo, bidb, block_m: cutlass.Constexpr):
     return seq.sum_s_q // block_m + bidb
 
 
-def chunk_index(i, tidx, per_thread: cutlass.Constexpr, vec: cutlass.Constexpr):
-    """Where value i (of `per_thread`) of thread tidx lives in a chunk (plain ints work too)."""
-    return ((tidx // 32) * per_thread + (i // vec) * vec) * 32 + (tidx % 32) * vec + i % vec
+HOPPER_VEC = 4  # the Hopper backward's runs: a warpgroup's, in 16-byte vectors
+
+
+def chunk_index(i, tidx, per_thread: cutlass.Constexpr, vec: cutlass.Constexpr, group: cutlass.Constexpr = 32):
+    """Where value i (of `per_thread`) of thread tidx lives in a chunk (plain ints work too):
+    a run per `group` threads (a warp; a warpgroup in the Hopper backward)."""
+    return ((tidx // group) * per_thread + (i // vec) * vec) * group + (tidx % group) * vec + i % vec
 
 
 def tiles_of(mdQaccum: cute.Tensor, slot, bidb, bidh, varlen: cutlass.Constexpr):
@@ -64,6 +69,7 @@ class DQConvertConfig:
     even_k: bool = True
     varlen: bool = False
     dq_vec: int = 1  # as the main kernel's BwdConfig.dq_vec
+    hopper: bool = False  # written by the Hopper backward: its dQ wgmma's partition, warpgroup runs
 
     @property
     def entry(self) -> str:
@@ -78,7 +84,8 @@ class DQConvertConfig:
     def name(self) -> str:
         t = self.traits
         return (f"dq_convert_d{t.head_dim}_m{t.block_m}_w{t.num_warps}_{t.atom_m_dq}_{t.dtype}"
-                f"{'' if self.even_k else '-k'}{'-V' if self.varlen else ''}-v{self.dq_vec}")
+                f"{'' if self.even_k else '-k'}{'-V' if self.varlen else ''}-v{self.dq_vec}"
+                f"{'-sm90' if self.hopper else ''}")
 
 
 class DQConvert:
@@ -126,20 +133,25 @@ class DQConvert:
         seq, mdQ_s, head_dim = query_rows(mdQ, bidb, bidh, mCuSeqlensQ)  # (seqlen_q, d)
         rows_q = seq.seqlen_q - m_block * bm
         if rows_q > 0:
-            mma_dq = lmma.tiled_mma_grid(t, t.atom_m_dq)
+            hopper_layout = self.config.hopper
+            mma_dq = hopper.tiled_mma_dq(t) if hopper_layout else lmma.tiled_mma_grid(t, t.atom_m_dq)
+            group = 128 if hopper_layout else 32
             acc_dq = cute.make_rmem_tensor(mma_dq.get_slice(tidx).partition_shape_C((bm, d)), cutlass.Float32)
             acc_dq.fill(0.0)
             tile = first_tile(seq, bidb, bm) + m_block
             for s in cutlass.range(mdQaccum.shape[0], unroll=1):  # slices in a fixed order
                 chunk = tiles_of(mdQaccum, s, bidb, bidh, varlen)[tile, None]  # (block_m * kHeadDim,)
                 for i in cutlass.range(cute.size(acc_dq), unroll_full=True):
-                    acc_dq[i] = acc_dq[i] + chunk[chunk_index(i, tidx, cute.size(acc_dq), self.config.dq_vec)]
+                    acc_dq[i] = acc_dq[i] + chunk[chunk_index(i, tidx, cute.size(acc_dq), self.config.dq_vec, group)]
             rdQ = cute.make_fragment_like(acc_dq, self.dtype)  # (MMA, MMA_M, MMA_D)
             rdQ.store((acc_dq.load() * scale).to(self.dtype))
             storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
             sdQ = storage.sdQ.get_tensor(sdQ_layout)  # (bm, d)
-            smem_copy = lcopy.smem_tiled_copy_c(t, mma_dq).get_slice(tidx)
-            cute.copy(smem_copy, smem_copy.retile(rdQ), smem_copy.partition_D(sdQ))
+            if cutlass.const_expr(hopper_layout):
+                cute.autovec_copy(rdQ, mma_dq.get_slice(tidx).partition_C(sdQ))
+            else:
+                smem_copy = lcopy.smem_tiled_copy_c(t, mma_dq).get_slice(tidx)
+                cute.copy(smem_copy, smem_copy.retile(rdQ), smem_copy.partition_D(sdQ))
             cute.arch.barrier()
             gmem_tiled_copy = lcopy.gmem_tiled_copy_o(t)
             gmem_thr_copy = gmem_tiled_copy.get_slice(tidx)

@@ -12,12 +12,15 @@ from dataclasses import replace
 import torch
 
 from cute_flash.kernels.bwd_preprocess import PreprocessConfig
+from cute_flash.kernels.bwd_sm90 import Sm90BwdConfig
+from cute_flash.kernels.constants import LOG2E
 from cute_flash.kernels.config import BwdConfig, dq_reduction
 from cute_flash.kernels.dq_accum import DQConvertConfig
 from cute_flash.launch import compiled
 from cute_flash.launch.align import aligned
-from cute_flash.launch.dense import alibi_2d, device_index, scales, window_edges
+from cute_flash.launch.dense import alibi_2d, device_index, scales, takes_hopper_path, window_edges
 from cute_flash.dropout import DropoutArgs, rng_of
+from layouts.hopper import BWD_HEAD_DIMS, choose_hopper_bwd_traits
 from layouts.traits import choose_bwd_traits
 
 
@@ -66,6 +69,42 @@ def _zeros(q, k, v, dot_shape, grads):
     return (*zeros, torch.zeros(dot_shape, dtype=torch.float32, device=q.device))
 
 
+def takes_hopper_bwd(config: BwdConfig, index: int) -> bool:
+    """Dense backwards on sm_90 take the Hopper kernel (kernels/bwd_sm90.py) where it exists:
+    head-dim buckets 32, 64, 128 (`layouts.hopper.BWD_HEAD_DIMS`), no dropout, not
+    deterministic (its dQ adds are unordered bulk reduces); `CUTE_FLASH_ARCH_PATH=sm80` selects
+    the SM80 kernel. docs/perf.md lists what falls back and why."""
+    return (takes_hopper_path(index) and config.traits.head_dim in BWD_HEAD_DIMS and not config.has_dropout
+            and not config.deterministic and not config.varlen)
+
+
+def _flash_bwd_sm90(dout, q, k, v, out, lse, config: BwdConfig, index, softmax_scale, softcap, alibi_slopes, left,
+                    right, grads, d):
+    """The Hopper backward on aligned tensors. LSE (times log2 e) and D go in rows padded to
+    whole query blocks, +inf and 0 past seqlen_q, so the kernel's bulk copies of a block's
+    values need no bounds and its rows past the sequence get P = 0."""
+    b, sq, h, d_pad = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    t = choose_hopper_bwd_traits(config.traits.head_dim, config.traits.dtype)
+    sq_pad = -(-sq // t.block_m) * t.block_m
+    dot_pad = torch.zeros((b, h, sq_pad), dtype=torch.float32, device=q.device)
+    dot = dot_pad[..., :sq]
+    compiled.bwd_kernel_for(PreprocessConfig(t.head_dim, t.dtype, config.even_k), index)(out, dout, dot)
+    lse_log2 = torch.nn.functional.pad(lse * LOG2E, (0, sq_pad - sq), value=float("inf"))
+    dq_accum = torch.zeros((1, b, h, sq_pad // t.block_m, t.block_m * t.head_dim), dtype=torch.float32,
+                           device=q.device)
+    dk_h = torch.empty((b, sk, h, d_pad), dtype=q.dtype, device=q.device)
+    dv_h = torch.empty((b, sk, h, d_pad), dtype=q.dtype, device=q.device)
+    sm90 = Sm90BwdConfig(t, config.has_left, config.has_right, config.has_alibi, config.has_softcap)
+    compiled.bwd_kernel_for(sm90, index)(q, k, v, dout, lse_log2, dot_pad, dq_accum, dk_h, dv_h,
+                                         alibi_2d(alibi_slopes, b, h), softmax_scale, *scales(softmax_scale, softcap),
+                                         left, right)
+    dq_out = torch.empty((b, sq, h, d_pad), dtype=q.dtype, device=q.device)
+    compiled.bwd_kernel_for(DQConvertConfig(t, config.even_k, False, 4, hopper=True), index)(
+        dq_accum, dq_out, softmax_scale)
+    return _finish(dq_out, dk_h, dv_h, d, hk, grads, dot)
+
+
 def flash_bwd(dout, q, k, v, out, lse, *, softmax_scale, causal=False, window_size=(-1, -1), softcap=0.0,
               alibi_slopes=None, deterministic=False, dq=None, dk=None, dv=None, variant=None,
               dropout: DropoutArgs | None = None):
@@ -84,6 +123,9 @@ def flash_bwd(dout, q, k, v, out, lse, *, softmax_scale, causal=False, window_si
     left, right = window_edges(causal, window_size)
     config = _config(d_pad, q.dtype, index, left, right, alibi_slopes, softcap, False, None, deterministic,
                      dropout)
+    if variant is None and takes_hopper_bwd(config, index):
+        return _flash_bwd_sm90(dout, q, k, v, out, lse, config, index, softmax_scale, softcap, alibi_slopes, left,
+                               right, (dq, dk, dv), d)
     config = replace(config, **(variant or {}))
     dot = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
     compiled.bwd_kernel_for(PreprocessConfig(config.traits.head_dim, config.traits.dtype, config.even_k),

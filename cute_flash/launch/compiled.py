@@ -18,11 +18,13 @@ import torch
 from cute_flash.compile_cache import get_or_compile
 from cute_flash.kernels.bwd import FlashBwd
 from cute_flash.kernels.bwd_preprocess import DotDoO, PreprocessConfig
+from cute_flash.kernels.bwd_sm90 import FlashBwdSm90, Sm90BwdConfig
 from cute_flash.kernels.config import CACHE_FLAGS, SCORE_FLAGS, BwdConfig, FwdConfig, dq_reduction
 from cute_flash.kernels.dq_accum import DQConvert, DQConvertConfig
 from cute_flash.kernels.fake import compile_tvm_ffi, fake_stream, fake_tensor
 from cute_flash.kernels.fwd import FlashFwd
 from cute_flash.kernels.fwd_sm90 import FlashFwdSm90, Sm90FwdConfig
+from layouts.hopper import BWD_HEAD_DIMS, choose_hopper_bwd_traits
 from layouts.traits import ALIGN, COPY_BYTES, DTYPES, HEAD_DIM_BUCKETS, choose_bwd_traits, choose_decode_traits, \
     choose_fwd_traits, element_type
 
@@ -116,10 +118,24 @@ def fake_convert_args(config: DQConvertConfig):
     return [_fake_dq_accum(config.traits, config.varlen), dq] + lens + [1.0, fake_stream()]
 
 
-def compile_bwd(config: BwdConfig | PreprocessConfig | DQConvertConfig, arch: int | None = None,
+def fake_bwd_sm90_args(config: Sm90BwdConfig):
+    """Placeholders for `FlashBwdSm90.__call__`: LSE and D rows padded to whole query blocks
+    (strides multiples of 4 floats: 16 bytes, what their bulk copies need)."""
+    dtype = element_type(config.traits)
+    elems = [fake_tensor(dtype, 4, ALIGN, COPY_BYTES) for _ in range(4)]
+    stats = [fake_tensor(cutlass.Float32, 3, 4, COPY_BYTES) for _ in range(2)]
+    grads = [fake_tensor(dtype, 4, ALIGN, COPY_BYTES) for _ in range(2)]
+    alibi = fake_tensor(cutlass.Float32, 2) if config.has_alibi else None
+    return (elems + stats + [_fake_dq_accum(config.traits, False)] + grads
+            + [alibi, 1.0, 1.0, 1.0, 1.0, -1, -1, fake_stream()])
+
+
+def compile_bwd(config: BwdConfig | PreprocessConfig | DQConvertConfig | Sm90BwdConfig, arch: int | None = None,
                 extra_options: str = ""):
-    """Build a backward kernel (the main one, the preprocess or the dQ convert) as `compile_fwd`
-    does."""
+    """Build a backward kernel (the main one, SM80 or Hopper, the preprocess or the dQ convert)
+    as `compile_fwd` does."""
+    if isinstance(config, Sm90BwdConfig):
+        return compile_tvm_ffi(FlashBwdSm90(config), fake_bwd_sm90_args(config), arch, extra_options)
     if isinstance(config, PreprocessConfig):
         kernel, args = DotDoO(config), fake_preprocess_args(config)
     elif isinstance(config, DQConvertConfig):
@@ -131,7 +147,7 @@ def compile_bwd(config: BwdConfig | PreprocessConfig | DQConvertConfig, arch: in
 
 
 @functools.lru_cache(maxsize=None)
-def bwd_kernel_for(config: BwdConfig | PreprocessConfig | DQConvertConfig, device_index: int):
+def bwd_kernel_for(config: BwdConfig | PreprocessConfig | DQConvertConfig | Sm90BwdConfig, device_index: int):
     """The TVM-FFI function of a backward config for the device's arch (memoised per device)."""
     arch = device_arch(device_index)
     return get_or_compile((config, arch), lambda: compile_bwd(config, arch))
@@ -303,11 +319,33 @@ def bwd_variants(arch: int, full: bool = False) -> list:
     return subset + pre + convert
 
 
+def sm90_bwd_variants(full: bool = False) -> list:
+    """Hopper backward configs (main kernel and its dQ convert) the dispatcher can choose.
+
+    full: every head-dim bucket it takes x dtype x every score-flag combination. Otherwise, for
+    CI: every bucket causal (bf16), at d 128 no flag, each other flag alone, all together, and
+    fp16; the converts of every bucket's tiles, and with a padded head dim at d 128."""
+    flags = ("has_left", "has_right", "has_alibi", "has_softcap")
+    if full:
+        traits = [choose_hopper_bwd_traits(d, dt) for d in BWD_HEAD_DIMS for dt in DTYPES]
+        mains = [Sm90BwdConfig(t, **dict(zip(flags, bits))) for t in traits
+                 for bits in itertools.product((False, True), repeat=len(flags))]
+        return mains + [DQConvertConfig(t, e, False, 4, hopper=True) for t in traits for e in (False, True)]
+    traits = [choose_hopper_bwd_traits(d) for d in BWD_HEAD_DIMS]
+    pivot = choose_hopper_bwd_traits(128)
+    mains = [Sm90BwdConfig(t, has_right=True) for t in traits]
+    mains += [Sm90BwdConfig(pivot)] + [Sm90BwdConfig(pivot, **{f: True}) for f in flags if f != "has_right"]
+    mains += [Sm90BwdConfig(pivot, **{f: True for f in flags}), Sm90BwdConfig(choose_hopper_bwd_traits(128, "fp16"))]
+    converts = [DQConvertConfig(t, True, False, 4, hopper=True) for t in traits]
+    return mains + converts + [DQConvertConfig(pivot, False, False, 4, hopper=True)]
+
+
 def compiler_of(config):
     """The compile function of a config of any kernel (`python -m cute_flash compile --keys`)."""
     from cute_flash.kernels.append import AppendConfig, compile_append
 
-    for kinds, fn in (((FwdConfig,), compile_fwd), ((BwdConfig, PreprocessConfig, DQConvertConfig), compile_bwd),
+    bwd = (BwdConfig, PreprocessConfig, DQConvertConfig, Sm90BwdConfig)
+    for kinds, fn in (((FwdConfig,), compile_fwd), (bwd, compile_bwd),
                       ((AppendConfig,), compile_append), ((Sm90FwdConfig,), compile_fwd_sm90)):
         if isinstance(config, kinds):
             return fn
