@@ -19,14 +19,18 @@ are bijections (sQ, sKV, and K/V staged), every stage starts 1024-byte aligned, 
 for how many threads the S accumulator re-viewed as the A operand of P V holds the element the
 wgmma expects at each position, `acc cover` that the threads' S and O accumulators hold
 every element once, and `O boxes` that each warpgroup's TMA store boxes (one swizzle atom
-wide) read exactly its rows of O's staging tile, from 1024-byte aligned bases.
+wide) read exactly its rows of O's staging tile, from 1024-byte aligned bases. A fourth checks
+the Hopper backward's tiles (layouts.verify_hopper.bwd_checks): sQ / sKV / sdS bijections with
+aligned stages, `P->A` the S^T and dP^T accumulators as the register A operands of dV and dK,
+the S^T / dKV / dQ accumulators' cover, dQ's warpgroup runs filling the chunk, and the dK / dV
+TMA store boxes.
 """
 import argparse
 import sys
 from pathlib import Path
 
 from layouts import verify, verify_bwd, verify_hopper
-from layouts.hopper import shipped_hopper_traits
+from layouts.hopper import shipped_hopper_bwd_traits, shipped_hopper_traits
 from layouts.traits import ELEMENT_BYTES, SMEM_LIMIT, shipped_bwd_traits, shipped_fwd_traits
 
 BANK_COLUMNS = {"ldsm_q": "ldsmQ", "ldsm_k": "ldsmK", "ldsm_vt": "ldsmVt", "cpasync_q": "cpQ",
@@ -132,6 +136,28 @@ def print_hopper_report() -> bool:
     return not failed
 
 
+def print_hopper_bwd_report() -> bool:
+    """The Hopper backward's traits (sm_90), one row each: the names of failed checks, if any."""
+    from cute_flash.kernels.bwd_sm90 import Sm90BwdConfig
+
+    header = ["hopper bwd traits", "smem B", "fits", "failed checks"]
+    widths = [36, WIDTHS["smem"], WIDTHS["fits"], 30]
+    print(_row(header, widths), flush=True)
+    failed = []
+    for t in shipped_hopper_bwd_traits():
+        checks = verify_hopper.bwd_checks(t)
+        smem = Sm90BwdConfig(t).smem_bytes
+        fits = smem <= SMEM_LIMIT[90]
+        bad = [k for k, v in checks.items() if k != "ok" and not v]
+        if bad or not fits:
+            failed.append(t.name)
+        print(_row([t.name, f"{smem}", _ok(fits), ", ".join(bad) or "-"], widths), flush=True)
+    n = len(shipped_hopper_bwd_traits())
+    print(f"sm90: {n - len(failed)}/{n} Hopper backward traits pass" + (f"; FAILED: {', '.join(failed)}" if failed
+                                                                          else ""), flush=True)
+    return not failed
+
+
 def draw(traits, out: Path) -> None:
     """sQ's 16-byte bank group per element (the swizzle) and the Q ldmatrix thread map."""
     out.mkdir(parents=True, exist_ok=True)
@@ -158,6 +184,7 @@ def main(argv=None) -> int:
         ok &= print_bwd_report(arch)
         if arch == 90:
             ok &= print_hopper_report()
+            ok &= print_hopper_bwd_report()
     if args.draw:
         traits = list(dict.fromkeys(t for arch in archs for t in shipped_fwd_traits(arch)))
         draw(traits, args.draw)

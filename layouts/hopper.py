@@ -149,6 +149,7 @@ def acc_as_operand_a(acc):
 # for those GEMMs. dQ = dS K needs dS whole (every key of the block): dS^T goes to a (block_n,
 # block_m) row-major tile, read back transposed as dQ's MN-major A operand.
 
+BWD_STAGES = 2  # Q and dO pipelines, and dS^T
 BWD_HEAD_DIMS = (32, 64, 128)  # d 96's dQ tile (48 columns per warpgroup) splits its 32-column swizzle atoms
 
 
@@ -165,6 +166,10 @@ def choose_hopper_bwd_traits(head_dim: int, dtype: str = "bf16") -> BwdTraits:
     if d == 32:
         return BwdTraits(d, 128, 128, 8, 4, 4, 4, dtype=dtype)
     return BwdTraits(d, 64, 128, 8, 2, 4, 4 if d == 64 else 2, dtype=dtype)
+
+
+def shipped_hopper_bwd_traits() -> list[BwdTraits]:
+    return [choose_hopper_bwd_traits(d, dt) for d in BWD_HEAD_DIMS for dt in DTYPES]
 
 
 def bwd_warpgroups(traits) -> int:

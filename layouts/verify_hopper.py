@@ -22,7 +22,7 @@ import numpy as np
 
 from layouts import hopper
 from layouts.hopper import HopperTileTraits
-from layouts.traits import ELEMENT_BYTES
+from layouts.traits import ELEMENT_BYTES, BwdTraits
 from layouts.verify import HostLayout, in_arch_trace, is_bijection, partition_coords
 
 STAGE_ALIGN = 1024
@@ -49,19 +49,20 @@ def smem_checks(traits: HopperTileTraits, stages: int = 2) -> dict:
 def p_operand_checks(traits: HopperTileTraits) -> dict:
     """For each thread: C coordinate of S at the accumulator index `acc_as_operand_a` puts at
     A position j == the A coordinate of the P V wgmma at j."""
-    def run():
-        qk, pv = hopper.tiled_mma_qk(traits), hopper.tiled_mma_pv(traits)
-        tile = (traits.block_m, traits.block_n)
-        acc = cute.make_rmem_tensor(qk.get_slice(0).partition_shape_C(tile), cutlass.Float32)
-        view = HostLayout.of(hopper.acc_as_operand_a(acc).layout)
-        where = view(np.arange(view.size))
-        c = partition_coords(qk, "partition_C", tile)[:, 0]  # (threads, values, (row, col))
-        a = partition_coords(pv, "partition_A", tile)[:, 0]
-        bad = sum(int(a_xy.shape[0] != view.size or not np.array_equal(c_xy[where], a_xy))
-                  for c_xy, a_xy in zip(c, a))
-        return {"threads": traits.num_threads, "values": view.size, "mismatched_threads": bad, "ok": bad == 0}
+    return in_arch_trace("sm_90a", lambda: operand_a_check(hopper.tiled_mma_qk(traits), hopper.tiled_mma_pv(traits),
+                                                           (traits.block_m, traits.block_n)))
 
-    return in_arch_trace("sm_90a", run)
+
+def operand_a_check(mma_c, mma_a, tile) -> dict:
+    """(Inside a trace) the accumulators of `mma_c` over `tile`, re-viewed by
+    `acc_as_operand_a`, hold at A position j of every thread the element `mma_a` reads there."""
+    acc = cute.make_rmem_tensor(mma_c.get_slice(0).partition_shape_C(tile), cutlass.Float32)
+    view = HostLayout.of(hopper.acc_as_operand_a(acc).layout)
+    where = view(np.arange(view.size))
+    c = partition_coords(mma_c, "partition_C", tile)[:, 0]  # (threads, values, (row, col))
+    a = partition_coords(mma_a, "partition_A", tile)[:, 0]
+    bad = sum(int(a_xy.shape[0] != view.size or not np.array_equal(c_xy[where], a_xy)) for c_xy, a_xy in zip(c, a))
+    return {"threads": mma_c.size, "values": view.size, "mismatched_threads": bad, "ok": bad == 0}
 
 
 def accumulator_coverage(traits: HopperTileTraits) -> dict:
@@ -85,17 +86,23 @@ def o_staging_checks(traits: HopperTileTraits) -> dict:
     warpgroup w and atom column j: the offset of (64 w + r, j * cols + c) in the (block_m, d)
     tile == the offset of (r, c) in a (64, cols) box of the same atom, plus one base per box,
     and that base is a multiple of 1024 bytes."""
+    return staging_checks(traits, traits.block_m, traits.warpgroups)
+
+
+def staging_checks(traits, tile_rows: int, warpgroups: int) -> dict:
+    """`o_staging_checks` for a (tile_rows, head_dim) tile written by `warpgroups` warpgroups of
+    64 rows each (O in the forward; dK and dV in sK / sV in the backward)."""
     def run():
         rows = hopper.WGMMA_M
         cols = cute.size(hopper.swizzle_atom(traits).shape[1])
-        tile = HostLayout.of(hopper.smem_layout(traits, traits.block_m))
+        tile = HostLayout.of(hopper.smem_layout(traits, tile_rows))
         box = HostLayout.of(cute.tile_to_shape(hopper.swizzle_atom(traits), (rows, cols), order=(0, 1)))
         r, c = (x.ravel() for x in np.meshgrid(np.arange(rows), np.arange(cols), indexing="ij"))
         box_offsets = box(r + rows * c)
         bases, same = [], True
-        for w in range(traits.warpgroups):
+        for w in range(warpgroups):
             for j in range(traits.head_dim // cols):
-                delta = tile(rows * w + r + traits.block_m * (j * cols + c)) - box_offsets
+                delta = tile(rows * w + r + tile_rows * (j * cols + c)) - box_offsets
                 same = same and bool((delta == delta[0]).all())
                 bases.append(int(delta[0]))
         aligned = all(b * ELEMENT_BYTES % STAGE_ALIGN == 0 for b in bases)
@@ -103,6 +110,53 @@ def o_staging_checks(traits: HopperTileTraits) -> dict:
                 "ok": same and aligned}
 
     return in_arch_trace("sm_90a", run)
+
+
+def bwd_checks(traits: BwdTraits) -> dict:
+    """The Hopper backward's recipes (layouts/hopper.py, kernels/bwd_sm90.py) for one tile:
+    - Q / dO (two stages), K / V and dS^T (two stages) are bijections, stages 1024-byte aligned;
+    - the S^T and dP^T accumulators, re-viewed by `acc_as_operand_a`, are the register A
+      operands of dV += P^T dO and dK += dS^T Q, thread by thread;
+    - the C partitions cover S^T (block_n, block_m), dK / dV (block_n, d) and dQ (block_m, d)
+      exactly once;
+    - dQ's warpgroup runs: `chunk_index` (group 128, 16-byte vectors), where DQConvert reads
+      each value, puts every thread's values at distinct places of the block_m x d chunk,
+      filling it, and `run_layout` from each thread's first value, what add_dq stores through,
+      agrees with it;
+    - each warpgroup's TMA store boxes of dK / dV read its own 64 rows of the (block_n, d) tile."""
+    from cute_flash.kernels.dq_accum import HOPPER_VEC, chunk_index, run_layout
+
+    bm, bn, d = traits.block_m, traits.block_n, traits.head_dim
+
+    def run():
+        out = {}
+        for name, layout in (("sQ", hopper.smem_layout_staged(traits, bm, hopper.BWD_STAGES)),
+                             ("sKV", hopper.smem_layout(traits, bn)),
+                             ("sdS", hopper.smem_layout_ds(traits, hopper.BWD_STAGES))):
+            host = HostLayout.of(layout)
+            out[name] = is_bijection(host(np.arange(host.size)))
+            if cute.rank(layout.shape) == 3:
+                stage = ELEMENT_BYTES * cute.cosize(cute.slice_(layout, (None, None, 0)))
+                out[f"{name}_stage_aligned"] = stage % STAGE_ALIGN == 0
+        sdp, dkv, dq = hopper.tiled_mma_sdp_t(traits), hopper.tiled_mma_dkv(traits), hopper.tiled_mma_dq(traits)
+        out["operand_a"] = operand_a_check(sdp, dkv, (bn, bm))["ok"]
+        for name, mma, tile in (("S^T", sdp, (bn, bm)), ("dKV", dkv, (bn, d)), ("dQ", dq, (bm, d))):
+            counts = np.zeros(tile, dtype=np.int64)
+            xy = partition_coords(mma, "partition_C", tile).reshape(-1, 2)
+            np.add.at(counts, (xy[:, 0], xy[:, 1]), 1)
+            out[f"cover_{name}"] = bool((counts == 1).all())
+        per_thread = bm * d // dq.size
+        where = np.array([[chunk_index(i, t, per_thread, HOPPER_VEC, 128) for i in range(per_thread)]
+                          for t in range(dq.size)])  # what DQConvert reads
+        run = HostLayout.of(run_layout(per_thread, HOPPER_VEC, 128))
+        stored = where[:, :1] + run(np.arange(per_thread))[None, :]  # what the kernel's add_dq stores
+        out["dq_runs"] = is_bijection(where) and bool(np.array_equal(stored, where))
+        return out
+
+    out = in_arch_trace("sm_90a", run)
+    out["dkv_staging"] = staging_checks(traits, bn, hopper.bwd_warpgroups(traits))["ok"]
+    out["ok"] = all(out.values())
+    return out
 
 
 def verify_hopper(traits: HopperTileTraits) -> dict:

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from layouts import copy, smem, verify, verify_bwd
-from layouts.hopper import shipped_hopper_traits
+from layouts.hopper import shipped_hopper_bwd_traits, shipped_hopper_traits
 from layouts.traits import (DTYPES, ELEMENT_BYTES, HEAD_DIM_BUCKETS, SMEM_LIMIT, FwdTraits, choose_bwd_traits,
                             choose_fwd_traits, head_dim_bucket, shipped_bwd_traits)
 
@@ -376,6 +376,40 @@ def test_hopper_p_operand_check_catches_a_wrong_view(monkeypatch):
     monkeypatch.setattr(hopper, "acc_as_operand_a", swapped)
     traits = hopper.choose_hopper_traits(128)
     assert p_operand_checks(traits)["mismatched_threads"] == traits.num_threads
+
+
+@pytest.mark.parametrize("traits", shipped_hopper_bwd_traits(), ids=lambda t: t.name)
+def test_hopper_backward_traits_verify(traits):
+    """layouts.verify_hopper.bwd_checks on every Hopper backward traits: its tiles are
+    bijections with aligned stages, S^T and dP^T serve as dV's and dK's register A operands in
+    place, the accumulators cover their tiles once, dQ's warpgroup runs fill the chunk, and the
+    dK / dV store boxes read each warpgroup's own rows."""
+    from layouts.verify_hopper import bwd_checks
+
+    result = bwd_checks(traits)
+    assert result["ok"], result
+
+
+def test_hopper_backward_checks_catch_a_wrong_view_and_a_wrong_run(monkeypatch):
+    """Not vacuous: swapping two register groups of the A-operand view fails `operand_a`, and
+    stores in runs of one warp's width (the SM80 kernel's) against a warpgroup's reads fail
+    `dq_runs`."""
+    from cute_flash.kernels import dq_accum
+    from layouts import hopper
+    from layouts.verify_hopper import bwd_checks
+
+    def swapped(acc):
+        n8 = cute.size(acc.shape[0]) // 4
+        return cute.make_tensor(acc.iterator, cute.make_layout(((2, 2, 2), cute.size(acc.shape[1]), n8 // 2),
+                                                               stride=((1, 4, 2), 4 * n8, 8)))
+
+    traits = hopper.choose_hopper_bwd_traits(128)
+    with monkeypatch.context() as m:
+        m.setattr(hopper, "acc_as_operand_a", swapped)
+        assert not bwd_checks(traits)["operand_a"]
+    run = dq_accum.run_layout
+    monkeypatch.setattr(dq_accum, "run_layout", lambda n, vec, group: run(n, vec, 32))
+    assert not bwd_checks(traits)["dq_runs"]
 
 
 def test_hopper_o_staging_check_catches_a_tile_in_another_order(monkeypatch):

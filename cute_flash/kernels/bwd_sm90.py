@@ -10,10 +10,12 @@ each consumer warpgroup:
     S^T  = K_w Q^T,  dP^T = V_w dO^T         (issued together; keys on wgmma's M)
     P^T  = exp2(S^T * scale_log2 - LSE_log2)  (masks, ALiBi, softcap as the forward's)
     dS^T = P^T * (dP^T - D)
-    dV_w += P^T dO,  dK_w += dS^T Q          (A from registers: the accumulators, converted)
+    dV_w += P^T dO                            (A from registers: the accumulator, converted)
     dS^T -> shared memory; both warpgroups meet
-    dQ   = dS K (its half of dQ's rows or columns) -> staged in shared memory -> one bulk
-           reduce-add (`cp.reduce.async.bulk`) of its run into dQaccum, done by the TMA unit
+    dQ   = dS K (its half of dQ's rows or columns)
+    dK_w += dS^T Q                            (A from registers)
+    dQ -> staged in shared memory -> one bulk reduce-add (`cp.reduce.async.bulk`) of the
+          warpgroup's run into dQaccum, done by the TMA unit, while dK's wgmma runs
 then dK (times the softmax scale) and dV through shared memory to TMA stores.
 
 Computing S and dP transposed keeps P^T and dS^T in the registers the dV and dK GEMMs read
@@ -35,7 +37,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from cute_flash.kernels.block_range import BlockRange, QueryBlocks, Window
 from cute_flash.kernels.config import FLAG_LETTERS
-from cute_flash.kernels.dq_accum import HOPPER_VEC, chunk_index
+from cute_flash.kernels.dq_accum import HOPPER_VEC, chunk_index, run_layout
 from cute_flash.kernels.fwd_sm90 import seq_first, use_state
 from cute_flash.kernels.gemm import wgmma_issue
 from cute_flash.kernels.score_mods import Mask, apply_alibi
@@ -46,7 +48,7 @@ from layouts import smem as lsmem
 from layouts.traits import ELEMENT_BYTES, SMEM_LIMIT, BwdTraits, element_type
 
 REGISTERS = (24, 240)  # (producer, consumer) per thread: 128 x 24 + 256 x 240 <= 64K
-STAGES = 2             # Q and dO pipelines
+STAGES = hopper.BWD_STAGES  # Q and dO pipelines, and dS^T
 DS_BARRIER = 1         # both consumer warpgroups' dS^T is in shared memory
 DQ_BARRIER = 2         # 2, 3: consumer warpgroup 0's / 1's dQ staging run
 KV_DONE_BARRIER = 4    # both consumer warpgroups are done reading sK / sV
@@ -392,15 +394,16 @@ class FlashBwdSm90:
             rdS = cute.make_rmem_tensor(acc_dp.layout, self.dtype)  # (MMA, MMA_M, MMA_N): dS^T
             rdS.store(acc_dp.load().to(self.dtype))
             cute.autovec_copy(rdS, c_sdp.partition_C(smem.sdS[None, None, read.index]))
-            wgmma_issue(mma_dk, acc_dk, hopper.acc_as_operand_a(rdS), tdKrQ[None, None, None, read.index],
-                        accumulate=True)
             cute.arch.fence_view_async_shared()  # the dS^T stores, before wgmma (async proxy) reads them
             cute.arch.barrier(barrier_id=DS_BARRIER, number_of_threads=128 * self.wgs)
             wgmma_issue(mma_dq, acc_dq, tdQrdS[None, None, None, read.index], tdQrK)
-            warpgroup.wait_group(0)
-            pipes.q.consumer_release(read)
+            wgmma_issue(mma_dk, acc_dk, hopper.acc_as_operand_a(rdS), tdKrQ[None, None, None, read.index],
+                        accumulate=True)
+            warpgroup.wait_group(1)  # dV and dQ landed; dK runs under dQ's staging and bulk add
             pipes.do.consumer_release(read)
             self.add_dq(acc_dq, args.mdQaccum[0, tile.bidb, tile.bidh, m_block, None], smem.sdQaccum, mma_tidx)
+            warpgroup.wait_group(0)
+            pipes.q.consumer_release(read)
         self.store_dkv(acc_dk, acc_dv, scalars, recipe, args, smem, tile, mma_tidx)
 
     @cute.jit
@@ -441,8 +444,7 @@ class FlashBwdSm90:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
         cute.arch.barrier(barrier_id=DQ_BARRIER + wg_idx, number_of_threads=128)
         mine = cute.make_tensor(sdQaccum.iterator + chunk_index(0, mma_tidx, per_thread, HOPPER_VEC, 128),
-                                cute.make_layout((HOPPER_VEC, per_thread // HOPPER_VEC),
-                                                 stride=(1, 128 * HOPPER_VEC)))  # (vec, adds)
+                                run_layout(per_thread, HOPPER_VEC, 128))  # (vec, adds)
         cute.autovec_copy(cute.make_tensor(acc_dq.iterator, cute.make_layout((HOPPER_VEC, per_thread // HOPPER_VEC))),
                           mine)
         cute.arch.fence_proxy("async.shared", space="cta")  # the stores, visible to the bulk copy

@@ -54,6 +54,13 @@ def chunk_index(i, tidx, per_thread: cutlass.Constexpr, vec: cutlass.Constexpr, 
     return ((tidx // group) * per_thread + (i // vec) * vec) * group + (tidx % group) * vec + i % vec
 
 
+def run_layout(per_thread: int, vec: int, group: int):
+    """(vec, per_thread // vec) -> where a thread's values sit from its first one: `vec`
+    contiguous, then the next vector a whole group of threads' vectors further (chunk_index's
+    order, as one layout a thread stores through)."""
+    return cute.make_layout((vec, per_thread // vec), stride=(1, group * vec))
+
+
 def tiles_of(mdQaccum: cute.Tensor, slot, bidb, bidh, varlen: cutlass.Constexpr):
     """(tiles, block_m * head_dim) chunks of one slice, batch (dense) and head: mdQaccum is
     (slices, batch, heads, tiles, chunk) dense, (slices, heads, tiles, chunk) packed."""
