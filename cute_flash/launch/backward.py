@@ -1,5 +1,7 @@
 """The backward pass on validated CUDA tensors: D = rowsum(dO * O) (preprocess kernel), the
 main kernel (dK, dV, and dQ accumulated in fp32), dQ converted (`DQConvert`), GQA heads summed.
+The main kernel is the Hopper one (kernels/bwd_sm90.py) for dense calls on sm_90 where it
+exists (`takes_hopper_bwd`), the SM80 one (kernels/bwd.py) otherwise.
 
 Extra memory is O(seqlen): dQaccum (fp32, one slice, or one per split when deterministic; its
 layout is `kernels/dq_accum.py`'s), D, and with GQA per-query-head dK/dV before the group sum
