@@ -12,8 +12,9 @@ from dataclasses import dataclass
 
 HEAD_DIM_BUCKETS = (32, 64, 96, 128, 160, 192, 224, 256)
 DTYPES = ("fp16", "bf16")
-# Opt-in dynamic shared memory per CTA (bytes), as cudaDevAttrMaxSharedMemoryPerBlockOptin reports.
-SMEM_LIMIT = {80: 166912, 90: 232448}
+# Opt-in dynamic shared memory per CTA (bytes), as cudaDevAttrMaxSharedMemoryPerBlockOptin reports:
+# 163 KB on sm_80 and sm_87, 99 KB on sm_86 and sm_89 (consumer Ampere and Ada), 227 KB on sm_90.
+SMEM_LIMIT = {80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448}
 ELEMENT_BYTES = 2
 COPY_BYTES = 16  # one cp.async / vector load: 128 bits
 ALIGN = COPY_BYTES // ELEMENT_BYTES  # elements per 128-bit copy: strides and head dims come in these
@@ -190,15 +191,38 @@ def choose_bwd_traits(head_dim: int, dtype: str = "bf16", arch: int = 90) -> Bwd
     m, n, grids = {32: (128, 128, (4, 4, 4)), 64: (128, 128, (4, 4, 4)), 96: (64, 128, (2, 4, 4)),
                    128: (64, 128, (2, 4, 2)), 160: (64, 64, (4, 4, 4)), 192: (64, 64, (4, 2, 2)),
                    224: (64, 64, (4, 4, 4)), 256: (64, 64, (4, 2, 2))}[d]
-    t = BwdTraits(d, m, n, 8, *grids, q_stages=2, dtype=dtype)
-    if not t.fits(arch):
-        t = BwdTraits(d, m, n, 8, *grids, q_stages=1, dtype=dtype)
-    return t
+    candidates = [(m, n, grids)] + ([SMALL_SMEM_BWD_TILES[d]] if d in SMALL_SMEM_BWD_TILES else [])
+    for m, n, grids in candidates:
+        for stages in (2, 1):
+            t = BwdTraits(d, m, n, 8, *grids, q_stages=stages, dtype=dtype)
+            if t.fits(arch):
+                return t
+    raise ValueError(f"the backward of head dim {head_dim} (bucket {d}) has no tiles that fit the "
+                     f"{SMEM_LIMIT[arch]} bytes of shared memory per block of sm_{arch}: head dims above 160 "
+                     f"need 163 KB or more (sm_80, sm_87, sm_90)")
+
+
+# Backward tiles where the usual ones do not fit 99 KB of shared memory (sm_86, sm_89): flash-attn
+# 2's choices for those GPUs (d 64: 64 x 128; d 128: 64 x 64 with its (2, 4, 2) grids), and
+# ours for d 96 (64 x 64: its 64 x 128 tile needs 104 KB single-buffered). d 32 and d 160 fit
+# with Q / dO single-buffered. Not timed on such a GPU.
+SMALL_SMEM_BWD_TILES = {64: (64, 128, (2, 4, 4)), 96: (64, 64, (2, 4, 4)), 128: (64, 64, (2, 4, 2))}
 
 
 def shipped_bwd_traits(arch: int = 90) -> list[BwdTraits]:
-    """Every backward traits `choose_bwd_traits` can return for `arch`."""
-    return list(dict.fromkeys(choose_bwd_traits(d, dt, arch) for d in HEAD_DIM_BUCKETS for dt in DTYPES))
+    """Every backward traits `choose_bwd_traits` can return for `arch` (buckets it has none
+    for, d 192 up on 99 KB GPUs, left out)."""
+    return list(dict.fromkeys(choose_bwd_traits(d, dt, arch) for d in HEAD_DIM_BUCKETS for dt in DTYPES
+                              if bwd_fits(d, arch)))
+
+
+def bwd_fits(head_dim: int, arch: int) -> bool:
+    """Whether `choose_bwd_traits` has tiles for this head dim on `arch`."""
+    try:
+        choose_bwd_traits(head_dim, "bf16", arch)
+    except ValueError:
+        return False
+    return True
 
 
 def element_type(traits_or_dtype):

@@ -131,6 +131,26 @@ def test_varlen_grads_match_reference(lens, hh, d, causal, used):
         q, k, v, cu_q, cu_k, seqused_k=seqused, **o), **opts)
 
 
+@pytest.mark.parametrize("d", [32, 64, 96, 128, 160])
+def test_small_shared_memory_tiles(d):
+    """The backward tiles chosen for 99 KB of shared memory per block (sm_86, sm_89:
+    `choose_bwd_traits(..., 86)`, single-buffered or smaller than sm_80's), run here by the same
+    SM80 kernel with sm_86's dQ adds (one float per atomic)."""
+    from cute_flash.launch.backward import flash_bwd
+    from cute_flash.launch.dense import flash_fwd
+    from layouts.traits import SMEM_LIMIT, choose_bwd_traits
+
+    traits = choose_bwd_traits(d, "bf16", 86)
+    assert traits.smem_bytes <= SMEM_LIMIT[86] < choose_bwd_traits(d, "bf16", 80).smem_bytes
+    q, k, v, dout = _inputs(2, 300, 257, 4, 2, d)
+    out, lse = flash_fwd(q, k, v, softmax_scale=d ** -0.5, causal=True)
+    poison_allocator()
+    grads = flash_bwd(dout, q, k, v, out, lse, softmax_scale=d ** -0.5, causal=True,
+                      variant=dict(traits=traits, dq_vec=1, dq_bulk=False))[:3]
+    torch.cuda.synchronize()
+    assert_grads_match(grads, q, k, v, dout, causal=True)
+
+
 def test_deterministic_grads_are_bitwise_repeatable():
     q, k, v, dout = _inputs(2, 1000, 1100, 8, 2, 128)
     runs = [ours(flash_attn_func, dout, q, k, v, causal=True, deterministic=True)[1] for _ in range(3)]

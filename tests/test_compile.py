@@ -87,6 +87,29 @@ def test_dropout_variant_adds_philox(arch, tmp_path):
     assert counts[1] - counts[0] >= 19 * calls_per_step
 
 
+def _small_smem_cases():
+    """The kernels whose tiles on 99 KB GPUs (sm_86, sm_89) differ from sm_80's: the forward at
+    d 224 / 256, the backward (and its dQ convert) at d 32..160; compiled for sm_86."""
+    from cute_flash.kernels.config import BwdConfig
+    from cute_flash.kernels.dq_accum import DQConvertConfig
+    from layouts.traits import HEAD_DIM_BUCKETS, bwd_fits, choose_bwd_traits, choose_fwd_traits
+
+    cases = []
+    for d in HEAD_DIM_BUCKETS:
+        f = choose_fwd_traits(d, "fp16", 86)
+        if f != choose_fwd_traits(d, "fp16", 80):
+            cases.append((compile_fwd, FwdConfig(f, has_right=True)))
+        if bwd_fits(d, 86) and choose_bwd_traits(d, "fp16", 86) != choose_bwd_traits(d, "fp16", 80):
+            b = choose_bwd_traits(d, "fp16", 86)
+            cases += [(compile_bwd, BwdConfig(b, has_right=True)), (compile_bwd, DQConvertConfig(b))]
+    return [pytest.param(fn, c, id=c.name) for fn, c in cases]
+
+
+@pytest.mark.parametrize("compile_fn, config", _small_smem_cases())
+def test_small_shared_memory_variants_compile_for_sm86(compile_fn, config, tmp_path):
+    _compile(compile_fn, 86, config, tmp_path)
+
+
 @pytest.mark.parametrize("arch, config", _cases(bwd_variants, full=False))
 def test_bwd_variant_compiles(arch, config, tmp_path):
     _compile(compile_bwd, arch, config, tmp_path)

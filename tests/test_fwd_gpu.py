@@ -66,6 +66,22 @@ def test_every_head_dim_bucket(d, causal):
     assert_matches_reference(out, lse, q, k, v, causal=causal)
 
 
+@pytest.mark.parametrize("d", [224, 256])
+def test_small_shared_memory_tiles(d):
+    """The forward tiles chosen for 99 KB of shared memory per block (sm_86, sm_89: 64 x 64, 4
+    warps, where sm_80's 128 x 64 do not fit), run here by the same SM80 kernel."""
+    from cute_flash.launch.dense import flash_fwd
+    from layouts.traits import SMEM_LIMIT, choose_fwd_traits
+
+    traits = choose_fwd_traits(d, "bf16", 86)
+    assert traits.smem_bytes <= SMEM_LIMIT[86] < choose_fwd_traits(d, "bf16", 80).smem_bytes
+    q, k, v = _inputs(2, 300, 333, 4, 2, d, torch.bfloat16)
+    poison_allocator()
+    out, lse = flash_fwd(q, k, v, softmax_scale=d ** -0.5, causal=True, traits=traits)
+    torch.cuda.synchronize()
+    assert_matches_reference(out, lse, q, k, v, causal=True)
+
+
 def test_packed_qkv_is_read_in_place():
     from cute_flash import flash_attn_qkvpacked_func
 

@@ -22,12 +22,13 @@ from layouts.traits import (DTYPES, ELEMENT_BYTES, HEAD_DIM_BUCKETS, SMEM_LIMIT,
                             choose_fwd_traits, head_dim_bucket, shipped_bwd_traits)
 
 ARCHS = (80, 90)
+SMALL_SMEM_ARCHS = (86, 89)  # 99 KB of shared memory per block: smaller tiles where sm_80's do not fit
 CASES = [(d, dtype, arch) for d in HEAD_DIM_BUCKETS for dtype in DTYPES for arch in ARCHS]
 CASE_IDS = [f"d{d}-{dtype}-sm{arch}" for d, dtype, arch in CASES]
 # head dims 8..256 map onto the buckets, so the draws reuse the bucket sweep's cached traces
 head_dims = st.integers(8, 256)
 dtypes = st.sampled_from(DTYPES)
-archs = st.sampled_from(ARCHS)
+archs = st.sampled_from(ARCHS + SMALL_SMEM_ARCHS)
 FEW = settings(max_examples=10, deadline=None)
 
 
@@ -68,6 +69,20 @@ def test_chosen_traits_fit_smem(d, dtype, arch):
     t = choose_fwd_traits(d, dtype, arch)
     assert t.head_dim == head_dim_bucket(d) >= d
     assert t.smem_bytes <= SMEM_LIMIT[arch] and t.fits(arch)
+
+
+@pytest.mark.parametrize("arch", SMALL_SMEM_ARCHS)
+def test_backward_tiles_on_99_kb_gpus(arch):
+    """sm_86 / sm_89: every bucket up to 160 gets backward tiles that fit 99 KB (smaller or
+    single-buffered where sm_80's do not); above, a ValueError that says why, where an unknown
+    arch used to fail with a KeyError."""
+    for d in HEAD_DIM_BUCKETS:
+        if d <= 160:
+            t = choose_bwd_traits(d, "fp16", arch)
+            assert t.head_dim == d and t.smem_bytes <= SMEM_LIMIT[arch] < choose_bwd_traits(d, "fp16", 80).smem_bytes
+        else:
+            with pytest.raises(ValueError, match="163 KB"):
+                choose_bwd_traits(d, "fp16", arch)
 
 
 @pytest.mark.parametrize("d,dtype,arch", CASES, ids=CASE_IDS)
@@ -312,7 +327,7 @@ def test_report_cli_exits_1_when_a_check_fails(monkeypatch, capsys):
 # --- the backward's layouts -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHS + (86,))
 def test_every_backward_traits_passes_every_check(arch):
     """Fits, bijective smem layouts (and their transposed views), conflict-free cp.async,
     ldmatrix (plain and transposed) and accumulator stores, 16-byte coalesced gmem copies, and
