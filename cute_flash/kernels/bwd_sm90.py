@@ -45,7 +45,7 @@ from cute_flash.kernels.seq_info import SeqInfo
 from layouts import hopper
 from layouts import mma as lmma
 from layouts import smem as lsmem
-from layouts.traits import ELEMENT_BYTES, SMEM_LIMIT, BwdTraits, element_type
+from layouts.traits import ELEMENT_BYTES, BwdTraits, element_type
 
 REGISTERS = (24, 240)  # (producer, consumer) per thread: 128 x 24 + 256 x 240 <= 64K
 STAGES = hopper.BWD_STAGES  # Q and dO pipelines, and dS^T
@@ -82,9 +82,6 @@ class Sm90BwdConfig:
         t = self.traits
         tiles = ELEMENT_BYTES * (4 * t.block_m * t.head_dim + 2 * t.block_n * t.head_dim + 2 * t.block_n * t.block_m)
         return tiles + 4 * t.block_m * t.head_dim + 4 * 4 * t.block_m + 8 * (1 + 4 * STAGES)
-
-    def fits(self) -> bool:
-        return self.smem_bytes <= SMEM_LIMIT[90]
 
     @property
     def name(self) -> str:
