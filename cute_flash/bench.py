@@ -187,6 +187,12 @@ def run_bwd(seqlens=SEQLENS, head_dims=HEAD_DIMS):
     return [bench_bwd_cell(d, s, causal) for d in head_dims for causal in (False, True) for s in seqlens]
 
 
+def ratio_line(name: str, xs) -> str:
+    """A table's closing line for one ratio: geometric mean, minimum, cells >= 1."""
+    gm = math.exp(statistics.fmean(math.log(x) for x in xs))
+    return f"{name}: geometric mean {gm:.3f}; min {min(xs):.3f}; cells >= 1.0: {sum(x >= 1.0 for x in xs)}/{len(xs)}"
+
+
 def ratio_summary(ratios) -> str:
     """The closing line of a table of ours/FLASH ratios: geometric mean, minimum, cells >= 1."""
     gm = math.exp(statistics.fmean(math.log(x) for x in ratios))
@@ -218,9 +224,7 @@ def format_bwd(rows) -> str:
         if ratios:
             out.append(ratio_summary(ratios))
         if vs_peers:
-            gm = math.exp(statistics.fmean(math.log(x) for x in vs_peers))
-            out.append(f"ours / max(CUDNN, FA4): geometric mean {gm:.3f}; min {min(vs_peers):.3f}; cells >= 1.0: "
-                       f"{sum(x >= 1.0 for x in vs_peers)}/{len(vs_peers)}")
+            out.append(ratio_line("ours / max(CUDNN, FA4)", vs_peers))
         out.append("")
     return "\n".join(out)
 
@@ -710,9 +714,7 @@ def format_grid(rows) -> str:
         out.append(ratio_summary(ratios))
     for name, xs in (("ours / max(CUDNN, FA4)", vs_peers), ("ours / our SM80 kernel", vs_sm80)):
         if xs:
-            gm = math.exp(statistics.fmean(math.log(x) for x in xs))
-            out.append(f"{name}: geometric mean {gm:.3f}; min {min(xs):.3f}; cells >= 1.0: "
-                       f"{sum(x >= 1.0 for x in xs)}/{len(xs)}")
+            out.append(ratio_line(name, xs))
     return "\n".join(out)
 
 

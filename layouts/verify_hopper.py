@@ -72,13 +72,19 @@ def accumulator_coverage(traits: HopperTileTraits) -> dict:
         out = {}
         for name, mma, tile in (("S", hopper.tiled_mma_qk(traits), (traits.block_m, traits.block_n)),
                                 ("O", hopper.tiled_mma_pv(traits), (traits.block_m, traits.head_dim))):
-            counts = np.zeros(tile, dtype=np.int64)
-            xy = partition_coords(mma, "partition_C", tile).reshape(-1, 2)  # every thread's (row, col)
-            np.add.at(counts, (xy[:, 0], xy[:, 1]), 1)
-            out[name] = bool((counts == 1).all())
+            out[name] = covers_once(mma, tile)
         return out
 
     return in_arch_trace("sm_90a", run)
+
+
+def covers_once(mma, tile) -> bool:
+    """(Inside a trace) the C partitions of all of `mma`'s threads hold every element of `tile`
+    exactly once."""
+    counts = np.zeros(tile, dtype=np.int64)
+    xy = partition_coords(mma, "partition_C", tile).reshape(-1, 2)  # every thread's (row, col)
+    np.add.at(counts, (xy[:, 0], xy[:, 1]), 1)
+    return bool((counts == 1).all())
 
 
 def o_staging_checks(traits: HopperTileTraits) -> dict:
@@ -141,10 +147,7 @@ def bwd_checks(traits: BwdTraits) -> dict:
         sdp, dkv, dq = hopper.tiled_mma_sdp_t(traits), hopper.tiled_mma_dkv(traits), hopper.tiled_mma_dq(traits)
         out["operand_a"] = operand_a_check(sdp, dkv, (bn, bm))["ok"]
         for name, mma, tile in (("S^T", sdp, (bn, bm)), ("dKV", dkv, (bn, d)), ("dQ", dq, (bm, d))):
-            counts = np.zeros(tile, dtype=np.int64)
-            xy = partition_coords(mma, "partition_C", tile).reshape(-1, 2)
-            np.add.at(counts, (xy[:, 0], xy[:, 1]), 1)
-            out[f"cover_{name}"] = bool((counts == 1).all())
+            out[f"cover_{name}"] = covers_once(mma, tile)
         per_thread = bm * d // dq.size
         where = np.array([[chunk_index(i, t, per_thread, HOPPER_VEC, 128) for i in range(per_thread)]
                           for t in range(dq.size)])  # what DQConvert reads

@@ -99,6 +99,12 @@ MODS = ["window", "alibi", "softcap", "all"]
 def test_score_modifiers_with_gqa(mod, sq, sk, hh, d, data):
     """Window (both edges drawn), ALiBi, softcap (the tanh derivative), and all together, with
     GQA and odd lengths."""
+    check_score_modifiers(mod, sq, sk, hh, d, data)
+
+
+def check_score_modifiers(mod, sq, sk, hh, d, data):
+    """Gradients with modifier `mod` (window, alibi, softcap or all; causal, the window's edges
+    and the cap drawn from `data`) against the reference."""
     q, k, v, dout = _inputs(2, sq, sk, *hh, d)
     opts = dict(causal=data.draw(st.booleans()))
     if mod in ("window", "all"):

@@ -10,7 +10,9 @@ from hypothesis import strategies as st
 
 from cute_flash import flash_attn_func
 from tests.gpu_utils import gpu_settings
-from tests.test_bwd_gpu import _inputs, assert_grads_match, heads, lengths, ours
+from tests.test_bwd_gpu import _inputs, assert_grads_match, check_score_modifiers, heads, lengths, ours
+# The private backward's test (d 64: the Hopper kernel), collected here again under this module's fixture.
+from tests.test_bwd_gpu import test_private_backward_writes_given_tensors_and_returns_softmax_d  # noqa: F401
 
 pytestmark = pytest.mark.gpu
 
@@ -67,24 +69,4 @@ MODS = ["window", "alibi", "softcap", "all"]
 def test_score_modifiers_with_gqa(mod, sq, sk, hh, d, data):
     """Window (both edges drawn), ALiBi, softcap (the tanh derivative), and all together, on
     the transposed S tile, with GQA and odd lengths."""
-    q, k, v, dout = _inputs(2, sq, sk, *hh, d)
-    opts = dict(causal=data.draw(st.booleans()))
-    if mod in ("window", "all"):
-        opts["window_size"] = (data.draw(st.integers(-1, 300)), data.draw(st.integers(-1, 60)))
-    if mod in ("alibi", "all"):
-        opts["alibi_slopes"] = torch.rand(2, hh[0], device="cuda", dtype=torch.float32)
-    if mod in ("softcap", "all"):
-        opts["softcap"] = data.draw(st.sampled_from([5.0, 30.0]))
-    _, grads = ours(flash_attn_func, dout, q, k, v, **opts)
-    assert_grads_match(grads, q, k, v, dout, **opts)
-
-
-def test_private_backward_writes_given_tensors_and_returns_softmax_d():
-    from cute_flash.flash_attn_interface import _flash_attn_backward, _flash_attn_forward
-
-    q, k, v, dout = _inputs(2, 130, 200, 4, 4, 64)
-    out, lse, _, _ = _flash_attn_forward(q, k, v, 0.0, 0.125, True, -1, -1, 0.0, None, False)
-    dq, dk, dv = (torch.full_like(x, float("nan")) for x in (q, k, v))
-    softmax_d = _flash_attn_backward(dout, q, k, v, out, lse, dq, dk, dv, 0.0, 0.125, True, -1, -1, 0.0, None, False)
-    torch.testing.assert_close(softmax_d, (dout.float() * out.float()).sum(-1).transpose(1, 2), atol=1e-3, rtol=1e-3)
-    assert_grads_match((dq, dk, dv), q, k, v, dout, softmax_scale=0.125, causal=True)
+    check_score_modifiers(mod, sq, sk, hh, d, data)

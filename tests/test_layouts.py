@@ -366,6 +366,13 @@ def test_backward_coverage_counts_reading_warps():
     assert verify_bwd.coverage(verify_bwd.partitions(t)["ldsm_k"], 2)["ok"]
 
 
+def _swapped_operand_view(acc):
+    """`acc_as_operand_a` with two register groups swapped: what the P->A checks must catch."""
+    n8 = cute.size(acc.shape[0]) // 4
+    return cute.make_tensor(acc.iterator, cute.make_layout(((2, 2, 2), cute.size(acc.shape[1]), n8 // 2),
+                                                           stride=((1, 4, 2), 4 * n8, 8)))
+
+
 @pytest.mark.parametrize("traits", shipped_hopper_traits(), ids=lambda t: t.name)
 def test_hopper_traits_verify(traits):
     """layouts.verify_hopper on every Hopper forward traits: GMMA tiles are bijections, stages
@@ -383,12 +390,7 @@ def test_hopper_p_operand_check_catches_a_wrong_view(monkeypatch):
     from layouts import hopper
     from layouts.verify_hopper import p_operand_checks
 
-    def swapped(acc):
-        n8 = cute.size(acc.shape[0]) // 4
-        return cute.make_tensor(acc.iterator, cute.make_layout(((2, 2, 2), cute.size(acc.shape[1]), n8 // 2),
-                                                               stride=((1, 4, 2), 4 * n8, 8)))
-
-    monkeypatch.setattr(hopper, "acc_as_operand_a", swapped)
+    monkeypatch.setattr(hopper, "acc_as_operand_a", _swapped_operand_view)
     traits = hopper.choose_hopper_traits(128)
     assert p_operand_checks(traits)["mismatched_threads"] == traits.num_threads
 
@@ -413,14 +415,9 @@ def test_hopper_backward_checks_catch_a_wrong_view_and_a_wrong_run(monkeypatch):
     from layouts import hopper
     from layouts.verify_hopper import bwd_checks
 
-    def swapped(acc):
-        n8 = cute.size(acc.shape[0]) // 4
-        return cute.make_tensor(acc.iterator, cute.make_layout(((2, 2, 2), cute.size(acc.shape[1]), n8 // 2),
-                                                               stride=((1, 4, 2), 4 * n8, 8)))
-
     traits = hopper.choose_hopper_bwd_traits(128)
     with monkeypatch.context() as m:
-        m.setattr(hopper, "acc_as_operand_a", swapped)
+        m.setattr(hopper, "acc_as_operand_a", _swapped_operand_view)
         assert not bwd_checks(traits)["operand_a"]
     run = dq_accum.run_layout
     monkeypatch.setattr(dq_accum, "run_layout", lambda n, vec, group: run(n, vec, 32))

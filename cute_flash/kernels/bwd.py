@@ -37,7 +37,7 @@ import cutlass.cute as cute
 from cute_flash.kernels.block_range import BlockRange, QueryBlocks, Window
 from cute_flash.kernels.config import BwdConfig
 from cute_flash.kernels.constants import LOG2E
-from cute_flash.kernels.dq_accum import chunk_index, first_tile, tiles_of
+from cute_flash.kernels.dq_accum import bulk_add_run, chunk_index, first_tile, stage_run, tiles_of
 from cute_flash.kernels.gemm import SmemGemm
 from cute_flash.kernels.philox import Dropout
 from cute_flash.kernels.score_mods import Mask, ScoreMods
@@ -453,24 +453,16 @@ class FlashBwd:
         """This warp's dQ values -> its run of sdQaccum (16-byte stores, a warp's store covering
         512 consecutive bytes) -> one bulk reduce-add of the run into the same run of `chunk`,
         issued by lane 0 (dQaccum's warp order, dq_accum.py)."""
-        per_thread = cute.size(acc_dq)
-        run = per_thread * 32  # floats
+        run = cute.size(acc_dq) * 32  # floats
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
         if lane == 0:
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # the last bulk add has read this run
         cute.arch.sync_warp()
-        mine = cute.make_tensor(sdQaccum.iterator + cute.assume(warp * run + lane * 4, divby=4),
-                                cute.make_layout((4, per_thread // 4), stride=(1, 128)))  # (vec, adds)
-        cute.autovec_copy(cute.make_tensor(acc_dq.iterator, cute.make_layout((4, per_thread // 4))), mine)
-        cute.arch.fence_proxy("async.shared", space="cta")  # the stores, visible to the bulk copy
+        stage_run(acc_dq, sdQaccum, cute.assume(warp * run + lane * 4, divby=4), 4, 32)
         cute.arch.sync_warp()
         if lane == 0:
-            src = sdQaccum.iterator + cute.assume(warp * run, divby=run)
-            dst = chunk.iterator + cute.assume(warp * run, divby=run)
-            cute.arch.inline_ptx("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [{$r0}], [{$r1}], {$r2};",
-                                 read_only_args=[dst.toint(), src.toint(), cutlass.Int32(run * 4)])
-            cute.arch.cp_async_bulk_commit_group()
+            bulk_add_run(chunk, sdQaccum, warp * run, run)
 
     @cute.jit
     def store_dkv(self, kb: KeyBlock, rows_k, views: BwdViews, scalars: BwdScalars, recipe: BwdRecipe,

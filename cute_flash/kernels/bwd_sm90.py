@@ -28,7 +28,7 @@ host sums a group's heads, as on the SM80 path.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
@@ -36,8 +36,9 @@ from cutlass import pipeline
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from cute_flash.kernels.block_range import BlockRange, QueryBlocks, Window
-from cute_flash.kernels.config import FLAG_LETTERS
-from cute_flash.kernels.dq_accum import HOPPER_VEC, chunk_index, run_layout
+from cute_flash.kernels.bwd import BwdScalars
+from cute_flash.kernels.config import score_letters
+from cute_flash.kernels.dq_accum import HOPPER_VEC, bulk_add_run, chunk_index, stage_run
 from cute_flash.kernels.fwd_sm90 import seq_first, use_state
 from cute_flash.kernels.gemm import wgmma_issue
 from cute_flash.kernels.score_mods import Mask, apply_alibi
@@ -85,20 +86,8 @@ class Sm90BwdConfig:
 
     @property
     def name(self) -> str:
-        flags = "".join(FLAG_LETTERS[f.name] if getattr(self, f.name) else "." for f in fields(self)
-                        if f.name.startswith("has_"))
         t = self.traits
-        return f"sm90_bwd_d{t.head_dim}_m{t.block_m}_n{t.block_n}_{t.dtype}-{flags}"
-
-
-@dataclass(frozen=True)
-class Sm90BwdScalars:
-    softmax_scale: object  # applied to dK here (and to dQ by DQConvert)
-    scale_log2: object     # as the forward's: scale * log2(e), times softcap with softcap
-    score_premul: object   # scale / softcap (softcap only)
-    alibi_div: object
-    window_left: object
-    window_right: object
+        return f"sm90_bwd_d{t.head_dim}_m{t.block_m}_n{t.block_n}_{t.dtype}-{score_letters(self)}"
 
 
 @dataclass(frozen=True)
@@ -203,13 +192,13 @@ class FlashBwdSm90:
         recipe = Sm90BwdRecipe(sQ_layout, sKV_layout, sdS_layout, tma_q, tma_do, tma_k, tma_v, tma_dk, tma_dv,
                                hopper.tiled_mma_sdp_t(t), hopper.tiled_mma_dkv(t), hopper.tiled_mma_dq(t))
         args = Sm90BwdTensors(tma_mQ, tma_mK, tma_mV, tma_mdO, tma_mdK, tma_mdV, mLSE, mD, mdQaccum, mAlibi)
-        scalars = Sm90BwdScalars(softmax_scale, scale_log2, score_premul, alibi_div, window_left, window_right)
+        scalars = BwdScalars(softmax_scale, scale_log2, score_premul, alibi_div, window_left, window_right)
         self.kernel(args, scalars, recipe, SharedStorage).launch(
             grid=(cute.ceil_div(mK.shape[1], bn), mQ.shape[2], mQ.shape[0]), block=[self.config.num_threads, 1, 1],
             smem=SharedStorage.size_in_bytes(), stream=stream, min_blocks_per_mp=1)
 
     @cute.kernel
-    def kernel(self, args: Sm90BwdTensors, scalars: Sm90BwdScalars, recipe: Sm90BwdRecipe,
+    def kernel(self, args: Sm90BwdTensors, scalars: BwdScalars, recipe: Sm90BwdRecipe,
                SharedStorage: cutlass.Constexpr):
         cfg, t = self.config, self.t
         tidx, _, _ = cute.arch.thread_idx()
@@ -310,7 +299,7 @@ class FlashBwdSm90:
                 read_only_args=[dst.toint(), src.toint(), cutlass.Int32(bm * 4), bar.toint()])
 
     @cute.jit
-    def consume(self, args: Sm90BwdTensors, scalars: Sm90BwdScalars, recipe: Sm90BwdRecipe, pipes: Sm90BwdPipes,
+    def consume(self, args: Sm90BwdTensors, scalars: BwdScalars, recipe: Sm90BwdRecipe, pipes: Sm90BwdPipes,
                 smem: Sm90BwdSmem, tile: KeyTile, window: Window, mma_tidx):
         """A consumer warpgroup: dK and dV of its 64 keys, and its share of each query block's
         dQ (mma_tidx: the thread's index among the consumers)."""
@@ -433,28 +422,19 @@ class FlashBwdSm90:
         """This warpgroup's dQ values -> its run of sdQaccum (16-byte stores, a warp's covering
         512 consecutive bytes) -> one bulk reduce-add of the run into the same run of `chunk`,
         issued by the warpgroup's first thread once the previous one has read the run."""
-        per_thread = cute.size(acc_dq)
-        run = per_thread * 128  # floats
+        run = cute.size(acc_dq) * 128  # floats
         wg_idx = mma_tidx // 128
         first = mma_tidx % 128 == 0
         if first:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
         cute.arch.barrier(barrier_id=DQ_BARRIER + wg_idx, number_of_threads=128)
-        mine = cute.make_tensor(sdQaccum.iterator + chunk_index(0, mma_tidx, per_thread, HOPPER_VEC, 128),
-                                run_layout(per_thread, HOPPER_VEC, 128))  # (vec, adds)
-        cute.autovec_copy(cute.make_tensor(acc_dq.iterator, cute.make_layout((HOPPER_VEC, per_thread // HOPPER_VEC))),
-                          mine)
-        cute.arch.fence_proxy("async.shared", space="cta")  # the stores, visible to the bulk copy
+        stage_run(acc_dq, sdQaccum, chunk_index(0, mma_tidx, cute.size(acc_dq), HOPPER_VEC, 128), HOPPER_VEC, 128)
         cute.arch.barrier(barrier_id=DQ_BARRIER + wg_idx, number_of_threads=128)
         if first:
-            src = sdQaccum.iterator + cute.assume(wg_idx * run, divby=run)
-            dst = chunk.iterator + cute.assume(wg_idx * run, divby=run)
-            cute.arch.inline_ptx("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [{$r0}], [{$r1}], {$r2};",
-                                 read_only_args=[dst.toint(), src.toint(), cutlass.Int32(run * 4)])
-            cute.arch.cp_async_bulk_commit_group()
+            bulk_add_run(chunk, sdQaccum, wg_idx * run, run)
 
     @cute.jit
-    def store_dkv(self, acc_dk: cute.Tensor, acc_dv: cute.Tensor, scalars: Sm90BwdScalars, recipe: Sm90BwdRecipe,
+    def store_dkv(self, acc_dk: cute.Tensor, acc_dv: cute.Tensor, scalars: BwdScalars, recipe: Sm90BwdRecipe,
                   args: Sm90BwdTensors, smem: Sm90BwdSmem, tile: KeyTile, mma_tidx):
         """dK (times the softmax scale) and dV into this warpgroup's rows of sK and sV (their
         own swizzle atoms) once both warpgroups are done reading them, then one warp's TMA

@@ -61,6 +61,28 @@ def run_layout(per_thread: int, vec: int, group: int):
     return cute.make_layout((vec, per_thread // vec), stride=(1, group * vec))
 
 
+@cute.jit
+def stage_run(acc_dq: cute.Tensor, sdQaccum: cute.Tensor, first, vec: cutlass.Constexpr, group: cutlass.Constexpr):
+    """A thread's dQ values into their places in its group's run of the fp32 staging tile
+    (`vec`-float stores from `first`, its first value's `chunk_index`), fenced so that a bulk
+    copy (async proxy) may read them."""
+    per_thread = cute.size(acc_dq)
+    mine = cute.make_tensor(sdQaccum.iterator + first, run_layout(per_thread, vec, group))  # (vec, adds)
+    cute.autovec_copy(cute.make_tensor(acc_dq.iterator, cute.make_layout((vec, per_thread // vec))), mine)
+    cute.arch.fence_proxy("async.shared", space="cta")
+
+
+@cute.jit
+def bulk_add_run(chunk: cute.Tensor, sdQaccum: cute.Tensor, start, run: cutlass.Constexpr):
+    """One thread's `cp.reduce.async.bulk` of sdQaccum[start : start + run] into the same floats
+    of `chunk` (the TMA unit does the adds), committed as a bulk group."""
+    src = sdQaccum.iterator + cute.assume(start, divby=run)
+    dst = chunk.iterator + cute.assume(start, divby=run)
+    cute.arch.inline_ptx("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [{$r0}], [{$r1}], {$r2};",
+                         read_only_args=[dst.toint(), src.toint(), cutlass.Int32(run * 4)])
+    cute.arch.cp_async_bulk_commit_group()
+
+
 def tiles_of(mdQaccum: cute.Tensor, slot, bidb, bidh, varlen: cutlass.Constexpr):
     """(tiles, block_m * head_dim) chunks of one slice, batch (dense) and head: mdQaccum is
     (slices, batch, heads, tiles, chunk) dense, (slices, heads, tiles, chunk) packed."""

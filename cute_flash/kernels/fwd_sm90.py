@@ -27,7 +27,7 @@ blocks a window edge crosses run the mask.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
@@ -35,7 +35,7 @@ from cutlass import pipeline
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from cute_flash.kernels.block_range import BlockRange, Window
-from cute_flash.kernels.config import FLAG_LETTERS
+from cute_flash.kernels.config import score_letters
 from cute_flash.kernels.gemm import wgmma, wgmma_issue
 from cute_flash.kernels.score_mods import Mask, ScoreMods
 from cute_flash.kernels.seq_info import SeqInfo
@@ -91,9 +91,7 @@ class Sm90FwdConfig:
 
     @property
     def name(self) -> str:
-        flags = "".join(FLAG_LETTERS[f.name] if getattr(self, f.name) else "." for f in fields(self)
-                        if f.name.startswith("has_"))
-        return f"{self.traits.name}_s{self.stages}{'p' if self.persistent else ''}-{flags}"
+        return f"{self.traits.name}_s{self.stages}{'p' if self.persistent else ''}-{score_letters(self)}"
 
 
 @dataclass(frozen=True)
