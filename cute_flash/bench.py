@@ -627,8 +627,8 @@ def tune(seqlens=(1024, 4096, 16384)):
     return _tune_fwd(TUNE_CANDIDATES, seqlens, variant)
 
 
-SM90_TUNE_CANDIDATES = {64: [(128, 128, True), (128, 128, False), (192, 128, True)],
-                        128: [(128, 128, True), (128, 128, False), (128, 160, True)]}
+SM90_TUNE_CANDIDATES = {64: [(128, 128, True), (128, 128, False), (192, 128, True), (192, 128, False)],
+                        128: [(128, 128, True), (128, 128, False)]}
 
 
 def tune_sm90(seqlens=(512, 2048, 16384)):

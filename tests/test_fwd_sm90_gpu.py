@@ -59,3 +59,33 @@ def test_both_schedules(persistent, d, sk, opts):
     out, lse = flash_fwd_sm90(q, k, v, softmax_scale=d ** -0.5, persistent=persistent, **opts)
     torch.cuda.synchronize()
     assert_matches_reference(out, lse, q, k, v, **opts)
+
+
+@pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "cta-per-tile"])
+@pytest.mark.parametrize("sections", [1, 5, 36, 1000])
+def test_scheduling_sections(persistent, sections):
+    """Every tile computed once whatever the section size: 36 (batch, head) pairs in sections of
+    1, 5 (the last one short), exactly all of them, or more than there are; causal, so tiles
+    differ in length. The persistent launch leaves its tile counter at zero for the next one."""
+    from cute_flash.launch.hopper import flash_fwd_sm90, tile_counter
+    from tests.gpu_utils import poison_allocator
+
+    q, k, v = _inputs(3, 900, 900, 12, 4, 64, torch.bfloat16)
+    poison_allocator()
+    out, lse = flash_fwd_sm90(q, k, v, softmax_scale=0.125, causal=True, persistent=persistent, sections=sections)
+    torch.cuda.synchronize()
+    assert_matches_reference(out, lse, q, k, v, causal=True)
+    assert tile_counter(q.device).tolist() == [0, 0]
+
+
+@pytest.mark.parametrize("opts", [dict(), dict(causal=True), dict(window_size=(700, 20), softcap=10.0)],
+                         ids=["plain", "causal", "window-softcap"])
+def test_tall_tiles_for_long_keys(opts):
+    """d 64 with more than 2048 keys takes 192-row tiles (three consumer warpgroups, persistent):
+    through the public API, with a query block that runs past seqlen_q and GQA."""
+    from layouts.hopper import choose_hopper_traits
+
+    assert choose_hopper_traits(64, "bf16", 2100).block_m == 192
+    q, k, v = _inputs(2, 500, 2100, 6, 2, 64, torch.bfloat16)
+    out, lse = _run(q, k, v, **opts)
+    assert_matches_reference(out, lse, q, k, v, **opts)

@@ -163,6 +163,7 @@ def test_dense_forwards_on_sm90_default_to_the_hopper_kernel(recorder, monkeypat
     (launch,) = recorder.launches
     assert isinstance(launch.config, Sm90FwdConfig) and launch.config.has_right and not launch.config.has_left
     assert (launch["window_left"], launch["window_right"]) == (-1, 0) and launch["max_ctas"] == 132
+    assert launch["section_heads"] >= 2 * 4  # causal: longest tiles first over all 8 (batch, head) pairs
     routes = [dict(traits=choose_fwd_traits(64, "bf16", 90)), dict(dropout=DropoutArgs.seeded(0.1, 1, 2, "cpu"))]
     for extra in routes:
         flash_fwd(q, k, v, softmax_scale=0.5, **extra)
@@ -172,6 +173,39 @@ def test_dense_forwards_on_sm90_default_to_the_hopper_kernel(recorder, monkeypat
     monkeypatch.setattr(compiled, "device_arch", lambda index: 89)
     flash_fwd(q, k, v, softmax_scale=0.5)
     assert [type(x.config) for x in recorder.launches[1:]] == [FwdConfig] * 4
+
+
+@pytest.mark.parametrize("d, sk, opts, block_m, persistent", [
+    (64, 2048, dict(causal=True), 128, True),    # 16 key blocks: persistent under a mask
+    (64, 2049, dict(causal=True), 192, True),    # 17: d 64's 192-row tiles, always persistent
+    (64, 4096, dict(), 192, True),
+    (128, 2048, dict(window_size=(50, 50)), 128, True),
+    (128, 2049, dict(causal=True), 128, False),  # masked past 16 key blocks: one CTA per tile
+    (128, 8192, dict(), 128, True),              # no mask: persistent at any length
+    (256, 512, dict(), 128, False),              # no room for O's own tile
+], ids=["d64-16-blocks-causal", "d64-17-blocks-causal", "d64-long", "d128-window", "d128-long-causal",
+        "d128-long", "d256"])
+def test_hopper_forward_tiles_and_schedule(recorder, monkeypatch, d, sk, opts, block_m, persistent):
+    """The tiles, schedule and tile order the sm_90 launcher picks (the rules measured in
+    docs/perf.md: longest tiles first only for the persistent kernel under a mask), and the
+    tile counter: one per stream, a fresh one under capture."""
+    from cute_flash.launch import flash_fwd
+    from cute_flash.launch.hopper import _stream_tile_counter
+
+    monkeypatch.delenv("CUTE_FLASH_ARCH_PATH")
+    _stream_tile_counter.cache_clear()
+    q = torch.randn(1, 3, 2, d, dtype=torch.bfloat16)
+    k = v = torch.randn(1, sk, 2, d, dtype=torch.bfloat16)
+    flash_fwd(q, k, v, softmax_scale=0.5, **opts)
+    flash_fwd(q, k, v, softmax_scale=0.5, **opts)
+    recorder.capturing = True
+    flash_fwd(q, k, v, softmax_scale=0.5, **opts)
+    first, second, captured = recorder.launches
+    assert (first.config.traits.block_m, first.config.persistent) == (block_m, persistent)
+    longest_first = persistent and bool(opts)  # every masked case here has 2 (batch, head) pairs
+    assert first["section_heads"] == (2 if longest_first else 1)
+    assert first["mTileCounter"].tolist() == [0, 0] and first["mTileCounter"] is second["mTileCounter"]
+    assert captured["mTileCounter"] is not first["mTileCounter"]
 
 
 def test_dense_backwards_on_sm90_default_to_the_hopper_kernel(recorder, monkeypatch):

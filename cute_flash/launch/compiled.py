@@ -173,7 +173,7 @@ def compile_fwd_sm90(config: Sm90FwdConfig, arch: int | None = 90, extra_options
     dtype = element_type(config.traits)
     args = [fake_tensor(dtype, 4, ALIGN, COPY_BYTES) for _ in range(4)] + [
         fake_tensor(cutlass.Float32, 3), fake_tensor(cutlass.Float32, 2) if config.has_alibi else None,
-        1.0, 1.0, 1.0, -1, -1, 132, fake_stream()]
+        fake_tensor(cutlass.Int32, 1), 1.0, 1.0, 1.0, -1, -1, 1, 132, fake_stream()]
     return compile_tvm_ffi(FlashFwdSm90(config), args, arch, extra_options)
 
 
@@ -265,23 +265,26 @@ BWD_FLAGS = ("has_left", "has_right", "has_alibi", "has_softcap", "has_dropout",
 def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
     """The Hopper forward configs the sm_90 dispatcher can choose (launch/hopper.py).
 
-    full: every head-dim bucket and dtype times every score-flag combination, persistent too
-    where no mask is set and the tiles fit. Otherwise the CI subset: every bucket in bf16 with a
-    causal edge (the persistent variant where it fits, so both schedules compile), d 128 in fp16,
-    and d 128 with every score flag on."""
-    from layouts.hopper import choose_hopper_traits
+    full: every shipped traits (layouts.hopper.shipped_hopper_traits) times every score-flag
+    combination, in each schedule `prefers_persistent` can choose for it. Otherwise the CI
+    subset: every bucket in bf16 with a causal edge (the persistent variant where it fits, so
+    both schedules compile), d 64's 192-row tiles likewise, d 128 in fp16, and d 128 with every
+    score flag on."""
+    from layouts.hopper import TALL_D64_MIN_SEQLEN_K, choose_hopper_traits, shipped_hopper_traits
 
     if full:
         out = []
-        for t in dict.fromkeys(choose_hopper_traits(d, dt) for d in HEAD_DIM_BUCKETS for dt in DTYPES):
+        for t in shipped_hopper_traits():
             for bits in itertools.product((False, True), repeat=4):
                 flags = dict(zip(("has_left", "has_right", "has_alibi", "has_softcap"), bits))
-                out.append(Sm90FwdConfig(t, **flags))
-                if not (bits[0] or bits[1]) and Sm90FwdConfig.fits_persistent(t):
+                if t.warpgroups != 3 or not Sm90FwdConfig.fits_persistent(t):
+                    out.append(Sm90FwdConfig(t, **flags))
+                if Sm90FwdConfig.fits_persistent(t):
                     out.append(Sm90FwdConfig(t, persistent=True, **flags))
         return out
+    traits = [choose_hopper_traits(d, "bf16") for d in HEAD_DIM_BUCKETS]
     out = [Sm90FwdConfig(t, persistent=Sm90FwdConfig.fits_persistent(t), has_right=True)
-           for t in (choose_hopper_traits(d, "bf16") for d in HEAD_DIM_BUCKETS)]
+           for t in traits + [choose_hopper_traits(64, "bf16", TALL_D64_MIN_SEQLEN_K)]]
     return out + [Sm90FwdConfig(choose_hopper_traits(128, "fp16")),
                   Sm90FwdConfig(choose_hopper_traits(128, "bf16"), has_left=True, has_right=True, has_alibi=True,
                                 has_softcap=True)]

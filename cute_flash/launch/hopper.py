@@ -8,6 +8,8 @@ fall backs and why.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from cute_flash.kernels.fwd_sm90 import Sm90FwdConfig
@@ -18,34 +20,70 @@ from layouts.hopper import choose_hopper_traits
 
 
 PERSISTENT_MAX_KEY_BLOCKS = 16
+L2_SECTION_BYTES = 32 << 20  # K / V bytes a scheduling section's heads may span: ~2/3 of the H200's 50 MB L2
 
 
 def prefers_persistent(traits, seqlen_k: int, left: int, right: int) -> bool:
-    """The persistent kernel (one CTA per SM over a static round robin of tiles) where it
-    measured faster: no causal / local mask (unequal tiles unbalance a static round robin: d 128
-    causal 16k ran 417 TFLOP/s persistent, 585 one CTA per tile) and at most 16 key blocks per
-    tile, where each tile's prologue and epilogue weigh (d 128 non-causal 512: 444 vs 418, d 64:
-    326 vs 277; at 16k: 590 vs 605, d 64: 430 vs 450). H200, bf16, docs/perf.md."""
-    unmasked = left < 0 and right < 0
-    return (unmasked and -(-seqlen_k // traits.block_n) <= PERSISTENT_MAX_KEY_BLOCKS
-            and Sm90FwdConfig.fits_persistent(traits))
+    """The persistent kernel (one CTA per SM, tiles claimed from a counter) where it measured
+    faster than one CTA per tile (H200, bf16, TFLOP/s, docs/perf.md): always without a causal
+    / local mask (d 128 512 / 2k / 16k: 446 / 564 / 613 against 409 / 546 / 610); under one, up
+    to 16 key blocks per tile (d 128 causal 512 / 2k: 292 / 492 against 236 / 437), not beyond
+    (16k: 541 against 560); 192-row tiles always (d 64 512: 317 against 138)."""
+    if not Sm90FwdConfig.fits_persistent(traits):
+        return False
+    masked = left >= 0 or right >= 0
+    return (traits.warpgroups == 3 or not masked
+            or -(-seqlen_k // traits.block_n) <= PERSISTENT_MAX_KEY_BLOCKS)
+
+
+def section_heads(q, k, longest_first: bool) -> int:
+    """(batch, head) pairs per scheduling section (`FlashFwdSm90.tile`). longest_first (the
+    persistent kernel under a causal or local mask): tiles go longest first across as many
+    heads as keep the K / V being read within L2_SECTION_BYTES (a group of query heads sharing
+    a K / V head counts once). Otherwise a section is one pair: its tiles are equal, or the
+    hardware hands out one CTA per tile in order, which balances them itself (one CTA per tile,
+    d 128 causal 512 / 2k / 16k: 242 / 416 / 565 TFLOP/s in per-pair order, 236 / 437 / 560
+    longest first)."""
+    if not longest_first:
+        return 1
+    kv_head_bytes = 2 * k.shape[1] * k.shape[3] * k.element_size()
+    pairs = q.shape[0] * q.shape[2]  # the cap keeps section_heads * query blocks within int32
+    return min(pairs, max(1, L2_SECTION_BYTES // kv_head_bytes) * (q.shape[2] // k.shape[2]))
+
+
+def tile_counter(device: torch.device) -> torch.Tensor:
+    """The persistent kernel's (2,) int32 tile counter, zero between launches (the kernel leaves
+    it so). One per (device, stream): launches on a stream run in order, so they can share it.
+    A launch being captured into a CUDA graph gets its own, since the graph may replay beside
+    eager calls."""
+    if torch.cuda.is_current_stream_capturing():
+        return torch.zeros(2, dtype=torch.int32, device=device)
+    return _stream_tile_counter(device, torch._C._cuda_getCurrentRawStream(device.index))
+
+
+@functools.lru_cache(maxsize=64)
+def _stream_tile_counter(device: torch.device, stream: int) -> torch.Tensor:
+    return torch.zeros(2, dtype=torch.int32, device=device)
 
 
 def flash_fwd_sm90(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                   traits=None, persistent=None):
+                   traits=None, persistent=None, sections=None):
     """Dense forward on the Hopper kernel: q (b, sq, h, d), k/v (b, sk, hk, d); returns (out,
-    lse (b, h, sq)) as `flash_fwd` does. `traits` (HopperTileTraits) and `persistent` override
-    the kernel's choices (`tune --sm90`)."""
+    lse (b, h, sq)) as `flash_fwd` does. `traits` (HopperTileTraits), `persistent` and
+    `sections` (pairs per scheduling section) override the kernel's choices (`tune --sm90`)."""
     b, sq, h, d = q.shape
     q, k, v = aligned(q), aligned(k), aligned(v)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
     left, right = window_edges(causal, window_size)
-    traits = traits or choose_hopper_traits(q.shape[-1], compiled.DTYPE_NAMES[q.dtype])
+    traits = traits or choose_hopper_traits(q.shape[-1], compiled.DTYPE_NAMES[q.dtype], k.shape[1])
     if persistent is None:
         persistent = prefers_persistent(traits, k.shape[1], left, right)
     config = Sm90FwdConfig(traits, persistent=persistent, has_left=left >= 0, has_right=right >= 0,
                            has_alibi=alibi_slopes is not None, has_softcap=softcap > 0)
-    compiled.sm90_kernel_for(config)(q, k, v, out, lse, alibi_2d(alibi_slopes, b, h), *scales(softmax_scale, softcap),
-                                     left, right, compiled.num_sms(device_index(q.device)))
+    if sections is None:
+        sections = section_heads(q, k, persistent and (left >= 0 or right >= 0))
+    compiled.sm90_kernel_for(config)(q, k, v, out, lse, alibi_2d(alibi_slopes, b, h), tile_counter(q.device),
+                                     *scales(softmax_scale, softcap), left, right, sections,
+                                     compiled.num_sms(device_index(q.device)))
     return (out if out.shape[-1] == d else out[..., :d]), lse
