@@ -62,21 +62,21 @@ TALL_D64_MIN_SEQLEN_K = 2049  # d 64 takes 192-row tiles past 16 key blocks of 1
 
 
 @functools.lru_cache(maxsize=None)
-def choose_hopper_traits(head_dim: int, dtype: str = "bf16", seqlen_k: int = 0) -> HopperTileTraits:
+def choose_hopper_traits(head_dim: int, dtype: str = "bf16", long_keys: bool = False) -> HopperTileTraits:
     """The Hopper forward's tiles: 128 query rows (two warpgroups); 128 keys per block up to
-    d 128, 64 above (two K / V stages then fit: 196 KB at d 256). d 64 with more than 2048
-    keys: 192 rows (three warpgroups), which measured 472 / 462 TFLOP/s against 449 / 426 at
-    16k non-causal / causal, but lost at 512 and 2k causal (174 vs 213, 346 vs 357; H200,
-    docs/perf.md)."""
+    d 128, 64 above (two K / V stages then fit: 196 KB at d 256). d 64 with long_keys (more
+    than 2048 keys, `TALL_D64_MIN_SEQLEN_K`; a flag, so the cache stays small): 192 rows (three
+    warpgroups), which measured 472 / 462 TFLOP/s against 449 / 426 at 16k non-causal / causal,
+    but lost at 512 and 2k causal (174 vs 213, 346 vs 357; H200, docs/perf.md)."""
     d = head_dim_bucket(head_dim)
-    if d == 64 and seqlen_k >= TALL_D64_MIN_SEQLEN_K:
+    if d == 64 and long_keys:
         return HopperTileTraits(d, 192, 128, dtype)
     return HopperTileTraits(d, 128, 128 if d <= 128 else 64, dtype)
 
 
 def shipped_hopper_traits() -> list[HopperTileTraits]:
-    return list(dict.fromkeys(choose_hopper_traits(d, dt, sk) for d in HEAD_DIM_BUCKETS for dt in DTYPES
-                              for sk in (0, TALL_D64_MIN_SEQLEN_K)))
+    return list(dict.fromkeys(choose_hopper_traits(d, dt, long_keys) for d in HEAD_DIM_BUCKETS for dt in DTYPES
+                              for long_keys in (False, True)))
 
 
 def smem_layout(traits: HopperTileTraits, rows: int):

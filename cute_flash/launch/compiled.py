@@ -270,7 +270,7 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
     subset: every bucket in bf16 with a causal edge (the persistent variant where it fits, so
     both schedules compile), d 64's 192-row tiles likewise, d 128 in fp16, and d 128 with every
     score flag on."""
-    from layouts.hopper import TALL_D64_MIN_SEQLEN_K, choose_hopper_traits, shipped_hopper_traits
+    from layouts.hopper import choose_hopper_traits, shipped_hopper_traits
 
     if full:
         out = []
@@ -284,7 +284,7 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
         return out
     traits = [choose_hopper_traits(d, "bf16") for d in HEAD_DIM_BUCKETS]
     out = [Sm90FwdConfig(t, persistent=Sm90FwdConfig.fits_persistent(t), has_right=True)
-           for t in traits + [choose_hopper_traits(64, "bf16", TALL_D64_MIN_SEQLEN_K)]]
+           for t in traits + [choose_hopper_traits(64, "bf16", long_keys=True)]]
     return out + [Sm90FwdConfig(choose_hopper_traits(128, "fp16")),
                   Sm90FwdConfig(choose_hopper_traits(128, "bf16"), has_left=True, has_right=True, has_alibi=True,
                                 has_softcap=True)]

@@ -16,7 +16,7 @@ from cute_flash.kernels.fwd_sm90 import Sm90FwdConfig
 from cute_flash.launch import compiled
 from cute_flash.launch.align import aligned
 from cute_flash.launch.dense import alibi_2d, device_index, scales, window_edges
-from layouts.hopper import choose_hopper_traits
+from layouts.hopper import TALL_D64_MIN_SEQLEN_K, choose_hopper_traits
 
 
 PERSISTENT_MAX_KEY_BLOCKS = 16
@@ -76,7 +76,8 @@ def flash_fwd_sm90(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
     left, right = window_edges(causal, window_size)
-    traits = traits or choose_hopper_traits(q.shape[-1], compiled.DTYPE_NAMES[q.dtype], k.shape[1])
+    traits = traits or choose_hopper_traits(q.shape[-1], compiled.DTYPE_NAMES[q.dtype],
+                                            k.shape[1] >= TALL_D64_MIN_SEQLEN_K)
     if persistent is None:
         persistent = prefers_persistent(traits, k.shape[1], left, right)
     config = Sm90FwdConfig(traits, persistent=persistent, has_left=left >= 0, has_right=right >= 0,
