@@ -662,11 +662,12 @@ def tune_bwd(seqlens=(512, 2048, 8192)):
     import torch
 
     from cute_flash.kernels.config import BwdConfig
+    from cute_flash.launch import compiled
     from cute_flash.launch.backward import flash_bwd
     from cute_flash.launch.dense import flash_fwd
-    from layouts.traits import SMEM_LIMIT, BwdTraits
+    from layouts.traits import SMEM_LIMIT, BwdTraits, tile_arch
 
-    arch = torch.cuda.get_device_capability()[0] * 10
+    arch = compiled.device_arch(torch.cuda.current_device())
     rows = []
     for d, cands in BWD_TUNE_CANDIDATES.items():
         for causal in (False, True):
@@ -677,10 +678,10 @@ def tune_bwd(seqlens=(512, 2048, 8192)):
                 flops = 2.5 * 4 * b * h * d * visible_pairs(s, s, causal)
                 for m, n, atoms in cands:
                     t = BwdTraits(d, m, n, 8, *atoms, q_stages=2)
-                    if not t.fits(min(arch, 90)):
+                    if not t.fits(tile_arch(arch)):
                         t = BwdTraits(d, m, n, 8, *atoms, q_stages=1)
                     for bulk in ((False, True) if arch >= 90 else (False,)):
-                        if BwdConfig(t, dq_vec=4, dq_bulk=bulk).smem_bytes > SMEM_LIMIT[min(arch, 90)]:
+                        if BwdConfig(t, dq_vec=4, dq_bulk=bulk).smem_bytes > SMEM_LIMIT[tile_arch(arch)]:
                             continue
                         variant = dict(traits=t, dq_bulk=bulk)
                         ms = _time_ms(lambda: flash_bwd(dout, q, k, v, out, lse, softmax_scale=d ** -0.5,

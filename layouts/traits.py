@@ -16,6 +16,16 @@ DTYPES = ("fp16", "bf16")
 # 163 KB on sm_80 and sm_87, 99 KB on sm_86 and sm_89 (consumer Ampere and Ada), 227 KB on sm_90.
 SMEM_LIMIT = {80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448}
 ELEMENT_BYTES = 2
+
+
+def tile_arch(arch: int) -> int:
+    """The SMEM_LIMIT entry a GPU's tiles are chosen for: its own where listed; a newer GPU by
+    its opt-in shared memory per block: 99 KB on consumer Blackwell (sm_120 and up) as sm_89,
+    227 KB on the data-center ones (sm_100 ..) as sm_90. No kernel here has run on those GPUs;
+    taking sm_90's limit for every newer GPU gave sm_120 tiles it cannot launch."""
+    if arch in SMEM_LIMIT:
+        return arch
+    return 89 if arch >= 120 else 90
 COPY_BYTES = 16  # one cp.async / vector load: 128 bits
 ALIGN = COPY_BYTES // ELEMENT_BYTES  # elements per 128-bit copy: strides and head dims come in these
 
@@ -198,7 +208,7 @@ def choose_bwd_traits(head_dim: int, dtype: str = "bf16", arch: int = 90) -> Bwd
             if t.fits(arch):
                 return t
     raise ValueError(f"the backward of head dim {head_dim} (bucket {d}) has no tiles that fit the "
-                     f"{SMEM_LIMIT[arch]} bytes of shared memory per block of sm_{arch}: head dims above 160 "
+                     f"{SMEM_LIMIT[arch]} bytes of shared memory per block (sm_{arch}'s limit): head dims above 160 "
                      f"need 163 KB or more (sm_80, sm_87, sm_90)")
 
 

@@ -259,26 +259,31 @@ def test_dense_backwards_on_sm90_default_to_the_hopper_kernel(recorder, monkeypa
     assert [type(c) for c in mains] == [BwdConfig] * 5
 
 
-def test_99_kb_gpus_get_tiles_that_fit(recorder, monkeypatch):
-    """On sm_86 / sm_89 (99 KB of shared memory per block) the forward and backward launch tiles
-    that fit, the backward with one float per dQ atomic; a backward no tiles fit (d 256) is
-    refused by name, not launched to fail."""
+@pytest.mark.parametrize("arch", [86, 89, 120, 121])
+def test_99_kb_gpus_get_tiles_that_fit(recorder, monkeypatch, arch):
+    """On GPUs with 99 KB of shared memory per block (sm_86 / sm_89, and consumer Blackwell,
+    sm_120 / sm_121: 101376 bytes opt-in) the forward, the KV-cache kernel and the backward
+    launch tiles that fit (the backward's dQ adds: one float per atomic before sm_90, four
+    after); a backward no tiles fit (d 256) is refused with the limit, not launched to fail."""
     from cute_flash.kernels.config import BwdConfig
-    from cute_flash.launch import compiled, flash_fwd
+    from cute_flash.launch import compiled, flash_fwd, kvcache
     from cute_flash.launch.backward import flash_bwd
-    from layouts.traits import SMEM_LIMIT
 
+    limit = 101376
     monkeypatch.setattr(compiled, "bwd_kernel_for", recorder.bwd_kernel_for)
-    monkeypatch.setattr(compiled, "device_arch", lambda index: 86)
+    monkeypatch.setattr(compiled, "device_arch", lambda index: arch)
     q, k, v, dout = (torch.randn(2, 70, 4, 128, dtype=torch.float16) for _ in range(4))
     flash_bwd(dout, q, k, v, q, torch.randn(2, 4, 70), softmax_scale=0.5, causal=True)
     (main,) = [x.config for x in recorder.launches if isinstance(x.config, BwdConfig)]
-    assert main.traits.block_n == 64 and main.smem_bytes <= SMEM_LIMIT[86] and main.dq_vec == 1 and not main.dq_bulk
+    assert main.traits.block_n == 64 and main.smem_bytes <= limit and main.dq_vec == (1 if arch < 90 else 4)
     q256 = torch.randn(2, 70, 4, 256, dtype=torch.float16)
     flash_fwd(q256, q256, q256, softmax_scale=0.5)
     assert recorder.launches[-1].config.traits.block_m == 64
-    assert recorder.launches[-1].config.smem_bytes <= SMEM_LIMIT[86]
-    with pytest.raises(ValueError, match="sm_86"):
+    assert recorder.launches[-1].config.smem_bytes <= limit
+    cache = torch.randn(2, 300, 4, 256, dtype=torch.float16)
+    kvcache.flash_fwd_kvcache(q256[:, :1], cache, cache, cache_seqlens=300, softmax_scale=0.125)
+    assert recorder.launches[-1].config.smem_bytes <= limit
+    with pytest.raises(ValueError, match=f"{limit} bytes"):
         flash_bwd(q256, q256, q256, q256, q256, torch.randn(2, 4, 70), softmax_scale=0.5)
 
 

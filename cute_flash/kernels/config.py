@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from layouts.traits import SMEM_LIMIT, BwdTraits, FwdTraits
+from layouts.traits import SMEM_LIMIT, BwdTraits, FwdTraits, tile_arch
 
 
 @dataclass(frozen=True)
@@ -163,7 +163,7 @@ def dq_reduction(traits: BwdTraits, arch: int, deterministic: bool = False) -> d
     if arch < 90:
         return dict(dq_vec=1, dq_bulk=False)
     staging = DQ_STAGE_BYTES * traits.block_m * traits.head_dim
-    return dict(dq_vec=4, dq_bulk=not deterministic and traits.smem_bytes + staging <= SMEM_LIMIT[arch])
+    return dict(dq_vec=4, dq_bulk=not deterministic and traits.smem_bytes + staging <= SMEM_LIMIT[tile_arch(arch)])
 
 
 FLAG_LETTERS = dict(has_left="L", has_right="R", has_alibi="A", has_softcap="S", has_dropout="Z", even_k="K",

@@ -23,13 +23,13 @@ from cute_flash.launch.align import aligned
 from cute_flash.launch.dense import alibi_2d, device_index, scales, takes_hopper_path, window_edges
 from cute_flash.dropout import DropoutArgs, rng_of
 from layouts.hopper import BWD_HEAD_DIMS, choose_hopper_bwd_traits
-from layouts.traits import choose_bwd_traits
+from layouts.traits import choose_bwd_traits, tile_arch
 
 
 def _config(d_pad, dtype, index, left, right, alibi_slopes, softcap, varlen, seqused_k, deterministic,
             dropout=None):
     arch = compiled.device_arch(index)
-    traits = choose_bwd_traits(d_pad, compiled.DTYPE_NAMES[dtype], min(arch, 90))
+    traits = choose_bwd_traits(d_pad, compiled.DTYPE_NAMES[dtype], tile_arch(arch))
     return BwdConfig(traits, has_left=left >= 0, has_right=right >= 0, has_alibi=alibi_slopes is not None,
                      has_softcap=softcap > 0, has_dropout=dropout is not None, even_k=d_pad == traits.head_dim,
                      varlen=varlen,

@@ -12,7 +12,7 @@ from cute_flash.kernels.constants import LOG2E
 from cute_flash.launch.align import aligned
 from cute_flash.launch import compiled
 from cute_flash.dropout import DropoutArgs, rng_of
-from layouts.traits import FwdTraits, choose_fwd_traits
+from layouts.traits import FwdTraits, choose_fwd_traits, tile_arch
 
 PAGE_ROWS = 16  # pages of a multiple of this many rows take the page-run / shared-page-id copies
 
@@ -41,7 +41,7 @@ def fwd_kernel(d_pad: int, dtype, device_index: int, causal: bool, traits: FwdTr
     """The compiled forward of one call signature, flags: FwdConfig's (name, value) pairs
     (memoised on plain values: a cached call hashes no config)."""
     if traits is None:
-        arch = min(compiled.device_arch(device_index), 90)
+        arch = tile_arch(compiled.device_arch(device_index))
         traits = choose_fwd_traits(d_pad, compiled.DTYPE_NAMES[dtype], arch, causal)
     return compiled.kernel_for(FwdConfig(traits, even_k=d_pad == traits.head_dim, **dict(flags)), device_index)
 

@@ -19,7 +19,7 @@ from cute_flash.kernels.split_kv import num_splits_heuristic, workspace_shapes
 from cute_flash.launch.align import aligned, is_aligned
 from cute_flash.launch import compiled
 from cute_flash.launch.dense import PAGE_ROWS, alibi_2d, device_index, scales, window_edges
-from layouts.traits import ALIGN, FwdTraits, choose_decode_traits
+from layouts.traits import ALIGN, FwdTraits, choose_decode_traits, tile_arch
 
 
 @dataclass(frozen=True, eq=False)
@@ -129,7 +129,7 @@ def _kvcache_call(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, 
     # GQA decode: the group of query heads sharing a kv head becomes M (FwdConfig's pack_gqa).
     pack_gqa = sq == 1 and h > hk and left < 0 and right < 0 and alibi_slopes is None
     rows, heads = (h // hk, hk) if pack_gqa else (sq, h)
-    traits = choose_decode_traits(d, compiled.DTYPE_NAMES[q.dtype], min(compiled.device_arch(index), 90))
+    traits = choose_decode_traits(d, compiled.DTYPE_NAMES[q.dtype], tile_arch(compiled.device_arch(index)))
     n_blocks = -(-capacity // traits.block_n)
     m_blocks = -(-rows // traits.block_m)
     if num_splits == 0:
