@@ -40,7 +40,7 @@ from cute_flash.kernels.constants import LOG2E
 from cute_flash.kernels.dq_accum import bulk_add_run, chunk_index, first_tile, stage_run, tiles_of
 from cute_flash.kernels.gemm import SmemGemm
 from cute_flash.kernels.philox import Dropout
-from cute_flash.kernels.score_mods import Mask, ScoreMods
+from cute_flash.kernels.score_mods import Mask, ScoreMods, softcap_with_derivative
 from cute_flash.kernels.seq_info import SeqInfo, head_rows
 from cute_flash.kernels.tile_copy import column_predicate, copy_tile
 from layouts import copy as lcopy
@@ -359,11 +359,7 @@ class FlashBwd:
 
         dtanh = None
         if cutlass.const_expr(cfg.has_softcap):
-            dtanh = cute.make_fragment_like(acc_s, cutlass.Float32)
-            for i in cutlass.range(cute.size(acc_s), unroll_full=True):
-                th = cute.math.tanh(acc_s[i] * scalars.score_premul, fastmath=True)
-                acc_s[i] = th
-                dtanh[i] = 1.0 - th * th
+            dtanh = softcap_with_derivative(acc_s, scalars.score_premul)
         # Only tiles crossing the sequence end or a window edge run the mask (dynamic test)
         acc_s_mn = lmma.acc_mn_view(acc_s)
         lo, hi = BlockRange.unmasked(seq, m_block, bm, bn, kb.mods.mask.window)

@@ -41,7 +41,7 @@ from cute_flash.kernels.config import score_letters
 from cute_flash.kernels.dq_accum import HOPPER_VEC, bulk_add_run, chunk_index, stage_run
 from cute_flash.kernels.fwd_sm90 import seq_first, use_state
 from cute_flash.kernels.gemm import wgmma_issue
-from cute_flash.kernels.score_mods import Mask, apply_alibi
+from cute_flash.kernels.score_mods import Mask, apply_alibi, softcap_with_derivative
 from cute_flash.kernels.seq_info import SeqInfo
 from layouts import hopper
 from layouts import mma as lmma
@@ -346,11 +346,7 @@ class FlashBwdSm90:
 
             dtanh = None
             if cutlass.const_expr(cfg.has_softcap):
-                dtanh = cute.make_fragment_like(acc_s, cutlass.Float32)
-                for j in cutlass.range(cute.size(acc_s), unroll_full=True):
-                    th = cute.math.tanh(acc_s[j] * scalars.score_premul, fastmath=True)
-                    acc_s[j] = th
-                    dtanh[j] = 1.0 - th * th
+                dtanh = softcap_with_derivative(acc_s, scalars.score_premul)
             lo, hi = BlockRange.unmasked(tile.seq, m_block, bm, bn, window)
             if lo <= tile.n_block and tile.n_block < hi:
                 self.modify(acc_s, mask, slope, m_block, tile.n_block, mma_tidx, recipe, False)

@@ -65,6 +65,18 @@ def apply_alibi(acc_s_mn: cute.Tensor, tScS_mn: cute.Tensor, row0, col0, shift, 
             acc_s_mn[r, c] = acc_s_mn[r, c] - slope * cutlass.Float32(dist)
 
 
+@cute.jit
+def softcap_with_derivative(acc_s: cute.Tensor, score_premul) -> cute.Tensor:
+    """The backward's softcap: S becomes tanh(S * score_premul) in place; returns 1 - tanh^2
+    per element, the derivative dP is multiplied by on its way to dS."""
+    dtanh = cute.make_fragment_like(acc_s, cutlass.Float32)
+    for i in cutlass.range(cute.size(acc_s), unroll_full=True):
+        th = cute.math.tanh(acc_s[i] * score_premul, fastmath=True)
+        acc_s[i] = th
+        dtanh[i] = 1.0 - th * th
+    return dtanh
+
+
 @dataclass(frozen=True)
 class ScoreMods:
     """What turns Q K^T into the scores the softmax sees, for one CTA. The softmax scale itself
