@@ -123,10 +123,10 @@ def recorder(monkeypatch):
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: rec.stream, raising=False)
     monkeypatch.setattr(kvcache, "_calls", {})
     dense.fwd_kernel.cache_clear()
-    kvcache._stream_workspace.cache_clear()
+    kvcache._workspace.cache_clear()
     yield rec
     dense.fwd_kernel.cache_clear()
-    kvcache._stream_workspace.cache_clear()
+    kvcache._workspace.cache_clear()
 
 
 def test_dense_launch_arguments(recorder):
@@ -190,10 +190,10 @@ def test_hopper_forward_tiles_and_schedule(recorder, monkeypatch, d, sk, opts, b
     docs/perf.md: longest tiles first only for the persistent kernel under a mask), and the
     tile counter: one per stream, a fresh one under capture."""
     from cute_flash.launch import flash_fwd
-    from cute_flash.launch.hopper import _stream_tile_counter
+    from cute_flash.launch.hopper import tile_counter
 
     monkeypatch.delenv("CUTE_FLASH_ARCH_PATH")
-    _stream_tile_counter.cache_clear()
+    tile_counter.cache_clear()
     q = torch.randn(1, 3, 2, d, dtype=torch.bfloat16)
     k = v = torch.randn(1, sk, 2, d, dtype=torch.bfloat16)
     flash_fwd(q, k, v, softmax_scale=0.5, **opts)

@@ -8,14 +8,13 @@ fall backs and why.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from cute_flash.kernels.fwd_sm90 import Sm90FwdConfig
 from cute_flash.launch import compiled
 from cute_flash.launch.align import aligned
 from cute_flash.launch.dense import alibi_2d, device_index, scales, window_edges
+from cute_flash.launch.per_stream import per_stream
 from layouts.hopper import TALL_D64_MIN_SEQLEN_K, choose_hopper_traits
 
 
@@ -51,18 +50,10 @@ def section_heads(q, k, longest_first: bool) -> int:
     return min(pairs, max(1, L2_SECTION_BYTES // kv_head_bytes) * (q.shape[2] // k.shape[2]))
 
 
+@per_stream
 def tile_counter(device: torch.device) -> torch.Tensor:
     """The persistent kernel's (2,) int32 tile counter, zero between launches (the kernel leaves
-    it so). One per (device, stream): launches on a stream run in order, so they can share it.
-    A launch being captured into a CUDA graph gets its own, since the graph may replay beside
-    eager calls."""
-    if torch.cuda.is_current_stream_capturing():
-        return torch.zeros(2, dtype=torch.int32, device=device)
-    return _stream_tile_counter(device, torch._C._cuda_getCurrentRawStream(device.index))
-
-
-@functools.lru_cache(maxsize=64)
-def _stream_tile_counter(device: torch.device, stream: int) -> torch.Tensor:
+    it so); kept per (device, stream)."""
     return torch.zeros(2, dtype=torch.int32, device=device)
 
 

@@ -19,6 +19,7 @@ from cute_flash.kernels.split_kv import num_splits_heuristic, workspace_shapes
 from cute_flash.launch.align import aligned, is_aligned
 from cute_flash.launch import compiled
 from cute_flash.launch.dense import PAGE_ROWS, alibi_2d, device_index, scales, window_edges
+from cute_flash.launch.per_stream import per_stream
 from layouts.traits import ALIGN, FwdTraits, choose_decode_traits, tile_arch
 
 
@@ -167,23 +168,12 @@ def append_for(config: AppendConfig, device_index: int):
     return compiled.cached_append(config, compiled.device_arch(device_index))
 
 
+@per_stream
 def _workspace(plan: KVCachePlan, device: torch.device):
     """(partial O, partial LSE, arrival counters, LSE scratch) for one launch of `plan`: the
     partials and counters of a split launch (None otherwise), and where the final LSE goes when
-    the caller does not want it. Kept per (plan, stream): launches on one stream run in
-    order, so they can share it, and the kernel leaves the counters at zero. A launch being
-    captured into a CUDA graph gets its own, since the graph may replay beside eager calls."""
-    if torch.cuda.is_current_stream_capturing():
-        return _new_workspace(plan, device)
-    return _stream_workspace(plan, device, torch._C._cuda_getCurrentRawStream(device.index))
-
-
-@functools.lru_cache(maxsize=64)
-def _stream_workspace(plan: KVCachePlan, device: torch.device, stream: int):
-    return _new_workspace(plan, device)
-
-
-def _new_workspace(plan: KVCachePlan, device: torch.device):
+    the caller does not want it. Kept per (plan, stream); the kernel leaves the counters at
+    zero."""
     lse = torch.empty((plan.batch, plan.nheads, plan.seqlen_q), dtype=torch.float32, device=device)
     if plan.num_splits == 1:
         return None, None, None, lse
