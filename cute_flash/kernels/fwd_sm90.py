@@ -226,7 +226,7 @@ class FlashFwdSm90:
                             hopper.tiled_mma_pv(t))
         args = Sm90Tensors(tma_mQ, tma_mK, tma_mV, tma_mO, mLSE, mAlibi, mTileCounter)
         scalars = Sm90Scalars(scale_log2, score_premul, alibi_div, window_left, window_right, section_heads)
-        tiles = cute.ceil_div(mQ.shape[1], t.block_m) * mQ.shape[2] * mQ.shape[0]
+        tiles = self.num_tiles(args)
         ctas = cutlass.min(tiles, max_ctas) if cutlass.const_expr(self.config.persistent) else tiles
         self.kernel(args, scalars, recipe, SharedStorage).launch(
             grid=(ctas, 1, 1), block=[self.config.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(),
@@ -314,12 +314,12 @@ class FlashFwdSm90:
         bidx, _, _ = cute.arch.block_idx()
         ctas, _, _ = cute.arch.grid_dim()
         heads = args.tma_mQ.shape[2]
-        tiles = self.num_tiles(args)
         if cutlass.const_expr(not self.config.persistent):
             tile = self.tile(args, scalars, bidx)
             if tile.count > 0:
                 self.produce_tile(args, recipe, pipes, sQ, sK, sV, tile, bidx, heads, 0, 0)
         else:
+            tiles = self.num_tiles(args)
             q_loads = cutlass.Int32(0)
             kv_uses = cutlass.Int32(0)
             tile_idx = cutlass.Int32(bidx)
