@@ -190,7 +190,9 @@ def _sm90_configs():
 def test_hopper_forward_compiles_to_wgmma(config, tmp_path):
     """The Hopper forward (the sm_90 default for dense forwards) builds for sm_90a: its two GEMMs
     are wgmma, head_dim / 16 + block_n / 16 per key block, each GEMM traced twice (the first S
-    and the last P V are peeled off the loop), and it fits in shared memory."""
+    and the last P V are peeled off the loop), and it fits in shared memory. Its softmax takes
+    row maxima with max.f32, not the slower max.NaN.f32, and rescales O lazily behind a warp
+    vote (docs/perf.md, Hopper step 7)."""
     from cute_flash.launch.compiled import compile_fwd_sm90
 
     assert config.smem_bytes <= SMEM_LIMIT[90]
@@ -198,7 +200,10 @@ def test_hopper_forward_compiles_to_wgmma(config, tmp_path):
     _assert_one_kernel_for(90, tmp_path)
     (ptx,) = tmp_path.glob("*.ptx")
     t = config.traits
-    assert ptx.read_text().count("wgmma.mma_async") == 2 * (t.head_dim // 16 + t.block_n // 16)
+    text = ptx.read_text()
+    assert text.count("wgmma.mma_async") == 2 * (t.head_dim // 16 + t.block_n // 16)
+    assert "max.NaN.f32" not in text
+    assert "vote.sync.any.pred" in text
 
 
 @pytest.mark.parametrize("config", _sm90_configs())
