@@ -76,7 +76,6 @@ class OnlineSoftmax:
         for r in cutlass.range_constexpr(cute.size(self.row_max)):
             s_row = acc_s_mn[r, None].load()
             row_max_r = quad_allreduce_max(row_max(acc_s_mn, r))
-            grows = True
             if cutlass.const_expr(not is_first):
                 row_max_r = cute.arch.fmax(self.row_max[r], row_max_r)
                 if cutlass.const_expr(self.lazy):
