@@ -6,6 +6,10 @@ run-time selects; and each group's first value sits the same multiple of 16 rows
 past the thread's first value in every thread, so a group's counter is the thread's first
 counter plus compile-time steps (`Dropout.apply_sm80` reads those steps off thread 0).
 
+The Hopper backward holds S transposed (keys on wgmma's M), so no thread holds a whole group:
+`lane_pairs` checks what a kernel would use instead, that lanes t and t ^ 4 hold each of their
+groups 4 values apiece (one Philox call per 8 values between them, 4 words exchanged).
+
 Groups, by accumulator shape:
 - mma.sync m16n8 fragments ((2, 2), MMA_M, MMA_N), SM80 forward and backward: value (v, m, n)
   belongs to the group of (0, m, n - n % 2) and takes word 4 (v // 2) + 2 (n % 2) + v % 2;
@@ -58,6 +62,24 @@ def word_groups(tiled_mma, tile_mn, wgmma: bool) -> dict:
         steps = xy[reps] - xy[0]
         static_steps = np.array_equal(steps, steps_0) and not (steps % 16).any()
         bad += int(not (same_counter and words_match and complete and static_steps))
+    return {"threads": len(coords), "bad_threads": bad, "ok": bad == 0}
+
+
+def lane_pairs(tiled_mma, tile_kq, partner_xor: int = 4) -> dict:
+    """S^T tiles (keys, queries): for every thread t, each Philox counter among its values has
+    4 of its 8 values in t and the other 4 in thread t ^ partner_xor, whose words are the
+    remaining ones (inside a trace)."""
+    coords = partition_coords(tiled_mma, "partition_C", tile_kq)[:, 0]  # (threads, values, (key, query))
+    bad = 0
+    for t, mine in enumerate(coords):
+        theirs = coords[t ^ partner_xor]
+        c0, c1, s = philox.counter_of(mine[:, 1], mine[:, 0])
+        d0, d1, ds = philox.counter_of(theirs[:, 1], theirs[:, 0])
+        for a, b in set(zip(c0.tolist(), c1.tolist())):
+            m, o = (c0 == a) & (c1 == b), (d0 == a) & (d1 == b)
+            if not (m.sum() == 4 and o.sum() == 4 and sorted(s[m].tolist() + ds[o].tolist()) == list(range(8))):
+                bad += 1
+                break
     return {"threads": len(coords), "bad_threads": bad, "ok": bad == 0}
 
 

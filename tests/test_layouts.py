@@ -487,6 +487,22 @@ def test_dropout_word_check_catches_the_backward_s_tile():
     assert result["bad_threads"] == result["threads"]
 
 
+@pytest.mark.parametrize("traits", shipped_hopper_bwd_traits(), ids=lambda t: t.name)
+def test_dropout_lane_pairs_hopper_backward(traits):
+    """The Hopper backward's S^T tile: lanes t and t ^ 4 share every Philox counter they touch,
+    4 values each, so dropout there needs one Philox call per 8 values (as the forward) and a
+    4-word exchange; with lane t ^ 1 (the other columns) the pairing fails for every thread."""
+    from layouts import hopper
+    from layouts.verify import in_arch_trace
+    from layouts.verify_dropout import lane_pairs
+
+    tile = (traits.block_n, traits.block_m)
+    result = in_arch_trace("sm_90a", lambda: lane_pairs(hopper.tiled_mma_sdp_t(traits), tile))
+    assert result["ok"], result
+    wrong = in_arch_trace("sm_90a", lambda: lane_pairs(hopper.tiled_mma_sdp_t(traits), tile, partner_xor=1))
+    assert wrong["bad_threads"] == wrong["threads"], wrong
+
+
 def _bwd_sdp_shapes():
     from layouts.traits import shipped_bwd_traits
 
