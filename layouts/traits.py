@@ -16,6 +16,8 @@ DTYPES = ("fp16", "bf16")
 # 163 KB on sm_80 and sm_87, 99 KB on sm_86 and sm_89 (consumer Ampere and Ada), 227 KB on sm_90.
 SMEM_LIMIT = {80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448}
 ELEMENT_BYTES = 2
+COPY_BYTES = 16  # one cp.async / vector load: 128 bits
+ALIGN = COPY_BYTES // ELEMENT_BYTES  # elements per 128-bit copy: strides and head dims come in these
 
 
 def tile_arch(arch: int) -> int:
@@ -26,8 +28,6 @@ def tile_arch(arch: int) -> int:
     if arch in SMEM_LIMIT:
         return arch
     return 89 if arch >= 120 else 90
-COPY_BYTES = 16  # one cp.async / vector load: 128 bits
-ALIGN = COPY_BYTES // ELEMENT_BYTES  # elements per 128-bit copy: strides and head dims come in these
 
 
 def head_dim_bucket(d: int) -> int:
