@@ -4,11 +4,12 @@ of 8 that share one Philox counter, and the word each value takes is a static fu
 index in the fragment. A kernel then makes one Philox call per group and picks words without
 run-time selects; and each group's first value sits the same multiple of 16 rows and columns
 past the thread's first value in every thread, so a group's counter is the thread's first
-counter plus compile-time steps (`Dropout.apply_sm80` reads those steps off thread 0).
+counter plus compile-time steps (`Dropout.apply` reads those steps off thread 0).
 
 The Hopper backward holds S transposed (keys on wgmma's M), so no thread holds a whole group:
-`lane_pairs` checks what a kernel would use instead, that lanes t and t ^ 4 hold each of their
-groups 4 values apiece (one Philox call per 8 values between them, 4 words exchanged).
+`pair_exchange` checks what its kernel uses instead, that lanes t and t ^ 4 hold each of their
+groups 4 values apiece, at the other half of the same words (one Philox call per 8 values
+between them, keep bits swapped by one shuffle).
 
 Groups, by accumulator shape:
 - mma.sync m16n8 fragments ((2, 2), MMA_M, MMA_N), SM80 forward and backward: value (v, m, n)
@@ -65,21 +66,34 @@ def word_groups(tiled_mma, tile_mn, wgmma: bool) -> dict:
     return {"threads": len(coords), "bad_threads": bad, "ok": bad == 0}
 
 
-def lane_pairs(tiled_mma, tile_kq, partner_xor: int = 4) -> dict:
-    """S^T tiles (keys, queries): for every thread t, each Philox counter among its values has
-    4 of its 8 values in t and the other 4 in thread t ^ partner_xor, whose words are the
-    remaining ones (inside a trace)."""
+def pair_exchange(tiled_mma, tile_kq, partner_xor: int = 4) -> dict:
+    """S^T tiles (keys, queries), wgmma fragments ((2, 2, K), 1, 1): the scheme of
+    `Dropout.pair_keep_bits`, checked for every thread t. With (key0, query0) its first value
+    and jpar = key0 mod 2: value ((c, r, k), 0, 0) sits at (key0 + 8 r, query0 + 8 k + c) and
+    takes counter (c0, c1 + 8 (k div 2) + c), with (c0, c1) the counter of the first value,
+    16-bit word 2 (k mod 2) + r of the call, half jpar. Thread t ^ partner_xor, in the same
+    warp, has the same (c0, c1) and the other parity: it holds the other half of each word, so
+    the two can split the calls (a thread makes those with c = jpar) and swap keep bits (inside
+    a trace)."""
     coords = partition_coords(tiled_mma, "partition_C", tile_kq)[:, 0]  # (threads, values, (key, query))
+    c, r, k = np.arange(coords.shape[1]) % 2, np.arange(coords.shape[1]) // 2 % 2, np.arange(coords.shape[1]) // 4
+
+    def scheme(xy):
+        key0, query0 = xy[0]
+        c0, c1, _ = philox.counter_of(query0, key0)
+        return int(key0 % 2), int(c0), int(c1)
+
     bad = 0
-    for t, mine in enumerate(coords):
-        theirs = coords[t ^ partner_xor]
-        c0, c1, s = philox.counter_of(mine[:, 1], mine[:, 0])
-        d0, d1, ds = philox.counter_of(theirs[:, 1], theirs[:, 0])
-        for a, b in set(zip(c0.tolist(), c1.tolist())):
-            m, o = (c0 == a) & (c1 == b), (d0 == a) & (d1 == b)
-            if not (m.sum() == 4 and o.sum() == 4 and sorted(s[m].tolist() + ds[o].tolist()) == list(range(8))):
-                bad += 1
-                break
+    for t, xy in enumerate(coords):
+        jpar, c0, c1 = scheme(xy)
+        placed = (np.array_equal(xy[:, 0], xy[0, 0] + 8 * r) and np.array_equal(xy[:, 1], xy[0, 1] + 8 * k + c))
+        e0, e1, s = philox.counter_of(xy[:, 1], xy[:, 0])
+        maps = ((e0 == c0).all() and np.array_equal(e1, c1 + 8 * (k // 2) + c)
+                and np.array_equal(s // 2, 2 * (k % 2) + r) and (s % 2 == jpar).all())
+        partner = t ^ partner_xor
+        pjpar, pc0, pc1 = scheme(coords[partner])
+        pairs = partner // 32 == t // 32 and (pc0, pc1) == (c0, c1) and pjpar == 1 - jpar
+        bad += int(not (placed and maps and pairs))
     return {"threads": len(coords), "bad_threads": bad, "ok": bad == 0}
 
 

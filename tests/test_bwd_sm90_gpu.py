@@ -70,3 +70,35 @@ def test_score_modifiers_with_gqa(mod, sq, sk, hh, d, data):
     """Window (both edges drawn), ALiBi, softcap (the tanh derivative), and all together, on
     the transposed S tile, with GQA and odd lengths."""
     check_score_modifiers(mod, sq, sk, hh, d, data)
+
+
+@pytest.mark.parametrize("d, sq, sk, opts", [
+    (32, 300, 1000, dict(causal=True)),                         # 128-row query blocks
+    (64, 700, 333, {}),
+    (128, 1000, 700, dict(causal=True)),                        # several key blocks per SM, rows with no key
+    (100, 257, 400, dict(window_size=(100, 20), softcap=15.0)),
+], ids=["d32-causal", "d64", "d128-causal-sq>sk", "d100-window-softcap"])
+def test_dropout_grads_match_reference_with_the_philox_mask(d, sq, sk, opts):
+    """Dropout in the Hopper backward (`Dropout.pair_keep_bits`: lanes t and t ^ 4 split the
+    Philox calls and swap keep bits): dq, dk, dv against the reference's autograd with the mask
+    `philox.keep_mask` draws for the forward's seed and offset; a wrong bit, word or partner in
+    any element moves a gradient far past the rule."""
+    import functools
+
+    from cute_flash import philox
+    from cute_flash.dropout import DropoutArgs
+    from cute_flash.launch.backward import flash_bwd
+    from cute_flash.launch.dense import flash_fwd
+    from cute_flash.reference import attention_ref
+    from tests.gpu_utils import poison_allocator
+
+    p, seed, offset = 0.2, 0xC0FFEE_1234, 9
+    drop = DropoutArgs.seeded(p, seed, offset, "cuda")
+    q, k, v, dout = _inputs(2, sq, sk, 12, 4, d)
+    out, lse = flash_fwd(q, k, v, softmax_scale=d ** -0.5, dropout=drop, **opts)
+    poison_allocator()
+    dq, dk, dv, _ = flash_bwd(dout, q, k, v, out, lse, softmax_scale=d ** -0.5, dropout=drop, **opts)
+    torch.cuda.synchronize()
+    mask = torch.from_numpy(philox.keep_mask(seed, offset, 2, 12, sq, sk, p)).cuda()
+    assert_grads_match([dq, dk, dv], q, k, v, dout, ref_fn=functools.partial(attention_ref, dropout_p=p,
+                                                                             dropout_mask=mask), **opts)

@@ -192,7 +192,8 @@ def test_hopper_forward_compiles_to_wgmma(config, tmp_path):
     are wgmma, head_dim / 16 + block_n / 16 per key block, each GEMM traced twice (the first S
     and the last P V are peeled off the loop), and it fits in shared memory. Its softmax takes
     row maxima with max.f32, not the slower max.NaN.f32, and rescales O lazily behind a warp
-    vote (docs/perf.md, Hopper step 7)."""
+    vote (docs/perf.md, Hopper step 7). Philox's 32x32 -> 64-bit multiplies appear exactly in
+    the dropout variants."""
     from cute_flash.launch.compiled import compile_fwd_sm90
 
     assert config.smem_bytes <= SMEM_LIMIT[90]
@@ -204,6 +205,7 @@ def test_hopper_forward_compiles_to_wgmma(config, tmp_path):
     assert text.count("wgmma.mma_async") == 2 * (t.head_dim // 16 + t.block_n // 16)
     assert "max.NaN.f32" not in text
     assert "vote.sync.any.pred" in text
+    assert ("mul.wide.u32" in text) == config.has_dropout
 
 
 @pytest.mark.parametrize("config", _sm90_configs())

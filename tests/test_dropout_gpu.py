@@ -1,6 +1,6 @@
-"""Dropout in the SM80 forward and backward (kernels/philox.py:Dropout) against
-`cute_flash.reference` computed with the mask `philox.keep_mask` draws for the same seed and
-offset (docs/semantics.md, Dropout): a wrong counter, word, threshold or scale in any element
+"""Dropout in the forwards (SM80 and, on sm_90, Hopper) and the backward (kernels/philox.py:
+Dropout) against `cute_flash.reference` computed with the mask `philox.keep_mask` draws for the
+same seed and offset (docs/semantics.md, Dropout): a wrong counter, word, threshold or scale in any element
 moves the output far past the criterion. The launcher tests give seeds; the public-API tests
 take the drawn state back from S_dmask or the private forward's rng_state, and read the kernel's
 own mask bits from outputs built to expose them (q = 0, v one-hot)."""
@@ -22,15 +22,22 @@ def _mask(seed, offset, b, h, sq, sk, p):
     return torch.from_numpy(philox.keep_mask(seed, offset, b, h, sq, sk, p)).cuda()
 
 
+@pytest.mark.parametrize("path", ["default", "sm80"])
 @pytest.mark.parametrize("p", [0.1, 0.5])
 @pytest.mark.parametrize("b, sq, sk, h, hk, d, opts", [
     (2, 257, 300, 4, 2, 64, {}),
     (1, 513, 129, 6, 3, 128, dict(causal=True)),
     (3, 100, 700, 8, 1, 96, dict(window_size=(200, 30), softcap=15.0)),
 ], ids=["d64-gqa", "d128-causal", "d96-window-softcap"])
-def test_dense_dropout_matches_reference(p, b, sq, sk, h, hk, d, opts):
+def test_dense_dropout_matches_reference(p, b, sq, sk, h, hk, d, opts, path, monkeypatch):
+    """The default path (the Hopper forward on sm_90) and the SM80 kernel."""
     from cute_flash.launch.dense import flash_fwd
     from cute_flash.dropout import DropoutArgs
+
+    if path == "sm80":
+        monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", "sm80")
+    else:
+        monkeypatch.delenv("CUTE_FLASH_ARCH_PATH", raising=False)
 
     seed, offset = 0x1234_5678_9ABC, 40
     q = torch.randn(b, sq, h, d, device="cuda", dtype=torch.bfloat16)

@@ -88,3 +88,36 @@ def test_tall_tiles_for_long_keys(opts):
     q, k, v = _inputs(2, 500, TALL_D64_MIN_SEQLEN_K + 51, 6, 2, 64, torch.bfloat16)  # 2100 keys
     out, lse = _run(q, k, v, **opts)
     assert_matches_reference(out, lse, q, k, v, **opts)
+
+
+@pytest.mark.parametrize("d, sq, sk, opts, persistent", [
+    (64, 300, 2100, {}, True),                                       # long keys: 128-row tiles with dropout
+    (128, 1000, 700, dict(causal=True), True),                       # rows with no key
+    (128, 1000, 700, dict(causal=True), False),
+    (96, 500, 600, dict(window_size=(300, 40), softcap=20.0), True),
+    (96, 500, 600, dict(window_size=(300, 40), softcap=20.0), False),
+    (256, 200, 333, dict(causal=True), False),                       # 64-key blocks: one CTA per tile only
+], ids=["d64-long-keys", "d128-causal-sq>sk-persistent", "d128-causal-sq>sk-cta-per-tile",
+        "d96-window-softcap-persistent", "d96-window-softcap-cta-per-tile", "d256-causal"])
+def test_dropout_matches_reference_with_the_philox_mask(d, sq, sk, opts, persistent):
+    """Dropout in the Hopper forward (kernels/philox.py, `wgmma_groups`): out against the
+    reference given `philox.keep_mask` of the same seed and offset, in each schedule (the
+    persistent one runs several tiles per CTA: 3 x 12 heads) and tile shape; a wrong counter,
+    word, threshold or scale in any element moves the output far past the criterion."""
+    import functools
+
+    from cute_flash import philox
+    from cute_flash.dropout import DropoutArgs
+    from cute_flash.launch.hopper import flash_fwd_sm90
+    from cute_flash.reference import attention_ref
+    from tests.gpu_utils import poison_allocator
+
+    p, seed, offset = 0.15, 0xDEAD_BEEF_0123, 77
+    q, k, v = _inputs(3, sq, sk, 12, 4, d, torch.bfloat16)
+    poison_allocator()
+    out, lse = flash_fwd_sm90(q, k, v, softmax_scale=d ** -0.5, persistent=persistent,
+                              dropout=DropoutArgs.seeded(p, seed, offset, "cuda"), **opts)
+    torch.cuda.synchronize()
+    mask = torch.from_numpy(philox.keep_mask(seed, offset, 3, 12, sq, sk, p)).cuda()
+    assert_matches_reference(out, lse, q, k, v, ref_fn=functools.partial(attention_ref, dropout_p=p,
+                                                                         dropout_mask=mask), **opts)

@@ -149,8 +149,9 @@ def test_dense_launch_arguments(recorder):
 
 
 def test_dense_forwards_on_sm90_default_to_the_hopper_kernel(recorder, monkeypatch):
-    """Without CUTE_FLASH_ARCH_PATH an sm_90 dense forward launches the Hopper kernel; sm80 in
-    the variable, given SM80 traits, dropout, or another GPU take the SM80 kernel."""
+    """Without CUTE_FLASH_ARCH_PATH an sm_90 dense forward launches the Hopper kernel, with
+    dropout too (given its Philox state); sm80 in the variable, given SM80 traits, or another
+    GPU take the SM80 kernel."""
     from cute_flash.dropout import DropoutArgs
     from cute_flash.kernels.config import FwdConfig
     from cute_flash.kernels.fwd_sm90 import Sm90FwdConfig
@@ -164,36 +165,42 @@ def test_dense_forwards_on_sm90_default_to_the_hopper_kernel(recorder, monkeypat
     assert isinstance(launch.config, Sm90FwdConfig) and launch.config.has_right and not launch.config.has_left
     assert (launch["window_left"], launch["window_right"]) == (-1, 0) and launch["max_ctas"] == 132
     assert launch["section_heads"] >= 2 * 4  # causal: longest tiles first over all 8 (batch, head) pairs
-    routes = [dict(traits=choose_fwd_traits(64, "bf16", 90)), dict(dropout=DropoutArgs.seeded(0.1, 1, 2, "cpu"))]
-    for extra in routes:
-        flash_fwd(q, k, v, softmax_scale=0.5, **extra)
+    flash_fwd(q, k, v, softmax_scale=0.5, dropout=DropoutArgs.seeded(0.1, 1, 2, "cpu"))
+    assert isinstance(recorder.launches[1].config, Sm90FwdConfig) and recorder.launches[1].config.has_dropout
+    assert recorder.launches[1]["mRng"] is not None
+    flash_fwd(q, k, v, softmax_scale=0.5, traits=choose_fwd_traits(64, "bf16", 90))
     monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", "sm80")
     flash_fwd(q, k, v, softmax_scale=0.5)
     monkeypatch.delenv("CUTE_FLASH_ARCH_PATH")
     monkeypatch.setattr(compiled, "device_arch", lambda index: 89)
     flash_fwd(q, k, v, softmax_scale=0.5)
-    assert [type(x.config) for x in recorder.launches[1:]] == [FwdConfig] * 4
+    assert [type(x.config) for x in recorder.launches[2:]] == [FwdConfig] * 3
 
 
 @pytest.mark.parametrize("d, sk, opts, block_m, persistent", [
     (64, 2048, dict(causal=True), 128, True),    # 16 key blocks: persistent under a mask
     (64, 2049, dict(causal=True), 192, True),    # 17: d 64's 192-row tiles, always persistent
     (64, 4096, dict(), 192, True),
+    (64, 4096, dict(dropout_p=0.1), 128, True),  # with dropout 192-row tiles spill: 128
     (128, 2048, dict(window_size=(50, 50)), 128, True),
     (128, 2049, dict(causal=True), 128, False),  # masked past 16 key blocks: one CTA per tile
     (128, 8192, dict(), 128, True),              # no mask: persistent at any length
     (256, 512, dict(), 128, False),              # no room for O's own tile
-], ids=["d64-16-blocks-causal", "d64-17-blocks-causal", "d64-long", "d128-window", "d128-long-causal",
-        "d128-long", "d256"])
+], ids=["d64-16-blocks-causal", "d64-17-blocks-causal", "d64-long", "d64-long-dropout", "d128-window",
+        "d128-long-causal", "d128-long", "d256"])
 def test_hopper_forward_tiles_and_schedule(recorder, monkeypatch, d, sk, opts, block_m, persistent):
     """The tiles, schedule and tile order the sm_90 launcher picks (the rules measured in
     docs/perf.md: longest tiles first only for the persistent kernel under a mask), and the
     tile counter: one per stream, a fresh one under capture."""
+    from cute_flash.dropout import DropoutArgs
     from cute_flash.launch import flash_fwd
     from cute_flash.launch.hopper import tile_counter
 
     monkeypatch.delenv("CUTE_FLASH_ARCH_PATH")
     tile_counter.cache_clear()
+    masked = bool(opts)
+    if "dropout_p" in opts:
+        opts, masked = dict(dropout=DropoutArgs.seeded(opts["dropout_p"], 1, 2, "cpu")), False
     q = torch.randn(1, 3, 2, d, dtype=torch.bfloat16)
     k = v = torch.randn(1, sk, 2, d, dtype=torch.bfloat16)
     flash_fwd(q, k, v, softmax_scale=0.5, **opts)
@@ -202,7 +209,7 @@ def test_hopper_forward_tiles_and_schedule(recorder, monkeypatch, d, sk, opts, b
     flash_fwd(q, k, v, softmax_scale=0.5, **opts)
     first, second, captured = recorder.launches
     assert (first.config.traits.block_m, first.config.persistent) == (block_m, persistent)
-    longest_first = persistent and bool(opts)  # every masked case here has 2 (batch, head) pairs
+    longest_first = persistent and masked  # every masked case here has 2 (batch, head) pairs
     assert first["section_heads"] == (2 if longest_first else 1)
     assert first["mTileCounter"].tolist() == [0, 0] and first["mTileCounter"] is second["mTileCounter"]
     assert captured["mTileCounter"] is not first["mTileCounter"]
@@ -211,9 +218,10 @@ def test_hopper_forward_tiles_and_schedule(recorder, monkeypatch, d, sk, opts, b
 def test_dense_backwards_on_sm90_default_to_the_hopper_kernel(recorder, monkeypatch):
     """Without CUTE_FLASH_ARCH_PATH an sm_90 dense backward launches the preprocess, the Hopper
     kernel and the Hopper dQ convert, with LSE (times log2 e) and D in rows padded to whole
-    query blocks (+inf and 0 past seqlen_q; the preprocess writes D into the padded rows);
-    deterministic, dropout, a head dim the Hopper kernel does not take (bucket 96), sm80 in the
-    variable, or another GPU take the SM80 kernel."""
+    query blocks (+inf and 0 past seqlen_q; the preprocess writes D into the padded rows), and
+    with dropout too (given the forward's Philox state); deterministic, a head dim the Hopper
+    kernel does not take (bucket 96), sm80 in the variable, or another GPU take the SM80
+    kernel."""
     from cute_flash.dropout import DropoutArgs
     from cute_flash.kernels.bwd_preprocess import PreprocessConfig
     from cute_flash.kernels.bwd_sm90 import Sm90BwdConfig
@@ -245,9 +253,11 @@ def test_dense_backwards_on_sm90_default_to_the_hopper_kernel(recorder, monkeypa
     assert (main["window_left"], main["window_right"]) == (-1, 0) and main["softmax_scale"] == 0.5
     assert dq.shape == q.shape and dk.shape == dv.shape == k.shape
 
-    dropout = DropoutArgs.seeded(0.1, 1, 2, "cpu")
-    for extra in (dict(deterministic=True), dict(dropout=dropout)):
-        flash_bwd(dout, q, k, v, q, lse, softmax_scale=0.5, **extra)
+    flash_bwd(dout, q, k, v, q, lse, softmax_scale=0.5, dropout=DropoutArgs.seeded(0.1, 1, 2, "cpu"))
+    main = recorder.launches[4]
+    assert isinstance(main.config, Sm90BwdConfig) and main.config.has_dropout and main["mRng"] is not None
+    del recorder.launches[3:6]
+    flash_bwd(dout, q, k, v, q, lse, softmax_scale=0.5, deterministic=True)
     q96 = torch.randn(2, 70, 4, 96, dtype=torch.bfloat16)
     flash_bwd(q96, q96, q96, q96, q96, lse, softmax_scale=0.5)
     monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", "sm80")
@@ -256,7 +266,7 @@ def test_dense_backwards_on_sm90_default_to_the_hopper_kernel(recorder, monkeypa
     monkeypatch.setattr(compiled, "device_arch", lambda index: 80)
     flash_bwd(dout, q, k, v, q, lse, softmax_scale=0.5)
     mains = [x.config for x in recorder.launches[3:] if not isinstance(x.config, (PreprocessConfig, DQConvertConfig))]
-    assert [type(c) for c in mains] == [BwdConfig] * 5
+    assert [type(c) for c in mains] == [BwdConfig] * 4
 
 
 @pytest.mark.parametrize("arch", [86, 89, 120, 121])

@@ -488,18 +488,19 @@ def test_dropout_word_check_catches_the_backward_s_tile():
 
 
 @pytest.mark.parametrize("traits", shipped_hopper_bwd_traits(), ids=lambda t: t.name)
-def test_dropout_lane_pairs_hopper_backward(traits):
+def test_dropout_pair_exchange_hopper_backward(traits):
     """The Hopper backward's S^T tile: lanes t and t ^ 4 share every Philox counter they touch,
-    4 values each, so dropout there needs one Philox call per 8 values (as the forward) and a
-    4-word exchange; with lane t ^ 1 (the other columns) the pairing fails for every thread."""
+    each holding 4 values at one half of the same 4 words, where `Dropout.pair_keep_bits` puts
+    them (one Philox call per 8 values, as the forward, and one shuffle of keep bits); with lane
+    t ^ 1 (the other columns) the pairing fails for every thread."""
     from layouts import hopper
     from layouts.verify import in_arch_trace
-    from layouts.verify_dropout import lane_pairs
+    from layouts.verify_dropout import pair_exchange
 
     tile = (traits.block_n, traits.block_m)
-    result = in_arch_trace("sm_90a", lambda: lane_pairs(hopper.tiled_mma_sdp_t(traits), tile))
+    result = in_arch_trace("sm_90a", lambda: pair_exchange(hopper.tiled_mma_sdp_t(traits), tile))
     assert result["ok"], result
-    wrong = in_arch_trace("sm_90a", lambda: lane_pairs(hopper.tiled_mma_sdp_t(traits), tile, partner_xor=1))
+    wrong = in_arch_trace("sm_90a", lambda: pair_exchange(hopper.tiled_mma_sdp_t(traits), tile, partner_xor=1))
     assert wrong["bad_threads"] == wrong["threads"], wrong
 
 

@@ -41,6 +41,7 @@ from cute_flash.kernels.config import score_letters
 from cute_flash.kernels.dq_accum import HOPPER_VEC, bulk_add_run, chunk_index, stage_run
 from cute_flash.kernels.fwd_sm90 import seq_first, use_state
 from cute_flash.kernels.gemm import wgmma_issue
+from cute_flash.kernels.philox import Dropout
 from cute_flash.kernels.score_mods import Mask, apply_alibi, softcap_with_derivative
 from cute_flash.kernels.seq_info import SeqInfo
 from layouts import hopper
@@ -66,6 +67,7 @@ class Sm90BwdConfig:
     has_right: bool = False
     has_alibi: bool = False
     has_softcap: bool = False
+    has_dropout: bool = False  # the forward's Philox mask, recomputed (kernels/philox.py)
 
     def __post_init__(self):
         if self.traits.block_n != 128 or self.traits.block_m % 64:
@@ -119,6 +121,7 @@ class Sm90BwdTensors:
     mD: cute.Tensor        # (batch, heads, seqlen_q_pad) fp32: rowsum(dO * O), 0 past seqlen_q
     mdQaccum: cute.Tensor  # (1, batch, heads, tiles, bm * d) fp32, zeroed
     mAlibi: object         # (batch, heads) fp32 slopes
+    mRng: object           # (4,) uint32: dropout's Philox key, offset and keep threshold
 
 
 @dataclass(frozen=True)
@@ -160,12 +163,13 @@ class FlashBwdSm90:
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
-                 mD: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, mAlibi,
+                 mD: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, mAlibi, mRng,
                  softmax_scale: cutlass.Float32, scale_log2: cutlass.Float32, score_premul: cutlass.Float32,
                  alibi_div: cutlass.Float32, window_left: cutlass.Int32, window_right: cutlass.Int32, stream):
         """mQ / mdO (batch, seqlen_q, heads, d), mK / mV (batch, seqlen_k, heads_k, d), mdK / mdV
         (batch, seqlen_k, heads, d), mLSE / mD (batch, heads, seqlen_q_pad) fp32 (see
-        Sm90BwdTensors), mdQaccum (1, batch, heads, seqlen_q_pad / bm, bm * d) fp32 zeroed."""
+        Sm90BwdTensors), mdQaccum (1, batch, heads, seqlen_q_pad / bm, bm * d) fp32 zeroed; mRng
+        (4,) uint32, the forward's dropout state, or None."""
         t = self.t
         bm, bn, d = t.block_m, t.block_n, t.head_dim
         sQ_layout = hopper.smem_layout_staged(t, bm, STAGES)
@@ -191,7 +195,7 @@ class FlashBwdSm90:
 
         recipe = Sm90BwdRecipe(sQ_layout, sKV_layout, sdS_layout, tma_q, tma_do, tma_k, tma_v, tma_dk, tma_dv,
                                hopper.tiled_mma_sdp_t(t), hopper.tiled_mma_dkv(t), hopper.tiled_mma_dq(t))
-        args = Sm90BwdTensors(tma_mQ, tma_mK, tma_mV, tma_mdO, tma_mdK, tma_mdV, mLSE, mD, mdQaccum, mAlibi)
+        args = Sm90BwdTensors(tma_mQ, tma_mK, tma_mV, tma_mdO, tma_mdK, tma_mdV, mLSE, mD, mdQaccum, mAlibi, mRng)
         scalars = BwdScalars(softmax_scale, scale_log2, score_premul, alibi_div, window_left, window_right)
         self.kernel(args, scalars, recipe, SharedStorage).launch(
             grid=(cute.ceil_div(mK.shape[1], bn), mQ.shape[2], mQ.shape[0]), block=[self.config.num_threads, 1, 1],
@@ -330,6 +334,9 @@ class FlashBwdSm90:
         if cutlass.const_expr(cfg.has_alibi):
             slope = args.mAlibi[tile.bidb, tile.bidh] * scalars.alibi_div
         mask = Mask(tile.seq.seqlen_q, tile.seq.seqlen_k, window)
+        dropout = None
+        if cutlass.const_expr(cfg.has_dropout):
+            dropout = Dropout.load(args.mRng, tile.bidb * args.tma_mQ.shape[2] + tile.bidh)
         cute.arch.mbarrier_wait(pipes.kv_full, 0)
         for i in cutlass.range(tile.m_block_max - tile.m_block_min, unroll=1):
             m_block = tile.m_block_min + i
@@ -342,6 +349,9 @@ class FlashBwdSm90:
             wgmma_issue(mma_s, acc_s, tSrK, tSrQ[None, None, None, read.index])
             pipes.do.consumer_wait(read)
             wgmma_issue(mma_dp, acc_dp, tdPrV, tdPrdO[None, None, None, read.index])
+            keep_bits = None
+            if cutlass.const_expr(cfg.has_dropout):  # while the GEMMs run: the mask needs no score
+                keep_bits = dropout.pair_keep_bits(recipe.mma_sdp, mma_tidx, m_block * bm, tile.n_block * bn, (bn, bm))
             warpgroup.wait_group(1)  # S^T landed; dP^T may still run
 
             dtanh = None
@@ -363,10 +373,14 @@ class FlashBwdSm90:
                 for r in cutlass.range_constexpr(cute.size(acc_s_mn.shape[0])):
                     acc_s_mn[r, c] = cute.math.exp2(acc_s_mn[r, c] * scalars.scale_log2 - lse, fastmath=True)
             warpgroup.wait_group(0)  # dP^T landed
-            for c in cutlass.range_constexpr(cute.size(acc_s_mn.shape[1])):
-                dot = tD[0, c]
-                for r in cutlass.range_constexpr(cute.size(acc_s_mn.shape[0])):
-                    acc_dp_mn[r, c] = acc_s_mn[r, c] * (acc_dp_mn[r, c] - dot)
+            if cutlass.const_expr(cfg.has_dropout):
+                self.dropout_ds(dropout, keep_bits, acc_s, acc_dp,
+                                c_sdp.partition_C(self.by_column(smem.sD, read.index)))
+            else:
+                for c in cutlass.range_constexpr(cute.size(acc_s_mn.shape[1])):
+                    dot = tD[0, c]
+                    for r in cutlass.range_constexpr(cute.size(acc_s_mn.shape[0])):
+                        acc_dp_mn[r, c] = acc_s_mn[r, c] * (acc_dp_mn[r, c] - dot)
             if cutlass.const_expr(cfg.has_softcap):
                 for j in cutlass.range(cute.size(acc_dp), unroll_full=True):
                     acc_dp[j] = acc_dp[j] * dtanh[j]
@@ -387,6 +401,24 @@ class FlashBwdSm90:
             warpgroup.wait_group(0)
             pipes.q.consumer_release(read)
         self.store_dkv(acc_dk, acc_dv, scalars, recipe, args, smem, tile, mma_tidx)
+
+    @cute.jit
+    def dropout_ds(self, dropout: Dropout, keep_bits, acc_s: cute.Tensor, acc_dp: cute.Tensor, tD: cute.Tensor):
+        """With dropout (Z the forward's keep mask, 1 / P(keep) its scale): acc_s (P^T) becomes
+        the dropped P~^T = P^T Z / P(keep) that dV reads, acc_dp (dP^T) becomes dS^T = P^T (dP^T
+        Z / P(keep) - D) (D, rowsum(dO * O), is already the dropped output's); keep_bits from
+        `Dropout.pair_keep_bits`, tD (MMA, MMA_M, MMA_N) each value's D."""
+        scale = dropout.scale()
+        for k in cutlass.range_constexpr(cute.size(acc_s.shape[0][2])):
+            for r in cutlass.range_constexpr(2):
+                for c in cutlass.range_constexpr(2):
+                    v = ((c, r, k), 0, 0)
+                    z = cutlass.Float32(0.0)
+                    if (keep_bits[c] >> (4 * (k // 2) + 2 * (k % 2) + r)) & cutlass.Uint32(1) != cutlass.Uint32(0):
+                        z = scale
+                    p = acc_s[v]
+                    acc_s[v] = p * z
+                    acc_dp[v] = p * (acc_dp[v] * z - tD[v])
 
     @cute.jit
     def by_column(self, s: cute.Tensor, stage):

@@ -39,7 +39,7 @@ from cute_flash.kernels.block_range import BlockRange, Window
 from cute_flash.kernels.config import FwdConfig
 from cute_flash.kernels.gemm import MmaOperands
 from cute_flash.kernels.kv_tiles import KVTiles
-from cute_flash.kernels.philox import Dropout
+from cute_flash.kernels.philox import Dropout, sm80_groups
 from cute_flash.kernels.score_mods import Mask, ScoreMods
 from cute_flash.kernels.seq_info import SeqInfo, clamp
 from cute_flash.kernels.softmax import OnlineSoftmax
@@ -492,8 +492,9 @@ class FlashFwd:
         acc_s_mn = loop.mods.apply(mma.tiled_mma, acc_s, loop.m_block, n_block, masked)
         loop.softmax.step(acc_s_mn, loop.acc_o_mn, is_first, masked)
         if cutlass.const_expr(cfg.has_dropout):  # after the row sums: they are taken before dropout
-            loop.dropout.apply_sm80(mma.tiled_mma, acc_s, loop.m_block * t.block_m, n_block * t.block_n,
-                                    (t.block_m, t.block_n))
+            tidx, _, _ = cute.arch.thread_idx()
+            loop.dropout.apply(mma.tiled_mma, acc_s, sm80_groups(acc_s.shape), tidx, loop.m_block * t.block_m,
+                               n_block * t.block_n, (t.block_m, t.block_n))
 
         rP = cute.make_fragment_like(acc_s, self.dtype)  # (MMA, MMA_M, MMA_N)
         rP.store(acc_s.load().to(self.dtype))

@@ -18,15 +18,16 @@ consume, 64 query rows each (FlashAttention-3's design, written here):
 
 A persistent variant runs one CTA per SM: each takes the tile of its block index first, then
 the next unclaimed one from a global counter (a dynamic scheduler, so tiles of unequal length
-under a causal mask balance themselves; the host may number them longest first, `tile`). The
-producer announces each tile's index to the consumers in shared memory, published by Q's full
-barrier; Q's tile is released by a barrier once the consumers' last wgmma is done, O has a tile
-of its own, so the next tile's Q and K / V load during this one's last P V and epilogue.
-Otherwise one CTA per tile, O staged in Q's tile. With two consumer warpgroups (d <= 128) a
-pair of named barriers makes them take turns at issuing their GEMMs, so one's softmax runs
-while the other's GEMMs occupy the tensor cores (ping-pong). TMA zero-fills what lies past a
-tensor's end (rows past seqlen, columns past a padded head dim), so no load needs a predicate;
-the first block processed (the last one) and blocks a window edge crosses run the mask.
+under a causal mask balance themselves; the host may number them longest first, `tile`). Q's
+tile is released by a barrier once the consumers' last wgmma is done, O has a tile of its own,
+so the next tile's Q and K / V load during this one's last P V and epilogue. Otherwise one CTA
+per tile, O staged in Q's tile. Either way the producer announces each tile's index and
+coordinates to the consumers in shared memory, published by Q's full barrier. With two
+consumer warpgroups (d <= 128) a pair of named barriers makes them take turns at issuing their
+GEMMs, so one's softmax runs while the other's GEMMs occupy the tensor cores (ping-pong). TMA
+zero-fills what lies past a tensor's end (rows past seqlen, columns past a padded head dim), so
+no load needs a predicate; the first block processed (the last one) and blocks a window edge
+crosses run the mask.
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cute_flash.kernels.block_range import BlockRange, Window
 from cute_flash.kernels.config import score_letters
 from cute_flash.kernels.gemm import wgmma, wgmma_issue
+from cute_flash.kernels.philox import Dropout, wgmma_groups
 from cute_flash.kernels.score_mods import Mask, ScoreMods
 from cute_flash.kernels.seq_info import SeqInfo
 from cute_flash.kernels.softmax import OnlineSoftmax
@@ -67,6 +69,7 @@ class Sm90FwdConfig:
     has_right: bool = False
     has_alibi: bool = False
     has_softcap: bool = False
+    has_dropout: bool = False  # P's elements dropped by the Philox mask (docs/semantics.md, Dropout)
 
     @property
     def num_threads(self) -> int:
@@ -89,9 +92,9 @@ class Sm90FwdConfig:
     @property
     def smem_bytes(self) -> int:
         """The tiles (O's own when persistent), the mbarriers (8 bytes each: Q's full and empty
-        ones, a full and an empty one per stage of K and of V) and the tile index."""
+        ones, a full and an empty one per stage of K and of V) and the tile slot (4 int32)."""
         o_tile = ELEMENT_BYTES * self.traits.block_m * self.traits.head_dim if self.persistent else 0
-        return self.traits.smem_bytes(self.stages) + o_tile + 8 * (2 + 4 * self.stages) + 4
+        return self.traits.smem_bytes(self.stages) + o_tile + 8 * (2 + 4 * self.stages) + 16
 
     @property
     def name(self) -> str:
@@ -129,6 +132,7 @@ class Sm90Tensors:
     tma_mO: cute.Tensor  # (seqlen_q, d, heads, batch)
     mLSE: cute.Tensor    # (batch, heads, seqlen_q) fp32
     mAlibi: object       # (batch, heads) fp32 slopes
+    mRng: object         # (4,) uint32: dropout's Philox key, offset and keep threshold
     mTileCounter: cute.Tensor  # (2,) int32: tiles claimed past the first wave, CTAs finished
 
 
@@ -152,7 +156,7 @@ class Pipes:
     q_empty: object
     k: object
     v: object
-    tile_slot: cute.Tensor  # (1,) int32 in smem: the tile Q's full barrier announces (persistent)
+    tile_slot: cute.Tensor  # (4,) int32 in smem: the tile Q's full barrier announces: index, m_block, bidh, bidb
 
 
 @dataclass(frozen=True)
@@ -174,6 +178,8 @@ class Sm90Loop:
     unmasked_hi: object
     consumer_wg: object       # 0, 1, ..: this consumer warpgroup
     kv_uses: object           # K / V stage uses before this tile's (the pipelines' position)
+    dropout: object           # kernels/philox.py:Dropout (has_dropout), else None
+    mma_tidx: object          # this thread among the consumers
 
 
 def use_state(n, stages: int, producer: bool) -> pipeline.PipelineState:
@@ -203,11 +209,12 @@ class FlashFwdSm90:
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
-                 mAlibi, mTileCounter: cute.Tensor, scale_log2: cutlass.Float32, score_premul: cutlass.Float32,
+                 mAlibi, mRng, mTileCounter: cute.Tensor, scale_log2: cutlass.Float32, score_premul: cutlass.Float32,
                  alibi_div: cutlass.Float32, window_left: cutlass.Int32, window_right: cutlass.Int32,
                  section_heads: cutlass.Int32, max_ctas: cutlass.Int32, stream):
         """mQ / mO (batch, seqlen_q, heads, d), mK / mV (batch, seqlen_k, heads_k, d), mLSE
-        (batch, heads, seqlen_q) fp32, mAlibi (batch, heads) fp32 or None; mTileCounter (2,)
+        (batch, heads, seqlen_q) fp32, mAlibi (batch, heads) fp32 or None, mRng (4,) uint32 (the
+        dropout state, `Dropout.load`) or None; mTileCounter (2,)
         int32, zero before a persistent launch and left zero by it; section_heads: see `tile`;
         max_ctas: the SMs a persistent variant spreads its tiles over."""
         t, stages = self.t, self.config.stages
@@ -221,7 +228,7 @@ class FlashFwdSm90:
 
         kv = (self.dtype, cute.cosize(sKV_layout), 1024)
         fields = {"q_barriers": (cutlass.Int64, 2, None), "k_barriers": (cutlass.Int64, 2 * stages, None),
-                  "v_barriers": (cutlass.Int64, 2 * stages, None), "tile_slot": (cutlass.Int32, 1, None),
+                  "v_barriers": (cutlass.Int64, 2 * stages, None), "tile_slot": (cutlass.Int32, 4, None),
                   "sQ": (self.dtype, cute.cosize(sQ_layout), 1024), "sK": kv, "sV": kv}
         if cutlass.const_expr(self.config.persistent):
             fields["sO"] = (self.dtype, cute.cosize(sQ_layout), 1024)
@@ -229,7 +236,7 @@ class FlashFwdSm90:
 
         recipe = Sm90Recipe(sQ_layout, sKV_layout, tma_q, tma_k, tma_v, tma_o, hopper.tiled_mma_qk(t),
                             hopper.tiled_mma_pv(t))
-        args = Sm90Tensors(tma_mQ, tma_mK, tma_mV, tma_mO, mLSE, mAlibi, mTileCounter)
+        args = Sm90Tensors(tma_mQ, tma_mK, tma_mV, tma_mO, mLSE, mAlibi, mRng, mTileCounter)
         scalars = Sm90Scalars(scale_log2, score_premul, alibi_div, window_left, window_right, section_heads)
         tiles = self.num_tiles(args)
         ctas = cutlass.min(tiles, max_ctas) if cutlass.const_expr(self.config.persistent) else tiles
@@ -260,7 +267,7 @@ class FlashFwdSm90:
                                                                     storage.v_barriers.data_ptr()))
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
-        pipes = Pipes(q_full, q_empty, k_pipe, v_pipe, storage.tile_slot.get_tensor(cute.make_layout(1)))
+        pipes = Pipes(q_full, q_empty, k_pipe, v_pipe, storage.tile_slot.get_tensor(cute.make_layout(4)))
         sQ = storage.sQ.get_tensor(recipe.sQ_layout.outer, swizzle=recipe.sQ_layout.inner)    # (bm, d)
         sK = storage.sK.get_tensor(recipe.sKV_layout.outer, swizzle=recipe.sKV_layout.inner)  # (bn, d, stages)
         sV = storage.sV.get_tensor(recipe.sKV_layout.outer, swizzle=recipe.sKV_layout.inner)  # (bn, d, stages)
@@ -288,7 +295,7 @@ class FlashFwdSm90:
         decreasing length under a causal mask, while the K / V the CTAs in flight read stay
         those of one section (the host sizes it for L2). section_heads 1: one pair's blocks,
         last first, then the next pair's."""
-        cfg, t = self.config, self.t
+        t = self.t
         seqlen_q, heads = args.tma_mQ.shape[0], args.tma_mQ.shape[2]
         pairs = heads * args.tma_mQ.shape[3]
         m_blocks = cute.ceil_div(seqlen_q, t.block_m)
@@ -296,16 +303,26 @@ class FlashFwdSm90:
         first_pair = section * scalars.section_heads
         in_section = cutlass.min(scalars.section_heads, pairs - first_pair)
         r = tile_idx - first_pair * m_blocks
-        m_block = m_blocks - 1 - r // in_section
         pair = first_pair + r % in_section
-        bidh = pair % heads
-        bidb = pair // heads
-        seq = SeqInfo.make(bidb, seqlen_q, args.tma_mK.shape[0])
+        return self.tile_at(args, scalars, m_blocks - 1 - r // in_section, pair % heads, pair // heads)
+
+    @cute.jit
+    def tile_at(self, args: Sm90Tensors, scalars: Sm90Scalars, m_block, bidh, bidb) -> Tile:
+        """The tile of query block m_block of (bidb, bidh): its key blocks."""
+        cfg, t = self.config, self.t
+        seq = SeqInfo.make(bidb, args.tma_mQ.shape[0], args.tma_mK.shape[0])
         window = Window(scalars.window_left, scalars.window_right, cfg.has_left, cfg.has_right)
         blocks = BlockRange.make(seq, m_block, t.block_m, t.block_n, window)
         # a window can end before it starts (n_block_min > n_block_max): no key block then
         return Tile(m_block, bidh, bidb, seq, blocks.n_block_max,
                     cutlass.max(blocks.n_block_max - blocks.n_block_min, 0))
+
+    @cute.jit
+    def announced(self, args: Sm90Tensors, scalars: Sm90Scalars, pipes: Pipes) -> Tile:
+        """The tile whose coordinates the producer published with Q (`announce`): the integer
+        divisions of `tile` are the producer's alone (d 64 causal: 180 instructions before a
+        tile's first wgmma, SASS)."""
+        return self.tile_at(args, scalars, pipes.tile_slot[1], pipes.tile_slot[2], pipes.tile_slot[3])
 
     @cute.jit
     def produce(self, args: Sm90Tensors, scalars: Sm90Scalars, recipe: Sm90Recipe, pipes: Pipes, sQ, sK, sV):
@@ -320,9 +337,7 @@ class FlashFwdSm90:
         ctas, _, _ = cute.arch.grid_dim()
         heads = args.tma_mQ.shape[2]
         if cutlass.const_expr(not self.config.persistent):
-            tile = self.tile(args, scalars, bidx)
-            if tile.count > 0:
-                self.produce_tile(args, recipe, pipes, sQ, sK, sV, tile, bidx, heads, 0, 0)
+            self.produce_tile(args, recipe, pipes, sQ, sK, sV, self.tile(args, scalars, bidx), bidx, heads, 0, 0)
         else:
             tiles = self.num_tiles(args)
             q_loads = cutlass.Int32(0)
@@ -338,7 +353,7 @@ class FlashFwdSm90:
                 q_loads = q_loads + 1
                 kv_uses = kv_uses + tile.count
                 tile_idx = ctas + cute.arch.shuffle_sync(claimed, 0)
-            self.announce(pipes, tiles, 0, q_loads)  # every CTA ran at least one tile: ctas <= tiles
+            self.announce(pipes, tiles, None, 0, q_loads)  # every CTA ran at least one tile: ctas <= tiles
             with cute.arch.elect_one():
                 finished = cute.arch.atomic_add(args.mTileCounter.iterator + 1, cutlass.Int32(1), sem="acq_rel",
                                                 scope="gpu")
@@ -347,15 +362,19 @@ class FlashFwdSm90:
                     args.mTileCounter[1] = cutlass.Int32(0)
 
     @cute.jit
-    def announce(self, pipes: Pipes, tile_idx, q_bytes: cutlass.Constexpr, q_loads):
-        """Once the consumers are done with the previous tile's Q, arrive on Q's full barrier,
-        expecting q_bytes of Q's TMA (0: no load follows, the arrival alone completes the
-        phase); persistent, with the tile's index written where the consumers read it."""
+    def announce(self, pipes: Pipes, tile_idx, tile, q_bytes: cutlass.Constexpr, q_loads):
+        """Once the consumers are done with the previous tile's Q, write the tile's index and
+        coordinates (tile None: only the index, past the last tile) where the consumers read
+        them, and arrive on Q's full barrier, expecting q_bytes of Q's TMA (0: no load follows,
+        the arrival alone completes the phase)."""
         if q_loads > 0:
             cute.arch.mbarrier_wait(pipes.q_empty, (q_loads - 1) % 2)
         with cute.arch.elect_one():
-            if cutlass.const_expr(self.config.persistent):
-                pipes.tile_slot[0] = tile_idx
+            pipes.tile_slot[0] = tile_idx
+            if cutlass.const_expr(tile is not None):
+                pipes.tile_slot[1] = tile.m_block
+                pipes.tile_slot[2] = tile.bidh
+                pipes.tile_slot[3] = tile.bidb
             if cutlass.const_expr(q_bytes > 0):
                 cute.arch.mbarrier_arrive_and_expect_tx(pipes.q_full, q_bytes)
             else:
@@ -364,9 +383,8 @@ class FlashFwdSm90:
     @cute.jit
     def produce_tile(self, args: Sm90Tensors, recipe: Sm90Recipe, pipes: Pipes, sQ, sK, sV, tile: Tile, tile_idx,
                      heads, q_loads, kv_uses):
-        """Persistent, a tile with no key block (a causal row past every key, a window beyond
-        the keys) still loads Q: its announcement travels with it. One CTA per tile, such a tile
-        loads nothing (its consumers wait for nothing)."""
+        """A tile with no key block (a causal row past every key, a window beyond the keys)
+        still loads Q: its announcement travels with it."""
         bm, bn, d, stages = self.t.block_m, self.t.block_n, self.t.head_dim, self.config.stages
         bidh_kv = tile.bidh // (heads // args.tma_mK.shape[2])
         gQ = cute.local_tile(args.tma_mQ[None, None, tile.bidh, tile.bidb], (bm, d), (tile.m_block, 0))  # (bm, d)
@@ -379,9 +397,8 @@ class FlashFwdSm90:
                                            cute.group_modes(gK, 0, 2))  # (TMA, stages), (TMA, n_blocks)
         tVsV, tVgV = cpasync.tma_partition(recipe.tma_v, 0, one, cute.group_modes(sV, 0, 2),
                                            cute.group_modes(gV, 0, 2))  # (TMA, stages), (TMA, n_blocks)
-        if cutlass.const_expr(self.config.persistent):
-            if tile.count == 0:
-                self.load_q(recipe, pipes, tQgQ, tQsQ, tile_idx, q_loads)
+        if tile.count == 0:
+            self.load_q(recipe, pipes, tQgQ, tQsQ, tile, tile_idx, q_loads)
         for i in cutlass.range(tile.count, unroll=1):
             n_block = tile.n_block_max - 1 - i
             write = use_state(kv_uses + i, stages, producer=True)
@@ -389,14 +406,14 @@ class FlashFwdSm90:
             cute.copy(recipe.tma_k, tKgK[None, n_block], tKsK[None, write.index],
                       tma_bar_ptr=pipes.k.producer_get_barrier(write))
             if i == 0:
-                self.load_q(recipe, pipes, tQgQ, tQsQ, tile_idx, q_loads)
+                self.load_q(recipe, pipes, tQgQ, tQsQ, tile, tile_idx, q_loads)
             pipes.v.producer_acquire(write)
             cute.copy(recipe.tma_v, tVgV[None, n_block], tVsV[None, write.index],
                       tma_bar_ptr=pipes.v.producer_get_barrier(write))
 
     @cute.jit
-    def load_q(self, recipe: Sm90Recipe, pipes: Pipes, tQgQ, tQsQ, tile_idx, q_loads):
-        self.announce(pipes, tile_idx, cute.size_in_bytes(self.dtype, recipe.sQ_layout), q_loads)
+    def load_q(self, recipe: Sm90Recipe, pipes: Pipes, tQgQ, tQsQ, tile: Tile, tile_idx, q_loads):
+        self.announce(pipes, tile_idx, tile, cute.size_in_bytes(self.dtype, recipe.sQ_layout), q_loads)
         cute.copy(recipe.tma_q, tQgQ, tQsQ, tma_bar_ptr=pipes.q_full)
 
     @cute.jit
@@ -429,11 +446,9 @@ class FlashFwdSm90:
             bidx, _, _ = cute.arch.block_idx()
             ctas, _, _ = cute.arch.grid_dim()
             # One trip (grid = tiles). Written without the loop, ptxas spilled 68 B at d 128 causal.
-            for tile_idx in cutlass.range(bidx, self.num_tiles(args), ctas, unroll=1):
-                tile = self.tile(args, scalars, tile_idx)
-                if tile.count > 0:
-                    cute.arch.mbarrier_wait(pipes.q_full, 0)
-                consume(tile, mma_tidx, 0)
+            for _ in cutlass.range(bidx, self.num_tiles(args), ctas, unroll=1):
+                cute.arch.mbarrier_wait(pipes.q_full, 0)
+                consume(self.announced(args, scalars, pipes), mma_tidx, 0)
         else:
             cute.arch.mbarrier_wait(pipes.q_full, 0)
             tiles = self.num_tiles(args)
@@ -441,7 +456,7 @@ class FlashFwdSm90:
             kv_uses = cutlass.Int32(0)
             tile_idx = pipes.tile_slot[0]
             while tile_idx < tiles:
-                tile = self.tile(args, scalars, tile_idx)
+                tile = self.announced(args, scalars, pipes)
                 consume(tile, mma_tidx, kv_uses)
                 q_loads = q_loads + 1
                 kv_uses = kv_uses + tile.count
@@ -453,7 +468,7 @@ class FlashFwdSm90:
     @cute.jit
     def consume_tile(self, args: Sm90Tensors, scalars: Sm90Scalars, recipe: Sm90Recipe, pipes: Pipes, tSrQ, tSrK,
                      tOrV, acc_s, tOrP, acc_o, row_scale, sO, consumer_wg, tile: Tile, mma_tidx, kv_uses):
-        """One tile; the caller has waited for its Q where it has key blocks."""
+        """One tile; the caller has waited for its Q (and coordinates)."""
         cfg, t = self.config, self.t
         bm, bn = t.block_m, t.block_n
         acc_o.fill(0.0)
@@ -471,14 +486,19 @@ class FlashFwdSm90:
         mods = ScoreMods(Mask(tile.seq.seqlen_q, tile.seq.seqlen_k, window), scalars.score_premul, slope,
                          cfg.has_softcap, cfg.has_alibi, (bm, bn), mma_tidx=mma_tidx)
         lo, hi = BlockRange.unmasked(tile.seq, tile.m_block, bm, bn, window)
+        dropout = None
+        if cutlass.const_expr(cfg.has_dropout):
+            dropout = Dropout.load(args.mRng, tile.bidb * args.tma_mQ.shape[2] + tile.bidh)
         loop = Sm90Loop(pipes, tSrQ, tSrK, tOrV, acc_s, tOrP, acc_o, acc_o_mn, row_scale, softmax, mods, tile.m_block,
-                        lo, hi, consumer_wg, kv_uses)
+                        lo, hi, consumer_wg, kv_uses, dropout, mma_tidx)
         if tile.count > 0:
             self.mainloop(loop, tile.n_block_max, tile.count, recipe)
         cute.arch.mbarrier_arrive(pipes.q_empty)  # this thread's wgmmas are done with sQ and the tile's index
 
         lse = cute.make_rmem_tensor(softmax.row_max.layout, cutlass.Float32)
         softmax.finalize(acc_o_mn, lse, cutlass.Float32.inf)
+        if cutlass.const_expr(cfg.has_dropout):  # the kept values' 1 / P(keep), once for all of O
+            acc_o.store(acc_o.load() * dropout.scale())
         self.store(acc_o, lse, sO, args, recipe, tile, mma_tidx)
 
     @cute.jit
@@ -525,10 +545,17 @@ class FlashFwdSm90:
     @cute.jit
     def scores(self, loop: Sm90Loop, n_block, recipe: Sm90Recipe, is_first: cutlass.Constexpr,
                masked: cutlass.Constexpr):
-        """S of key block n_block (in acc_s) -> modifiers -> unnormalised P; the first block's
-        P is converted here, a later one's after O is rescaled."""
+        """S of key block n_block (in acc_s) -> modifiers -> unnormalised P -> dropout (after
+        the row sums: they are taken before dropout); the first block's P is converted here, a
+        later one's after O is rescaled. Dropout's Philox calls run here, after the softmax:
+        computed while the GEMMs run instead (they depend on the coordinates alone) they held
+        32 more registers and measured 1-9% slower (docs/perf.md, Dropout)."""
         acc_s_mn = loop.mods.apply(recipe.mma_qk, loop.acc_s, loop.m_block, n_block, masked)
         loop.softmax.update(acc_s_mn, loop.row_scale, is_first, masked)
+        if cutlass.const_expr(self.config.has_dropout):
+            bm, bn = self.t.block_m, self.t.block_n
+            loop.dropout.apply(recipe.mma_qk, loop.acc_s, wgmma_groups(loop.acc_s.shape), loop.mma_tidx,
+                               loop.m_block * bm, n_block * bn, (bm, bn))
         if cutlass.const_expr(is_first):
             self.convert_p(loop)
 

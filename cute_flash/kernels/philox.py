@@ -145,28 +145,78 @@ class Dropout:
         return keeps
 
     @cute.jit
-    def apply_sm80(self, tiled_mma: cute.TiledMma, acc_s: cute.Tensor, row0, col0, tile_mn: cutlass.Constexpr):
-        """Zero the dropped values of a ((2, 2), MMA_M, MMA_N) mma.sync P tile whose element (r, c)
-        is (row0 + r, col0 + c) of the head: one Philox call per value group (0, m, 2t) .. (3, m,
-        2t + 1), value (v, m, 2t + n2) taking word 4 (v // 2) + 2 n2 + v % 2
-        (layouts/verify_dropout.py proves both for every SM80 forward tile). A group's counter is
-        the thread's first one plus compile-time steps: its first value sits a multiple of 16
-        rows and columns past the thread's (0, 0, 0), read off thread 0's static coordinates, so
-        each call's c0 / c1 cost an add instead of `counter_of`'s divisions."""
-        tidx, _, _ = cute.arch.thread_idx()
+    def apply(self, tiled_mma: cute.TiledMma, acc_s: cute.Tensor, groups, thread, row0, col0,
+              tile_mn: cutlass.Constexpr):
+        """Zero the dropped values of thread `thread`'s part of a P tile whose element (r, c) is
+        (row0 + r, col0 + c) of the head; groups: its accumulator's value groups (`sm80_groups`
+        for mma.sync, `wgmma_groups`), one Philox call each. A group's counter is the thread's
+        first one plus compile-time steps: its first value sits a multiple of 16 rows and columns
+        past the thread's first value, read off thread 0's static coordinates
+        (layouts/verify_dropout.py proves this for every shipped tile), so each call's c0 / c1
+        cost an add instead of `counter_of`'s divisions."""
         ident = cute.make_identity_tensor(tile_mn)
-        tScS = tiled_mma.get_slice(tidx).partition_C(ident)  # (MMA, MMA_M, MMA_N)
+        tScS = tiled_mma.get_slice(thread).partition_C(ident)  # (MMA, MMA_M, MMA_N)
         tScS_0 = tiled_mma.get_slice(0).partition_C(ident)  # (MMA, MMA_M, MMA_N), static coordinates
-        base = tScS[0, 0, 0]
+        base = tScS[0]
         c0_base, c1_base, _ = philox.counter_of(row0 + base[0], col0 + base[1])
-        for m in cutlass.range_constexpr(cute.size(acc_s.shape[1])):
-            for t in cutlass.range_constexpr(cute.size(acc_s.shape[2]) // 2):
-                step = tuple(int(a) - int(b) for a, b in zip(tScS_0[0, m, 2 * t], tScS_0[0, 0, 0]))
-                assert step[0] % 16 == 0 and step[1] % 16 == 0, f"value group {(m, t)} at {step}"
-                words = counter_words(self.key_lo, self.key_hi, self.offset_lo, self.bh,
-                                      c0_base + 4 * (step[1] // 16), c1_base + 8 * (step[0] // 16))
-                for n2 in cutlass.range_constexpr(2):
-                    for v in cutlass.range_constexpr(4):
-                        s = 4 * (v // 2) + 2 * n2 + v % 2
-                        if self.drops(words[s // 2], s % 2):
-                            acc_s[v, m, 2 * t + n2] = cutlass.Float32(0.0)
+        for g in cutlass.range_constexpr(len(groups)):
+            first, members = groups[g]
+            step = tuple(int(a) - int(b) for a, b in zip(tScS_0[first], tScS_0[0]))
+            assert step[0] % 16 == 0 and step[1] % 16 == 0, f"value group {first} at {step}"
+            words = counter_words(self.key_lo, self.key_hi, self.offset_lo, self.bh,
+                                  c0_base + 4 * (step[1] // 16), c1_base + 8 * (step[0] // 16))
+            for e in cutlass.range_constexpr(len(members)):
+                value, s = members[e]
+                if self.drops(words[s // 2], s % 2):
+                    acc_s[value] = cutlass.Float32(0.0)
+
+    @cute.jit
+    def pair_keep_bits(self, tiled_mma: cute.TiledMma, thread, row0, col0, tile_kq: cutlass.Constexpr):
+        """The keep decisions of thread `thread`'s part of a wgmma S^T tile (keys, queries: the
+        Hopper backward's) whose element (r, c) is (query row0 + c, key col0 + r) of the head,
+        values ((c, r, k), 0, 0): (bits_c0, bits_c1), bit 4 (k div 2) + 2 (k mod 2) + r of bits_c
+        keeping value ((c, r, k), 0, 0). No thread holds a whole Philox group here, but lanes t
+        and t ^ 4 hold the two halves of each of their groups' words
+        (layouts/verify_dropout.py:pair_exchange): each makes the calls of the groups at its own
+        key parity c = jpar (one call per 8 values, as the forward), keeps its half of each word
+        and sends the other half's decisions to its partner in one shuffle."""
+        ident = cute.make_identity_tensor(tile_kq)
+        tScS = tiled_mma.get_slice(thread).partition_C(ident)  # (MMA, MMA_M, MMA_N): (key, query)
+        first = tScS[0]
+        c0, c1, _ = philox.counter_of(row0 + first[1], col0 + first[0])
+        jpar = cutlass.Uint32(first[0] % 2)  # col0 is even
+        swap = cutlass.Uint32(0) - jpar  # all ones: this thread's half is the high one
+        mine, theirs = cutlass.Uint32(0), cutlass.Uint32(0)
+        for kd in cutlass.range_constexpr(cute.size(tScS.shape[0][2]) // 2):
+            words = counter_words(self.key_lo, self.key_hi, self.offset_lo, self.bh, c0, c1 + 8 * kd + jpar)
+            for kk in cutlass.range_constexpr(2):
+                for r in cutlass.range_constexpr(2):
+                    w = words[2 * kk + r]
+                    w = w ^ ((w ^ ((w << 16) | (w >> 16))) & swap)  # this thread's half low, its partner's high
+                    bit = 4 * kd + 2 * kk + r
+                    mine = mine | (cutlass.Uint32(self.keeps(w, 0)) << bit)
+                    theirs = theirs | (cutlass.Uint32(self.keeps(w, 1)) << bit)
+        received = cutlass.Uint32(cute.arch.shuffle_sync_bfly(theirs, offset=4))
+        return mine ^ ((mine ^ received) & swap), received ^ ((received ^ mine) & swap)
+
+
+def sm80_groups(shape) -> list:
+    """The Philox value groups of a ((2, 2), MMA_M, MMA_N) mma.sync accumulator: per group its
+    first value and its members (value, 16-bit word): (0, m, 2t) .. (3, m, 2t + 1), value
+    (v, m, 2t + n2) taking word 4 (v // 2) + 2 n2 + v % 2."""
+    mm, nn = _extent(shape[1]), _extent(shape[2])
+    return [((0, m, 2 * t), [((v, m, 2 * t + n2), 4 * (v // 2) + 2 * n2 + v % 2) for n2 in range(2)
+                             for v in range(4)]) for m in range(mm) for t in range(nn // 2)]
+
+
+def wgmma_groups(shape) -> list:
+    """The same for a ((2, 2, N / 8), MMA_M, MMA_N) wgmma accumulator: ((0, 0, 2t), m, n) ..
+    ((1, 1, 2t + 1), m, n), value ((c, r, 2t + k), m, n) taking word 4 r + 2 k + c."""
+    kk, mm, nn = _extent(shape[0][2]), _extent(shape[1]), _extent(shape[2])
+    return [(((0, 0, 2 * t), m, n), [(((c, r, 2 * t + k), m, n), 4 * r + 2 * k + c) for k in range(2)
+                                     for r in range(2) for c in range(2)])
+            for n in range(nn) for m in range(mm) for t in range(kk // 2)]
+
+
+def _extent(mode) -> int:
+    return int(cute.size(mode))

@@ -73,15 +73,15 @@ def _zeros(q, k, v, dot_shape, grads):
 
 def takes_hopper_bwd(config: BwdConfig, index: int) -> bool:
     """Dense backwards on sm_90 take the Hopper kernel (kernels/bwd_sm90.py) where it exists:
-    head-dim buckets 32, 64, 128 (`layouts.hopper.BWD_HEAD_DIMS`), no dropout, not
-    deterministic (its dQ adds are unordered bulk reduces); `CUTE_FLASH_ARCH_PATH=sm80` selects
-    the SM80 kernel. docs/perf.md lists what falls back and why."""
-    return (takes_hopper_path(index) and config.traits.head_dim in BWD_HEAD_DIMS and not config.has_dropout
-            and not config.deterministic and not config.varlen)
+    head-dim buckets 32, 64, 128 (`layouts.hopper.BWD_HEAD_DIMS`), not deterministic (its dQ
+    adds are unordered bulk reduces); `CUTE_FLASH_ARCH_PATH=sm80` selects the SM80 kernel.
+    docs/perf.md lists what falls back and why."""
+    return (takes_hopper_path(index) and config.traits.head_dim in BWD_HEAD_DIMS and not config.deterministic
+            and not config.varlen)
 
 
 def _flash_bwd_sm90(dout, q, k, v, out, lse, config: BwdConfig, index, softmax_scale, softcap, alibi_slopes, left,
-                    right, grads, d):
+                    right, grads, d, dropout):
     """The Hopper backward on aligned tensors. LSE (times log2 e) and D go in rows padded to
     whole query blocks, +inf and 0 past seqlen_q, so the kernel's bulk copies of a block's
     values need no bounds and its rows past the sequence get P = 0."""
@@ -97,10 +97,11 @@ def _flash_bwd_sm90(dout, q, k, v, out, lse, config: BwdConfig, index, softmax_s
                            device=q.device)
     dk_h = torch.empty((b, sk, h, d_pad), dtype=q.dtype, device=q.device)
     dv_h = torch.empty((b, sk, h, d_pad), dtype=q.dtype, device=q.device)
-    sm90 = Sm90BwdConfig(t, config.has_left, config.has_right, config.has_alibi, config.has_softcap)
+    sm90 = Sm90BwdConfig(t, config.has_left, config.has_right, config.has_alibi, config.has_softcap,
+                         config.has_dropout)
     compiled.bwd_kernel_for(sm90, index)(q, k, v, dout, lse_log2, dot_pad, dq_accum, dk_h, dv_h,
-                                         alibi_2d(alibi_slopes, b, h), softmax_scale, *scales(softmax_scale, softcap),
-                                         left, right)
+                                         alibi_2d(alibi_slopes, b, h), rng_of(dropout, q.device), softmax_scale,
+                                         *scales(softmax_scale, softcap), left, right)
     dq_out = torch.empty((b, sq, h, d_pad), dtype=q.dtype, device=q.device)
     compiled.bwd_kernel_for(DQConvertConfig(t, config.even_k, False, 4, hopper=True), index)(
         dq_accum, dq_out, softmax_scale)
@@ -127,7 +128,7 @@ def flash_bwd(dout, q, k, v, out, lse, *, softmax_scale, causal=False, window_si
                      dropout)
     if variant is None and takes_hopper_bwd(config, index):
         return _flash_bwd_sm90(dout, q, k, v, out, lse, config, index, softmax_scale, softcap, alibi_slopes, left,
-                               right, (dq, dk, dv), d)
+                               right, (dq, dk, dv), d, dropout)
     config = replace(config, **(variant or {}))
     dot = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
     compiled.bwd_kernel_for(PreprocessConfig(config.traits.head_dim, config.traits.dtype, config.even_k),

@@ -130,8 +130,9 @@ def fake_bwd_sm90_args(config: Sm90BwdConfig):
     stats = [fake_tensor(cutlass.Float32, 3, 4, COPY_BYTES) for _ in range(2)]
     grads = [fake_tensor(dtype, 4, ALIGN, COPY_BYTES) for _ in range(2)]
     alibi = fake_tensor(cutlass.Float32, 2) if config.has_alibi else None
+    rng = fake_tensor(cutlass.Uint32, 1) if config.has_dropout else None
     return (elems + stats + [_fake_dq_accum(config.traits, False)] + grads
-            + [alibi, 1.0, 1.0, 1.0, 1.0, -1, -1, fake_stream()])
+            + [alibi, rng, 1.0, 1.0, 1.0, 1.0, -1, -1, fake_stream()])
 
 
 def compile_bwd(config: BwdConfig | PreprocessConfig | DQConvertConfig | Sm90BwdConfig, arch: int | None = None,
@@ -173,7 +174,8 @@ def compile_fwd_sm90(config: Sm90FwdConfig, arch: int | None = 90, extra_options
     dtype = element_type(config.traits)
     args = [fake_tensor(dtype, 4, ALIGN, COPY_BYTES) for _ in range(4)] + [
         fake_tensor(cutlass.Float32, 3), fake_tensor(cutlass.Float32, 2) if config.has_alibi else None,
-        fake_tensor(cutlass.Int32, 1), 1.0, 1.0, 1.0, -1, -1, 1, 132, fake_stream()]
+        fake_tensor(cutlass.Uint32, 1) if config.has_dropout else None, fake_tensor(cutlass.Int32, 1),
+        1.0, 1.0, 1.0, -1, -1, 1, 132, fake_stream()]
     return compile_tvm_ffi(FlashFwdSm90(config), args, arch, extra_options)
 
 
@@ -266,17 +268,20 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
     """The Hopper forward configs the sm_90 dispatcher can choose (launch/hopper.py).
 
     full: every shipped traits (layouts.hopper.shipped_hopper_traits) times every score-flag
-    combination, in each schedule `prefers_persistent` can choose for it. Otherwise the CI
-    subset: every bucket in bf16 with a causal edge (the persistent variant where it fits, so
-    both schedules compile), d 64's 192-row tiles likewise, d 128 in fp16, and d 128 with every
-    score flag on."""
+    combination, in each schedule `prefers_persistent` can choose for it (dropout not on
+    192-row tiles, which the launcher does not give it). Otherwise the CI subset: every bucket
+    in bf16 with a causal edge (the persistent variant where it fits, so both schedules
+    compile), d 64's 192-row tiles likewise, d 128 in fp16, d 128 with every score flag on, and
+    dropout at d 64 (causal, one CTA per tile) and d 128 (persistent)."""
     from layouts.hopper import choose_hopper_traits, shipped_hopper_traits
 
     if full:
         out = []
         for t in shipped_hopper_traits():
-            for bits in itertools.product((False, True), repeat=4):
-                flags = dict(zip(("has_left", "has_right", "has_alibi", "has_softcap"), bits))
+            for bits in itertools.product((False, True), repeat=5):
+                flags = dict(zip(("has_left", "has_right", "has_alibi", "has_softcap", "has_dropout"), bits))
+                if flags["has_dropout"] and t.warpgroups == 3:
+                    continue
                 if t.warpgroups != 3 or not Sm90FwdConfig.fits_persistent(t):
                     out.append(Sm90FwdConfig(t, **flags))
                 if Sm90FwdConfig.fits_persistent(t):
@@ -287,7 +292,9 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
            for t in traits + [choose_hopper_traits(64, "bf16", long_keys=True)]]
     return out + [Sm90FwdConfig(choose_hopper_traits(128, "fp16")),
                   Sm90FwdConfig(choose_hopper_traits(128, "bf16"), has_left=True, has_right=True, has_alibi=True,
-                                has_softcap=True)]
+                                has_softcap=True),
+                  Sm90FwdConfig(choose_hopper_traits(64, "bf16"), has_right=True, has_dropout=True),
+                  Sm90FwdConfig(choose_hopper_traits(128, "bf16"), persistent=True, has_dropout=True)]
 
 
 def bwd_variants(arch: int, full: bool = False) -> list:
@@ -332,7 +339,7 @@ def sm90_bwd_variants(full: bool = False) -> list:
     full: every head-dim bucket it takes x dtype x every score-flag combination. Otherwise, for
     CI: every bucket causal (bf16), at d 128 no flag, each other flag alone, all together, and
     fp16; the converts of every bucket's tiles, and with a padded head dim at d 128."""
-    flags = ("has_left", "has_right", "has_alibi", "has_softcap")
+    flags = ("has_left", "has_right", "has_alibi", "has_softcap", "has_dropout")
     if full:
         traits = [choose_hopper_bwd_traits(d, dt) for d in BWD_HEAD_DIMS for dt in DTYPES]
         mains = [Sm90BwdConfig(t, **dict(zip(flags, bits))) for t in traits

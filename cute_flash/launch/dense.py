@@ -62,17 +62,17 @@ def takes_hopper_path(index: int) -> bool:
 def flash_fwd(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1), softcap=0.0,
               alibi_slopes=None, traits: FwdTraits | None = None, dropout: DropoutArgs | None = None):
     """Dense forward: q (b, sq, h, d), k/v (b, sk, hk, d); returns (out, lse (b, h, sq)).
-    On sm_90 the Hopper kernel (`takes_hopper_path`), except with dropout, which only the SM80
-    kernel has. `traits` (SM80 tiles) overrides the heuristic and selects the SM80 kernel (tile
-    tuning, `python -m cute_flash tune`); `dropout` drops P's elements by the Philox mask
-    (cute_flash/dropout.py)."""
+    On sm_90 the Hopper kernel (`takes_hopper_path`). `traits` (SM80 tiles) overrides the
+    heuristic and selects the SM80 kernel (tile tuning, `python -m cute_flash tune`); `dropout`
+    drops P's elements by the Philox mask (cute_flash/dropout.py), the same mask on either
+    kernel."""
     b, sq, h, d = q.shape
     index = device_index(q.device)
-    if traits is None and dropout is None and takes_hopper_path(index):
+    if traits is None and takes_hopper_path(index):
         from cute_flash.launch.hopper import flash_fwd_sm90  # it imports this module's helpers
 
         return flash_fwd_sm90(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                              softcap=softcap, alibi_slopes=alibi_slopes)
+                              softcap=softcap, alibi_slopes=alibi_slopes, dropout=dropout)
     q, k, v = aligned(q), aligned(k), aligned(v)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)

@@ -3,13 +3,14 @@
 The default for dense forwards on sm_90 GPUs (`dense.takes_hopper_path`): the full GPU suite
 passes with it, and it leads the SM80 kernel on the forward grid (docs/perf.md).
 `CUTE_FLASH_ARCH_PATH=sm80` selects the SM80 kernel instead. The other entries (varlen, paged,
-KV cache, split-KV) and dropout take the SM80 kernel on every GPU; docs/perf.md lists these
-fall backs and why.
+KV cache, split-KV) take the SM80 kernel on every GPU; docs/perf.md lists these fall backs
+and why.
 """
 from __future__ import annotations
 
 import torch
 
+from cute_flash.dropout import DropoutArgs, rng_of
 from cute_flash.kernels.fwd_sm90 import Sm90FwdConfig
 from cute_flash.launch import compiled
 from cute_flash.launch.align import aligned
@@ -58,7 +59,7 @@ def tile_counter(device: torch.device) -> torch.Tensor:
 
 
 def flash_fwd_sm90(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                   traits=None, persistent=None, sections=None):
+                   dropout: DropoutArgs | None = None, traits=None, persistent=None, sections=None):
     """Dense forward on the Hopper kernel: q (b, sq, h, d), k/v (b, sk, hk, d); returns (out,
     lse (b, h, sq)) as `flash_fwd` does. `traits` (HopperTileTraits), `persistent` and
     `sections` (pairs per scheduling section) override the kernel's choices (`tune --sm90`)."""
@@ -67,15 +68,17 @@ def flash_fwd_sm90(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
     left, right = window_edges(causal, window_size)
+    # 192-row tiles leave a consumer thread 160 registers: with dropout ptxas spilled 150-640 B
     traits = traits or choose_hopper_traits(q.shape[-1], compiled.DTYPE_NAMES[q.dtype],
-                                            k.shape[1] >= TALL_D64_MIN_SEQLEN_K)
+                                            k.shape[1] >= TALL_D64_MIN_SEQLEN_K and dropout is None)
     if persistent is None:
         persistent = prefers_persistent(traits, k.shape[1], left, right)
     config = Sm90FwdConfig(traits, persistent=persistent, has_left=left >= 0, has_right=right >= 0,
-                           has_alibi=alibi_slopes is not None, has_softcap=softcap > 0)
+                           has_alibi=alibi_slopes is not None, has_softcap=softcap > 0,
+                           has_dropout=dropout is not None)
     if sections is None:
         sections = section_heads(q, k, persistent and (left >= 0 or right >= 0))
-    compiled.sm90_kernel_for(config)(q, k, v, out, lse, alibi_2d(alibi_slopes, b, h), tile_counter(q.device),
-                                     *scales(softmax_scale, softcap), left, right, sections,
-                                     compiled.num_sms(device_index(q.device)))
+    compiled.sm90_kernel_for(config)(q, k, v, out, lse, alibi_2d(alibi_slopes, b, h), rng_of(dropout, q.device),
+                                     tile_counter(q.device), *scales(softmax_scale, softcap), left, right,
+                                     sections, compiled.num_sms(device_index(q.device)))
     return (out if out.shape[-1] == d else out[..., :d]), lse
