@@ -349,9 +349,6 @@ class FlashBwdSm90:
             wgmma_issue(mma_s, acc_s, tSrK, tSrQ[None, None, None, read.index])
             pipes.do.consumer_wait(read)
             wgmma_issue(mma_dp, acc_dp, tdPrV, tdPrdO[None, None, None, read.index])
-            keep_bits = None
-            if cutlass.const_expr(cfg.has_dropout):  # while the GEMMs run: the mask needs no score
-                keep_bits = dropout.pair_keep_bits(recipe.mma_sdp, mma_tidx, m_block * bm, tile.n_block * bn, (bn, bm))
             warpgroup.wait_group(1)  # S^T landed; dP^T may still run
 
             dtanh = None
@@ -374,6 +371,7 @@ class FlashBwdSm90:
                     acc_s_mn[r, c] = cute.math.exp2(acc_s_mn[r, c] * scalars.scale_log2 - lse, fastmath=True)
             warpgroup.wait_group(0)  # dP^T landed
             if cutlass.const_expr(cfg.has_dropout):
+                keep_bits = dropout.pair_keep_bits(recipe.mma_sdp, mma_tidx, m_block * bm, tile.n_block * bn, (bn, bm))
                 self.dropout_ds(dropout, keep_bits, acc_s, acc_dp,
                                 c_sdp.partition_C(self.by_column(smem.sD, read.index)))
             else:
@@ -407,7 +405,9 @@ class FlashBwdSm90:
         """With dropout (Z the forward's keep mask, 1 / P(keep) its scale): acc_s (P^T) becomes
         the dropped P~^T = P^T Z / P(keep) that dV reads, acc_dp (dP^T) becomes dS^T = P^T (dP^T
         Z / P(keep) - D) (D, rowsum(dO * O), is already the dropped output's); keep_bits from
-        `Dropout.pair_keep_bits`, tD (MMA, MMA_M, MMA_N) each value's D."""
+        `Dropout.pair_keep_bits`, drawn once dP^T has landed (drawn while S^T and dP^T ran, they
+        measured 1-3% slower in 5 of 6 cells: docs/perf.md, Dropout); tD (MMA, MMA_M, MMA_N)
+        each value's D."""
         scale = dropout.scale()
         for k in cutlass.range_constexpr(cute.size(acc_s.shape[0][2])):
             for r in cutlass.range_constexpr(2):

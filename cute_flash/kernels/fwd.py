@@ -494,7 +494,7 @@ class FlashFwd:
         if cutlass.const_expr(cfg.has_dropout):  # after the row sums: they are taken before dropout
             tidx, _, _ = cute.arch.thread_idx()
             loop.dropout.apply(mma.tiled_mma, acc_s, sm80_groups(acc_s.shape), tidx, loop.m_block * t.block_m,
-                               n_block * t.block_n, (t.block_m, t.block_n))
+                               n_block * t.block_n, (t.block_m, t.block_n), False)
 
         rP = cute.make_fragment_like(acc_s, self.dtype)  # (MMA, MMA_M, MMA_N)
         rP.store(acc_s.load().to(self.dtype))

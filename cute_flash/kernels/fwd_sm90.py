@@ -555,7 +555,7 @@ class FlashFwdSm90:
         if cutlass.const_expr(self.config.has_dropout):
             bm, bn = self.t.block_m, self.t.block_n
             loop.dropout.apply(recipe.mma_qk, loop.acc_s, wgmma_groups(loop.acc_s.shape), loop.mma_tidx,
-                               loop.m_block * bm, n_block * bn, (bm, bn))
+                               loop.m_block * bm, n_block * bn, (bm, bn), True)
         if cutlass.const_expr(is_first):
             self.convert_p(loop)
 

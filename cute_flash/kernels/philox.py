@@ -146,29 +146,40 @@ class Dropout:
 
     @cute.jit
     def apply(self, tiled_mma: cute.TiledMma, acc_s: cute.Tensor, groups, thread, row0, col0,
-              tile_mn: cutlass.Constexpr):
+              tile_mn: cutlass.Constexpr, calls_first: cutlass.Constexpr):
         """Zero the dropped values of thread `thread`'s part of a P tile whose element (r, c) is
         (row0 + r, col0 + c) of the head; groups: its accumulator's value groups (`sm80_groups`
         for mma.sync, `wgmma_groups`), one Philox call each. A group's counter is the thread's
         first one plus compile-time steps: its first value sits a multiple of 16 rows and columns
         past the thread's first value, read off thread 0's static coordinates
         (layouts/verify_dropout.py proves this for every shipped tile), so each call's c0 / c1
-        cost an add instead of `counter_of`'s divisions."""
+        cost an add instead of `counter_of`'s divisions. calls_first: every call before the
+        first select (the Hopper forward: 12-17% faster at d 128 than a call and its selects at a
+        time, docs/perf.md, Dropout), else group by group (the SM80 forward, as measured there)."""
         ident = cute.make_identity_tensor(tile_mn)
         tScS = tiled_mma.get_slice(thread).partition_C(ident)  # (MMA, MMA_M, MMA_N)
         tScS_0 = tiled_mma.get_slice(0).partition_C(ident)  # (MMA, MMA_M, MMA_N), static coordinates
         base = tScS[0]
         c0_base, c1_base, _ = philox.counter_of(row0 + base[0], col0 + base[1])
+        words = []
         for g in cutlass.range_constexpr(len(groups)):
-            first, members = groups[g]
-            step = tuple(int(a) - int(b) for a, b in zip(tScS_0[first], tScS_0[0]))
-            assert step[0] % 16 == 0 and step[1] % 16 == 0, f"value group {first} at {step}"
-            words = counter_words(self.key_lo, self.key_hi, self.offset_lo, self.bh,
-                                  c0_base + 4 * (step[1] // 16), c1_base + 8 * (step[0] // 16))
-            for e in cutlass.range_constexpr(len(members)):
-                value, s = members[e]
-                if self.drops(words[s // 2], s % 2):
-                    acc_s[value] = cutlass.Float32(0.0)
+            step = tuple(int(a) - int(b) for a, b in zip(tScS_0[groups[g][0]], tScS_0[0]))
+            assert step[0] % 16 == 0 and step[1] % 16 == 0, f"value group {groups[g][0]} at {step}"
+            words.append(counter_words(self.key_lo, self.key_hi, self.offset_lo, self.bh,
+                                       c0_base + 4 * (step[1] // 16), c1_base + 8 * (step[0] // 16)))
+            if cutlass.const_expr(not calls_first):
+                self.drop_group(acc_s, groups[g][1], words[g])
+        if cutlass.const_expr(calls_first):
+            for g in cutlass.range_constexpr(len(groups)):
+                self.drop_group(acc_s, groups[g][1], words[g])
+
+    @cute.jit
+    def drop_group(self, acc_s: cute.Tensor, members, words):
+        """Zero the members (value, 16-bit word) of one group that its call's words drop."""
+        for e in cutlass.range_constexpr(len(members)):
+            value, s = members[e]
+            if self.drops(words[s // 2], s % 2):
+                acc_s[value] = cutlass.Float32(0.0)
 
     @cute.jit
     def pair_keep_bits(self, tiled_mma: cute.TiledMma, thread, row0, col0, tile_kq: cutlass.Constexpr):
