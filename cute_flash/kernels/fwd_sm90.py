@@ -214,9 +214,9 @@ class FlashFwdSm90:
                  section_heads: cutlass.Int32, max_ctas: cutlass.Int32, stream):
         """mQ / mO (batch, seqlen_q, heads, d), mK / mV (batch, seqlen_k, heads_k, d), mLSE
         (batch, heads, seqlen_q) fp32, mAlibi (batch, heads) fp32 or None, mRng (4,) uint32 (the
-        dropout state, `Dropout.load`) or None; mTileCounter (2,)
-        int32, zero before a persistent launch and left zero by it; section_heads: see `tile`;
-        max_ctas: the SMs a persistent variant spreads its tiles over."""
+        dropout state, `Dropout.load`) or None; mTileCounter (2,) int32, zero before a persistent
+        launch and left zero by it; section_heads: see `tile`; max_ctas: the SMs a persistent
+        variant spreads its tiles over."""
         t, stages = self.t, self.config.stages
         sQ_layout = hopper.smem_layout(t, t.block_m)
         sKV_layout = hopper.smem_layout_staged(t, t.block_n, stages)
@@ -328,8 +328,8 @@ class FlashFwdSm90:
     def produce(self, args: Sm90Tensors, scalars: Sm90Scalars, recipe: Sm90Recipe, pipes: Pipes, sQ, sK, sV):
         """Warp 0, per tile: K[last], Q (once the consumers are done with the previous tile's),
         V[last], then K[n] and V[n] for n = last - 1 .. first, each into its pipeline's next
-        free stage (a TMA copy is issued by the whole warp: it elects one lane itself).
-        Persistent: Q's arrival also announces the tile's index; the next tile is claimed from
+        free stage (a TMA copy is issued by the whole warp: it elects one lane itself). Q's
+        arrival also announces the tile (`announce`). Persistent: the next tile is claimed from
         the counter as this one starts (the atomic's latency hides behind the loads); past the
         last tile, the index `tiles` tells the consumers to stop, and the CTA that finishes last
         zeroes the counter for the next launch."""
