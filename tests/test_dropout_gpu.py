@@ -1,7 +1,7 @@
-"""Dropout in the forwards (SM80 and, on sm_90, Hopper) and the backward (kernels/philox.py:
+"""Dropout in the forwards and backwards (SM80 and, on sm_90, Hopper; kernels/philox.py:
 Dropout) against `cute_flash.reference` computed with the mask `philox.keep_mask` draws for the
-same seed and offset (docs/semantics.md, Dropout): a wrong counter, word, threshold or scale in any element
-moves the output far past the criterion. The launcher tests give seeds; the public-API tests
+same seed and offset (docs/semantics.md, Dropout): a wrong counter, word, threshold or scale in
+any element moves the output far past the criterion. The launcher tests give seeds; the public-API tests
 take the drawn state back from S_dmask or the private forward's rng_state, and read the kernel's
 own mask bits from outputs built to expose them (q = 0, v one-hot)."""
 import functools

@@ -254,9 +254,10 @@ def test_dense_backwards_on_sm90_default_to_the_hopper_kernel(recorder, monkeypa
     assert dq.shape == q.shape and dk.shape == dv.shape == k.shape
 
     flash_bwd(dout, q, k, v, q, lse, softmax_scale=0.5, dropout=DropoutArgs.seeded(0.1, 1, 2, "cpu"))
-    main = recorder.launches[4]
-    assert isinstance(main.config, Sm90BwdConfig) and main.config.has_dropout and main["mRng"] is not None
-    del recorder.launches[3:6]
+    pre, main, convert = recorder.launches[3:6]
+    assert [type(x.config) for x in (pre, main, convert)] == [PreprocessConfig, Sm90BwdConfig, DQConvertConfig]
+    assert main.config.has_dropout and main["mRng"] is not None
+    del recorder.launches[3:6]  # the calls below all take the SM80 kernel
     flash_bwd(dout, q, k, v, q, lse, softmax_scale=0.5, deterministic=True)
     q96 = torch.randn(2, 70, 4, 96, dtype=torch.bfloat16)
     flash_bwd(q96, q96, q96, q96, q96, lse, softmax_scale=0.5)
