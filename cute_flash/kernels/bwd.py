@@ -216,7 +216,7 @@ class FlashBwd:
                          cfg.has_alibi, (t.block_m, t.block_n))
         dropout = None
         if cutlass.const_expr(cfg.has_dropout):
-            dropout = Dropout.load(args.mRng, bidb * args.mQ.shape[1 if cutlass.const_expr(cfg.varlen) else 2] + bidh)
+            dropout = Dropout.load(args.mRng, bidb, bidh, args.mQ.shape[1 if cutlass.const_expr(cfg.varlen) else 2])
         for n_block in cutlass.range(x, cute.ceil_div(seq.seqlen_k, t.block_n), grid_x, unroll=1):
             self.key_block(n_block, seq, views, scalars, recipe, smem, mods, window, dropout)
         if cutlass.const_expr(cfg.dq_bulk):

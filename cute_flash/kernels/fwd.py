@@ -259,7 +259,7 @@ class FlashFwd:
                                  scalars.num_splits, (m_block, bidb, bidh, nheads), self.t)
         dropout = None
         if cutlass.const_expr(cfg.has_dropout):
-            dropout = Dropout.load(args.mRng, bidb * nheads + bidh)
+            dropout = Dropout.load(args.mRng, bidb, bidh, nheads)
         if m_block * self.t.block_m < seq.seqlen_q:
             self.attend(CtaTile(m_block, bidb, bidh, split_idx), seq, views, scalars, recipe, split, dropout,
                         SharedStorage)

@@ -488,7 +488,7 @@ class FlashFwdSm90:
         lo, hi = BlockRange.unmasked(tile.seq, tile.m_block, bm, bn, window)
         dropout = None
         if cutlass.const_expr(cfg.has_dropout):
-            dropout = Dropout.load(args.mRng, tile.bidb * args.tma_mQ.shape[2] + tile.bidh)
+            dropout = Dropout.load(args.mRng, tile.bidb, tile.bidh, args.tma_mQ.shape[2])
         loop = Sm90Loop(pipes, tSrQ, tSrK, tOrV, acc_s, tOrP, acc_o, acc_o_mn, row_scale, softmax, mods, tile.m_block,
                         lo, hi, consumer_wg, kv_uses, dropout, mma_tidx)
         if tile.count > 0:

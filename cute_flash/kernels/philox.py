@@ -103,9 +103,10 @@ class Dropout:
     bh: object
 
     @staticmethod
-    def load(mRng: cute.Tensor, bh) -> "Dropout":
-        """mRng (4,) uint32: key_lo, key_hi, offset_lo, threshold (`cute_flash/dropout.py`)."""
-        return Dropout(mRng[0], mRng[1], mRng[2], mRng[3], bh)
+    def load(mRng: cute.Tensor, bidb, bidh, heads) -> "Dropout":
+        """mRng (4,) uint32: key_lo, key_hi, offset_lo, threshold (`cute_flash/dropout.py`);
+        the CTA's head row bh = batch * heads + head, the counter's third word."""
+        return Dropout(mRng[0], mRng[1], mRng[2], mRng[3], bidb * heads + bidh)
 
     @cute.jit
     def scale(self) -> cutlass.Float32:
