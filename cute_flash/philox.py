@@ -1,12 +1,16 @@
-"""The random numbers of attention dropout: Philox4x32-10 and the map from an attention element
+"""The random numbers of attention dropout: Philox4x32-7 and the map from an attention element
 (batch, head, query row, key column) to its Philox counter. Pure arithmetic, no DSL: the host
 reference (numpy, `keep_mask`) and the kernels (`kernels/philox.py`, DSL integers) run the same
 functions with their own integer operations, so a kernel's mask can be checked element by
 element against this one. `TorchOps` runs them on int64 tensors, on the device that holds a
 call's drawn rng_state (`keep_mask_of_state`, which builds S_dmask without a host sync).
 
-Philox4x32-10 (Salmon, Moraes, Dror, Shaw, SC 2011): a 128-bit counter and a 64-bit key give
-four 32-bit words through ten rounds of two 32x32 -> 64-bit multiplies. The map (docs/semantics.md,
+Philox4x32 (Salmon, Moraes, Dror, Shaw, SC 2011): a 128-bit counter and a 64-bit key give four
+32-bit words through rounds of two 32x32 -> 64-bit multiplies. Its authors find 7 rounds the
+fewest that pass their statistical tests (BigCrush) and default to 10 as a safety margin;
+flash-attn 2 draws its dropout mask with 7, and so do we: the Hopper forward is issue-bound and
+a call is most of dropout's cost there, so 7 rounds made it 8-17% faster and the Hopper backward
+3-6% (H200, six cells, same run; docs/perf.md, Dropout). The map (docs/semantics.md,
 "Dropout") depends only on the element's coordinates, the seed and the offset, never on a tile
 shape or a split, so every kernel (forward, backward, SM80, Hopper) draws the same mask:
 
@@ -31,7 +35,7 @@ import numpy as np
 
 M0, M1 = 0xD2511F53, 0xCD9E8D57  # round multipliers
 W0, W1 = 0x9E3779B9, 0xBB67AE85  # key bumps (golden ratio, sqrt(3) - 1)
-ROUNDS = 10
+ROUNDS = 7  # Philox4x32-7, as flash-attn 2 (the module docstring says why not 10)
 MASK32 = 0xFFFFFFFF
 
 
@@ -80,14 +84,14 @@ class TorchOps:
         return x
 
 
-def philox4x32_10(ctr, key, ops=NumpyOps):
-    """Philox4x32-10 of counter (c0, c1, c2, c3) under key (k0, k1): four 32-bit words. `ops`
-    gives mulhilo(a, b) -> (hi, lo), add (mod 2^32), xor and const (a constant of the
-    operations' integer type)."""
+def philox4x32(ctr, key, ops=NumpyOps, rounds=ROUNDS):
+    """Philox4x32 of counter (c0, c1, c2, c3) under key (k0, k1) with `rounds` rounds: four
+    32-bit words. `ops` gives mulhilo(a, b) -> (hi, lo), add (mod 2^32), xor and const (a
+    constant of the operations' integer type)."""
     c0, c1, c2, c3 = ctr
     k0, k1 = key
     m0, m1, w0, w1 = ops.const(M0), ops.const(M1), ops.const(W0), ops.const(W1)
-    for r in range(ROUNDS):
+    for r in range(rounds):
         if r:
             k0, k1 = ops.add(k0, w0), ops.add(k1, w1)
         hi0, lo0 = ops.mulhilo(m0, c0)
@@ -129,7 +133,7 @@ def keep_mask(seed: int, offset: int, batch: int, heads: int, seqlen_q: int, seq
     threshold = np.uint64(keep_threshold(p))
     out = np.empty((batch, heads, seqlen_q, seqlen_k), dtype=bool)
     for bh in range(batch * heads):
-        words = philox4x32_10((c0, c1, np.full(c0.shape, bh, dtype=np.uint64),
+        words = philox4x32((c0, c1, np.full(c0.shape, bh, dtype=np.uint64),
                                np.full(c0.shape, offset & MASK32, dtype=np.uint64)), (k0, k1))
         word = np.choose(s // 2, words)
         half = (word >> (np.uint64(16) * (s % 2).astype(np.uint64))) & np.uint64(0xFFFF)
@@ -150,7 +154,7 @@ def keep_mask_of_state(rng_state, p: float, batch: int, heads: int, seqlen_q: in
     j = torch.arange(seqlen_k, device=dev).view(1, 1, -1)
     c0, c1, s = counter_of(i, j)
     bh = torch.arange(batch * heads, device=dev).view(-1, 1, 1)
-    words = philox4x32_10((c0, c1, bh, offset & MASK32), key, TorchOps)
+    words = philox4x32((c0, c1, bh, offset & MASK32), key, TorchOps)
     shape = (batch * heads, seqlen_q, seqlen_k)
     word = torch.stack([w.expand(shape) for w in words]).gather(0, (s // 2).expand(shape).unsqueeze(0))[0]
     half = (word >> (16 * (s % 2))) & 0xFFFF

@@ -1,24 +1,34 @@
-"""The dropout RNG (cute_flash/philox.py) on the CPU: Philox4x32-10 against Random123's published
-known-answer vectors, the element -> counter map (a bijection that gives each counter the 8
+"""The dropout RNG (cute_flash/philox.py) on the CPU: Philox4x32 against Random123's published
+known-answer vectors (7 rounds, what the mask uses, and 10), the element -> counter map (a bijection that gives each counter the 8
 elements one thread holds in a 16x16 piece of an MMA accumulator), the kept fraction, and
 independence between neighbouring heads, batches and offsets. The device version compiles to
-20 wide multiplies per call (tests/test_philox_gpu.py checks its words against these)."""
+14 wide multiplies per call (tests/test_philox_gpu.py checks its words against these)."""
 import numpy as np
 import pytest
 
 from cute_flash import philox
 
-# Random123's kat_vectors for philox4x32_10: (counter, key, output).
-KAT = [((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
-       ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
-       ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
-        (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1))]
+# Random123's kat_vectors for philox4x32_7 and philox4x32_10: (rounds, counter, key, output).
+PI_CTR, PI_KEY = (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0)
+KAT = [(7, (0, 0, 0, 0), (0, 0), (0x5F6FB709, 0x0D893F64, 0x4F121F81, 0x4F730A48)),
+       (7, (0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x5207DDC2, 0x45165E59, 0x4D8EE751, 0x8C52F662)),
+       (7, PI_CTR, PI_KEY, (0x4DFCCABA, 0x190A87F0, 0xC47362BA, 0xB6B5242A)),
+       (10, (0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+       (10, (0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+       (10, PI_CTR, PI_KEY, (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1))]
 
 
-@pytest.mark.parametrize("ctr, key, expected", KAT)
-def test_philox_known_answers(ctr, key, expected):
-    out = philox.philox4x32_10(tuple(np.uint64(c) for c in ctr), tuple(np.uint64(k) for k in key))
+@pytest.mark.parametrize("rounds, ctr, key, expected", KAT)
+def test_philox_known_answers(rounds, ctr, key, expected):
+    out = philox.philox4x32(tuple(np.uint64(c) for c in ctr), tuple(np.uint64(k) for k in key), rounds=rounds)
     assert tuple(int(x) for x in out) == expected
+
+
+def test_the_mask_uses_seven_rounds():
+    """The mask's stream is Philox4x32-7 (docs/semantics.md): the default rounds give
+    Random123's 7-round answer."""
+    out = philox.philox4x32(tuple(np.uint64(c) for c in PI_CTR), tuple(np.uint64(k) for k in PI_KEY))
+    assert tuple(int(x) for x in out) == KAT[2][3]
 
 
 def test_counter_map_is_a_bijection_onto_8_words_per_counter():
@@ -85,12 +95,12 @@ def test_neighbouring_heads_batches_and_offsets_are_independent():
 
 @pytest.mark.parametrize("arch", [80, 90])
 def test_device_philox_compiles_to_wide_multiplies(arch, tmp_path):
-    """kernels/philox.py: one Philox call is 10 rounds of two 32x32 -> 64-bit multiplies."""
+    """kernels/philox.py: one Philox call is 7 rounds of two 32x32 -> 64-bit multiplies."""
     from cute_flash.kernels.philox import compile_philox_probe
 
     compile_philox_probe(arch, f"--keep-ptx --dump-dir={tmp_path}")
     (ptx,) = tmp_path.glob("*.ptx")
-    assert ptx.read_text().count("mul.wide.u32") == 2 * philox.ROUNDS
+    assert ptx.read_text().count("mul.wide.u32") == 14
 
 
 def test_dropout_args_pack_the_kernels_rng_words():

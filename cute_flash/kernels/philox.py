@@ -1,4 +1,4 @@
-"""Philox4x32-10 on the GPU for attention dropout: the rounds and the element -> counter map of
+"""Philox4x32-7 on the GPU for attention dropout: the rounds and the element -> counter map of
 `cute_flash/philox.py`, run on the DSL's 32-bit integers, and `Dropout`, which applies the mask
 to a P tile in registers. Device code only."""
 from dataclasses import dataclass
@@ -10,7 +10,7 @@ from cute_flash import philox
 
 
 class DslOps:
-    """philox4x32_10's integer operations on cutlass.Uint32 values: the high word of a product
+    """philox4x32's integer operations on cutlass.Uint32 values: the high word of a product
     through a 64-bit multiply (mul.wide.u32), the rest wrapping 32-bit arithmetic."""
 
     @staticmethod
@@ -35,7 +35,7 @@ class DslOps:
 def counter_words(key_lo: cutlass.Uint32, key_hi: cutlass.Uint32, offset_lo: cutlass.Uint32, bh, c0, c1):
     """The four Philox words of counter (c0, c1, bh, offset_lo) under the key: the words of
     the 8 elements whose `philox.counter_of` is (c0, c1) in head row bh."""
-    return philox.philox4x32_10((cutlass.Uint32(c0), cutlass.Uint32(c1), cutlass.Uint32(bh), offset_lo),
+    return philox.philox4x32((cutlass.Uint32(c0), cutlass.Uint32(c1), cutlass.Uint32(bh), offset_lo),
                                 (key_lo, key_hi), DslOps)
 
 
