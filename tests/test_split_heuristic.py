@@ -1,6 +1,7 @@
 """The split-count heuristic (cute_flash.kernels.split_kv.num_splits_heuristic) on cases worked by hand from
-its rule: no split once the CTAs fill 80% of the slots (SMs x 2), only counts that change the
-blocks per split, the smallest count within 85% of the best wave efficiency."""
+its rule: no split once the CTAs fill 80% of the slots (SMs x 2); otherwise, among counts whose CTAs
+fit the slots at once and that change the blocks per split, the smallest with the least busiest-SM
+time, k (ceil(n / s) + 0.5 [s > 1]) / (0.95 if k == 1 else 1) with k = ceil(work * s / SMs)."""
 import math
 
 import pytest
@@ -14,9 +15,12 @@ SLOTS = 2 * 132
 
 @pytest.mark.parametrize("work, n_blocks, expected, why", [
     (212, 1000, 1, "212 >= 0.8 * 264 CTAs: the grid is full without splitting"),
-    (8, 8, 8, "8 blocks: counts 1, 2, 3, 4, 8 change blocks per split; efficiency 8s/264 peaks at s=8"),
+    (150, 100, 1, "two splits would need 300 CTAs, more than the 264 slots"),
+    (8, 8, 8, "one block per split, one CTA per SM: 1.5 / 0.95 = 1.58 against s=4's 2.5 / 0.95 = 2.63"),
     (1, 5, 5, "5 blocks: counts 1, 2, 3, 5; one CTA per split, the most splits wins"),
-    (64, 100, 4, "s=4 makes 256 of 264 slots busy (0.97); s=3 gives 0.73 < 0.85 x best"),
+    (64, 100, 4, "s=4: 256 CTAs, 2 x 25.5 = 51; s=2: 50.5 / 0.95 = 53.2; s=3: 192 CTAs, 2 x 34.5 = 69"),
+    (8, 64, 16, "s=16: 128 CTAs, 4.5 / 0.95 = 4.74; s=32: 256 CTAs, 2 x 2.5 = 5 (flash-attn's rule took 32)"),
+    (8, 1024, 32, "s=32: 2 x 32.5 = 65 against s=16's 64.5 / 0.95 = 67.9; s=33 needs a second wave"),
     (8, 1, 1, "one key block: nothing to split"),
 ])
 def test_worked_cases(work, n_blocks, expected, why):
@@ -29,4 +33,4 @@ def test_choice_is_eligible_and_bounded(work, n_blocks):
     assert 1 <= s <= min(128, n_blocks)
     if s > 1:
         assert math.ceil(n_blocks / s) != math.ceil(n_blocks / (s - 1))  # no empty-split padding
-        assert work < 0.8 * SLOTS
+        assert work < 0.8 * SLOTS and work * s <= SLOTS  # one wave

@@ -50,33 +50,39 @@ def workspace_shapes(num_splits: int, batch: int, heads: int, rows: int, head_di
             (m_blocks * batch * heads,))
 
 
-@functools.lru_cache(maxsize=4096)
-def num_splits_heuristic(work_ctas: int, num_sms: int, num_n_blocks: int, max_splits: int = 128,
-                         ctas_per_sm: int = 2) -> int:
-    """How many splits of the key range (flash-attn's num_splits_heuristic, same rule).
+LONE_CTA_RATE = 0.95  # a decode CTA alone on its SM streams keys at 0.95 x what each of a pair does
+SPLIT_COST = 0.5      # a split's partial O and its share of the merge, in key blocks' time
 
-    work_ctas = batch * heads * m_blocks CTAs already fill `0.8 * slots` (slots = SMs x CTAs
-    resident per SM; 2 for our 4-warp kernels, limited by 255 registers x 128 threads): no split.
-    Otherwise try s = 1 .. min(max_splits, slots, num_n_blocks); a count is eligible if it changes
-    the blocks per split (ceil(n / s) != ceil(n / (s - 1)); other counts only add empty splits).
-    Its wave efficiency is w / ceil(w) with w = work_ctas * s / slots; take the smallest eligible
-    s within 85% of the best efficiency (fewer splits: less partial O to write and combine).
+
+@functools.lru_cache(maxsize=4096)
+def num_splits_heuristic(work_ctas: int, num_sms: int, num_n_blocks: int, max_splits: int = 128) -> int:
+    """How many splits of the key range: the count whose busiest SM finishes first.
+
+    Decode is bandwidth-bound, and an SM streams keys at about the same rate whether it holds
+    one CTA or two (the most that fit: 255 registers x 128 threads). With s splits the busiest
+    SM runs k = ceil(work_ctas * s / num_sms) CTAs of ceil(n / s) key blocks each, about
+    k (ceil(n / s) + SPLIT_COST [s > 1]) / (LONE_CTA_RATE if k == 1 else 1) blocks' time.
+    Candidates: no split once work_ctas fill 80% of the 2 x num_sms slots; otherwise the counts
+    whose CTAs all fit in those slots at once (a second wave ran 17% slower at one sequence,
+    128k keys, 48 splits against 32) and that change ceil(n / s) (the others add empty splits).
+    The smallest count at the least time wins. The constants are fitted to a sweep of every
+    count over the decode bench's 16 cells (H200, CUDA graphs, docs/perf.md, Decode): there
+    flash-attn's rule (the smallest count within 85% of the best wave efficiency, which this
+    replaced) chose 28-32 splits for one sequence of 8 kv heads, and at 8k-32k keys ran 5-7%
+    slower than this rule's 16 or 32.
     """
-    slots = num_sms * ctas_per_sm
+    slots = 2 * num_sms
     if work_ctas >= 0.8 * slots:
         return 1
-    max_splits = max(1, min(max_splits, slots, num_n_blocks))
 
-    def eligible(s):
-        return s == 1 or -(-num_n_blocks // s) != -(-num_n_blocks // (s - 1))
+    def cost(s):
+        k = -(-work_ctas * s // num_sms)
+        blocks = -(-num_n_blocks // s) + (SPLIT_COST if s > 1 else 0.0)
+        return k * blocks / (LONE_CTA_RATE if k == 1 else 1.0)
 
-    def efficiency(s):
-        waves = work_ctas * s / slots
-        return waves / math.ceil(waves)
-
-    effs = {s: efficiency(s) for s in range(1, max_splits + 1) if eligible(s)}
-    best = max(effs.values())
-    return next(s for s, e in effs.items() if e >= 0.85 * best)
+    top = max(1, min(max_splits, num_n_blocks, slots // work_ctas))
+    counts = [s for s in range(1, top + 1) if s == 1 or -(-num_n_blocks // s) != -(-num_n_blocks // (s - 1))]
+    return min(counts, key=lambda s: (cost(s), s))
 
 
 @dataclass(frozen=True)
