@@ -20,7 +20,6 @@ exp(LSE_s - max) and exp(LSE_s - max) O_s in one pass. Both loops are unrolled s
 of several splits are in flight at once: a rolled loop waits one L2 round trip per split.
 """
 import functools
-import math
 import re
 import warnings
 from dataclasses import dataclass
