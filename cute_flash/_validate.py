@@ -268,6 +268,19 @@ def check_window(window_size):
     return pair
 
 
+def check_softmax_scale(softmax_scale):
+    """None (1 / sqrt(headdim)) or a finite number: zero and negative scales are computed as
+    written (launch/dense.py:positive_scale), an infinite or NaN one has no meaning."""
+    if softmax_scale is None:
+        return
+    try:
+        finite = math.isfinite(float(softmax_scale))
+    except (TypeError, ValueError):
+        finite = False
+    if not finite:
+        raise ValueError(f"softmax_scale must be a finite float or None, got {softmax_scale!r}")
+
+
 def check_softcap(softcap):
     """0 disables softcapping; a cap must be a finite positive number."""
     if type(softcap) is float and softcap == 0.0:

@@ -97,11 +97,12 @@ def _check_qkv(q, k, v, names, q_dims, kv_dims):
     return named
 
 
-def _check_options(dropout_p, window_size, softcap):
+def _check_options(dropout_p, window_size, softcap, softmax_scale):
     """The options' checks; returns dropout_p as a float and the window as a pair of Python ints."""
     dropout_p = _validate.check_dropout(dropout_p)
     window_size = _validate.check_window(window_size)
     _validate.check_softcap(softcap)
+    _validate.check_softmax_scale(softmax_scale)
     return dropout_p, window_size
 
 
@@ -142,7 +143,7 @@ def _flash_attn(q, k, v, names, dropout_p, softmax_scale, causal, window_size, s
     requiring grad, eager calls go through `FlashAttnFunction` (compiled ones through the op's
     registered gradient)."""
     named = _check_qkv(q, k, v, names, _Q_DIMS, _KV_DIMS)
-    p, window_size = _check_options(dropout_p, window_size, softcap)
+    p, window_size = _check_options(dropout_p, window_size, softcap, softmax_scale)
     batch, seqlen_q, nheads, headdim = q.shape
     _validate.check_alibi(alibi_slopes, batch, nheads)
     _validate.check_cuda(named + [("alibi_slopes", alibi_slopes)])
@@ -196,7 +197,7 @@ def _flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
     if paged and wants_grad:
         _validate.check_no_grad(zip(names[:3], (q, k, v)), caller,
                                 why="there is no gradient through a paged KV cache (block_table), as in flash-attn")
-    p, window_size = _check_options(dropout_p, window_size, softcap)
+    p, window_size = _check_options(dropout_p, window_size, softcap, softmax_scale)
     _validate.check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, names[3:])
     batch = cu_seqlens_q.shape[0] - 1
     if seqused_k is not None:
@@ -432,7 +433,7 @@ def flash_attn_with_kvcache(
         block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits)
     if key is None or key not in _kvcache_checked:
         _check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                       cache_leftpad, block_table, window_size, softcap, alibi_slopes, num_splits)
+                       cache_leftpad, block_table, window_size, softcap, softmax_scale, alibi_slopes, num_splits)
         if key is not None:
             if len(_kvcache_checked) >= _CHECKED_MAX:
                 _kvcache_checked.clear()
@@ -489,7 +490,7 @@ _CHECKED_MAX = 4096
 
 
 def _check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                   cache_leftpad, block_table, window_size, softcap, alibi_slopes, num_splits):
+                   cache_leftpad, block_table, window_size, softcap, softmax_scale, alibi_slopes, num_splits):
     paged = block_table is not None
     named = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)]
     _validate.check_dtypes(named, optional=("k", "v"))
@@ -498,6 +499,7 @@ def _check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seql
     _validate.check_gqa(q, k_cache, "q", "k_cache")
     _validate.check_last_dim_contiguous([("k_cache", k_cache), ("v_cache", v_cache)])
     _validate.check_softcap(softcap)
+    _validate.check_softmax_scale(softmax_scale)
     batch, seqlen_q, nheads, headdim = q.shape
     _validate.check_alibi(alibi_slopes, batch, nheads)
     if paged:

@@ -50,7 +50,7 @@ def _appended_rows(shape, cache_seqlens, seqlen_new, batch_idx=None, block_table
 
 def run_case(b, sq, h, hk, d, dtype, capacity, seqlens, seqlen_new, num_splits, page_size=None,
              batch_idx=False, leftpad=None, rotary=None, causal=False, window=(-1, -1), softcap=0.0,
-             alibi=False):
+             alibi=False, softmax_scale=None):
     """Build a cache, run flash_attn_with_kvcache once with num_splits and once with 1, and
     check output, LSE and both caches."""
     from cute_flash import flash_attn_with_kvcache
@@ -71,7 +71,7 @@ def run_case(b, sq, h, hk, d, dtype, capacity, seqlens, seqlen_new, num_splits, 
     if seqlen_new:
         k, v = (torch.randn(b, seqlen_new, hk, d, device="cuda", dtype=dtype) for _ in range(2))
     opts = dict(cache_seqlens=cache_seqlens, block_table=block_table, causal=causal, window_size=window,
-                softcap=softcap)
+                softcap=softcap, softmax_scale=softmax_scale)
     if batch_idx:
         opts["cache_batch_idx"] = torch.randperm(b + 2, device="cuda")[:b].int()
     if leftpad is not None:

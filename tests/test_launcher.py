@@ -324,6 +324,50 @@ def test_softcap_and_alibi_scales(recorder):
     assert launch.config.has_alibi and launch.config.has_softcap
 
 
+@pytest.mark.parametrize("scale, q_sign", [(-0.5, -1), (0.0, 0)])
+def test_scales_at_or_below_zero_reach_the_kernels_positive(recorder, monkeypatch, scale, q_sign):
+    """launch/dense.py:positive_scale: every entry point hands the kernels |scale| with -q
+    (scale 1 with q = 0 at scale 0); the backward's dq is multiplied back by the sign."""
+    from cute_flash.kernels.config import BwdConfig
+    from cute_flash.kernels.constants import LOG2E
+    from cute_flash.kernels.dq_accum import DQConvertConfig
+    from cute_flash.launch import compiled, flash_fwd, flash_fwd_kvcache, flash_fwd_varlen
+    from cute_flash.launch.backward import flash_bwd
+
+    kernel_scale = -scale if scale else 1.0
+    q = torch.randn(2, 5, 4, 64, dtype=torch.float16)
+    q_before = q.clone()
+    flash_fwd(q, q, q, softmax_scale=scale, causal=True)
+    varlen_q = q.flatten(0, 1)
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    flash_fwd_varlen(varlen_q, varlen_q, varlen_q, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=6,
+                     max_seqlen_k=6, softmax_scale=scale)
+    flash_fwd_kvcache(q, q, q, cache_seqlens=5, softmax_scale=scale, num_splits=1)
+    for launch, given in zip(recorder.launches, (q, varlen_q, q)):
+        assert torch.equal(launch["mQ"], given * q_sign)
+        assert launch["scale_log2"] == pytest.approx(kernel_scale * LOG2E)
+        assert launch["alibi_div"] == pytest.approx(1 / kernel_scale)
+    assert torch.equal(q, q_before)  # the caller's q is untouched
+
+    monkeypatch.setattr(compiled, "bwd_kernel_for", recorder.bwd_kernel_for)
+    recorder.launches.clear()
+    dq = torch.ones_like(q)
+    got, *_ = flash_bwd(q, q, q, q, q, torch.randn(2, 4, 5), softmax_scale=scale, dq=dq)
+    main, convert = (x for x in recorder.launches if isinstance(x.config, (BwdConfig, DQConvertConfig)))
+    assert torch.equal(main["mQ"], q * q_sign) and main["softmax_scale"] == kernel_scale
+    assert convert["scale"] == kernel_scale
+    assert got is dq  # the caller's dq, written then signed in place
+
+
+def test_signed_dq():
+    from cute_flash.launch.backward import _signed_dq
+
+    dq, dk = torch.tensor([1.0, -2.0]), torch.tensor([3.0])
+    assert _signed_dq((dq, dk, dk, None), 1)[0].tolist() == [1.0, -2.0]
+    assert _signed_dq((dq, dk, dk, None), -1)[0].tolist() == [-1.0, 2.0] and dk.tolist() == [3.0]
+    assert _signed_dq((dq, dk, dk, None), 0)[0].tolist() == [0.0, 0.0]
+
+
 def test_varlen_launch_arguments(recorder):
     from cute_flash.launch import flash_fwd_varlen
 

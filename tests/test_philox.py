@@ -1,8 +1,9 @@
 """The dropout RNG (cute_flash/philox.py) on the CPU: Philox4x32 against Random123's published
-known-answer vectors (7 rounds, what the mask uses, and 10), the element -> counter map (a bijection that gives each counter the 8
-elements one thread holds in a 16x16 piece of an MMA accumulator), the kept fraction, and
-independence between neighbouring heads, batches and offsets. The device version compiles to
-14 wide multiplies per call (tests/test_philox_gpu.py checks its words against these)."""
+known-answer vectors (7 rounds, what the mask uses, and 10), the element -> counter map (a
+bijection that gives each counter the 8 elements one thread holds in a 16x16 piece of an MMA
+accumulator), the kept fraction, and independence between neighbouring heads, batches and
+offsets. The device version compiles to 14 wide multiplies per call (tests/test_philox_gpu.py
+checks its words against these)."""
 import numpy as np
 import pytest
 

@@ -486,3 +486,12 @@ def test_kvcache_overflow_raises():
     with pytest.raises(ValueError, match="cache_seqlens"):
         seqlens = torch.tensor([5, 0], dtype=torch.int32)
         attention_kvcache_ref(q, k_cache, v_cache, k, v, cache_seqlens=seqlens)
+
+
+def test_a_negative_scale_is_the_positive_one_on_minus_q():
+    """What launch/dense.py:positive_scale runs: scale -s on q is scale s on -q, masks included."""
+    q, k, v = (torch.randn(1, 33, 2, 32) for _ in range(3))
+    a, a_lse = attention_ref(q, k, v, softmax_scale=-0.4, causal=True)
+    b, b_lse = attention_ref(-q, k, v, softmax_scale=0.4, causal=True)
+    torch.testing.assert_close(a, b)
+    torch.testing.assert_close(a_lse, b_lse)

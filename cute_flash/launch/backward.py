@@ -20,7 +20,7 @@ from cute_flash.kernels.config import BwdConfig, dq_reduction
 from cute_flash.kernels.dq_accum import DQConvertConfig
 from cute_flash.launch import compiled
 from cute_flash.launch.align import aligned
-from cute_flash.launch.dense import alibi_2d, device_index, scales, takes_hopper_path, window_edges
+from cute_flash.launch.dense import alibi_2d, device_index, positive_scale, scales, takes_hopper_path, window_edges
 from cute_flash.dropout import DropoutArgs, rng_of
 from layouts.hopper import BWD_HEAD_DIMS, choose_hopper_bwd_traits
 from layouts.traits import choose_bwd_traits, tile_arch
@@ -63,6 +63,16 @@ def _finish(dq, dk, dv, d, nheads_k, grads, dot):
             given.copy_(grad)
             out.append(given)
     return (*out, dot)
+
+
+def _signed_dq(grads, dq_sign):
+    """(dq, dk, dv, softmax_d) with dq times `positive_scale`'s dq_sign, in place (dq may be
+    the caller's tensor): dk = dS^T q scale is the same for (-q, -scale) and dv has no q."""
+    if dq_sign < 0:
+        grads[0].neg_()
+    elif dq_sign == 0:
+        grads[0].zero_()
+    return grads
 
 
 def _zeros(q, k, v, dot_shape, grads):
@@ -120,6 +130,7 @@ def flash_bwd(dout, q, k, v, out, lse, *, softmax_scale, causal=False, window_si
     sk, hk = k.shape[1], k.shape[2]
     if b == 0 or sq == 0 or sk == 0:
         return _zeros(q, k, v, (b, h, sq), (dq, dk, dv))
+    q, softmax_scale, dq_sign = positive_scale(q, softmax_scale)
     q, k, v, out, dout = (aligned(x) for x in (q, k, v, out, dout))
     d_pad = q.shape[-1]
     index = device_index(q.device)
@@ -127,8 +138,8 @@ def flash_bwd(dout, q, k, v, out, lse, *, softmax_scale, causal=False, window_si
     config = _config(d_pad, q.dtype, index, left, right, alibi_slopes, softcap, False, None, deterministic,
                      dropout)
     if variant is None and takes_hopper_bwd(config, index):
-        return _flash_bwd_sm90(dout, q, k, v, out, lse, config, index, softmax_scale, softcap, alibi_slopes, left,
-                               right, (dq, dk, dv), d, dropout)
+        return _signed_dq(_flash_bwd_sm90(dout, q, k, v, out, lse, config, index, softmax_scale, softcap,
+                                          alibi_slopes, left, right, (dq, dk, dv), d, dropout), dq_sign)
     config = replace(config, **(variant or {}))
     dot = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
     compiled.bwd_kernel_for(PreprocessConfig(config.traits.head_dim, config.traits.dtype, config.even_k),
@@ -145,7 +156,7 @@ def flash_bwd(dout, q, k, v, out, lse, *, softmax_scale, causal=False, window_si
     dq_out = torch.empty((b, sq, h, d_pad), dtype=q.dtype, device=q.device)
     compiled.bwd_kernel_for(DQConvertConfig(t, config.even_k, False, config.dq_vec), index)(
         dq_accum, dq_out, softmax_scale)
-    return _finish(dq_out, dk_h, dv_h, d, hk, (dq, dk, dv), dot)
+    return _signed_dq(_finish(dq_out, dk_h, dv_h, d, hk, (dq, dk, dv), dot), dq_sign)
 
 
 def flash_bwd_varlen(dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -159,6 +170,7 @@ def flash_bwd_varlen(dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max
     batch = cu_seqlens_q.shape[0] - 1
     if batch == 0 or total_q == 0 or total_k == 0:
         return _zeros(q, k, v, (h, total_q), (dq, dk, dv))
+    q, softmax_scale, dq_sign = positive_scale(q, softmax_scale)
     q, k, v, out, dout = (aligned(x) for x in (q, k, v, out, dout))
     d_pad = q.shape[-1]
     index = device_index(q.device)
@@ -184,4 +196,4 @@ def flash_bwd_varlen(dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max
     dq_out = torch.zeros((total_q, h, d_pad), dtype=q.dtype, device=q.device)  # rows no sequence covers: 0
     compiled.bwd_kernel_for(DQConvertConfig(t, config.even_k, True, config.dq_vec), index)(
         dq_accum, dq_out, cu_seqlens_q, max_seqlen_q, softmax_scale)
-    return _finish(dq_out, dk_h, dv_h, d, hk, (dq, dk, dv), dot)
+    return _signed_dq(_finish(dq_out, dk_h, dv_h, d, hk, (dq, dk, dv), dot), dq_sign)

@@ -17,6 +17,21 @@ from layouts.traits import FwdTraits, choose_fwd_traits, tile_arch
 PAGE_ROWS = 16  # pages of a multiple of this many rows take the page-run / shared-page-id copies
 
 
+def positive_scale(q, softmax_scale):
+    """(q, softmax_scale, dq_sign) with a positive scale, as the kernels need: they take row
+    maxima of unscaled scores and mask with -inf before scaling, so a negative scale would pick
+    each row's smallest score as its maximum and turn masked scores into +inf, and 0 makes them
+    -inf * 0 = NaN. scale q k^T = |scale| (-q) k^T, and at scale 0 every score is 0 as with
+    q = 0 at scale 1. dq_sign multiplies the kernels' dq (computed for that q) into the
+    caller's: -1, or 0 at scale 0. A positive scale costs two compares; the others a pass over
+    q. (NaN passes through: the public functions refuse it, `_validate.check_softmax_scale`.)"""
+    if softmax_scale < 0:
+        return torch.neg(q), -softmax_scale, -1
+    if softmax_scale == 0:
+        return torch.zeros_like(q), 1.0, 0
+    return q, softmax_scale, 1
+
+
 def scales(softmax_scale, softcap):
     """(scale_log2, score_premul, alibi_div): with softcap the kernel applies tanh(s * scale /
     softcap) and exponentiates softcap * log2(e) * tanh; ALiBi slopes are divided by the
@@ -68,6 +83,7 @@ def flash_fwd(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1), sof
     kernel."""
     b, sq, h, d = q.shape
     index = device_index(q.device)
+    q, softmax_scale, _ = positive_scale(q, softmax_scale)
     if traits is None and takes_hopper_path(index):
         from cute_flash.launch.hopper import flash_fwd_sm90  # it imports this module's helpers
 
@@ -93,6 +109,7 @@ def flash_fwd_varlen(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     Dropout's rows and columns count from each sequence's start."""
     total_q, h, d = q.shape
     paged = block_table is not None
+    q, softmax_scale, _ = positive_scale(q, softmax_scale)
     q, k, v = aligned(q), aligned(k), aligned(v)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((h, total_q), dtype=torch.float32, device=q.device)

@@ -18,7 +18,7 @@ from cute_flash.kernels.config import FwdConfig
 from cute_flash.kernels.split_kv import num_splits_heuristic, workspace_shapes
 from cute_flash.launch.align import aligned, is_aligned
 from cute_flash.launch import compiled
-from cute_flash.launch.dense import PAGE_ROWS, alibi_2d, device_index, scales, window_edges
+from cute_flash.launch.dense import PAGE_ROWS, alibi_2d, device_index, positive_scale, scales, window_edges
 from cute_flash.launch.per_stream import per_stream
 from layouts.traits import ALIGN, FwdTraits, choose_decode_traits, tile_arch
 
@@ -70,6 +70,7 @@ def flash_fwd_kvcache(q, k_cache, v_cache, *, k=None, v=None, rotary_cos=None, r
     sq)), lse None unless return_lse. `signature`: the interface's summary of every argument's
     metadata and options (`_validate.signature`); calls that share one share their setup."""
     b, sq, h, d = q.shape
+    q, softmax_scale, _ = positive_scale(q, softmax_scale)  # rotary is linear: it commutes with -q
     call = _calls.get(signature) if signature is not None else None
     if call is None:
         if not (is_aligned(k_cache) and is_aligned(v_cache)):
