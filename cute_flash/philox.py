@@ -134,7 +134,7 @@ def keep_mask(seed: int, offset: int, batch: int, heads: int, seqlen_q: int, seq
     out = np.empty((batch, heads, seqlen_q, seqlen_k), dtype=bool)
     for bh in range(batch * heads):
         words = philox4x32((c0, c1, np.full(c0.shape, bh, dtype=np.uint64),
-                               np.full(c0.shape, offset & MASK32, dtype=np.uint64)), (k0, k1))
+                            np.full(c0.shape, offset & MASK32, dtype=np.uint64)), (k0, k1))
         word = np.choose(s // 2, words)
         half = (word >> (np.uint64(16) * (s % 2).astype(np.uint64))) & np.uint64(0xFFFF)
         out[bh // heads, bh % heads] = half < threshold

@@ -24,6 +24,6 @@ def test_device_words_match_reference(seed, offset, bh, rows, cols, row0, col0):
     j = np.arange(col0, col0 + cols, dtype=np.int64)[None, :]
     c0, c1, _ = (np.broadcast_to(x, (rows, cols)) for x in philox.counter_of(i, j))
     key = philox.split_seed(seed)
-    want = philox.philox4x32((c0, c1, np.full(c0.shape, bh, np.uint64), np.full(c0.shape, offset & philox.MASK32,
-                                                                                   np.uint64)), key)
+    want = philox.philox4x32((c0, c1, np.full(c0.shape, bh, np.uint64),
+                              np.full(c0.shape, offset & philox.MASK32, np.uint64)), key)
     assert np.array_equal(got, np.stack([np.asarray(w, dtype=np.int64) for w in want], axis=-1))

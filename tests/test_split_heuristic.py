@@ -20,7 +20,8 @@ SLOTS = 2 * 132
     (1, 5, 5, "5 blocks: counts 1, 2, 3, 5; one CTA per split, the most splits wins"),
     (64, 100, 4, "s=4: 256 CTAs, 2 x 25.5 = 51; s=2: 50.5 / 0.95 = 53.2; s=3: 192 CTAs, 2 x 34.5 = 69"),
     (8, 64, 16, "s=16: 128 CTAs, 4.5 / 0.95 = 4.74; s=32: 256 CTAs, 2 x 2.5 = 5 (flash-attn's rule took 32)"),
-    (8, 1024, 32, "s=32: 2 x 32.5 = 65 against s=16's 64.5 / 0.95 = 67.9; s=33 needs a second wave"),
+    (8, 1024, 32, "s=32: 2 x 32.5 = 65 against s=16's 64.5 / 0.95 = 67.9; s=33 keeps 32 blocks a split, "
+                  "s=34 needs two waves"),
     (8, 1, 1, "one key block: nothing to split"),
 ])
 def test_worked_cases(work, n_blocks, expected, why):

@@ -36,7 +36,7 @@ def counter_words(key_lo: cutlass.Uint32, key_hi: cutlass.Uint32, offset_lo: cut
     """The four Philox words of counter (c0, c1, bh, offset_lo) under the key: the words of
     the 8 elements whose `philox.counter_of` is (c0, c1) in head row bh."""
     return philox.philox4x32((cutlass.Uint32(c0), cutlass.Uint32(c1), cutlass.Uint32(bh), offset_lo),
-                                (key_lo, key_hi), DslOps)
+                             (key_lo, key_hi), DslOps)
 
 
 @cute.jit
