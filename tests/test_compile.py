@@ -193,7 +193,9 @@ def test_hopper_forward_compiles_to_wgmma(config, tmp_path):
     and the last P V are peeled off the loop), and it fits in shared memory. Its softmax takes
     row maxima with max.f32, not the slower max.NaN.f32, and rescales O lazily behind a warp
     vote (docs/perf.md, Hopper step 7). Philox's 32x32 -> 64-bit multiplies appear exactly in
-    the dropout variants."""
+    the dropout variants. O leaves through TMA stores, except from packed batches, whose rows
+    go out in 128-bit stores behind a row predicate (a box past a sequence would overwrite the
+    next one's)."""
     from cute_flash.launch.compiled import compile_fwd_sm90
 
     assert config.smem_bytes <= SMEM_LIMIT[90]
@@ -206,6 +208,8 @@ def test_hopper_forward_compiles_to_wgmma(config, tmp_path):
     assert "max.NaN.f32" not in text
     assert "vote.sync.any.pred" in text
     assert ("mul.wide.u32" in text) == config.has_dropout
+    assert (".global.shared::cta" in text) == (not config.varlen)  # a TMA store: smem -> global
+    assert ("st.global.v4" in text) == config.varlen
 
 
 @pytest.mark.parametrize("config", _sm90_configs())

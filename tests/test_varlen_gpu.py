@@ -1,6 +1,9 @@
 """`flash_attn_varlen_func` against `cute_flash.reference.attention_varlen_ref` on the GPU:
 packed batches of mixed lengths (0, 1, shorter than a block, ragged), seqused_k, every score
-modifier, and equality with the dense path for equal-length batches."""
+modifier, equality with the dense path for equal-length batches, and no leak of one sequence's
+NaN into another's output. `path` selects the kernels (`CUTE_FLASH_ARCH_PATH`): packed
+batches take the SM80 kernel by default and with sm80, and on an H200 with sm90 the Hopper
+kernel over contiguous keys without seqused_k (not yet the default)."""
 import pytest
 import torch
 from hypothesis import given
@@ -16,18 +19,25 @@ seq_lengths = st.lists(st.one_of(st.sampled_from([0, 1, 2, 17, 63, 64, 65, 127, 
                                  st.integers(0, 600)), min_size=1, max_size=6)
 
 
+def _select(path, monkeypatch):
+    if path != "default":
+        monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", path)
+
+
 def _packed(lq, lk, h, hk, d, dtype):
     q = torch.randn(sum(lq), h, d, device="cuda", dtype=dtype)
     k, v = (torch.randn(sum(lk), hk, d, device="cuda", dtype=dtype) for _ in range(2))
     return q, k, v
 
 
+@pytest.mark.parametrize("path", ["default", "sm90"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("causal", [False, True])
 @GPU_SETTINGS
 @given(lengths=st.data(), hh=st.sampled_from([(2, 2), (4, 1), (6, 3)]),
        d=st.one_of(st.sampled_from([64, 128]), st.integers(1, 256)))
-def test_varlen_matches_reference(lengths, hh, d, causal, dtype):
+def test_varlen_matches_reference(lengths, hh, d, causal, dtype, path, monkeypatch):
+    _select(path, monkeypatch)
     lq = lengths.draw(seq_lengths)
     lk = lengths.draw(st.lists(st.integers(0, 600), min_size=len(lq), max_size=len(lq)))
     if sum(lk) == 0:
@@ -43,7 +53,9 @@ def test_varlen_matches_reference(lengths, hh, d, causal, dtype):
     dict(window_size=(50, 0)), dict(window_size=(30, 70)), dict(softcap=20.0),
     dict(alibi="bh", causal=True), dict(alibi="h", window_size=(-1, 10)),
 ])
-def test_varlen_modifiers(opts):
+@pytest.mark.parametrize("path", ["default", "sm90"])
+def test_varlen_modifiers(opts, path, monkeypatch):
+    _select(path, monkeypatch)
     lq, lk = [0, 1, 100, 257, 33], [5, 0, 300, 129, 500]
     q, k, v = _packed(lq, lk, 4, 2, 96, torch.bfloat16)
     opts = dict(opts)
@@ -71,13 +83,16 @@ def test_seqused_k():
                              cu_seqlens_k=cu_k, seqused_k=used, causal=True)
 
 
+@pytest.mark.parametrize("path", ["sm80", "sm90"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_equal_lengths_match_the_dense_path(causal, monkeypatch):
-    """Packed and dense calls share the SM80 kernel (on sm_90 dense ones default to the Hopper
-    kernel, so the SM80 path is selected): equal lengths give bit-identical results."""
+def test_equal_lengths_match_the_dense_path(causal, path, monkeypatch):
+    """Packed and dense calls run the same kernel code per tile, on either path (the Hopper
+    one: the dense call persistent, the packed one a CTA per tile; keys past a sequence zeroed
+    by TMA in one, masked and V-cleared in the other): equal lengths give bit-identical
+    results."""
     from cute_flash import flash_attn_func, flash_attn_varlen_func
 
-    monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", "sm80")
+    _select(path, monkeypatch)
     b, s, h, d = 3, 333, 4, 128
     q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     cu = cu_seqlens([s] * b)
@@ -86,3 +101,29 @@ def test_equal_lengths_match_the_dense_path(causal, monkeypatch):
                                          causal=causal, return_attn_probs=True)
     assert torch.equal(out.view(b, s, h, d), dense)
     assert torch.equal(lse.view(h, b, s).transpose(0, 1), dense_lse)
+
+
+@pytest.mark.parametrize("path", ["sm80", "sm90"])
+@pytest.mark.parametrize("d", [64, 96, 128])
+def test_a_sequences_nan_stays_in_it(d, path, monkeypatch):
+    """NaN in the first rows of sequence 1's Q, K and V: sequence 0's last key block reaches into
+    them (100 keys, 128-key blocks), where P = 0 must not meet a NaN (the Hopper kernel zeroes
+    those V rows). Sequence 0 matches its reference alone; sequence 1 is NaN, as it should."""
+    from cute_flash import flash_attn_varlen_func
+    from cute_flash.reference import attention_ref
+
+    _select(path, monkeypatch)
+    lq, lk = [70, 30], [100, 60]
+    q, k, v = _packed(lq, lk, 4, 2, d, torch.bfloat16)
+    for x, start in ((q, lq[0]), (k, lk[0]), (v, lk[0])):
+        x[start:start + 3] = float("nan")
+    cu_q, cu_k = cu_seqlens(lq), cu_seqlens(lk)
+    for causal in (False, True):
+        poison_allocator()
+        out, lse, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lq), max(lk), causal=causal,
+                                             return_attn_probs=True)
+        torch.cuda.synchronize()
+        assert out[lq[0]:].isnan().all()
+        q0, k0, v0 = q[None, :lq[0]], k[None, :lk[0]], v[None, :lk[0]]
+        assert_matches_reference(out[None, :lq[0]], lse[None, :, :lq[0]], q0, k0, v0, ref_fn=attention_ref,
+                                 causal=causal)

@@ -28,6 +28,14 @@ GEMMs, so one's softmax runs while the other's GEMMs occupy the tensor cores (pi
 zero-fills what lies past a tensor's end (rows past seqlen, columns past a padded head dim), so
 no load needs a predicate; the first block processed (the last one) and blocks a window edge
 crosses run the mask.
+
+Packed batches (`call_varlen`, one CTA per tile over max_seqlen_q's blocks): the TMA boxes of a
+tile start at its sequence's first row, so loads past the sequence's end read the next
+sequence's rows instead of zeros. Q's extra rows are never stored and K's extra columns are
+masked, but P = 0 times a NaN in the next sequence's V is NaN, so the consumers zero the V rows
+past seqlen_k of the last key block (`clear_v_tail`) before its P V; O leaves through a
+row-predicated copy out of shared memory, since a TMA box past the sequence's end would
+overwrite the next sequence's rows.
 """
 from __future__ import annotations
 
@@ -57,6 +65,7 @@ from layouts.traits import ELEMENT_BYTES, SMEM_LIMIT, element_type
 REGISTERS = {1: (56, 256), 2: (24, 240), 3: (32, 160)}
 SCHEDULER_BARRIER = 1  # named barriers 1..3: consumer warpgroup 0's..2's turn to issue GEMMs
 EPILOGUE_BARRIER = 4   # named barriers 4..6: consumer warpgroup 0's..2's O tile written to smem
+CLEAR_V_BARRIER = 7    # packed batches: every consumer warpgroup's V rows past seqlen_k zeroed
 
 
 @dataclass(frozen=True)
@@ -70,6 +79,11 @@ class Sm90FwdConfig:
     has_alibi: bool = False
     has_softcap: bool = False
     has_dropout: bool = False  # P's elements dropped by the Philox mask (docs/semantics.md, Dropout)
+    varlen: bool = False       # packed batches (call_varlen); one CTA per tile
+
+    def __post_init__(self):
+        if self.varlen and self.persistent:
+            raise ValueError("packed batches take one CTA per tile, not the persistent schedule")
 
     @property
     def num_threads(self) -> int:
@@ -98,7 +112,8 @@ class Sm90FwdConfig:
 
     @property
     def name(self) -> str:
-        return f"{self.traits.name}_s{self.stages}{'p' if self.persistent else ''}-{score_letters(self)}"
+        schedule = "p" if self.persistent else "v" if self.varlen else ""
+        return f"{self.traits.name}_s{self.stages}{schedule}-{score_letters(self)}"
 
 
 @dataclass(frozen=True)
@@ -125,15 +140,26 @@ class Sm90Recipe:
 
 
 @dataclass(frozen=True)
+class Sm90Varlen:
+    """A packed batch: where its sequences start, and O as a tensor (it leaves by a predicated
+    copy, not TMA)."""
+    mCuSeqlensQ: cute.Tensor  # (batch + 1,) int32
+    mCuSeqlensK: cute.Tensor  # (batch + 1,) int32
+    max_seqlen_q: object      # Int32: the grid covers its query blocks
+    mO: cute.Tensor           # (total_q, heads, d)
+
+
+@dataclass(frozen=True)
 class Sm90Tensors:
-    tma_mQ: cute.Tensor  # (seqlen_q, d, heads, batch) TMA coordinates
-    tma_mK: cute.Tensor  # (seqlen_k, d, heads_k, batch)
+    tma_mQ: cute.Tensor  # (seqlen_q, d, heads, batch) TMA coordinates; packed: (total_q, d, heads)
+    tma_mK: cute.Tensor  # (seqlen_k, d, heads_k, batch); packed: (total_k, d, heads_k)
     tma_mV: cute.Tensor
-    tma_mO: cute.Tensor  # (seqlen_q, d, heads, batch)
-    mLSE: cute.Tensor    # (batch, heads, seqlen_q) fp32
+    tma_mO: object       # (seqlen_q, d, heads, batch); None for packed batches
+    mLSE: cute.Tensor    # (batch, heads, seqlen_q) fp32; packed: (heads, total_q)
     mAlibi: object       # (batch, heads) fp32 slopes
     mRng: object         # (4,) uint32: dropout's Philox key, offset and keep threshold
     mTileCounter: cute.Tensor  # (2,) int32: tiles claimed past the first wave, CTAs finished
+    varlen: object       # Sm90Varlen for packed batches, else None
 
 
 @dataclass(frozen=True)
@@ -180,6 +206,8 @@ class Sm90Loop:
     kv_uses: object           # K / V stage uses before this tile's (the pipelines' position)
     dropout: object           # kernels/philox.py:Dropout (has_dropout), else None
     mma_tidx: object          # this thread among the consumers
+    sV: cute.Tensor           # (bn, d, stages): packed batches zero V rows past seqlen_k in it
+    seqlen_k: object
 
 
 def use_state(n, stages: int, producer: bool) -> pipeline.PipelineState:
@@ -196,9 +224,10 @@ def use_state(n, stages: int, producer: bool) -> pipeline.PipelineState:
 
 
 def seq_first(t: cute.Tensor) -> cute.Tensor:
-    """(batch, seqlen, heads, d) as (seqlen, d, heads, batch): a TMA box is a (rows, d) tile
-    and the trailing modes are coordinates."""
-    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
+    """(batch, seqlen, heads, d) as (seqlen, d, heads, batch), packed (total, heads, d) as
+    (total, d, heads): a TMA box is a (rows, d) tile and the trailing modes are coordinates."""
+    modes = [1, 3, 2, 0] if cute.rank(t) == 4 else [0, 2, 1]
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes))
 
 
 class FlashFwdSm90:
@@ -217,6 +246,24 @@ class FlashFwdSm90:
         dropout state, `Dropout.load`) or None; mTileCounter (2,) int32, zero before a persistent
         launch and left zero by it; section_heads: see `tile`; max_ctas: the SMs a persistent
         variant spreads its tiles over."""
+        scalars = Sm90Scalars(scale_log2, score_premul, alibi_div, window_left, window_right, section_heads)
+        self.launch(mQ, mK, mV, mO, mLSE, mAlibi, mRng, mTileCounter, None, scalars, max_ctas, stream)
+
+    @cute.jit
+    def call_varlen(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+                    mAlibi, mRng, mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, max_seqlen_q: cutlass.Int32,
+                    scale_log2: cutlass.Float32, score_premul: cutlass.Float32, alibi_div: cutlass.Float32,
+                    window_left: cutlass.Int32, window_right: cutlass.Int32, stream):
+        """Packed batches: mQ / mO (total_q, heads, d), mK / mV (total_k, heads_k, d), mLSE
+        (heads, total_q) fp32, int32 prefix sums mCuSeqlens* (batch + 1,); one CTA per tile of
+        max_seqlen_q's query blocks, those past a sequence's end storing nothing."""
+        scalars = Sm90Scalars(scale_log2, score_premul, alibi_div, window_left, window_right, 1)
+        varlen = Sm90Varlen(mCuSeqlensQ, mCuSeqlensK, max_seqlen_q, mO)
+        self.launch(mQ, mK, mV, mO, mLSE, mAlibi, mRng, None, varlen, scalars, 0, stream)
+
+    @cute.jit
+    def launch(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, mAlibi,
+               mRng, mTileCounter, varlen, scalars: Sm90Scalars, max_ctas, stream):
         t, stages = self.t, self.config.stages
         sQ_layout = hopper.smem_layout(t, t.block_m)
         sKV_layout = hopper.smem_layout_staged(t, t.block_n, stages)
@@ -224,7 +271,10 @@ class FlashFwdSm90:
         tma_q, tma_mQ = hopper.tma_load_atom(t, seq_first(mQ), sQ_layout, t.block_m)
         tma_k, tma_mK = hopper.tma_load_atom(t, seq_first(mK), sKV_stage, t.block_n)
         tma_v, tma_mV = hopper.tma_load_atom(t, seq_first(mV), sKV_stage, t.block_n)
-        tma_o, tma_mO = hopper.tma_store_atom(t, seq_first(mO), hopper.smem_layout(t, hopper.WGMMA_M), hopper.WGMMA_M)
+        tma_o, tma_mO = None, None
+        if cutlass.const_expr(varlen is None):
+            tma_o, tma_mO = hopper.tma_store_atom(t, seq_first(mO), hopper.smem_layout(t, hopper.WGMMA_M),
+                                                  hopper.WGMMA_M)
 
         kv = (self.dtype, cute.cosize(sKV_layout), 1024)
         fields = {"q_barriers": (cutlass.Int64, 2, None), "k_barriers": (cutlass.Int64, 2 * stages, None),
@@ -236,8 +286,7 @@ class FlashFwdSm90:
 
         recipe = Sm90Recipe(sQ_layout, sKV_layout, tma_q, tma_k, tma_v, tma_o, hopper.tiled_mma_qk(t),
                             hopper.tiled_mma_pv(t))
-        args = Sm90Tensors(tma_mQ, tma_mK, tma_mV, tma_mO, mLSE, mAlibi, mRng, mTileCounter)
-        scalars = Sm90Scalars(scale_log2, score_premul, alibi_div, window_left, window_right, section_heads)
+        args = Sm90Tensors(tma_mQ, tma_mK, tma_mV, tma_mO, mLSE, mAlibi, mRng, mTileCounter, varlen)
         tiles = self.num_tiles(args)
         ctas = cutlass.min(tiles, max_ctas) if cutlass.const_expr(self.config.persistent) else tiles
         self.kernel(args, scalars, recipe, SharedStorage).launch(
@@ -285,7 +334,16 @@ class FlashFwdSm90:
             self.consume(args, scalars, recipe, pipes, sQ, sK, sV, sO, tidx - 128)
 
     def num_tiles(self, args: Sm90Tensors):
-        return cute.ceil_div(args.tma_mQ.shape[0], self.t.block_m) * args.tma_mQ.shape[2] * args.tma_mQ.shape[3]
+        return cute.ceil_div(self.rows_q(args), self.t.block_m) * args.tma_mQ.shape[2] * self.batch(args)
+
+    @staticmethod
+    def rows_q(args: Sm90Tensors):
+        """Query rows the grid covers per (batch, head): seqlen_q, or packed max_seqlen_q."""
+        return args.tma_mQ.shape[0] if args.varlen is None else args.varlen.max_seqlen_q
+
+    @staticmethod
+    def batch(args: Sm90Tensors):
+        return args.tma_mQ.shape[3] if args.varlen is None else args.varlen.mCuSeqlensQ.shape[0] - 1
 
     @cute.jit
     def tile(self, args: Sm90Tensors, scalars: Sm90Scalars, tile_idx) -> Tile:
@@ -296,9 +354,9 @@ class FlashFwdSm90:
         those of one section (the host sizes it for L2). section_heads 1: one pair's blocks,
         last first, then the next pair's."""
         t = self.t
-        seqlen_q, heads = args.tma_mQ.shape[0], args.tma_mQ.shape[2]
-        pairs = heads * args.tma_mQ.shape[3]
-        m_blocks = cute.ceil_div(seqlen_q, t.block_m)
+        heads = args.tma_mQ.shape[2]
+        pairs = heads * self.batch(args)
+        m_blocks = cute.ceil_div(self.rows_q(args), t.block_m)
         section = tile_idx // (scalars.section_heads * m_blocks)
         first_pair = section * scalars.section_heads
         in_section = cutlass.min(scalars.section_heads, pairs - first_pair)
@@ -308,14 +366,22 @@ class FlashFwdSm90:
 
     @cute.jit
     def tile_at(self, args: Sm90Tensors, scalars: Sm90Scalars, m_block, bidh, bidb) -> Tile:
-        """The tile of query block m_block of (bidb, bidh): its key blocks."""
+        """The tile of query block m_block of (bidb, bidh): its key blocks (none past a packed
+        sequence's end)."""
         cfg, t = self.config, self.t
-        seq = SeqInfo.make(bidb, args.tma_mQ.shape[0], args.tma_mK.shape[0])
+        if cutlass.const_expr(args.varlen is None):
+            seq = SeqInfo.make(bidb, args.tma_mQ.shape[0], args.tma_mK.shape[0])
+        else:
+            seq = SeqInfo.make(bidb, args.tma_mQ.shape[0], args.tma_mK.shape[0], args.varlen.mCuSeqlensQ,
+                               args.varlen.mCuSeqlensK)
         window = Window(scalars.window_left, scalars.window_right, cfg.has_left, cfg.has_right)
         blocks = BlockRange.make(seq, m_block, t.block_m, t.block_n, window)
         # a window can end before it starts (n_block_min > n_block_max): no key block then
-        return Tile(m_block, bidh, bidb, seq, blocks.n_block_max,
-                    cutlass.max(blocks.n_block_max - blocks.n_block_min, 0))
+        count = cutlass.max(blocks.n_block_max - blocks.n_block_min, 0)
+        if cutlass.const_expr(args.varlen is not None):
+            if m_block * t.block_m >= seq.seqlen_q:
+                count = cutlass.Int32(0)
+        return Tile(m_block, bidh, bidb, seq, blocks.n_block_max, count)
 
     @cute.jit
     def announced(self, args: Sm90Tensors, scalars: Sm90Scalars, pipes: Pipes) -> Tile:
@@ -387,9 +453,12 @@ class FlashFwdSm90:
         still loads Q: its announcement travels with it."""
         bm, bn, d, stages = self.t.block_m, self.t.block_n, self.t.head_dim, self.config.stages
         bidh_kv = tile.bidh // (heads // args.tma_mK.shape[2])
-        gQ = cute.local_tile(args.tma_mQ[None, None, tile.bidh, tile.bidb], (bm, d), (tile.m_block, 0))  # (bm, d)
-        gK = cute.local_tile(args.tma_mK[None, None, bidh_kv, tile.bidb], (bn, d), (None, 0))  # (bn, d, n_blocks)
-        gV = cute.local_tile(args.tma_mV[None, None, bidh_kv, tile.bidb], (bn, d), (None, 0))  # (bn, d, n_blocks)
+        gQ = cute.local_tile(self.rows(args.tma_mQ, tile.seq.sum_s_q, tile.bidh, tile.bidb), (bm, d),
+                             (tile.m_block, 0))  # (bm, d)
+        gK = cute.local_tile(self.rows(args.tma_mK, tile.seq.sum_s_k, bidh_kv, tile.bidb), (bn, d),
+                             (None, 0))  # (bn, d, n_blocks)
+        gV = cute.local_tile(self.rows(args.tma_mV, tile.seq.sum_s_k, bidh_kv, tile.bidb), (bn, d),
+                             (None, 0))  # (bn, d, n_blocks)
         one = cute.make_layout(1)
         tQsQ, tQgQ = cpasync.tma_partition(recipe.tma_q, 0, one, cute.group_modes(sQ, 0, 2),
                                            cute.group_modes(gQ, 0, 2))  # (TMA,), (TMA,)
@@ -410,6 +479,14 @@ class FlashFwdSm90:
             pipes.v.producer_acquire(write)
             cute.copy(recipe.tma_v, tVgV[None, n_block], tVsV[None, write.index],
                       tma_bar_ptr=pipes.v.producer_get_barrier(write))
+
+    @staticmethod
+    def rows(tma_mX: cute.Tensor, start, bidh, bidb) -> cute.Tensor:
+        """(rows, d) TMA coordinates of one head of one sequence: dense (rows, d, heads, batch)
+        indexed, packed (total, d, heads) shifted to the sequence's first row `start`."""
+        if start is None:
+            return tma_mX[None, None, bidh, bidb]
+        return cute.domain_offset((start, 0), tma_mX[None, None, bidh])
 
     @cute.jit
     def load_q(self, recipe: Sm90Recipe, pipes: Pipes, tQgQ, tQsQ, tile: Tile, tile_idx, q_loads):
@@ -441,7 +518,7 @@ class FlashFwdSm90:
                 cute.arch.barrier_arrive(barrier_id=SCHEDULER_BARRIER, number_of_threads=256)
 
         consume = functools.partial(self.consume_tile, args, scalars, recipe, pipes, tSrQ, tSrK, tOrV, acc_s, tOrP,
-                                    acc_o, row_scale, sO, consumer_wg)
+                                    acc_o, row_scale, sO, sV, consumer_wg)
         if cutlass.const_expr(not self.config.persistent):
             bidx, _, _ = cute.arch.block_idx()
             ctas, _, _ = cute.arch.grid_dim()
@@ -467,7 +544,7 @@ class FlashFwdSm90:
 
     @cute.jit
     def consume_tile(self, args: Sm90Tensors, scalars: Sm90Scalars, recipe: Sm90Recipe, pipes: Pipes, tSrQ, tSrK,
-                     tOrV, acc_s, tOrP, acc_o, row_scale, sO, consumer_wg, tile: Tile, mma_tidx, kv_uses):
+                     tOrV, acc_s, tOrP, acc_o, row_scale, sO, sV, consumer_wg, tile: Tile, mma_tidx, kv_uses):
         """One tile; the caller has waited for its Q (and coordinates)."""
         cfg, t = self.config, self.t
         bm, bn = t.block_m, t.block_n
@@ -490,7 +567,7 @@ class FlashFwdSm90:
         if cutlass.const_expr(cfg.has_dropout):
             dropout = Dropout.load(args.mRng, tile.bidb, tile.bidh, args.tma_mQ.shape[2])
         loop = Sm90Loop(pipes, tSrQ, tSrK, tOrV, acc_s, tOrP, acc_o, acc_o_mn, row_scale, softmax, mods, tile.m_block,
-                        lo, hi, consumer_wg, kv_uses, dropout, mma_tidx)
+                        lo, hi, consumer_wg, kv_uses, dropout, mma_tidx, sV, tile.seq.seqlen_k)
         if tile.count > 0:
             self.mainloop(loop, tile.n_block_max, tile.count, recipe)
         cute.arch.mbarrier_arrive(pipes.q_empty)  # this thread's wgmmas are done with sQ and the tile's index
@@ -515,6 +592,8 @@ class FlashFwdSm90:
         wgmma(mma_qk, loop.acc_s, loop.tSrQ, loop.tSrK[None, None, None, first.index])
         loop.pipes.k.consumer_release(first)
         self.scores(loop, n_block_max - 1, recipe, True, True)
+        if cutlass.const_expr(self.config.varlen):
+            self.clear_v_tail(loop, first, n_block_max - 1)
         for i in cutlass.range(1, count, unroll=1):
             n_block = n_block_max - 1 - i
             k_read = use_state(loop.kv_uses + i, stages, producer=False)
@@ -541,6 +620,28 @@ class FlashFwdSm90:
         loop.pipes.v.consumer_wait(last)
         wgmma(mma_pv, loop.acc_o, loop.tOrP, loop.tOrV[None, None, None, last.index], accumulate=True)
         loop.pipes.v.consumer_release(last)
+
+    @cute.jit
+    def clear_v_tail(self, loop: Sm90Loop, state: pipeline.PipelineState, n_block):
+        """Packed batches: zero the rows of key block n_block's V stage past seqlen_k (the next
+        sequence's rows, which P = 0 would turn into NaN if they held one), 16 bytes at a time
+        by every consumer thread, before any warpgroup's P V reads the stage. Once a tile: the
+        last key block is the only one a sequence's end crosses."""
+        t = self.t
+        bn, d = t.block_n, t.head_dim
+        loop.pipes.v.consumer_wait(state)
+        vec = 16 // ELEMENT_BYTES
+        chunks = d // vec
+        sV = loop.sV[None, None, state.index]  # (bn, d) this stage
+        first_row = loop.seqlen_k - n_block * bn  # rows past it belong to the next sequence
+        zeros = cute.make_rmem_tensor((vec,), self.dtype)
+        zeros.fill(0.0)
+        for c in cutlass.range(loop.mma_tidx, (bn - first_row) * chunks, t.num_threads, unroll=1):
+            row = first_row + c // chunks
+            chunk = cute.local_tile(sV[row, None], (vec,), (c % chunks,))  # (vec,)
+            cute.autovec_copy(zeros, chunk)
+        cute.arch.fence_view_async_shared()  # generic-proxy writes, before wgmma (async proxy) reads
+        cute.arch.barrier(barrier_id=CLEAR_V_BARRIER, number_of_threads=t.num_threads)
 
     @cute.jit
     def scores(self, loop: Sm90Loop, n_block, recipe: Sm90Recipe, is_first: cutlass.Constexpr,
@@ -583,7 +684,7 @@ class FlashFwdSm90:
         sO, which lie in swizzle atoms of their own (so, in Q's tile, no other warpgroup's last
         Q K^T reads them), once the previous tile's TMA store has read them; one of its warps
         then stores them with TMA, which drops rows past seqlen_q and columns past the tensor's
-        head dim. One thread of each quad writes its rows' LSE."""
+        head dim (packed batches: `copy_o_rows`). One thread of each quad writes its rows' LSE."""
         bm, d = self.t.block_m, self.t.head_dim
         wg = mma_tidx // 128
         store_warp = mma_tidx % 128 < 32
@@ -596,7 +697,9 @@ class FlashFwdSm90:
         cute.autovec_copy(rO, tOsO)
         cute.arch.fence_view_async_shared()  # the generic-proxy writes, before TMA (async proxy) reads them
         cute.arch.barrier(barrier_id=EPILOGUE_BARRIER + wg, number_of_threads=128)
-        if store_warp:
+        if cutlass.const_expr(args.varlen is not None):
+            self.copy_o_rows(sO, args.varlen.mO, tile, wg, mma_tidx % 128)
+        elif store_warp:
             sO_wg = cute.local_tile(sO, (hopper.WGMMA_M, d), (wg, 0))  # (64, d) this warpgroup's rows
             gO = cute.local_tile(args.tma_mO[None, None, tile.bidh, tile.bidb], (hopper.WGMMA_M, d),
                                  (tile.m_block * self.t.warpgroups + wg, 0))  # (64, d)
@@ -611,4 +714,26 @@ class FlashFwdSm90:
         for r in cutlass.range_constexpr(cute.size(lse)):
             row = tOcO_mn[r, 0][0]
             if row < rows_q and tOcO_mn[0, 0][1] == 0:
-                args.mLSE[tile.bidb, tile.bidh, tile.m_block * bm + row] = lse[r]
+                if cutlass.const_expr(args.varlen is None):
+                    args.mLSE[tile.bidb, tile.bidh, tile.m_block * bm + row] = lse[r]
+                else:
+                    args.mLSE[tile.bidh, tile.seq.sum_s_q + tile.m_block * bm + row] = lse[r]
+
+    @cute.jit
+    def copy_o_rows(self, sO: cute.Tensor, mO: cute.Tensor, tile: Tile, wg, wg_tidx):
+        """Packed batches: warpgroup wg's 64 rows of O from sO into mO (total_q, heads, d), 16
+        bytes a copy, leaving out rows past the sequence's end (the next sequence's) and columns
+        past mO's head dim (a multiple of 8)."""
+        d = self.t.head_dim
+        vec = 16 // ELEMENT_BYTES
+        chunks = d // vec
+        row0 = tile.m_block * self.t.block_m + wg * hopper.WGMMA_M  # this warpgroup's first row
+        rows = tile.seq.seqlen_q - row0
+        gO = cute.domain_offset((tile.seq.sum_s_q, 0), mO[None, tile.bidh, None])  # (seqlen_q, d) this head
+        for i in cutlass.range_constexpr(hopper.WGMMA_M * chunks // 128):  # d / 16 copies a thread
+            flat = wg_tidx + 128 * i
+            row, chunk = flat // chunks, flat % chunks
+            if row < rows and chunk * vec < mO.shape[2]:
+                src = cute.local_tile(sO[wg * hopper.WGMMA_M + row, None], (vec,), (chunk,))  # (vec,)
+                dst = cute.local_tile(gO[row0 + row, None], (vec,), (chunk,))  # (vec,)
+                cute.autovec_copy(src, dst)

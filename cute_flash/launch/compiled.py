@@ -170,13 +170,21 @@ def compile_fwd(config: FwdConfig, arch: int | None = None, extra_options: str =
 
 
 def compile_fwd_sm90(config: Sm90FwdConfig, arch: int | None = 90, extra_options: str = ""):
-    """Build the Hopper forward of `config` (sm_90a; placeholders as `fake_fwd_args`)."""
+    """Build the Hopper forward of `config` (sm_90a; placeholders as `fake_fwd_args`): the
+    dense entry, or `call_varlen` for packed batches."""
     dtype = element_type(config.traits)
+    kernel = FlashFwdSm90(config)
+    if config.varlen:
+        args = [fake_tensor(dtype, 3, ALIGN, COPY_BYTES) for _ in range(4)] + [
+            fake_tensor(cutlass.Float32, 2), fake_tensor(cutlass.Float32, 2) if config.has_alibi else None,
+            fake_tensor(cutlass.Uint32, 1) if config.has_dropout else None, fake_tensor(cutlass.Int32, 1),
+            fake_tensor(cutlass.Int32, 1), 1, 1.0, 1.0, 1.0, -1, -1, fake_stream()]
+        return compile_tvm_ffi(kernel.call_varlen, args, arch, extra_options)
     args = [fake_tensor(dtype, 4, ALIGN, COPY_BYTES) for _ in range(4)] + [
         fake_tensor(cutlass.Float32, 3), fake_tensor(cutlass.Float32, 2) if config.has_alibi else None,
         fake_tensor(cutlass.Uint32, 1) if config.has_dropout else None, fake_tensor(cutlass.Int32, 1),
         1.0, 1.0, 1.0, -1, -1, 1, 132, fake_stream()]
-    return compile_tvm_ffi(FlashFwdSm90(config), args, arch, extra_options)
+    return compile_tvm_ffi(kernel, args, arch, extra_options)
 
 
 @functools.lru_cache(maxsize=None)
@@ -294,7 +302,10 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
                   Sm90FwdConfig(choose_hopper_traits(128, "bf16"), has_left=True, has_right=True, has_alibi=True,
                                 has_softcap=True),
                   Sm90FwdConfig(choose_hopper_traits(64, "bf16"), has_right=True, has_dropout=True),
-                  Sm90FwdConfig(choose_hopper_traits(128, "bf16"), persistent=True, has_dropout=True)]
+                  Sm90FwdConfig(choose_hopper_traits(128, "bf16"), persistent=True, has_dropout=True),
+                  Sm90FwdConfig(choose_hopper_traits(128, "bf16"), has_right=True, varlen=True),
+                  Sm90FwdConfig(choose_hopper_traits(64, "fp16"), has_left=True, has_alibi=True, has_softcap=True,
+                                has_dropout=True, varlen=True)]
 
 
 def bwd_variants(arch: int, full: bool = False) -> list:
