@@ -141,6 +141,22 @@ def p_operand(acc_s, dtype):
     return p
 
 
+def o_copy_steps(head_dim: int) -> int:
+    """16-byte copies each thread of a warpgroup makes to move its (64, head_dim) tile of O
+    (packed batches, kernels/fwd_sm90.py:copy_o_rows)."""
+    return WGMMA_M * head_dim * ELEMENT_BYTES // 16 // 128
+
+
+def o_copy_coord(thread, step, head_dim: int):
+    """(row, 16-byte chunk) of a warpgroup's (64, head_dim) O tile that its thread `thread`
+    copies at step `step` < o_copy_steps: a flat index over (row, chunk), so every head dim's
+    tile is covered once (layouts/verify_hopper.py:o_copy_checks). Integer-generic: Python
+    ints, numpy arrays or DSL integers."""
+    chunks = head_dim * ELEMENT_BYTES // 16
+    flat = thread + 128 * step
+    return flat // chunks, flat % chunks
+
+
 def acc_as_operand_a(acc):
     """The (MMA, MMA_M, MMA_N) fp32 accumulator of a wgmma, viewed as the register A operand
     ((2, 2, 2), MMA_M, MMA_N / 16) of the next one: a thread's accumulator values come in

@@ -12,7 +12,9 @@ What must hold for the Hopper kernels to be right, checked without a GPU:
   rely on);
 - O's staging: the (64, d) box each warpgroup's TMA store reads, in the one-warpgroup layout
   its atom was built for, addresses exactly that warpgroup's rows of the (block_m, d) tile
-  the threads wrote, from a 1024-byte aligned base (TMA swizzles by address bits).
+  the threads wrote, from a 1024-byte aligned base (TMA swizzles by address bits);
+- packed batches' O copy (`hopper.o_copy_coord`): a warpgroup's threads copy every 16-byte
+  chunk of its 64 rows exactly once.
 """
 from __future__ import annotations
 
@@ -118,6 +120,19 @@ def staging_checks(traits, tile_rows: int, warpgroups: int) -> dict:
     return in_arch_trace("sm_90a", run)
 
 
+def o_copy_checks(traits: HopperTileTraits, coord=None) -> dict:
+    """Every (row, 16-byte chunk) of a warpgroup's (64, head_dim) O tile is copied by exactly one
+    (thread, step) of `coord` (default `hopper.o_copy_coord`, what the kernel calls)."""
+    coord = coord or hopper.o_copy_coord
+    chunks = traits.head_dim * ELEMENT_BYTES // 16
+    counts = np.zeros((hopper.WGMMA_M, chunks), dtype=np.int64)
+    thread, step = np.meshgrid(np.arange(128), np.arange(hopper.o_copy_steps(traits.head_dim)), indexing="ij")
+    row, chunk = coord(thread.ravel(), step.ravel(), traits.head_dim)
+    inside = (row < hopper.WGMMA_M) & (chunk < chunks)
+    np.add.at(counts, (row[inside], chunk[inside]), 1)
+    return {"chunks": chunks, "ok": bool((counts == 1).all() and inside.all())}
+
+
 def bwd_checks(traits: BwdTraits) -> dict:
     """The Hopper backward's recipes (layouts/hopper.py, kernels/bwd_sm90.py) for one tile:
     - Q / dO (two stages), K / V and dS^T (two stages) are bijections, stages 1024-byte aligned;
@@ -167,9 +182,11 @@ def verify_hopper(traits: HopperTileTraits) -> dict:
     p = p_operand_checks(traits)
     cover = accumulator_coverage(traits)
     o_staging = o_staging_checks(traits)
+    o_copy = o_copy_checks(traits)
     ok = (smem["sQ"] and smem["sKV"] and smem["staged_bijection"] and smem["stages_aligned"] and p["ok"]
-          and all(cover.values()) and o_staging["ok"])
-    return {"smem": smem, "p_operand": p, "acc_coverage": cover, "o_staging": o_staging, "ok": ok}
+          and all(cover.values()) and o_staging["ok"] and o_copy["ok"])
+    return {"smem": smem, "p_operand": p, "acc_coverage": cover, "o_staging": o_staging, "o_copy": o_copy,
+            "ok": ok}
 
 
 def report(traits: HopperTileTraits, stages: int = 2) -> dict:

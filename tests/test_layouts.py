@@ -377,7 +377,8 @@ def _swapped_operand_view(acc):
 def test_hopper_traits_verify(traits):
     """layouts.verify_hopper on every Hopper forward traits: GMMA tiles are bijections, stages
     1024-byte aligned, the S accumulator serves as P V's A operand in place, the accumulators
-    cover S and O once, and each warpgroup's TMA store boxes read its own rows of O's tile."""
+    cover S and O once, each warpgroup's TMA store boxes read its own rows of O's tile, and
+    packed batches' O copy covers a warpgroup's rows once."""
     from layouts.verify_hopper import verify_hopper
 
     result = verify_hopper(traits)
@@ -422,6 +423,23 @@ def test_hopper_backward_checks_catch_a_wrong_view_and_a_wrong_run(monkeypatch):
     run = dq_accum.run_layout
     monkeypatch.setattr(dq_accum, "run_layout", lambda n, vec, group: run(n, vec, 32))
     assert not bwd_checks(traits)["dq_runs"]
+
+
+@pytest.mark.parametrize("head_dim", [96, 160, 192, 224])
+def test_hopper_o_copy_check_catches_row_stepping(head_dim):
+    """The O copy check is not vacuous: the first version of the packed O copy stepped rows by
+    128 // (d / 8) threads, which leaves rows out wherever d / 8 does not divide 128 (what the
+    H200 run of 2026-12-01 failed on at d 96)."""
+    from layouts import hopper
+    from layouts.verify_hopper import o_copy_checks
+
+    def row_stepping(thread, step, d):
+        chunks = d // 8
+        return thread // chunks + step * (128 // chunks), thread % chunks
+
+    traits = hopper.choose_hopper_traits(head_dim)
+    assert o_copy_checks(traits)["ok"]
+    assert not o_copy_checks(traits, row_stepping)["ok"]
 
 
 def test_hopper_o_staging_check_catches_a_tile_in_another_order(monkeypatch):

@@ -726,13 +726,11 @@ class FlashFwdSm90:
         past mO's head dim (a multiple of 8)."""
         d = self.t.head_dim
         vec = 16 // ELEMENT_BYTES
-        chunks = d // vec
         row0 = tile.m_block * self.t.block_m + wg * hopper.WGMMA_M  # this warpgroup's first row
         rows = tile.seq.seqlen_q - row0
         gO = cute.domain_offset((tile.seq.sum_s_q, 0), mO[None, tile.bidh, None])  # (seqlen_q, d) this head
-        for i in cutlass.range_constexpr(hopper.WGMMA_M * chunks // 128):  # d / 16 copies a thread
-            flat = wg_tidx + 128 * i
-            row, chunk = flat // chunks, flat % chunks
+        for i in cutlass.range_constexpr(hopper.o_copy_steps(d)):
+            row, chunk = hopper.o_copy_coord(wg_tidx, i, d)
             if row < rows and chunk * vec < mO.shape[2]:
                 src = cute.local_tile(sO[wg * hopper.WGMMA_M + row, None], (vec,), (chunk,))  # (vec,)
                 dst = cute.local_tile(gO[row0 + row, None], (vec,), (chunk,))  # (vec,)
