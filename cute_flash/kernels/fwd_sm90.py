@@ -207,7 +207,6 @@ class Sm90Loop:
     dropout: object           # kernels/philox.py:Dropout (has_dropout), else None
     mma_tidx: object          # this thread among the consumers
     sV: cute.Tensor           # (bn, d, stages): packed batches zero V rows past seqlen_k in it
-    seqlen_k: object
 
 
 def use_state(n, stages: int, producer: bool) -> pipeline.PipelineState:
@@ -567,7 +566,7 @@ class FlashFwdSm90:
         if cutlass.const_expr(cfg.has_dropout):
             dropout = Dropout.load(args.mRng, tile.bidb, tile.bidh, args.tma_mQ.shape[2])
         loop = Sm90Loop(pipes, tSrQ, tSrK, tOrV, acc_s, tOrP, acc_o, acc_o_mn, row_scale, softmax, mods, tile.m_block,
-                        lo, hi, consumer_wg, kv_uses, dropout, mma_tidx, sV, tile.seq.seqlen_k)
+                        lo, hi, consumer_wg, kv_uses, dropout, mma_tidx, sV)
         if tile.count > 0:
             self.mainloop(loop, tile.n_block_max, tile.count, recipe)
         cute.arch.mbarrier_arrive(pipes.q_empty)  # this thread's wgmmas are done with sQ and the tile's index
@@ -633,7 +632,7 @@ class FlashFwdSm90:
         vec = 16 // ELEMENT_BYTES
         chunks = d // vec
         sV = loop.sV[None, None, state.index]  # (bn, d) this stage
-        first_row = loop.seqlen_k - n_block * bn  # rows past it belong to the next sequence
+        first_row = loop.mods.mask.seqlen_k - n_block * bn  # rows past it belong to the next sequence
         zeros = cute.make_rmem_tensor((vec,), self.dtype)
         zeros.fill(0.0)
         for c in cutlass.range(loop.mma_tidx, (bn - first_row) * chunks, t.num_threads, unroll=1):
