@@ -350,8 +350,14 @@ def run_varlen(d=128, nheads=16):
         flops = sum(4 * nheads * d * visible_pairs(n, n, causal) for n in lengths)
         row = dict(d=d, nheads=nheads, causal=causal, sequences=b, tokens=total, padded_tokens=b * smax,
                    flops=flops)
-        row["ours_varlen"] = flops / _time_ms(
-            lambda: flash_attn_varlen_func(q, k, v, cu, cu, smax, smax, causal=causal)) / 1e9
+        def varlen():
+            return flash_attn_varlen_func(q, k, v, cu, cu, smax, smax, causal=causal)
+
+        row["ours_varlen"] = flops / _time_ms(varlen) / 1e9
+        if hopper_gpu():
+            for path in ("sm80", "sm90"):
+                with arch_path(path):
+                    row[f"{path}_varlen"] = flops / _time_ms(varlen) / 1e9
         row["ours_dense_padded"] = flops / _time_ms(lambda: flash_attn_func(qp, kp, vp, causal=causal)) / 1e9
         fn = _sdpa(qp, kp, vp, SDPBackend.FLASH_ATTENTION, causal)
         row["flash_padded"] = flops / _time_ms(fn) / 1e9 if fn else None
@@ -541,13 +547,16 @@ def run_decode(batches=DECODE_BATCHES, caches=DECODE_CACHES):
 
 
 def format_varlen(rows) -> str:
-    out = ["| causal | tokens (padded) | ours varlen | ours dense, padded | FLASH, padded | varlen / FLASH padded |",
-           "|---|---|---|---|---|---|"]
+    paths = [p for p in ("sm80", "sm90") if rows and f"{p}_varlen" in rows[0]]
+    out = ["| causal | tokens (padded) | ours varlen | " + "".join(f"{p} varlen | " for p in paths)
+           + "ours dense, padded | FLASH, padded | varlen / FLASH padded |",
+           "|---|---|---|---|---|---|" + "---|" * len(paths)]
     for r in rows:
         flash = r.get("flash_padded")
         rel = f"{r['ours_varlen'] / flash:.2f}" if flash else "-"
         out.append(f"| {r['causal']} | {r['tokens']} ({r['padded_tokens']}) | {r['ours_varlen']:.0f} | "
-                   f"{r['ours_dense_padded']:.0f} | {flash or 0:.0f} | {rel} |")
+                   + "".join(f"{r[f'{p}_varlen']:.0f} | " for p in paths)
+                   + f"{r['ours_dense_padded']:.0f} | {flash or 0:.0f} | {rel} |")
     return "\n".join(out)
 
 

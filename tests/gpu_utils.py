@@ -19,9 +19,20 @@ from cute_flash.reference import attention_ref
 
 def poison_allocator(nbytes: int = 1 << 28) -> None:
     """Fill the caching allocator's free memory with NaN, so that an output element the kernel
-    fails to write reads back as NaN (outputs come from torch.empty)."""
+    fails to write reads back as NaN (outputs come from torch.empty). Free segments go back to
+    the driver first (so the cache does not grow from call to call); then every free block left
+    (in segments that hold live tensors) is taken by a NaN tensor of its exact size, which the
+    allocator's best fit hands out, and `nbytes` of fresh large blocks and 16 MB of fresh small
+    ones are filled too: requests of 1 MB or less come from the small pool's 2 MB segments, so a
+    large NaN block alone leaves small outputs holding stale values."""
     torch.cuda.synchronize()
-    junk = torch.full((nbytes // 4,), float("nan"), device="cuda", dtype=torch.float32)
+    torch.cuda.empty_cache()
+    here = torch.cuda.current_device(), torch.cuda.current_stream().cuda_stream
+    free = [b["size"] for seg in torch.cuda.memory_snapshot() if (seg["device"], seg["stream"]) == here
+            for b in seg["blocks"] if b["state"] == "inactive"]
+    junk = [torch.full((size // 4,), float("nan"), device="cuda", dtype=torch.float32) for size in free]
+    junk.append(torch.full((nbytes // 4,), float("nan"), device="cuda", dtype=torch.float32))
+    junk += [torch.full((1 << 18,), float("nan"), device="cuda", dtype=torch.float32) for _ in range(16)]
     del junk
     torch.cuda.synchronize()
 

@@ -178,11 +178,11 @@ def test_dense_forwards_on_sm90_default_to_the_hopper_kernel(recorder, monkeypat
     assert [type(x.config) for x in recorder.launches[2:]] == [FwdConfig] * 3
 
 
-def test_packed_forwards_on_sm90_take_the_hopper_kernel_when_asked(recorder, monkeypatch):
-    """With CUTE_FLASH_ARCH_PATH=sm90 an sm_90 packed forward launches the Hopper kernel's
-    varlen entry (one CTA per tile, 128-row tiles even for d 64's long keys) with the prefix
-    sums and max_seqlen_q; seqused_k, pages, the variable unset (the default, for now) or sm80,
-    or another GPU take the SM80 kernel."""
+def test_packed_forwards_on_sm90_default_to_the_hopper_kernel(recorder, monkeypatch):
+    """Without CUTE_FLASH_ARCH_PATH (or with sm90) an sm_90 packed forward over contiguous keys
+    launches the Hopper kernel's varlen entry (one CTA per tile, 128-row tiles even for d 64's
+    long keys) with the prefix sums, seqused_k and max_seqlen_q; pages, sm80 in the variable, or
+    another GPU take the SM80 kernel."""
     from cute_flash.kernels.config import FwdConfig
     from cute_flash.kernels.fwd_sm90 import Sm90FwdConfig
     from cute_flash.launch import compiled, flash_fwd_varlen
@@ -190,27 +190,30 @@ def test_packed_forwards_on_sm90_take_the_hopper_kernel_when_asked(recorder, mon
     q = torch.randn(9, 4, 64, dtype=torch.bfloat16)
     k = torch.randn(5000, 2, 64, dtype=torch.bfloat16)
     cu_q, cu_k = torch.tensor([0, 4, 9], dtype=torch.int32), torch.tensor([0, 2500, 5000], dtype=torch.int32)
+    used = torch.tensor([3, 7], dtype=torch.int32)
     opts = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=5, max_seqlen_k=2500, softmax_scale=0.5)
-    monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", "sm90")
+    monkeypatch.delenv("CUTE_FLASH_ARCH_PATH")
     out, lse = flash_fwd_varlen(q, k, k, causal=True, **opts)
-    (launch,) = recorder.launches
-    config = launch.config
+    monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", "sm90")
+    flash_fwd_varlen(q, k, k, seqused_k=used, **opts)
+    first, used_launch = recorder.launches
+    config = first.config
     assert isinstance(config, Sm90FwdConfig) and config.varlen and not config.persistent
-    assert config.traits.block_m == 128 and config.has_right and not config.has_left
-    assert launch["mCuSeqlensQ"] is cu_q and launch["mCuSeqlensK"] is cu_k and launch["max_seqlen_q"] == 5
-    assert launch["mO"].shape == (9, 4, 64) and launch["mLSE"].shape == (4, 9) and lse is launch["mLSE"]
-    assert out.data_ptr() == launch["mO"].data_ptr()
-    flash_fwd_varlen(q, k, k, seqused_k=torch.tensor([3, 7], dtype=torch.int32), **opts)
+    assert config.traits.block_m == 128 and config.has_right and not config.has_left and not config.has_seqused_k
+    assert first["mCuSeqlensQ"] is cu_q and first["mCuSeqlensK"] is cu_k and first["max_seqlen_q"] == 5
+    assert first["mSeqUsedK"] is None
+    assert first["mO"].shape == (9, 4, 64) and first["mLSE"].shape == (4, 9) and lse is first["mLSE"]
+    assert out.data_ptr() == first["mO"].data_ptr()
+    assert isinstance(used_launch.config, Sm90FwdConfig) and used_launch.config.has_seqused_k
+    assert used_launch["mSeqUsedK"] is used
     pages = torch.randn(6, 16, 2, 64, dtype=torch.bfloat16)
     flash_fwd_varlen(q, pages, pages, block_table=torch.zeros(2, 3, dtype=torch.int32), **opts)
-    monkeypatch.delenv("CUTE_FLASH_ARCH_PATH")
-    flash_fwd_varlen(q, k, k, **opts)
     monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", "sm80")
     flash_fwd_varlen(q, k, k, **opts)
-    monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", "sm90")
+    monkeypatch.delenv("CUTE_FLASH_ARCH_PATH")
     monkeypatch.setattr(compiled, "device_arch", lambda index: 89)
     flash_fwd_varlen(q, k, k, **opts)
-    assert [type(x.config) for x in recorder.launches[1:]] == [FwdConfig] * 5
+    assert [type(x.config) for x in recorder.launches[2:]] == [FwdConfig] * 3
 
 
 @pytest.mark.parametrize("d, sk, opts, block_m, persistent", [

@@ -29,13 +29,13 @@ zero-fills what lies past a tensor's end (rows past seqlen, columns past a padde
 no load needs a predicate; the first block processed (the last one) and blocks a window edge
 crosses run the mask.
 
-Packed batches (`call_varlen`, one CTA per tile over max_seqlen_q's blocks): the TMA boxes of a
-tile start at its sequence's first row, so loads past the sequence's end read the next
-sequence's rows instead of zeros. Q's extra rows are never stored and K's extra columns are
-masked, but P = 0 times a NaN in the next sequence's V is NaN, so the consumers zero the V rows
-past seqlen_k of the last key block (`clear_v_tail`) before its P V; O leaves through a
-row-predicated copy out of shared memory, since a TMA box past the sequence's end would
-overwrite the next sequence's rows.
+Packed batches (`call_varlen`, one CTA per tile over max_seqlen_q's blocks; key lengths from the
+prefix sums or seqused_k): the TMA boxes of a tile start at its sequence's first row, so loads
+past the sequence's end read the next sequence's rows instead of zeros. Q's extra rows are never
+stored and K's extra columns are masked, but P = 0 times a NaN in the next sequence's V is NaN,
+so the consumers zero the V rows past seqlen_k of the last key block (`clear_v_tail`) before its
+P V; O leaves through a row-predicated copy out of shared memory, since a TMA box past the
+sequence's end would overwrite the next sequence's rows.
 """
 from __future__ import annotations
 
@@ -80,10 +80,13 @@ class Sm90FwdConfig:
     has_softcap: bool = False
     has_dropout: bool = False  # P's elements dropped by the Philox mask (docs/semantics.md, Dropout)
     varlen: bool = False       # packed batches (call_varlen); one CTA per tile
+    has_seqused_k: bool = False  # packed batches whose key lengths come from seqused_k
 
     def __post_init__(self):
         if self.varlen and self.persistent:
             raise ValueError("packed batches take one CTA per tile, not the persistent schedule")
+        if self.has_seqused_k and not self.varlen:
+            raise ValueError("seqused_k belongs to packed batches (varlen)")
 
     @property
     def num_threads(self) -> int:
@@ -145,6 +148,7 @@ class Sm90Varlen:
     copy, not TMA)."""
     mCuSeqlensQ: cute.Tensor  # (batch + 1,) int32
     mCuSeqlensK: cute.Tensor  # (batch + 1,) int32
+    mSeqUsedK: object         # (batch,) int32 key lengths overriding the prefix sums', or None
     max_seqlen_q: object      # Int32: the grid covers its query blocks
     mO: cute.Tensor           # (total_q, heads, d)
 
@@ -250,14 +254,16 @@ class FlashFwdSm90:
 
     @cute.jit
     def call_varlen(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
-                    mAlibi, mRng, mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, max_seqlen_q: cutlass.Int32,
+                    mAlibi, mRng, mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, mSeqUsedK,
+                    max_seqlen_q: cutlass.Int32,
                     scale_log2: cutlass.Float32, score_premul: cutlass.Float32, alibi_div: cutlass.Float32,
                     window_left: cutlass.Int32, window_right: cutlass.Int32, stream):
         """Packed batches: mQ / mO (total_q, heads, d), mK / mV (total_k, heads_k, d), mLSE
-        (heads, total_q) fp32, int32 prefix sums mCuSeqlens* (batch + 1,); one CTA per tile of
-        max_seqlen_q's query blocks, those past a sequence's end storing nothing."""
+        (heads, total_q) fp32, int32 prefix sums mCuSeqlens* (batch + 1,), mSeqUsedK (batch,)
+        int32 key lengths or None; one CTA per tile of max_seqlen_q's query blocks, those past a
+        sequence's end storing nothing."""
         scalars = Sm90Scalars(scale_log2, score_premul, alibi_div, window_left, window_right, 1)
-        varlen = Sm90Varlen(mCuSeqlensQ, mCuSeqlensK, max_seqlen_q, mO)
+        varlen = Sm90Varlen(mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, max_seqlen_q, mO)
         self.launch(mQ, mK, mV, mO, mLSE, mAlibi, mRng, None, varlen, scalars, 0, stream)
 
     @cute.jit
@@ -372,7 +378,7 @@ class FlashFwdSm90:
             seq = SeqInfo.make(bidb, args.tma_mQ.shape[0], args.tma_mK.shape[0])
         else:
             seq = SeqInfo.make(bidb, args.tma_mQ.shape[0], args.tma_mK.shape[0], args.varlen.mCuSeqlensQ,
-                               args.varlen.mCuSeqlensK)
+                               args.varlen.mCuSeqlensK, args.varlen.mSeqUsedK)
         window = Window(scalars.window_left, scalars.window_right, cfg.has_left, cfg.has_right)
         blocks = BlockRange.make(seq, m_block, t.block_m, t.block_n, window)
         # a window can end before it starts (n_block_min > n_block_max): no key block then

@@ -1,11 +1,10 @@
 """The Hopper forward (kernels/fwd_sm90.py) on validated CUDA tensors, and when to take it.
 
-The default for dense forwards on sm_90 GPUs (`dense.takes_hopper_path`): the full GPU suite
-passes with it, and it leads the SM80 kernel on the forward grid (docs/perf.md).
-`CUTE_FLASH_ARCH_PATH=sm80` selects the SM80 kernel instead; `CUTE_FLASH_ARCH_PATH=sm90` also
-sends packed batches over contiguous keys without seqused_k here (`flash_fwd_varlen_sm90`, not
-yet the default: `dense.takes_hopper_varlen`). The other entries (paged, KV cache, split-KV)
-take the SM80 kernel on every GPU; docs/perf.md lists these fall backs and why.
+The default on sm_90 GPUs for dense forwards (`dense.takes_hopper_path`) and for packed batches
+over contiguous keys (`flash_fwd_varlen_sm90`): the full GPU suite passes with it, and it leads
+the SM80 kernel on the forward grid and the packed batch of the varlen bench (docs/perf.md).
+`CUTE_FLASH_ARCH_PATH=sm80` selects the SM80 kernel instead. The other entries (paged, KV cache,
+split-KV) take the SM80 kernel on every GPU; docs/perf.md lists these fall backs and why.
 """
 from __future__ import annotations
 
@@ -86,9 +85,11 @@ def flash_fwd_sm90(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1)
 
 
 def flash_fwd_varlen_sm90(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale, causal=False,
-                          window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout: DropoutArgs | None = None):
+                          window_size=(-1, -1), softcap=0.0, alibi_slopes=None, seqused_k=None,
+                          dropout: DropoutArgs | None = None):
     """Packed batches on the Hopper kernel: q (total_q, h, d), k/v (total_k, hk, d), int32
-    prefix sums; returns (out (total_q, h, d), lse (h, total_q)) as `flash_fwd_varlen` does.
+    prefix sums, seqused_k (batch,) int32 key lengths or None; returns (out (total_q, h, d),
+    lse (h, total_q)) as `flash_fwd_varlen` does.
     One CTA per tile (the persistent schedule's tile numbering assumes equal lengths), and
     128-row tiles at every d (192-row ones ran at half speed with one CTA per tile)."""
     total_q, h, d = q.shape
@@ -98,9 +99,10 @@ def flash_fwd_varlen_sm90(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     left, right = window_edges(causal, window_size)
     config = Sm90FwdConfig(choose_hopper_traits(q.shape[-1], compiled.DTYPE_NAMES[q.dtype]), has_left=left >= 0,
                            has_right=right >= 0, has_alibi=alibi_slopes is not None, has_softcap=softcap > 0,
-                           has_dropout=dropout is not None, varlen=True)
+                           has_dropout=dropout is not None, varlen=True, has_seqused_k=seqused_k is not None)
     cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
+    seqused = None if seqused_k is None else seqused_k.contiguous()
     compiled.sm90_kernel_for(config)(q, k, v, out, lse, alibi_2d(alibi_slopes, cu_seqlens_q.shape[0] - 1, h),
-                                     rng_of(dropout, q.device), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                     rng_of(dropout, q.device), cu_seqlens_q, cu_seqlens_k, seqused, max_seqlen_q,
                                      *scales(softmax_scale, softcap), left, right)
     return (out if out.shape[-1] == d else out[..., :d]), lse
