@@ -214,7 +214,10 @@ def _flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
     lse_shape = (nheads, total_q)
     causal, window = _mask(causal, window_size, max_seqlen_q, max_seqlen_k)
     scale, softcap, deterministic = _scale(softmax_scale, headdim), float(softcap), bool(deterministic)
-    no_keys = k.shape[0] == 0 or (paged and block_table.shape[1] == 0)
+    # max_seqlen_k 0: no keys, as flash-attn 2 reads it. max_seqlen_q 0: no sequence has a query
+    # row, so every row lies outside them (0 / +inf); the kernels' grids would be empty.
+    no_keys = (k.shape[0] == 0 or max_seqlen_k == 0 or max_seqlen_q == 0
+               or (paged and block_table.shape[1] == 0))
     dropout = _draw(p, q, batch and total_q and not no_keys)
 
     def run(q, k, v):

@@ -30,7 +30,7 @@ import sys
 from pathlib import Path
 
 from layouts import verify, verify_bwd, verify_hopper
-from layouts.hopper import shipped_hopper_bwd_traits, shipped_hopper_traits
+from layouts.hopper import shipped_hopper_bwd_traits, shipped_hopper_cache_traits, shipped_hopper_traits
 from layouts.traits import ELEMENT_BYTES, SMEM_LIMIT, shipped_bwd_traits, shipped_fwd_traits
 
 BANK_COLUMNS = {"ldsm_q": "ldsmQ", "ldsm_k": "ldsmK", "ldsm_vt": "ldsmVt", "cpasync_q": "cpQ",
@@ -116,12 +116,12 @@ def print_bwd_report(arch: int) -> bool:
 
 
 def print_hopper_report() -> bool:
-    """The Hopper forward's traits (sm_90), one row each."""
+    """The Hopper forward's traits (sm_90, the KV-cache entry's too), one row each."""
     header = ["hopper traits", "smem B", "fits", "bij", "stage align", "P->A", "acc cover", "O boxes"]
     widths = [30, WIDTHS["smem"], WIDTHS["fits"], WIDTHS["bij"], 12, 12, 10, 8]
     print(_row(header, widths), flush=True)
     rows = []
-    for t in shipped_hopper_traits():
+    for t in shipped_hopper_traits() + shipped_hopper_cache_traits():
         r = verify_hopper.report(t)
         rows.append(r)
         smem, p = r["smem"], r["p_operand"]

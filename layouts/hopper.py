@@ -74,9 +74,24 @@ def choose_hopper_traits(head_dim: int, dtype: str = "bf16", long_keys: bool = F
     return HopperTileTraits(d, 128, 128 if d <= 128 else 64, dtype)
 
 
+def choose_hopper_cache_traits(head_dim: int, dtype: str = "bf16") -> HopperTileTraits:
+    """The KV-cache entry's tiles: 64 query rows (one consumer warpgroup), keys as
+    `choose_hopper_traits`. Decode rows are few (seqlen_q, or the GQA group when folded): on
+    the H200 64-row tiles streamed K / V at 4427-4551 GB/s against 4199-4293 for 128-row ones
+    (d 128, 4 query heads per kv head, batch 32-64, 8k-128k keys; docs/perf.md, "The Hopper
+    forward on decode cells")."""
+    return HopperTileTraits(head_dim_bucket(head_dim), WGMMA_M, 128 if head_dim_bucket(head_dim) <= 128 else 64,
+                            dtype)
+
+
 def shipped_hopper_traits() -> list[HopperTileTraits]:
     return list(dict.fromkeys(choose_hopper_traits(d, dt, long_keys) for d in HEAD_DIM_BUCKETS for dt in DTYPES
                               for long_keys in (False, True)))
+
+
+def shipped_hopper_cache_traits() -> list[HopperTileTraits]:
+    """The KV-cache entry's traits (`choose_hopper_cache_traits`), every bucket and dtype."""
+    return [choose_hopper_cache_traits(d, dt) for d in HEAD_DIM_BUCKETS for dt in DTYPES]
 
 
 def smem_layout(traits: HopperTileTraits, rows: int):

@@ -6,6 +6,8 @@ dQ convert; the split-KV combine is part of every split kernel, compiled for eve
 bucket); the full traits x flags sweep is marked slow:
 `pytest -m slow tests/test_compile.py`.
 """
+import re
+
 import pytest
 
 pytest.importorskip("cutlass")
@@ -195,7 +197,8 @@ def test_hopper_forward_compiles_to_wgmma(config, tmp_path):
     vote (docs/perf.md, Hopper step 7). Philox's 32x32 -> 64-bit multiplies appear exactly in
     the dropout variants. O leaves through TMA stores, except from packed batches, whose rows
     go out in 128-bit stores behind a row predicate (a box past a sequence would overwrite the
-    next one's)."""
+    next one's). Packed batches and KV caches zero V rows past seqlen_k behind named barrier 7
+    (`clear_v_tail`); dense calls never do."""
     from cute_flash.launch.compiled import compile_fwd_sm90
 
     assert config.smem_bytes <= SMEM_LIMIT[90]
@@ -210,6 +213,7 @@ def test_hopper_forward_compiles_to_wgmma(config, tmp_path):
     assert ("mul.wide.u32" in text) == config.has_dropout
     assert (".global.shared::cta" in text) == (not config.varlen)  # a TMA store: smem -> global
     assert ("st.global.v4" in text) == config.varlen
+    assert (re.search(r"bar\.sync\s+7,", text) is not None) == config.clears_v_tail
 
 
 @pytest.mark.parametrize("config", _sm90_configs())

@@ -1030,10 +1030,16 @@ def test_dense_no_keys(gpu_free, name):
     assert lse.shape == (B, H, sq) and bool((lse == math.inf).all())
 
 
-@pytest.mark.parametrize("case", ["no_batch", "no_queries", "no_keys", "no_blocks"])
+@pytest.mark.parametrize("case", ["no_batch", "no_queries", "no_keys", "no_blocks", "max_seqlen_q_0",
+                                  "max_seqlen_k_0"])
 def test_varlen_empty(gpu_free, case):
+    """Empty problems launch nothing. max_seqlen_q or max_seqlen_k 0 over non-empty tensors (the
+    caller's maxima say no sequence has a query row or a key; flash-attn 2 reads max_seqlen_k 0
+    the same way) answer 0 / +inf where the kernels' grids would be empty."""
     args = valid("varlen_paged" if case == "no_blocks" else "varlen")
-    if case == "no_batch":
+    if case.startswith("max_seqlen"):
+        args[case[:-2]] = 0
+    elif case == "no_batch":
         args.update(cu_seqlens_q=i32(0), cu_seqlens_k=i32(0), q=rnd(0, H, D))
     elif case == "no_queries":
         args.update(cu_seqlens_q=i32(0, 0, 0), q=rnd(0, H, D), max_seqlen_q=0)
@@ -1045,8 +1051,8 @@ def test_varlen_empty(gpu_free, case):
     assert gpu_free.calls == []
     total_q = args["q"].shape[0]
     assert out.shape == (total_q, H, D) and lse.shape == (H, total_q)
-    if case in ("no_keys", "no_blocks"):
-        assert bool((out == 0).all()) and bool((lse == math.inf).all())
+    if case not in ("no_batch", "no_queries"):
+        assert total_q > 0 and bool((out == 0).all()) and bool((lse == math.inf).all())
 
 
 def test_kvcache_checks_run_once_per_signature(gpu_free, monkeypatch):

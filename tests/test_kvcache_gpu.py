@@ -4,7 +4,9 @@ caches with shuffled tables and pages of any size, GQA ratios 1..16, rotary (int
 forced num_splits, head dims 1..256 (caches whose rows break 128-bit copies go through aligned
 copies);
 the caches after the append are checked element by element (appended rows against the
-reference, every other element unchanged), and every num_splits agrees with num_splits=1."""
+reference, every other element unchanged), and every num_splits agrees with num_splits=1. The
+Hopper kernel's KV-cache entry (opt-in, `CUTE_FLASH_ARCH_PATH=sm90`) runs run_case's shapes
+unsplit, and both kernels must ignore NaN in a cache's unused rows."""
 import math
 
 import pytest
@@ -199,3 +201,56 @@ def test_unaligned_cache_is_updated_in_place(layout, d, paged):
     out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, return_softmax_lse=True, **opts)
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
     assert_matches_reference(out, lse, q, k_orig, v_orig, ref_fn=_ref_with(k, v), **opts)
+
+
+@pytest.fixture
+def hopper_cache_entry(monkeypatch):
+    """KV-cache calls that do not split take the Hopper kernel's KV-cache entry on sm_90 (the
+    SM80 kernel elsewhere); the per-signature call cache starts empty, so no earlier call's
+    dispatch is reused."""
+    from cute_flash.launch import kvcache
+
+    monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", "sm90")
+    monkeypatch.setattr(kvcache, "_calls", {})
+
+
+@pytest.mark.parametrize("case", [
+    dict(b=3, sq=1, h=8, hk=2, d=128, seqlens=[0, 77, 300], seqlen_new=0),  # GQA fold, ragged, an empty cache
+    dict(b=2, sq=1, h=32, hk=8, d=128, seqlens=[5, 298], seqlen_new=1, rotary=(128, False)),  # a decode step
+    dict(b=2, sq=1, h=4, hk=4, d=64, seqlens=[1, 130], seqlen_new=1, rotary=(64, True)),  # no group to fold
+    dict(b=2, sq=5, h=4, hk=2, d=64, seqlens=[10, 200], seqlen_new=5, causal=True),  # chunked prefill
+    dict(b=2, sq=1, h=6, hk=3, d=256, seqlens=[130, 1], seqlen_new=0, window=(40, -1), softcap=10.0),
+    dict(b=2, sq=3, h=4, hk=1, d=96, seqlens=[64, 129], seqlen_new=0, alibi=True, causal=True),
+    dict(b=1, sq=1, h=2, hk=1, d=20, seqlens=[33], seqlen_new=1),  # d padded to 24, bucket 32
+])
+def test_hopper_cache_entry(case, hopper_cache_entry):
+    """The cases of run_case on the Hopper KV-cache entry (num_splits=1: the entry never
+    splits), 300-row caches."""
+    case = dict(case)
+    shape = [case.pop(k) for k in ("b", "sq", "h", "hk", "d")]
+    run_case(*shape, torch.bfloat16, 300, case.pop("seqlens"), case.pop("seqlen_new"), 1, **case)
+
+
+@pytest.mark.parametrize("path", ["sm80", "sm90"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_unused_cache_rows_hold_nan(d, path, monkeypatch):
+    """A cache's rows past cache_seqlens hold NaN (an uninitialised cache may): no output may
+    see them. The last key block read reaches into them (100 and 300 keys, 128-key blocks);
+    the Hopper entry zeroes those V rows in shared memory, the SM80 kernel never loads them."""
+    from cute_flash import flash_attn_with_kvcache
+    from cute_flash.launch import kvcache
+
+    monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", path)
+    monkeypatch.setattr(kvcache, "_calls", {})
+    seqlens = torch.tensor([100, 300], dtype=torch.int32, device="cuda")
+    k_cache, v_cache = (torch.randn(2, 512, 2, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    clean = k_cache.clone(), v_cache.clone()
+    for i, n in enumerate(seqlens.tolist()):
+        k_cache[i, n:], v_cache[i, n:] = float("nan"), float("nan")
+        clean[0][i, n:], clean[1][i, n:] = 0.0, 0.0
+    q = torch.randn(2, 1, 8, d, device="cuda", dtype=torch.bfloat16)
+    poison_allocator()
+    out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, num_splits=1,
+                                       return_softmax_lse=True)
+    torch.cuda.synchronize()
+    assert_matches_reference(out, lse, q, *clean, ref_fn=_ref_with(None, None), cache_seqlens=seqlens)

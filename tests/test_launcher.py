@@ -85,7 +85,7 @@ class Recorder:
 
         self.configs.append(config)
         kernel = FlashFwdSm90(config)
-        entry = kernel.call_varlen if config.varlen else kernel.__call__
+        entry = kernel.call_varlen if config.varlen else kernel.call_kvcache if config.kvcache else kernel.__call__
         return lambda *args: self.launches.append(Launch(config, entry, args))
 
     def bwd_kernel_for(self, config, index):
@@ -454,6 +454,60 @@ def test_gqa_decode_folds_the_group_into_m_and_splits(recorder):
     assert counters.shape == (1 * 2 * 2,) and not counters.any()  # m_blocks x b x nheads_k, zeroed
     assert launch["num_splits"] == 3 and launch["mCacheSeqlens"] is seqlens
     assert lse.shape == (2, 8, 1) and out.shape == q.shape
+
+
+@pytest.mark.parametrize("max_q, max_k", [(0, 9), (4, 0)])
+def test_packed_backward_with_a_zero_maximum_launches_nothing(recorder, max_q, max_k):
+    """max_seqlen_q or max_seqlen_k 0 (the forward answered 0 / +inf without a launch): zero
+    gradients, written into the caller's tensors, and no kernel (its grid would be empty)."""
+    from cute_flash.launch.backward import flash_bwd_varlen
+
+    q, k = torch.randn(9, 4, 64, dtype=torch.bfloat16), torch.randn(9, 2, 64, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    dq = torch.ones_like(q)
+    grads = flash_bwd_varlen(q, q, k, k, q, torch.randn(4, 9), cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_q,
+                             max_seqlen_k=max_k, softmax_scale=0.5, dq=dq)
+    assert recorder.launches == []
+    assert grads[0] is dq and not dq.any() and not grads[1].any() and not grads[2].any()
+    assert grads[1].shape == k.shape and grads[3].shape == (4, 9) and not grads[3].any()
+
+
+def test_unsplit_kvcache_on_sm90_takes_the_hopper_entry_when_asked(recorder, monkeypatch):
+    """With CUTE_FLASH_ARCH_PATH=sm90 an unsplit KV-cache call over an unpaged cache launches
+    the Hopper kernel's KV-cache entry (64-row tiles) after the append: the GQA group folded
+    into rows through views of the caller's q, out and LSE (no copy), cache_seqlens and the
+    appended row count as the key lengths. A split, a paged cache, cache_batch_idx, or the
+    variable unset take the SM80 kernel."""
+    from cute_flash.kernels.config import FwdConfig
+    from cute_flash.kernels.fwd_sm90 import Sm90FwdConfig
+    from cute_flash.launch import flash_fwd_kvcache
+
+    q = torch.randn(2, 1, 8, 64, dtype=torch.bfloat16)
+    cache = torch.randn(2, 1000, 2, 64, dtype=torch.bfloat16)
+    k = torch.randn(2, 1, 2, 64, dtype=torch.bfloat16)
+    seqlens = torch.tensor([999, 3], dtype=torch.int32)
+    monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", "sm90")
+    out, lse = flash_fwd_kvcache(q, cache, cache, k=k, v=k, cache_seqlens=seqlens, softmax_scale=0.125,
+                                 num_splits=1)
+    _, launch = recorder.launches  # the append, then attention
+    config = launch.config
+    assert isinstance(config, Sm90FwdConfig) and config.kvcache and not config.persistent
+    assert config.traits.block_m == 64 and not (config.has_left or config.has_right)
+    assert launch["mQ"].shape == (2, 4, 2, 64) and launch["mQ"].stride() == (512, 64, 256, 1)
+    assert launch["mQ"].data_ptr() == q.data_ptr() and launch["mO"].data_ptr() == out.data_ptr()
+    assert launch["mO"].stride() == (512, 64, 256, 1) and out.shape == q.shape
+    assert launch["mLSE"].shape == (2, 2, 4) and launch["mLSE"].data_ptr() == lse.data_ptr()
+    assert lse.shape == (2, 8, 1)
+    assert launch["mSeqlensK"] is seqlens and launch["k_extra"] == 1 and launch["mK"] is cache
+    table = torch.arange(2 * 63, dtype=torch.int32).view(2, 63)
+    pages = torch.randn(126, 16, 2, 64, dtype=torch.bfloat16)
+    flash_fwd_kvcache(q, cache, cache, cache_seqlens=seqlens, softmax_scale=0.125, num_splits=3)
+    flash_fwd_kvcache(q, pages, pages, cache_seqlens=seqlens, softmax_scale=0.125, num_splits=1, block_table=table)
+    flash_fwd_kvcache(q, cache, cache, cache_seqlens=seqlens, softmax_scale=0.125, num_splits=1,
+                      cache_batch_idx=torch.tensor([1, 0], dtype=torch.int32))
+    monkeypatch.delenv("CUTE_FLASH_ARCH_PATH")
+    flash_fwd_kvcache(q, cache, cache, cache_seqlens=seqlens, softmax_scale=0.125, num_splits=1)
+    assert [type(x.config) for x in recorder.launches[2:]] == [FwdConfig] * 4
 
 
 @pytest.mark.parametrize("sq, window, alibi", [(2, (-1, -1), False), (1, (8, -1), False), (1, (-1, -1), True)])

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from layouts import copy, smem, verify, verify_bwd
-from layouts.hopper import shipped_hopper_bwd_traits, shipped_hopper_traits
+from layouts.hopper import shipped_hopper_bwd_traits, shipped_hopper_cache_traits, shipped_hopper_traits
 from layouts.traits import (DTYPES, ELEMENT_BYTES, HEAD_DIM_BUCKETS, SMEM_LIMIT, FwdTraits, choose_bwd_traits,
                             choose_fwd_traits, head_dim_bucket, shipped_bwd_traits)
 
@@ -373,12 +373,13 @@ def _swapped_operand_view(acc):
                                                            stride=((1, 4, 2), 4 * n8, 8)))
 
 
-@pytest.mark.parametrize("traits", shipped_hopper_traits(), ids=lambda t: t.name)
+@pytest.mark.parametrize("traits", shipped_hopper_traits() + shipped_hopper_cache_traits(),
+                         ids=lambda t: t.name)
 def test_hopper_traits_verify(traits):
-    """layouts.verify_hopper on every Hopper forward traits: GMMA tiles are bijections, stages
-    1024-byte aligned, the S accumulator serves as P V's A operand in place, the accumulators
-    cover S and O once, each warpgroup's TMA store boxes read its own rows of O's tile, and
-    packed batches' O copy covers a warpgroup's rows once."""
+    """layouts.verify_hopper on every Hopper forward traits (the KV-cache entry's too): GMMA
+    tiles are bijections, stages 1024-byte aligned, the S accumulator serves as P V's A operand
+    in place, the accumulators cover S and O once, each warpgroup's TMA store boxes read its own
+    rows of O's tile, and packed batches' O copy covers a warpgroup's rows once."""
     from layouts.verify_hopper import verify_hopper
 
     result = verify_hopper(traits)

@@ -81,12 +81,24 @@ class Sm90FwdConfig:
     has_dropout: bool = False  # P's elements dropped by the Philox mask (docs/semantics.md, Dropout)
     varlen: bool = False       # packed batches (call_varlen); one CTA per tile
     has_seqused_k: bool = False  # packed batches whose key lengths come from seqused_k
+    kvcache: bool = False      # KV caches (call_kvcache): key lengths from cache_seqlens; one CTA per tile
 
     def __post_init__(self):
-        if self.varlen and self.persistent:
-            raise ValueError("packed batches take one CTA per tile, not the persistent schedule")
+        if (self.varlen or self.kvcache) and self.persistent:
+            raise ValueError("packed batches and KV caches take one CTA per tile, not the persistent schedule")
+        if self.varlen and self.kvcache:
+            raise ValueError("an entry is packed (varlen) or a KV cache (kvcache), not both")
         if self.has_seqused_k and not self.varlen:
             raise ValueError("seqused_k belongs to packed batches (varlen)")
+        if self.kvcache and self.has_dropout:
+            raise ValueError("KV-cache calls have no dropout")
+
+    @property
+    def clears_v_tail(self) -> bool:
+        """Keys past seqlen_k inside the tensor are not zeros but another sequence's rows (packed
+        batches) or a cache's unused rows (KV caches), which may hold NaN: P = 0 times NaN in
+        P V is NaN, so their V rows are zeroed in shared memory (`clear_v_tail`)."""
+        return self.varlen or self.kvcache
 
     @property
     def num_threads(self) -> int:
@@ -115,7 +127,7 @@ class Sm90FwdConfig:
 
     @property
     def name(self) -> str:
-        schedule = "p" if self.persistent else "v" if self.varlen else ""
+        schedule = "p" if self.persistent else "v" if self.varlen else "c" if self.kvcache else ""
         return f"{self.traits.name}_s{self.stages}{schedule}-{score_letters(self)}"
 
 
@@ -154,6 +166,14 @@ class Sm90Varlen:
 
 
 @dataclass(frozen=True)
+class Sm90Cache:
+    """A KV cache: the keys of sequence b are the first cache_seqlens[b] + k_extra rows of its
+    cache row (k_extra: rows the call appended after them)."""
+    mSeqlensK: cute.Tensor  # (batch,) int32 cache_seqlens
+    k_extra: object         # Int32
+
+
+@dataclass(frozen=True)
 class Sm90Tensors:
     tma_mQ: cute.Tensor  # (seqlen_q, d, heads, batch) TMA coordinates; packed: (total_q, d, heads)
     tma_mK: cute.Tensor  # (seqlen_k, d, heads_k, batch); packed: (total_k, d, heads_k)
@@ -164,6 +184,7 @@ class Sm90Tensors:
     mRng: object         # (4,) uint32: dropout's Philox key, offset and keep threshold
     mTileCounter: cute.Tensor  # (2,) int32: tiles claimed past the first wave, CTAs finished
     varlen: object       # Sm90Varlen for packed batches, else None
+    cache: object        # Sm90Cache for KV caches, else None
 
 
 @dataclass(frozen=True)
@@ -250,7 +271,20 @@ class FlashFwdSm90:
         launch and left zero by it; section_heads: see `tile`; max_ctas: the SMs a persistent
         variant spreads its tiles over."""
         scalars = Sm90Scalars(scale_log2, score_premul, alibi_div, window_left, window_right, section_heads)
-        self.launch(mQ, mK, mV, mO, mLSE, mAlibi, mRng, mTileCounter, None, scalars, max_ctas, stream)
+        self.launch(mQ, mK, mV, mO, mLSE, mAlibi, mRng, mTileCounter, None, None, scalars, max_ctas, stream)
+
+    @cute.jit
+    def call_kvcache(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+                     mAlibi, mSeqlensK: cute.Tensor, k_extra: cutlass.Int32, scale_log2: cutlass.Float32,
+                     score_premul: cutlass.Float32, alibi_div: cutlass.Float32, window_left: cutlass.Int32,
+                     window_right: cutlass.Int32, stream):
+        """KV caches, decode and chunked prefill: mQ / mO (batch, seqlen_q, heads, d) (with the
+        GQA fold, (batch, group, heads_k, d) views of the caller's tensors), mK / mV (batch,
+        capacity, heads_k, d) caches, mLSE (batch, heads, seqlen_q) fp32, mSeqlensK (batch,)
+        int32 cache_seqlens, k_extra the rows appended after them; one CTA per tile."""
+        scalars = Sm90Scalars(scale_log2, score_premul, alibi_div, window_left, window_right, 1)
+        self.launch(mQ, mK, mV, mO, mLSE, mAlibi, None, None, None, Sm90Cache(mSeqlensK, k_extra), scalars, 0,
+                    stream)
 
     @cute.jit
     def call_varlen(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
@@ -264,11 +298,11 @@ class FlashFwdSm90:
         sequence's end storing nothing."""
         scalars = Sm90Scalars(scale_log2, score_premul, alibi_div, window_left, window_right, 1)
         varlen = Sm90Varlen(mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, max_seqlen_q, mO)
-        self.launch(mQ, mK, mV, mO, mLSE, mAlibi, mRng, None, varlen, scalars, 0, stream)
+        self.launch(mQ, mK, mV, mO, mLSE, mAlibi, mRng, None, varlen, None, scalars, 0, stream)
 
     @cute.jit
     def launch(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, mAlibi,
-               mRng, mTileCounter, varlen, scalars: Sm90Scalars, max_ctas, stream):
+               mRng, mTileCounter, varlen, cache, scalars: Sm90Scalars, max_ctas, stream):
         t, stages = self.t, self.config.stages
         sQ_layout = hopper.smem_layout(t, t.block_m)
         sKV_layout = hopper.smem_layout_staged(t, t.block_n, stages)
@@ -291,7 +325,7 @@ class FlashFwdSm90:
 
         recipe = Sm90Recipe(sQ_layout, sKV_layout, tma_q, tma_k, tma_v, tma_o, hopper.tiled_mma_qk(t),
                             hopper.tiled_mma_pv(t))
-        args = Sm90Tensors(tma_mQ, tma_mK, tma_mV, tma_mO, mLSE, mAlibi, mRng, mTileCounter, varlen)
+        args = Sm90Tensors(tma_mQ, tma_mK, tma_mV, tma_mO, mLSE, mAlibi, mRng, mTileCounter, varlen, cache)
         tiles = self.num_tiles(args)
         ctas = cutlass.min(tiles, max_ctas) if cutlass.const_expr(self.config.persistent) else tiles
         self.kernel(args, scalars, recipe, SharedStorage).launch(
@@ -374,7 +408,10 @@ class FlashFwdSm90:
         """The tile of query block m_block of (bidb, bidh): its key blocks (none past a packed
         sequence's end)."""
         cfg, t = self.config, self.t
-        if cutlass.const_expr(args.varlen is None):
+        if cutlass.const_expr(args.cache is not None):
+            seq = SeqInfo.make(bidb, args.tma_mQ.shape[0], args.tma_mK.shape[0], mSeqUsedK=args.cache.mSeqlensK,
+                               k_extra=args.cache.k_extra)
+        elif cutlass.const_expr(args.varlen is None):
             seq = SeqInfo.make(bidb, args.tma_mQ.shape[0], args.tma_mK.shape[0])
         else:
             seq = SeqInfo.make(bidb, args.tma_mQ.shape[0], args.tma_mK.shape[0], args.varlen.mCuSeqlensQ,
@@ -597,7 +634,7 @@ class FlashFwdSm90:
         wgmma(mma_qk, loop.acc_s, loop.tSrQ, loop.tSrK[None, None, None, first.index])
         loop.pipes.k.consumer_release(first)
         self.scores(loop, n_block_max - 1, recipe, True, True)
-        if cutlass.const_expr(self.config.varlen):
+        if cutlass.const_expr(self.config.clears_v_tail):
             self.clear_v_tail(loop, first, n_block_max - 1)
         for i in cutlass.range(1, count, unroll=1):
             n_block = n_block_max - 1 - i
@@ -628,17 +665,18 @@ class FlashFwdSm90:
 
     @cute.jit
     def clear_v_tail(self, loop: Sm90Loop, state: pipeline.PipelineState, n_block):
-        """Packed batches: zero the rows of key block n_block's V stage past seqlen_k (the next
-        sequence's rows, which P = 0 would turn into NaN if they held one), 16 bytes at a time
-        by every consumer thread, before any warpgroup's P V reads the stage. Once a tile: the
-        last key block is the only one a sequence's end crosses."""
+        """Packed batches and KV caches (`Sm90FwdConfig.clears_v_tail`): zero the rows of key
+        block n_block's V stage past seqlen_k (the next sequence's rows, or a cache's unused
+        ones, which P = 0 would turn into NaN if they held one), 16 bytes at a time by every
+        consumer thread, before any warpgroup's P V reads the stage. Once a tile: the last key
+        block is the only one a sequence's end crosses."""
         t = self.t
         bn, d = t.block_n, t.head_dim
         loop.pipes.v.consumer_wait(state)
         vec = 16 // ELEMENT_BYTES
         chunks = d // vec
         sV = loop.sV[None, None, state.index]  # (bn, d) this stage
-        first_row = loop.mods.mask.seqlen_k - n_block * bn  # rows past it belong to the next sequence
+        first_row = loop.mods.mask.seqlen_k - n_block * bn  # rows past it are not this sequence's keys
         zeros = cute.make_rmem_tensor((vec,), self.dtype)
         zeros.fill(0.0)
         for c in cutlass.range(loop.mma_tidx, (bn - first_row) * chunks, t.num_threads, unroll=1):

@@ -168,8 +168,8 @@ def flash_bwd_varlen(dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max
     total_q, h, d = q.shape
     total_k, hk = k.shape[0], k.shape[1]
     batch = cu_seqlens_q.shape[0] - 1
-    if batch == 0 or total_q == 0 or total_k == 0:
-        return _zeros(q, k, v, (h, total_q), (dq, dk, dv))
+    if batch == 0 or total_q == 0 or total_k == 0 or max_seqlen_q == 0 or max_seqlen_k == 0:
+        return _zeros(q, k, v, (h, total_q), (dq, dk, dv))  # the forward computed nothing either
     q, softmax_scale, dq_sign = positive_scale(q, softmax_scale)
     q, k, v, out, dout = (aligned(x) for x in (q, k, v, out, dout))
     d_pad = q.shape[-1]

@@ -171,7 +171,7 @@ def compile_fwd(config: FwdConfig, arch: int | None = None, extra_options: str =
 
 def compile_fwd_sm90(config: Sm90FwdConfig, arch: int | None = 90, extra_options: str = ""):
     """Build the Hopper forward of `config` (sm_90a; placeholders as `fake_fwd_args`): the
-    dense entry, or `call_varlen` for packed batches."""
+    dense entry, `call_varlen` for packed batches or `call_kvcache` for KV caches."""
     dtype = element_type(config.traits)
     kernel = FlashFwdSm90(config)
     if config.varlen:
@@ -181,6 +181,11 @@ def compile_fwd_sm90(config: Sm90FwdConfig, arch: int | None = 90, extra_options
             fake_tensor(cutlass.Int32, 1), fake_tensor(cutlass.Int32, 1) if config.has_seqused_k else None,
             1, 1.0, 1.0, 1.0, -1, -1, fake_stream()]
         return compile_tvm_ffi(kernel.call_varlen, args, arch, extra_options)
+    if config.kvcache:
+        args = [fake_tensor(dtype, 4, ALIGN, COPY_BYTES) for _ in range(4)] + [
+            fake_tensor(cutlass.Float32, 3), fake_tensor(cutlass.Float32, 2) if config.has_alibi else None,
+            fake_tensor(cutlass.Int32, 1), 0, 1.0, 1.0, 1.0, -1, -1, fake_stream()]
+        return compile_tvm_ffi(kernel.call_kvcache, args, arch, extra_options)
     args = [fake_tensor(dtype, 4, ALIGN, COPY_BYTES) for _ in range(4)] + [
         fake_tensor(cutlass.Float32, 3), fake_tensor(cutlass.Float32, 2) if config.has_alibi else None,
         fake_tensor(cutlass.Uint32, 1) if config.has_dropout else None, fake_tensor(cutlass.Int32, 1),
@@ -278,13 +283,16 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
 
     full: every shipped traits (layouts.hopper.shipped_hopper_traits) times every score-flag
     combination, in each schedule `prefers_persistent` can choose for it (dropout not on
-    192-row tiles, which the launcher does not give it), and the packed-batch entry of every
-    128-row traits with and without seqused_k. Otherwise the CI subset: every bucket in bf16
-    with a causal edge (the persistent variant where it fits, so both schedules compile), d
-    64's 192-row tiles likewise, d 128 in fp16, d 128 with every score flag on, dropout at d 64
-    (causal, one CTA per tile) and d 128 (persistent), and packed batches: d 128 causal, d 96
-    with seqused_k, d 64 fp16 with every flag."""
-    from layouts.hopper import choose_hopper_traits, shipped_hopper_traits
+    192-row tiles, which the launcher does not give it), the packed-batch entry of every
+    128-row traits with and without seqused_k, and the KV-cache entry of every bucket and dtype
+    with every score flag but dropout. Otherwise the CI subset: every bucket in bf16 with a
+    causal edge (the persistent variant where it fits, so both schedules compile), d 64's
+    192-row tiles likewise, d 128 in fp16, d 128 with every score flag on, dropout at d 64
+    (causal, one CTA per tile) and d 128 (persistent), packed batches (d 128 causal, d 96 with
+    seqused_k, d 64 fp16 with every flag) and KV caches (d 128 plain, d 256 fp16 with every
+    flag)."""
+    from layouts.hopper import (choose_hopper_cache_traits, choose_hopper_traits, shipped_hopper_cache_traits,
+                                shipped_hopper_traits)
 
     if full:
         out = []
@@ -299,6 +307,10 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
                     out.append(Sm90FwdConfig(t, persistent=True, **flags))
                 if t.warpgroups != 3:
                     out += [Sm90FwdConfig(t, varlen=True, has_seqused_k=u, **flags) for u in (False, True)]
+        for t in shipped_hopper_cache_traits():
+            for bits in itertools.product((False, True), repeat=4):
+                flags = dict(zip(("has_left", "has_right", "has_alibi", "has_softcap"), bits))
+                out.append(Sm90FwdConfig(t, kvcache=True, **flags))
         return out
     traits = [choose_hopper_traits(d, "bf16") for d in HEAD_DIM_BUCKETS]
     out = [Sm90FwdConfig(t, persistent=Sm90FwdConfig.fits_persistent(t), has_right=True)
@@ -311,7 +323,10 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
                   Sm90FwdConfig(choose_hopper_traits(128, "bf16"), has_right=True, varlen=True),
                   Sm90FwdConfig(choose_hopper_traits(96, "bf16"), varlen=True, has_seqused_k=True),
                   Sm90FwdConfig(choose_hopper_traits(64, "fp16"), has_left=True, has_alibi=True, has_softcap=True,
-                                has_dropout=True, varlen=True)]
+                                has_dropout=True, varlen=True),
+                  Sm90FwdConfig(choose_hopper_cache_traits(128, "bf16"), kvcache=True),
+                  Sm90FwdConfig(choose_hopper_cache_traits(256, "fp16"), has_left=True, has_right=True,
+                                has_alibi=True, has_softcap=True, kvcache=True)]
 
 
 def bwd_variants(arch: int, full: bool = False) -> list:

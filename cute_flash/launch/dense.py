@@ -76,6 +76,17 @@ def takes_hopper_path(index: int) -> bool:
     return os.environ.get("CUTE_FLASH_ARCH_PATH") != "sm80" and compiled.device_arch(index) == 90
 
 
+def takes_hopper_kvcache(index: int) -> bool:
+    """KV-cache calls that do not split, over unpaged caches without cache_batch_idx or
+    cache_leftpad, take the Hopper kernel's KV-cache entry only when `CUTE_FLASH_ARCH_PATH=sm90`
+    asks for it, until its GPU tests have run: as a strided view of the dense entry, with
+    64-row tiles, it streamed decode K / V at 4427-4551 GB/s against the SM80 kernel's
+    4159-4250 and CUDNN's 4420-4488 (H200, docs/perf.md, "The Hopper forward on decode
+    cells"); the entry itself (cache_seqlens, appended rows, unused cache rows zeroed in V) has
+    compiled but not yet run."""
+    return os.environ.get("CUTE_FLASH_ARCH_PATH") == "sm90" and compiled.device_arch(index) == 90
+
+
 def flash_fwd(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1), softcap=0.0,
               alibi_slopes=None, traits: FwdTraits | None = None, dropout: DropoutArgs | None = None):
     """Dense forward: q (b, sq, h, d), k/v (b, sk, hk, d); returns (out, lse (b, h, sq)).

@@ -3,10 +3,14 @@
 The default on sm_90 GPUs for dense forwards (`dense.takes_hopper_path`) and for packed batches
 over contiguous keys (`flash_fwd_varlen_sm90`): the full GPU suite passes with it, and it leads
 the SM80 kernel on the forward grid and the packed batch of the varlen bench (docs/perf.md).
-`CUTE_FLASH_ARCH_PATH=sm80` selects the SM80 kernel instead. The other entries (paged, KV cache,
-split-KV) take the SM80 kernel on every GPU; docs/perf.md lists these fall backs and why.
+`CUTE_FLASH_ARCH_PATH=sm80` selects the SM80 kernel instead. KV-cache calls that do not split
+take its KV-cache entry (`HopperCacheLaunch`) only with `CUTE_FLASH_ARCH_PATH=sm90`, not yet the
+default (`dense.takes_hopper_kvcache`). The other entries (paged, split-KV) take the SM80 kernel
+on every GPU; docs/perf.md lists these fall backs and why.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -16,7 +20,7 @@ from cute_flash.launch import compiled
 from cute_flash.launch.align import aligned
 from cute_flash.launch.dense import alibi_2d, device_index, scales, window_edges
 from cute_flash.launch.per_stream import per_stream
-from layouts.hopper import TALL_D64_MIN_SEQLEN_K, choose_hopper_traits
+from layouts.hopper import TALL_D64_MIN_SEQLEN_K, choose_hopper_cache_traits, choose_hopper_traits
 
 
 PERSISTENT_MAX_KEY_BLOCKS = 16
@@ -106,3 +110,29 @@ def flash_fwd_varlen_sm90(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
                                      rng_of(dropout, q.device), cu_seqlens_q, cu_seqlens_k, seqused, max_seqlen_q,
                                      *scales(softmax_scale, softcap), left, right)
     return (out if out.shape[-1] == d else out[..., :d]), lse
+
+
+def kvcache_config_sm90(d: int, dtype, left: int, right: int, alibi: bool, softcap: float) -> Sm90FwdConfig:
+    """The Hopper KV-cache entry's config for a call's head dim, dtype and options."""
+    return Sm90FwdConfig(choose_hopper_cache_traits(d, compiled.DTYPE_NAMES[dtype]), has_left=left >= 0,
+                         has_right=right >= 0, has_alibi=alibi, has_softcap=softcap > 0, kvcache=True)
+
+
+@dataclass(frozen=True)
+class HopperCacheLaunch:
+    """The Hopper kernel's KV-cache entry behind the SM80 KV-cache kernel's launch arguments
+    (`kvcache.KVCachePlan.launch`), so a plan calls either the same way. group > 1 folds the
+    GQA group into rows as flash-attn 2 does for decode: q and out (b, 1, h, d) go in as (b,
+    group, h / group, d) views, the LSE (b, h, 1) as (b, h / group, group); no copy."""
+    kernel: object  # the compiled `call_kvcache`
+    group: int      # query heads per kv head folded into rows; 1: no fold
+
+    def __call__(self, q, k_cache, v_cache, out, lse, o_acc, lse_acc, counters, alibi, seqlens, leftpad, batch_idx,
+                 block_table, k_extra, num_splits, scale_log2, score_premul, alibi_div, left, right):
+        if self.group > 1:
+            b, _, h, _ = q.shape
+            q = q[:, 0].unflatten(1, (h // self.group, self.group)).transpose(1, 2)
+            out = out[:, 0].unflatten(1, (h // self.group, self.group)).transpose(1, 2)
+            lse = lse.view(b, h // self.group, self.group)
+        self.kernel(q, k_cache, v_cache, out, lse, alibi, seqlens, k_extra, scale_log2, score_premul, alibi_div,
+                    left, right)

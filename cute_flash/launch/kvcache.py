@@ -18,9 +18,10 @@ from cute_flash.kernels.config import FwdConfig
 from cute_flash.kernels.split_kv import num_splits_heuristic, workspace_shapes
 from cute_flash.launch.align import aligned, is_aligned
 from cute_flash.launch import compiled
-from cute_flash.launch.dense import PAGE_ROWS, alibi_2d, device_index, positive_scale, scales, window_edges
+from cute_flash.launch.dense import (PAGE_ROWS, alibi_2d, device_index, positive_scale, scales, takes_hopper_kvcache,
+                                     window_edges)
 from cute_flash.launch.per_stream import per_stream
-from layouts.traits import ALIGN, FwdTraits, choose_decode_traits, tile_arch
+from layouts.traits import ALIGN, choose_decode_traits, tile_arch
 
 
 @dataclass(frozen=True, eq=False)
@@ -28,9 +29,9 @@ class KVCachePlan:
     """Everything a KV-cache call decides from its shapes and options alone. Compared and hashed
     by identity: it keys the workspace cache on every call, and calls of one signature share
     one plan."""
-    config: FwdConfig
+    config: object   # FwdConfig, or Sm90FwdConfig (the Hopper KV-cache entry)
     num_splits: int
-    launch: object   # the compiled kernel's TVM-FFI function, called positionally
+    launch: object   # the compiled kernel's TVM-FFI function (or `HopperCacheLaunch`), called positionally
     batch: int
     nheads: int      # (heads, seqlen_q) as the caller has them
     seqlen_q: int
@@ -39,7 +40,8 @@ class KVCachePlan:
     m_blocks: int
 
     @property
-    def traits(self) -> FwdTraits:
+    def traits(self):
+        """FwdTraits, or HopperTileTraits for the Hopper entry (which never splits)."""
         return self.config.traits
 
 
@@ -137,16 +139,26 @@ def _kvcache_call(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, 
     if num_splits == 0:
         num_splits = num_splits_heuristic(b * heads * m_blocks, compiled.num_sms(index), n_blocks)
     num_splits = max(1, min(num_splits, n_blocks, 128))
+    append = k is not None and (k.shape[1] > 0 or rotary_cos is not None)  # an empty grid cannot launch
+    k_extra = 0 if k is None else k.shape[1]
+    call_scalars = (k_extra, num_splits, *scales(softmax_scale, softcap), left, right)
+    if (num_splits == 1 and not paged and cache_leftpad is None and cache_batch_idx is None
+            and takes_hopper_kvcache(index)):
+        from cute_flash.launch.hopper import HopperCacheLaunch, kvcache_config_sm90
+
+        config = kvcache_config_sm90(d, q.dtype, left, right, alibi_slopes is not None, softcap)
+        launch = HopperCacheLaunch(compiled.sm90_kernel_for(config), rows if pack_gqa else 1)
+        plan = KVCachePlan(config, 1, launch, b, h, sq, rows, heads, -(-rows // config.traits.block_m))
+        return KVCacheCall(plan, device, index, not is_aligned(q), seqlens, append,
+                           causal or left >= 0 or right >= 0, call_scalars)
     config = FwdConfig(traits, has_left=left >= 0, has_right=right >= 0, has_alibi=alibi_slopes is not None,
                        has_softcap=softcap > 0, even_k=d == traits.head_dim, paged=paged,
                        any_page_size=paged and k_cache.shape[1] % PAGE_ROWS != 0, kvcache=True,
                        split=num_splits > 1, has_leftpad=cache_leftpad is not None,
                        has_batch_idx=cache_batch_idx is not None, pack_gqa=pack_gqa)
     plan = KVCachePlan(config, num_splits, compiled.kernel_for(config, index), b, h, sq, rows, heads, m_blocks)
-    append = k is not None and (k.shape[1] > 0 or rotary_cos is not None)  # an empty grid cannot launch
-    k_extra = 0 if k is None else k.shape[1]
     return KVCacheCall(plan, device, index, not is_aligned(q), seqlens, append, causal or left >= 0 or right >= 0,
-                       (k_extra, num_splits, *scales(softmax_scale, softcap), left, right))
+                       call_scalars)
 
 
 def _append(q, k, v, k_cache, v_cache, seqlens, cache_batch_idx, block_table, rotary_cos, rotary_sin,
