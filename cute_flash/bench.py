@@ -74,14 +74,20 @@ def _sdpa(q, k, v, backend, causal, enable_gqa=False):
 
 @contextlib.contextmanager
 def arch_path(path):
-    """Our calls inside take the `CUTE_FLASH_ARCH_PATH=path` kernels."""
+    """Our calls inside take the `CUTE_FLASH_ARCH_PATH=path` kernels. The KV-cache dispatch
+    kept per call signature (`launch.kvcache`) depends on the path: it starts empty inside and
+    again after."""
     import os
+
+    from cute_flash.launch import kvcache
 
     before = os.environ.get("CUTE_FLASH_ARCH_PATH")
     os.environ["CUTE_FLASH_ARCH_PATH"] = path
+    kvcache._calls.clear()
     try:
         yield
     finally:
+        kvcache._calls.clear()
         if before is None:
             del os.environ["CUTE_FLASH_ARCH_PATH"]
         else:
@@ -534,6 +540,11 @@ def run_decode(batches=DECODE_BATCHES, caches=DECODE_CACHES):
             row["ours_gbs"] = nbytes / _time_ms(ours) / 1e6
             graph_ms = _graph_time_ms(ours)
             row["ours_graph_gbs"] = nbytes / graph_ms / 1e6 if graph_ms else None
+            if hopper_gpu():  # the Hopper kernel's KV-cache entry (opt-in; unsplit calls only)
+                with arch_path("sm90"):
+                    row["sm90_gbs"] = nbytes / _time_ms(ours) / 1e6
+                    graph_ms = _graph_time_ms(ours)
+                    row["sm90_graph_gbs"] = nbytes / graph_ms / 1e6 if graph_ms else None
             for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
                 sdpa = _sdpa(q, kc, vc, backend, False, enable_gqa=True)
                 row[f"{name}_gbs"] = nbytes / _time_ms(sdpa) / 1e6 if sdpa else None
@@ -592,6 +603,17 @@ def format_decode(rows, copy_gbs) -> str:
         out.append(f"| {r['batch']} | {r['cache']} | {o:.0f} | {100 * o / copy_gbs:.0f}% | {cell(f)} | {cell(c)} | "
                    f"{ratio(o, f)} | {ratio(o, c)} | {cell(og)} | {100 * (og or 0) / copy_gbs:.0f}% | {cell(fg)} | "
                    f"{cell(cg)} | {ratio(og, fg)} | {ratio(og, cg)} |")
+    if any("sm90_gbs" in r for r in rows):
+        out += ["", "With `CUTE_FLASH_ARCH_PATH=sm90` (calls that do not split take the Hopper kernel's "
+                "KV-cache entry, the others the same SM80 kernel as `ours`):", "",
+                "| batch | cache | sm90 | sm90/ours | sm90/CUDNN | sm90 (graph) | sm90/ours (graph) "
+                "| sm90/CUDNN (graph) |",
+                "|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            s, sg = r.get("sm90_gbs"), r.get("sm90_graph_gbs")
+            out.append(f"| {r['batch']} | {r['cache']} | {cell(s)} | {ratio(s, r['ours_gbs'])} | "
+                       f"{ratio(s, r.get('cudnn_gbs'))} | {cell(sg)} | {ratio(sg, r.get('ours_graph_gbs'))} | "
+                       f"{ratio(sg, r.get('cudnn_graph_gbs'))} |")
     return "\n".join(out)
 
 

@@ -20,7 +20,8 @@ from cute_flash.kernels.config import BwdConfig, dq_reduction
 from cute_flash.kernels.dq_accum import DQConvertConfig
 from cute_flash.launch import compiled
 from cute_flash.launch.align import aligned
-from cute_flash.launch.dense import alibi_2d, device_index, positive_scale, scales, takes_hopper_path, window_edges
+from cute_flash.launch.dense import (alibi_2d, device_index, positive_scale, scales, score_flags, takes_hopper_path,
+                                     window_edges)
 from cute_flash.dropout import DropoutArgs, rng_of
 from layouts.hopper import BWD_HEAD_DIMS, choose_hopper_bwd_traits
 from layouts.traits import choose_bwd_traits, tile_arch
@@ -30,11 +31,9 @@ def _config(d_pad, dtype, index, left, right, alibi_slopes, softcap, varlen, seq
             dropout=None):
     arch = compiled.device_arch(index)
     traits = choose_bwd_traits(d_pad, compiled.DTYPE_NAMES[dtype], tile_arch(arch))
-    return BwdConfig(traits, has_left=left >= 0, has_right=right >= 0, has_alibi=alibi_slopes is not None,
-                     has_softcap=softcap > 0, has_dropout=dropout is not None, even_k=d_pad == traits.head_dim,
-                     varlen=varlen,
-                     has_seqused_k=seqused_k is not None, deterministic=deterministic,
-                     **dq_reduction(traits, arch, deterministic))
+    return BwdConfig(traits, **score_flags(left, right, alibi_slopes, softcap, dropout),
+                     even_k=d_pad == traits.head_dim, varlen=varlen, has_seqused_k=seqused_k is not None,
+                     deterministic=deterministic, **dq_reduction(traits, arch, deterministic))
 
 
 def _grid_x(config: BwdConfig, max_seqlen_k, batch, nheads, index):

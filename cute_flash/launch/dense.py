@@ -47,6 +47,14 @@ def window_edges(causal, window_size):
     return left, 0 if causal else right
 
 
+def score_flags(left: int, right: int, alibi_slopes, softcap: float, dropout=None) -> dict:
+    """The flags every kernel config (SM80 or Hopper, forward or backward) takes from a call's
+    options: has_left / has_right from `window_edges`' edges, has_alibi, has_softcap,
+    has_dropout."""
+    return dict(has_left=left >= 0, has_right=right >= 0, has_alibi=alibi_slopes is not None, has_softcap=softcap > 0,
+                has_dropout=dropout is not None)
+
+
 def device_index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
@@ -106,9 +114,8 @@ def flash_fwd(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1), sof
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
     left, right = window_edges(causal, window_size)
-    kernel = fwd_kernel(q.shape[-1], q.dtype, index, causal, traits, (
-        ("has_left", left >= 0), ("has_right", right >= 0), ("has_alibi", alibi_slopes is not None),
-        ("has_softcap", softcap > 0), ("has_dropout", dropout is not None)))
+    kernel = fwd_kernel(q.shape[-1], q.dtype, index, causal, traits,
+                        tuple(score_flags(left, right, alibi_slopes, softcap, dropout).items()))
     kernel(q, k, v, out, lse, alibi_2d(alibi_slopes, b, h), rng_of(dropout, q.device), *scales(softmax_scale, softcap),
            left, right)
     return (out if out.shape[-1] == d else out[..., :d]), lse
@@ -137,10 +144,9 @@ def flash_fwd_varlen(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     lse = torch.empty((h, total_q), dtype=torch.float32, device=q.device)
     left, right = window_edges(causal, window_size)
     kernel = fwd_kernel(q.shape[-1], q.dtype, index, causal, None, (
-        ("has_left", left >= 0), ("has_right", right >= 0), ("has_alibi", alibi_slopes is not None),
-        ("has_softcap", softcap > 0), ("varlen", True), ("has_seqused_k", seqused_k is not None),
-        ("paged", paged), ("any_page_size", paged and k.shape[1] % PAGE_ROWS != 0),
-        ("has_dropout", dropout is not None)))
+        *score_flags(left, right, alibi_slopes, softcap, dropout).items(), ("varlen", True),
+        ("has_seqused_k", seqused_k is not None), ("paged", paged),
+        ("any_page_size", paged and k.shape[1] % PAGE_ROWS != 0)))
     cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     seqused = None if seqused_k is None else seqused_k.contiguous()
     kernel(q, k, v, out, lse, alibi_2d(alibi_slopes, cu_seqlens_q.shape[0] - 1, h), rng_of(dropout, q.device),

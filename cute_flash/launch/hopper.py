@@ -18,9 +18,9 @@ from cute_flash.dropout import DropoutArgs, rng_of
 from cute_flash.kernels.fwd_sm90 import Sm90FwdConfig
 from cute_flash.launch import compiled
 from cute_flash.launch.align import aligned
-from cute_flash.launch.dense import alibi_2d, device_index, scales, window_edges
+from cute_flash.launch.dense import alibi_2d, device_index, scales, score_flags, window_edges
 from cute_flash.launch.per_stream import per_stream
-from layouts.hopper import TALL_D64_MIN_SEQLEN_K, choose_hopper_cache_traits, choose_hopper_traits
+from layouts.hopper import TALL_D64_MIN_SEQLEN_K, choose_hopper_traits
 
 
 PERSISTENT_MAX_KEY_BLOCKS = 16
@@ -77,9 +77,7 @@ def flash_fwd_sm90(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1)
                                             k.shape[1] >= TALL_D64_MIN_SEQLEN_K and dropout is None)
     if persistent is None:
         persistent = prefers_persistent(traits, k.shape[1], left, right)
-    config = Sm90FwdConfig(traits, persistent=persistent, has_left=left >= 0, has_right=right >= 0,
-                           has_alibi=alibi_slopes is not None, has_softcap=softcap > 0,
-                           has_dropout=dropout is not None)
+    config = Sm90FwdConfig(traits, persistent=persistent, **score_flags(left, right, alibi_slopes, softcap, dropout))
     if sections is None:
         sections = section_heads(q, k, persistent and (left >= 0 or right >= 0))
     compiled.sm90_kernel_for(config)(q, k, v, out, lse, alibi_2d(alibi_slopes, b, h), rng_of(dropout, q.device),
@@ -101,21 +99,15 @@ def flash_fwd_varlen_sm90(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((h, total_q), dtype=torch.float32, device=q.device)
     left, right = window_edges(causal, window_size)
-    config = Sm90FwdConfig(choose_hopper_traits(q.shape[-1], compiled.DTYPE_NAMES[q.dtype]), has_left=left >= 0,
-                           has_right=right >= 0, has_alibi=alibi_slopes is not None, has_softcap=softcap > 0,
-                           has_dropout=dropout is not None, varlen=True, has_seqused_k=seqused_k is not None)
+    config = Sm90FwdConfig(choose_hopper_traits(q.shape[-1], compiled.DTYPE_NAMES[q.dtype]), varlen=True,
+                           has_seqused_k=seqused_k is not None,
+                           **score_flags(left, right, alibi_slopes, softcap, dropout))
     cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     seqused = None if seqused_k is None else seqused_k.contiguous()
     compiled.sm90_kernel_for(config)(q, k, v, out, lse, alibi_2d(alibi_slopes, cu_seqlens_q.shape[0] - 1, h),
                                      rng_of(dropout, q.device), cu_seqlens_q, cu_seqlens_k, seqused, max_seqlen_q,
                                      *scales(softmax_scale, softcap), left, right)
     return (out if out.shape[-1] == d else out[..., :d]), lse
-
-
-def kvcache_config_sm90(d: int, dtype, left: int, right: int, alibi: bool, softcap: float) -> Sm90FwdConfig:
-    """The Hopper KV-cache entry's config for a call's head dim, dtype and options."""
-    return Sm90FwdConfig(choose_hopper_cache_traits(d, compiled.DTYPE_NAMES[dtype]), has_left=left >= 0,
-                         has_right=right >= 0, has_alibi=alibi, has_softcap=softcap > 0, kvcache=True)
 
 
 @dataclass(frozen=True)

@@ -15,12 +15,15 @@ import torch
 
 from cute_flash.kernels.append import AppendConfig
 from cute_flash.kernels.config import FwdConfig
+from cute_flash.kernels.fwd_sm90 import Sm90FwdConfig
 from cute_flash.kernels.split_kv import num_splits_heuristic, workspace_shapes
 from cute_flash.launch.align import aligned, is_aligned
 from cute_flash.launch import compiled
-from cute_flash.launch.dense import (PAGE_ROWS, alibi_2d, device_index, positive_scale, scales, takes_hopper_kvcache,
-                                     window_edges)
+from cute_flash.launch.dense import (PAGE_ROWS, alibi_2d, device_index, positive_scale, scales, score_flags,
+                                     takes_hopper_kvcache, window_edges)
+from cute_flash.launch.hopper import HopperCacheLaunch
 from cute_flash.launch.per_stream import per_stream
+from layouts.hopper import choose_hopper_cache_traits
 from layouts.traits import ALIGN, choose_decode_traits, tile_arch
 
 
@@ -144,16 +147,14 @@ def _kvcache_call(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, 
     call_scalars = (k_extra, num_splits, *scales(softmax_scale, softcap), left, right)
     if (num_splits == 1 and not paged and cache_leftpad is None and cache_batch_idx is None
             and takes_hopper_kvcache(index)):
-        from cute_flash.launch.hopper import HopperCacheLaunch, kvcache_config_sm90
-
-        config = kvcache_config_sm90(d, q.dtype, left, right, alibi_slopes is not None, softcap)
+        config = Sm90FwdConfig(choose_hopper_cache_traits(d, compiled.DTYPE_NAMES[q.dtype]), kvcache=True,
+                               **score_flags(left, right, alibi_slopes, softcap))
         launch = HopperCacheLaunch(compiled.sm90_kernel_for(config), rows if pack_gqa else 1)
         plan = KVCachePlan(config, 1, launch, b, h, sq, rows, heads, -(-rows // config.traits.block_m))
         return KVCacheCall(plan, device, index, not is_aligned(q), seqlens, append,
                            causal or left >= 0 or right >= 0, call_scalars)
-    config = FwdConfig(traits, has_left=left >= 0, has_right=right >= 0, has_alibi=alibi_slopes is not None,
-                       has_softcap=softcap > 0, even_k=d == traits.head_dim, paged=paged,
-                       any_page_size=paged and k_cache.shape[1] % PAGE_ROWS != 0, kvcache=True,
+    config = FwdConfig(traits, **score_flags(left, right, alibi_slopes, softcap), even_k=d == traits.head_dim,
+                       paged=paged, any_page_size=paged and k_cache.shape[1] % PAGE_ROWS != 0, kvcache=True,
                        split=num_splits > 1, has_leftpad=cache_leftpad is not None,
                        has_batch_idx=cache_batch_idx is not None, pack_gqa=pack_gqa)
     plan = KVCachePlan(config, num_splits, compiled.kernel_for(config, index), b, h, sq, rows, heads, m_blocks)
