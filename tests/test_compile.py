@@ -197,8 +197,9 @@ def test_hopper_forward_compiles_to_wgmma(config, tmp_path):
     vote (docs/perf.md, Hopper step 7). Philox's 32x32 -> 64-bit multiplies appear exactly in
     the dropout variants. O leaves through TMA stores, except from packed batches, whose rows
     go out in 128-bit stores behind a row predicate (a box past a sequence would overwrite the
-    next one's). Packed batches and KV caches zero V rows past seqlen_k behind named barrier 7
-    (`clear_v_tail`); dense calls never do."""
+    next one's), and from split-KV tiles (fp32 partials, merged with plain stores). Packed
+    batches and KV caches zero V rows past seqlen_k behind named barrier 7 (`clear_v_tail`);
+    dense calls never do."""
     from cute_flash.launch.compiled import compile_fwd_sm90
 
     assert config.smem_bytes <= SMEM_LIMIT[90]
@@ -211,7 +212,7 @@ def test_hopper_forward_compiles_to_wgmma(config, tmp_path):
     assert "max.NaN.f32" not in text
     assert "vote.sync.any.pred" in text
     assert ("mul.wide.u32" in text) == config.has_dropout
-    assert (".global.shared::cta" in text) == (not config.varlen)  # a TMA store: smem -> global
+    assert (".global.shared::cta" in text) == (not config.varlen and not config.split)  # a TMA store
     assert ("st.global.v4" in text) == config.varlen
     assert (re.search(r"bar\.sync\s+7,", text) is not None) == config.clears_v_tail
 

@@ -6,7 +6,7 @@ copies);
 the caches after the append are checked element by element (appended rows against the
 reference, every other element unchanged), and every num_splits agrees with num_splits=1. The
 Hopper kernel's KV-cache entry (opt-in, `CUTE_FLASH_ARCH_PATH=sm90`) runs run_case's shapes
-unsplit, and both kernels must ignore NaN in a cache's unused rows."""
+split and not, and both kernels must ignore NaN in a cache's unused rows."""
 import math
 
 import pytest
@@ -205,7 +205,7 @@ def test_unaligned_cache_is_updated_in_place(layout, d, paged):
 
 @pytest.fixture
 def hopper_cache_entry(monkeypatch):
-    """KV-cache calls that do not split take the Hopper kernel's KV-cache entry on sm_90 (the
+    """KV-cache calls over unpaged caches take the Hopper kernel's KV-cache entry on sm_90 (the
     SM80 kernel elsewhere); the per-signature call cache starts empty, so no earlier call's
     dispatch is reused."""
     from cute_flash.launch import kvcache
@@ -223,17 +223,19 @@ def hopper_cache_entry(monkeypatch):
     dict(b=2, sq=3, h=4, hk=1, d=96, seqlens=[64, 129], seqlen_new=0, alibi=True, causal=True),
     dict(b=1, sq=1, h=2, hk=1, d=20, seqlens=[33], seqlen_new=1),  # d padded to 24, bucket 32
 ])
-def test_hopper_cache_entry(case, hopper_cache_entry):
-    """The cases of run_case on the Hopper KV-cache entry (num_splits=1: the entry never
-    splits), 300-row caches."""
+@pytest.mark.parametrize("num_splits", [1, 0, 5])
+def test_hopper_cache_entry(case, num_splits, hopper_cache_entry):
+    """run_case's checks on the Hopper KV-cache entry, 300-row caches: unsplit, the heuristic's
+    split count, and 5 splits (merged by the last split CTA of each tile)."""
     case = dict(case)
     shape = [case.pop(k) for k in ("b", "sq", "h", "hk", "d")]
-    run_case(*shape, torch.bfloat16, 300, case.pop("seqlens"), case.pop("seqlen_new"), 1, **case)
+    run_case(*shape, torch.bfloat16, 300, case.pop("seqlens"), case.pop("seqlen_new"), num_splits, **case)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("path", ["sm80", "sm90"])
 @pytest.mark.parametrize("d", [64, 128])
-def test_unused_cache_rows_hold_nan(d, path, monkeypatch):
+def test_unused_cache_rows_hold_nan(d, path, num_splits, monkeypatch):
     """A cache's rows past cache_seqlens hold NaN (an uninitialised cache may): no output may
     see them. The last key block read reaches into them (100 and 300 keys, 128-key blocks);
     the Hopper entry zeroes those V rows in shared memory, the SM80 kernel never loads them."""
@@ -250,7 +252,13 @@ def test_unused_cache_rows_hold_nan(d, path, monkeypatch):
         clean[0][i, n:], clean[1][i, n:] = 0.0, 0.0
     q = torch.randn(2, 1, 8, d, device="cuda", dtype=torch.bfloat16)
     poison_allocator()
-    out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, num_splits=1,
+    out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, num_splits=num_splits,
                                        return_softmax_lse=True)
     torch.cuda.synchronize()
     assert_matches_reference(out, lse, q, *clean, ref_fn=_ref_with(None, None), cache_seqlens=seqlens)
+
+
+@pytest.mark.parametrize("num_splits", [0, 1, 32])
+def test_hopper_long_cache_decode(num_splits, hopper_cache_entry):
+    """test_long_cache_decode's 32k-token decode on the Hopper KV-cache entry."""
+    run_case(2, 1, 32, 8, 128, torch.bfloat16, 32768, [32767, 5000], 1, num_splits, rotary=(128, False))

@@ -472,12 +472,12 @@ def test_packed_backward_with_a_zero_maximum_launches_nothing(recorder, max_q, m
     assert grads[1].shape == k.shape and grads[3].shape == (4, 9) and not grads[3].any()
 
 
-def test_unsplit_kvcache_on_sm90_takes_the_hopper_entry_when_asked(recorder, monkeypatch):
-    """With CUTE_FLASH_ARCH_PATH=sm90 an unsplit KV-cache call over an unpaged cache launches
-    the Hopper kernel's KV-cache entry (64-row tiles) after the append: the GQA group folded
-    into rows through views of the caller's q, out and LSE (no copy), cache_seqlens and the
-    appended row count as the key lengths. A split, a paged cache, cache_batch_idx, or the
-    variable unset take the SM80 kernel."""
+def test_kvcache_on_sm90_takes_the_hopper_entry_when_asked(recorder, monkeypatch):
+    """With CUTE_FLASH_ARCH_PATH=sm90 a KV-cache call over an unpaged cache launches the Hopper
+    kernel's KV-cache entry (64-row tiles) after the append: the GQA group folded into rows
+    through views of the caller's q, out and LSE (no copy), cache_seqlens and the appended row
+    count as the key lengths; split, the partials and counters laid out as the SM80 kernel's.
+    A paged cache, cache_batch_idx, or the variable unset take the SM80 kernel."""
     from cute_flash.kernels.config import FwdConfig
     from cute_flash.kernels.fwd_sm90 import Sm90FwdConfig
     from cute_flash.launch import flash_fwd_kvcache
@@ -491,7 +491,7 @@ def test_unsplit_kvcache_on_sm90_takes_the_hopper_entry_when_asked(recorder, mon
                                  num_splits=1)
     _, launch = recorder.launches  # the append, then attention
     config = launch.config
-    assert isinstance(config, Sm90FwdConfig) and config.kvcache and not config.persistent
+    assert isinstance(config, Sm90FwdConfig) and config.kvcache and not config.split and not config.persistent
     assert config.traits.block_m == 64 and not (config.has_left or config.has_right)
     assert launch["mQ"].shape == (2, 4, 2, 64) and launch["mQ"].stride() == (512, 64, 256, 1)
     assert launch["mQ"].data_ptr() == q.data_ptr() and launch["mO"].data_ptr() == out.data_ptr()
@@ -499,15 +499,39 @@ def test_unsplit_kvcache_on_sm90_takes_the_hopper_entry_when_asked(recorder, mon
     assert launch["mLSE"].shape == (2, 2, 4) and launch["mLSE"].data_ptr() == lse.data_ptr()
     assert lse.shape == (2, 8, 1)
     assert launch["mSeqlensK"] is seqlens and launch["k_extra"] == 1 and launch["mK"] is cache
+    assert launch["mOaccum"] is None and launch["num_splits"] == 1
+
+    out, lse = flash_fwd_kvcache(q, cache, cache, cache_seqlens=seqlens, softmax_scale=0.125, num_splits=3)
+    split = recorder.launches[-1]
+    assert isinstance(split.config, Sm90FwdConfig) and split.config.split and split["num_splits"] == 3
+    # partials by (split, b, nheads_k, group row), one zeroed counter per (m-block, b, nheads_k)
+    assert split["mOaccum"].shape == (3, 2, 2, 4, 64) and split["mLSEaccum"].shape == (3, 2, 2, 4)
+    assert split["mCounters"].shape == (4,) and not split["mCounters"].any()
+    assert split["mO"].data_ptr() == out.data_ptr() and split["mLSE"].data_ptr() == lse.data_ptr()
+
     table = torch.arange(2 * 63, dtype=torch.int32).view(2, 63)
     pages = torch.randn(126, 16, 2, 64, dtype=torch.bfloat16)
-    flash_fwd_kvcache(q, cache, cache, cache_seqlens=seqlens, softmax_scale=0.125, num_splits=3)
     flash_fwd_kvcache(q, pages, pages, cache_seqlens=seqlens, softmax_scale=0.125, num_splits=1, block_table=table)
     flash_fwd_kvcache(q, cache, cache, cache_seqlens=seqlens, softmax_scale=0.125, num_splits=1,
                       cache_batch_idx=torch.tensor([1, 0], dtype=torch.int32))
     monkeypatch.delenv("CUTE_FLASH_ARCH_PATH")
     flash_fwd_kvcache(q, cache, cache, cache_seqlens=seqlens, softmax_scale=0.125, num_splits=1)
-    assert [type(x.config) for x in recorder.launches[2:]] == [FwdConfig] * 4
+    assert [type(x.config) for x in recorder.launches[3:]] == [FwdConfig] * 3
+
+
+def test_hopper_entry_splits_for_one_cta_per_sm(recorder, monkeypatch):
+    """The split count of the Hopper entry (num_splits=0) fits its CTAs in one per SM (132 on
+    the recorder's GPU): one sequence of 2 kv heads over 1000 keys (8 blocks of 128) splits 8
+    ways (16 CTAs); the SM80 kernel's count for the same call assumes two per SM."""
+    from cute_flash.kernels.split_kv import num_splits_heuristic
+    from cute_flash.launch import flash_fwd_kvcache
+
+    q = torch.randn(1, 1, 8, 64, dtype=torch.bfloat16)
+    cache = torch.randn(1, 1000, 2, 64, dtype=torch.bfloat16)
+    monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", "sm90")
+    flash_fwd_kvcache(q, cache, cache, cache_seqlens=1000, softmax_scale=0.125, num_splits=0)
+    (launch,) = recorder.launches
+    assert launch["num_splits"] == num_splits_heuristic(2, 132, 8, ctas_per_sm=1) == 8
 
 
 @pytest.mark.parametrize("sq, window, alibi", [(2, (-1, -1), False), (1, (8, -1), False), (1, (-1, -1), True)])

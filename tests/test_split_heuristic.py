@@ -28,6 +28,17 @@ def test_worked_cases(work, n_blocks, expected, why):
     assert num_splits_heuristic(work, 132, n_blocks) == expected, why
 
 
+@pytest.mark.parametrize("work, n_blocks, expected, why", [
+    (106, 1000, 1, "106 >= 0.8 * 132 CTAs: one CTA per SM fills the grid without splitting"),
+    (64, 256, 2, "132 slots hold 2 splits of 64 CTAs: 128.5 / 0.95 against 256 / 0.95"),
+    (8, 1024, 16, "16 x 8 = 128 CTAs, one wave: the most splits, 64.5 / 0.95 (s=32 would need 256)"),
+    (8, 8, 8, "one block per split: 1.5 / 0.95 against s=4's 2.5 / 0.95"),
+])
+def test_worked_cases_one_cta_per_sm(work, n_blocks, expected, why):
+    """The Hopper KV-cache entry's CTAs fill an SM's shared memory (ctas_per_sm=1): 132 slots."""
+    assert num_splits_heuristic(work, 132, n_blocks, ctas_per_sm=1) == expected, why
+
+
 @given(work=st.integers(1, 400), n_blocks=st.integers(1, 2000))
 def test_choice_is_eligible_and_bounded(work, n_blocks):
     s = num_splits_heuristic(work, 132, n_blocks)

@@ -256,7 +256,7 @@ class FlashFwd:
         split = None
         if cutlass.const_expr(cfg.split):
             split = SplitKV.make(args.split.mOaccum, args.split.mLSEaccum, args.split.mCounters, split_idx,
-                                 scalars.num_splits, (m_block, bidb, bidh, nheads), self.t)
+                                 scalars.num_splits, (m_block, bidb, bidh, nheads), self.t, cute.arch.grid_dim()[0])
         dropout = None
         if cutlass.const_expr(cfg.has_dropout):
             dropout = Dropout.load(args.mRng, bidb, bidh, nheads)
@@ -383,7 +383,7 @@ class FlashFwd:
             acc_o.store(acc_o.load() * dropout.scale())
         if cutlass.const_expr(cfg.split):
             split.store_partial(acc_o_mn, lse, tOcO_mn, m_block, rows_q)
-            split.merge(views.mO_s, views.mLSE_s, sQ, m_block, rows_q)
+            split.merge(views.mO_s, views.mLSE_s, sQ, m_block, rows_q, cute.arch.thread_idx()[0])
         else:
             self.store(acc_o, lse, tOcO_mn, sQ, views, (m_block, rows_q, cQ), recipe)
 

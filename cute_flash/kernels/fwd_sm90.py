@@ -54,6 +54,7 @@ from cute_flash.kernels.philox import Dropout, wgmma_groups
 from cute_flash.kernels.score_mods import Mask, ScoreMods
 from cute_flash.kernels.seq_info import SeqInfo
 from cute_flash.kernels.softmax import OnlineSoftmax
+from cute_flash.kernels.split_kv import SplitKV
 from layouts import hopper
 from layouts import mma as lmma
 from layouts import smem as lsmem
@@ -66,6 +67,7 @@ REGISTERS = {1: (56, 256), 2: (24, 240), 3: (32, 160)}
 SCHEDULER_BARRIER = 1  # named barriers 1..3: consumer warpgroup 0's..2's turn to issue GEMMs
 EPILOGUE_BARRIER = 4   # named barriers 4..6: consumer warpgroup 0's..2's O tile written to smem
 CLEAR_V_BARRIER = 7    # packed batches: every consumer warpgroup's V rows past seqlen_k zeroed
+SPLIT_BARRIER = 8      # split-KV: the consumer threads' arrival count and merge (SplitKV.sync)
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,7 @@ class Sm90FwdConfig:
     varlen: bool = False       # packed batches (call_varlen); one CTA per tile
     has_seqused_k: bool = False  # packed batches whose key lengths come from seqused_k
     kvcache: bool = False      # KV caches (call_kvcache): key lengths from cache_seqlens; one CTA per tile
+    split: bool = False        # KV caches: split-KV, fp32 partials merged by each tile's last split CTA
 
     def __post_init__(self):
         if (self.varlen or self.kvcache) and self.persistent:
@@ -92,6 +95,8 @@ class Sm90FwdConfig:
             raise ValueError("seqused_k belongs to packed batches (varlen)")
         if self.kvcache and self.has_dropout:
             raise ValueError("KV-cache calls have no dropout")
+        if self.split and not self.kvcache:
+            raise ValueError("split-KV belongs to KV caches (kvcache)")
 
     @property
     def clears_v_tail(self) -> bool:
@@ -128,6 +133,7 @@ class Sm90FwdConfig:
     @property
     def name(self) -> str:
         schedule = "p" if self.persistent else "v" if self.varlen else "c" if self.kvcache else ""
+        schedule += "x" if self.split else ""
         return f"{self.traits.name}_s{self.stages}{schedule}-{score_letters(self)}"
 
 
@@ -166,11 +172,23 @@ class Sm90Varlen:
 
 
 @dataclass(frozen=True)
+class Sm90Split:
+    """Split-KV (`split_kv.SplitKV`): every split's fp32 partials, the tiles' arrival counters,
+    and O / LSE as tensors for the merge (it writes them with plain stores, not TMA)."""
+    mOaccum: cute.Tensor    # (num_splits, batch, heads, seqlen_q, d) fp32
+    mLSEaccum: cute.Tensor  # (num_splits, batch, heads, seqlen_q) fp32
+    mCounters: cute.Tensor  # (m_blocks * batch * heads,) int32, zero at launch and at exit
+    num_splits: object      # Int32
+    mO: cute.Tensor         # (batch, seqlen_q, heads, d)
+
+
+@dataclass(frozen=True)
 class Sm90Cache:
     """A KV cache: the keys of sequence b are the first cache_seqlens[b] + k_extra rows of its
     cache row (k_extra: rows the call appended after them)."""
     mSeqlensK: cute.Tensor  # (batch,) int32 cache_seqlens
     k_extra: object         # Int32
+    split: object           # Sm90Split, or None unsplit
 
 
 @dataclass(frozen=True)
@@ -196,6 +214,7 @@ class Tile:
     seq: SeqInfo
     n_block_max: object
     count: object       # key blocks to visit (>= 0): n_block_max - 1 down to n_block_max - count
+    split_idx: object   # split-KV: this tile's share of the key blocks (0 unsplit)
 
 
 @dataclass(frozen=True)
@@ -275,16 +294,23 @@ class FlashFwdSm90:
 
     @cute.jit
     def call_kvcache(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
-                     mAlibi, mSeqlensK: cute.Tensor, k_extra: cutlass.Int32, scale_log2: cutlass.Float32,
-                     score_premul: cutlass.Float32, alibi_div: cutlass.Float32, window_left: cutlass.Int32,
-                     window_right: cutlass.Int32, stream):
+                     mAlibi, mSeqlensK: cute.Tensor, k_extra: cutlass.Int32, mOaccum, mLSEaccum, mCounters,
+                     num_splits: cutlass.Int32, scale_log2: cutlass.Float32, score_premul: cutlass.Float32,
+                     alibi_div: cutlass.Float32, window_left: cutlass.Int32, window_right: cutlass.Int32, stream):
         """KV caches, decode and chunked prefill: mQ / mO (batch, seqlen_q, heads, d) (with the
         GQA fold, (batch, group, heads_k, d) views of the caller's tensors), mK / mV (batch,
         capacity, heads_k, d) caches, mLSE (batch, heads, seqlen_q) fp32, mSeqlensK (batch,)
-        int32 cache_seqlens, k_extra the rows appended after them; one CTA per tile."""
+        int32 cache_seqlens, k_extra the rows appended after them; one CTA per tile. Split
+        (`Sm90FwdConfig.split`): num_splits CTAs per tile, each writing its partials to mOaccum
+        (num_splits, batch, heads, seqlen_q, d) / mLSEaccum (num_splits, batch, heads, seqlen_q)
+        fp32 and counting itself on mCounters (m_blocks * batch * heads,) int32, zero at launch
+        and left zero; the last to arrive merges (the three are None unsplit)."""
         scalars = Sm90Scalars(scale_log2, score_premul, alibi_div, window_left, window_right, 1)
-        self.launch(mQ, mK, mV, mO, mLSE, mAlibi, None, None, None, Sm90Cache(mSeqlensK, k_extra), scalars, 0,
-                    stream)
+        split = None
+        if cutlass.const_expr(self.config.split):
+            split = Sm90Split(mOaccum, mLSEaccum, mCounters, num_splits, mO)
+        self.launch(mQ, mK, mV, mO, mLSE, mAlibi, None, None, None, Sm90Cache(mSeqlensK, k_extra, split), scalars,
+                    0, stream)
 
     @cute.jit
     def call_varlen(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
@@ -373,7 +399,10 @@ class FlashFwdSm90:
             self.consume(args, scalars, recipe, pipes, sQ, sK, sV, sO, tidx - 128)
 
     def num_tiles(self, args: Sm90Tensors):
-        return cute.ceil_div(self.rows_q(args), self.t.block_m) * args.tma_mQ.shape[2] * self.batch(args)
+        tiles = cute.ceil_div(self.rows_q(args), self.t.block_m) * args.tma_mQ.shape[2] * self.batch(args)
+        if cutlass.const_expr(self.config.split):
+            tiles = tiles * args.cache.split.num_splits
+        return tiles
 
     @staticmethod
     def rows_q(args: Sm90Tensors):
@@ -391,8 +420,13 @@ class FlashFwdSm90:
         last query block of every pair comes first, then the one before, and so on: tiles in
         decreasing length under a causal mask, while the K / V the CTAs in flight read stay
         those of one section (the host sizes it for L2). section_heads 1: one pair's blocks,
-        last first, then the next pair's."""
+        last first, then the next pair's. Split-KV: the splits of a tile are neighbours (split
+        fastest), so they run together and the last to finish merges soon after the first."""
         t = self.t
+        split_idx = 0
+        if cutlass.const_expr(self.config.split):
+            split_idx = tile_idx % args.cache.split.num_splits
+            tile_idx = tile_idx // args.cache.split.num_splits
         heads = args.tma_mQ.shape[2]
         pairs = heads * self.batch(args)
         m_blocks = cute.ceil_div(self.rows_q(args), t.block_m)
@@ -401,12 +435,12 @@ class FlashFwdSm90:
         in_section = cutlass.min(scalars.section_heads, pairs - first_pair)
         r = tile_idx - first_pair * m_blocks
         pair = first_pair + r % in_section
-        return self.tile_at(args, scalars, m_blocks - 1 - r // in_section, pair % heads, pair // heads)
+        return self.tile_at(args, scalars, m_blocks - 1 - r // in_section, pair % heads, pair // heads, split_idx)
 
     @cute.jit
-    def tile_at(self, args: Sm90Tensors, scalars: Sm90Scalars, m_block, bidh, bidb) -> Tile:
+    def tile_at(self, args: Sm90Tensors, scalars: Sm90Scalars, m_block, bidh, bidb, split_idx=0) -> Tile:
         """The tile of query block m_block of (bidb, bidh): its key blocks (none past a packed
-        sequence's end)."""
+        sequence's end; a split's share of them)."""
         cfg, t = self.config, self.t
         if cutlass.const_expr(args.cache is not None):
             seq = SeqInfo.make(bidb, args.tma_mQ.shape[0], args.tma_mK.shape[0], mSeqUsedK=args.cache.mSeqlensK,
@@ -417,20 +451,27 @@ class FlashFwdSm90:
             seq = SeqInfo.make(bidb, args.tma_mQ.shape[0], args.tma_mK.shape[0], args.varlen.mCuSeqlensQ,
                                args.varlen.mCuSeqlensK, args.varlen.mSeqUsedK)
         window = Window(scalars.window_left, scalars.window_right, cfg.has_left, cfg.has_right)
-        blocks = BlockRange.make(seq, m_block, t.block_m, t.block_n, window)
+        num_splits = 1
+        if cutlass.const_expr(cfg.split):
+            num_splits = args.cache.split.num_splits
+        blocks = BlockRange.make(seq, m_block, t.block_m, t.block_n, window, split_idx, num_splits, cfg.split)
         # a window can end before it starts (n_block_min > n_block_max): no key block then
         count = cutlass.max(blocks.n_block_max - blocks.n_block_min, 0)
         if cutlass.const_expr(args.varlen is not None):
             if m_block * t.block_m >= seq.seqlen_q:
                 count = cutlass.Int32(0)
-        return Tile(m_block, bidh, bidb, seq, blocks.n_block_max, count)
+        return Tile(m_block, bidh, bidb, seq, blocks.n_block_max, count, split_idx)
 
     @cute.jit
     def announced(self, args: Sm90Tensors, scalars: Sm90Scalars, pipes: Pipes) -> Tile:
         """The tile whose coordinates the producer published with Q (`announce`): the integer
         divisions of `tile` are the producer's alone (d 64 causal: 180 instructions before a
-        tile's first wgmma, SASS)."""
-        return self.tile_at(args, scalars, pipes.tile_slot[1], pipes.tile_slot[2], pipes.tile_slot[3])
+        tile's first wgmma, SASS). A split tile's split index is its CTA's (split-KV runs one CTA
+        per tile) modulo the split count."""
+        split_idx = 0
+        if cutlass.const_expr(self.config.split):
+            split_idx = cute.arch.block_idx()[0] % args.cache.split.num_splits
+        return self.tile_at(args, scalars, pipes.tile_slot[1], pipes.tile_slot[2], pipes.tile_slot[3], split_idx)
 
     @cute.jit
     def produce(self, args: Sm90Tensors, scalars: Sm90Scalars, recipe: Sm90Recipe, pipes: Pipes, sQ, sK, sV):
@@ -614,11 +655,15 @@ class FlashFwdSm90:
             self.mainloop(loop, tile.n_block_max, tile.count, recipe)
         cute.arch.mbarrier_arrive(pipes.q_empty)  # this thread's wgmmas are done with sQ and the tile's index
 
+        # no key seen: LSE +inf, or -inf in a split's partial so that the merge gives it no weight
         lse = cute.make_rmem_tensor(softmax.row_max.layout, cutlass.Float32)
-        softmax.finalize(acc_o_mn, lse, cutlass.Float32.inf)
+        softmax.finalize(acc_o_mn, lse, -cutlass.Float32.inf if cutlass.const_expr(cfg.split) else cutlass.Float32.inf)
         if cutlass.const_expr(cfg.has_dropout):  # the kept values' 1 / P(keep), once for all of O
             acc_o.store(acc_o.load() * dropout.scale())
-        self.store(acc_o, lse, sO, args, recipe, tile, mma_tidx)
+        if cutlass.const_expr(cfg.split):
+            self.store_split(acc_o_mn, lse, sO, args, recipe, tile, mma_tidx)
+        else:
+            self.store(acc_o, lse, sO, args, recipe, tile, mma_tidx)
 
     @cute.jit
     def mainloop(self, loop: Sm90Loop, n_block_max, count, recipe: Sm90Recipe):
@@ -761,6 +806,26 @@ class FlashFwdSm90:
                     args.mLSE[tile.bidb, tile.bidh, tile.m_block * bm + row] = lse[r]
                 else:
                     args.mLSE[tile.bidh, tile.seq.sum_s_q + tile.m_block * bm + row] = lse[r]
+
+    @cute.jit
+    def store_split(self, acc_o_mn: cute.Tensor, lse: cute.Tensor, sQ: cute.Tensor, args: Sm90Tensors,
+                    recipe: Sm90Recipe, tile: Tile, mma_tidx):
+        """Split-KV: this split's normalised fp32 O and its LSE straight from the accumulators (a
+        decode tile has few real rows), then the tile's last split CTA to arrive merges every
+        split's partials into O and LSE (`split_kv.SplitKV`, the SM80 kernel's code; its consumer
+        threads synchronise on named barrier SPLIT_BARRIER, which the producer warps, done after
+        their one tile, never reach). sQ holds the arrival rank: its Q is no longer read."""
+        t = self.t
+        split = args.cache.split
+        m_blocks = cute.ceil_div(self.rows_q(args), t.block_m)
+        kv = SplitKV.make(split.mOaccum, split.mLSEaccum, split.mCounters, tile.split_idx, split.num_splits,
+                          (tile.m_block, tile.bidb, tile.bidh, args.tma_mQ.shape[2]), t, m_blocks, SPLIT_BARRIER)
+        cO = cute.make_identity_tensor((t.block_m, t.head_dim))
+        tOcO_mn = lmma.acc_mn_view(recipe.mma_pv.get_slice(mma_tidx).partition_C(cO))  # (rows, cols) coordinates
+        rows_q = tile.seq.seqlen_q - tile.m_block * t.block_m
+        kv.store_partial(acc_o_mn, lse, tOcO_mn, tile.m_block, rows_q)
+        kv.merge(split.mO[tile.bidb, None, tile.bidh, None], args.mLSE[tile.bidb, tile.bidh, None], sQ, tile.m_block,
+                 rows_q, mma_tidx)
 
     @cute.jit
     def copy_o_rows(self, sO: cute.Tensor, mO: cute.Tensor, tile: Tile, wg, wg_tidx):

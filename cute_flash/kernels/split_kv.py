@@ -29,7 +29,6 @@ import cutlass.cute as cute
 from cutlass.base_dsl.ast_helpers import DSLOptimizationWarning
 
 from cute_flash.kernels.constants import LN2, LOG2E
-from layouts.traits import FwdTraits
 
 VEC = 4  # fp32 columns per thread: one 128-bit load
 UNROLL = 8  # splits whose loads are issued together
@@ -54,23 +53,26 @@ SPLIT_COST = 0.5      # a split's partial O and its share of the merge, in key b
 
 
 @functools.lru_cache(maxsize=4096)
-def num_splits_heuristic(work_ctas: int, num_sms: int, num_n_blocks: int, max_splits: int = 128) -> int:
+def num_splits_heuristic(work_ctas: int, num_sms: int, num_n_blocks: int, max_splits: int = 128,
+                         ctas_per_sm: int = 2) -> int:
     """How many splits of the key range: the count whose busiest SM finishes first.
 
     Decode is bandwidth-bound, and an SM streams keys at about the same rate whether it holds
-    one CTA or two (the most that fit: 255 registers x 128 threads). With s splits the busiest
+    one CTA or two (ctas_per_sm, the most that fit: 2 for the SM80 kernel, 255 registers x 128
+    threads; 1 for the Hopper KV-cache entry, by its shared memory). With s splits the busiest
     SM runs k = ceil(work_ctas * s / num_sms) CTAs of ceil(n / s) key blocks each, about
     k (ceil(n / s) + SPLIT_COST [s > 1]) / (LONE_CTA_RATE if k == 1 else 1) blocks' time.
-    Candidates: no split once work_ctas fill 80% of the 2 x num_sms slots; otherwise the counts
-    whose CTAs all fit in those slots at once (a second wave ran 17% slower at one sequence,
-    128k keys, 48 splits against 32) and that change ceil(n / s) (the others add empty splits).
+    Candidates: no split once work_ctas fill 80% of the ctas_per_sm x num_sms slots; otherwise
+    the counts whose CTAs all fit in those slots at once (a second wave ran 17% slower at one
+    sequence, 128k keys, 48 splits against 32) and that change ceil(n / s) (the others add empty
+    splits).
     The smallest count at the least time wins. The constants are fitted to a sweep of every
     count over the decode bench's 16 cells (H200, CUDA graphs, docs/perf.md, Decode): there
     flash-attn's rule (the smallest count within 85% of the best wave efficiency, which this
     replaced) chose 28-32 splits for one sequence of 8 kv heads, and at 8k-32k keys ran 5-7%
     slower than this rule's 16 or 32.
     """
-    slots = 2 * num_sms
+    slots = ctas_per_sm * num_sms
     if work_ctas >= 0.8 * slots:
         return 1
 
@@ -98,20 +100,29 @@ class SplitKV:
     num_splits: object
     block_m: int
     head_dim: int              # kHeadDim
-    num_threads: int
+    num_threads: int           # the threads that store, merge and synchronise (the CTA's, or its consumers')
+    barrier_id: int            # 0: the whole CTA's barrier; else a named barrier over num_threads
 
     @staticmethod
     def make(mOaccum: cute.Tensor, mLSEaccum: cute.Tensor, mCounters: cute.Tensor, split_idx, num_splits,
-             tile: tuple, traits: FwdTraits):
-        """tile: (m_block, batch, head, heads) of this CTA. mOaccum (num_splits, batch, heads,
-        seqlen_q, kHeadDim), mLSEaccum (num_splits, batch, heads, seqlen_q), mCounters
-        (m_blocks * batch * heads,)."""
+             tile: tuple, traits, num_m_blocks, barrier_id: int = 0):
+        """tile: (m_block, batch, head, heads) of this CTA; num_m_blocks: query blocks per (batch,
+        head). mOaccum (num_splits, batch, heads, seqlen_q, kHeadDim), mLSEaccum (num_splits,
+        batch, heads, seqlen_q), mCounters (m_blocks * batch * heads,). traits: FwdTraits, or the
+        Hopper kernel's (its num_threads: the consumers, which then synchronise on named barrier
+        barrier_id while the producer warps stay out)."""
         m_block, bidb, bidh, nheads = tile
-        num_m_blocks, _, _ = cute.arch.grid_dim()
         return SplitKV(mOaccum[split_idx, bidb, bidh, None, None], mLSEaccum[split_idx, bidb, bidh, None],
                        mOaccum[None, bidb, bidh, None, None], mLSEaccum[None, bidb, bidh, None],
                        mCounters.iterator + (bidb * nheads + bidh) * num_m_blocks + m_block, num_splits,
-                       traits.block_m, traits.head_dim, traits.num_threads)
+                       traits.block_m, traits.head_dim, traits.num_threads, barrier_id)
+
+    @cute.jit
+    def sync(self):
+        if cutlass.const_expr(self.barrier_id == 0):
+            cute.arch.barrier()
+        else:
+            cute.arch.barrier(barrier_id=self.barrier_id, number_of_threads=self.num_threads)
 
     @cute.jit
     def store_partial(self, acc_o_mn: cute.Tensor, lse: cute.Tensor, tOcO_mn: cute.Tensor, m_block, rows_q):
@@ -127,19 +138,19 @@ class SplitKV:
                     self.mLSEpart[row0 + row] = lse[r]
 
     @cute.jit
-    def merge(self, mO_s: cute.Tensor, mLSE_s: cute.Tensor, sQ: cute.Tensor, m_block, rows_q):
+    def merge(self, mO_s: cute.Tensor, mLSE_s: cute.Tensor, sQ: cute.Tensor, m_block, rows_q, tidx):
         """The split CTA of this tile that arrives last merges every split's partials into O and
         LSE; the others just leave. Each thread publishes its partials with a device-scope fence
         before one thread counts the CTA's arrival, and the merging CTA fences again before
-        reading them. The last arrival also re-arms the counter for the next launch."""
-        tidx, _, _ = cute.arch.thread_idx()
+        reading them. The last arrival also re-arms the counter for the next launch. tidx: the
+        thread's index among num_threads."""
         bm = self.block_m
         cute.arch.fence_acq_rel_gpu()
-        cute.arch.barrier()  # also: every warp is done with sQ, which now holds the arrival rank
+        self.sync()  # also: every warp is done with sQ, which now holds the arrival rank
         sRank = cute.make_tensor(cute.recast_ptr(sQ.iterator, dtype=cutlass.Int32), cute.make_layout(1))
         if tidx == 0:
             sRank[0] = cute.arch.atomic_add(self.counter, cutlass.Int32(1), sem="acq_rel", scope="gpu")
-        cute.arch.barrier()
+        self.sync()
         if sRank[0] == self.num_splits - 1:
             if tidx == 0:
                 cute.make_tensor(self.counter, cute.make_layout(1))[0] = cutlass.Int32(0)
@@ -147,14 +158,13 @@ class SplitKV:
             row0 = m_block * bm
             self.combine_tile(cute.domain_offset((0, row0, 0), self.mOaccum_bh),
                               cute.domain_offset((0, row0), self.mLSEaccum_bh), cute.domain_offset((row0, 0), mO_s),
-                              cute.domain_offset((row0,), mLSE_s), cutlass.min(rows_q, bm))
+                              cute.domain_offset((row0,), mLSE_s), cutlass.min(rows_q, bm), tidx)
 
     @cute.jit
     def combine_tile(self, mOaccum: cute.Tensor, mLSEaccum: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
-                     rows):
+                     rows, tidx):
         """Merge `rows` rows. mOaccum (num_splits, rows, kHeadDim) and mLSEaccum (num_splits,
         rows) fp32 partials; mO (rows, d <= kHeadDim) and mLSE (rows,) fp32, any strides."""
-        tidx, _, _ = cute.arch.thread_idx()
         tpr = self.head_dim // VEC  # threads per row
         num_splits = mLSEaccum.shape[0]
         chunk = tidx % tpr

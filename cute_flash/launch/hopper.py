@@ -3,10 +3,10 @@
 The default on sm_90 GPUs for dense forwards (`dense.takes_hopper_path`) and for packed batches
 over contiguous keys (`flash_fwd_varlen_sm90`): the full GPU suite passes with it, and it leads
 the SM80 kernel on the forward grid and the packed batch of the varlen bench (docs/perf.md).
-`CUTE_FLASH_ARCH_PATH=sm80` selects the SM80 kernel instead. KV-cache calls that do not split
-take its KV-cache entry (`HopperCacheLaunch`) only with `CUTE_FLASH_ARCH_PATH=sm90`, not yet the
-default (`dense.takes_hopper_kvcache`). The other entries (paged, split-KV) take the SM80 kernel
-on every GPU; docs/perf.md lists these fall backs and why.
+`CUTE_FLASH_ARCH_PATH=sm80` selects the SM80 kernel instead. KV-cache calls over unpaged caches
+take its KV-cache entry (`HopperCacheLaunch`, split-KV included) only with
+`CUTE_FLASH_ARCH_PATH=sm90`, not yet the default (`dense.takes_hopper_kvcache`). Paged calls take
+the SM80 kernel on every GPU; docs/perf.md lists these fall backs and why.
 """
 from __future__ import annotations
 
@@ -113,7 +113,8 @@ def flash_fwd_varlen_sm90(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
 @dataclass(frozen=True)
 class HopperCacheLaunch:
     """The Hopper kernel's KV-cache entry behind the SM80 KV-cache kernel's launch arguments
-    (`kvcache.KVCachePlan.launch`), so a plan calls either the same way. group > 1 folds the
+    (`kvcache.KVCachePlan.launch`), so a plan calls either the same way, split or not (the
+    split workspace is laid out by the same `split_kv.workspace_shapes`). group > 1 folds the
     GQA group into rows as flash-attn 2 does for decode: q and out (b, 1, h, d) go in as (b,
     group, h / group, d) views, the LSE (b, h, 1) as (b, h / group, group); no copy."""
     kernel: object  # the compiled `call_kvcache`
@@ -126,5 +127,5 @@ class HopperCacheLaunch:
             q = q[:, 0].unflatten(1, (h // self.group, self.group)).transpose(1, 2)
             out = out[:, 0].unflatten(1, (h // self.group, self.group)).transpose(1, 2)
             lse = lse.view(b, h // self.group, self.group)
-        self.kernel(q, k_cache, v_cache, out, lse, alibi, seqlens, k_extra, scale_log2, score_premul, alibi_div,
-                    left, right)
+        self.kernel(q, k_cache, v_cache, out, lse, alibi, seqlens, k_extra, o_acc, lse_acc, counters, num_splits,
+                    scale_log2, score_premul, alibi_div, left, right)

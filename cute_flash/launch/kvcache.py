@@ -44,7 +44,7 @@ class KVCachePlan:
 
     @property
     def traits(self):
-        """FwdTraits, or HopperTileTraits for the Hopper entry (which never splits)."""
+        """FwdTraits, or HopperTileTraits for the Hopper entry."""
         return self.config.traits
 
 
@@ -136,30 +136,33 @@ def _kvcache_call(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, 
     # GQA decode: the group of query heads sharing a kv head becomes M (FwdConfig's pack_gqa).
     pack_gqa = sq == 1 and h > hk and left < 0 and right < 0 and alibi_slopes is None
     rows, heads = (h // hk, hk) if pack_gqa else (sq, h)
-    traits = choose_decode_traits(d, compiled.DTYPE_NAMES[q.dtype], tile_arch(compiled.device_arch(index)))
+    # The Hopper kernel's KV-cache entry: unpaged caches without batch indices or left pads
+    hopper = not paged and cache_leftpad is None and cache_batch_idx is None and takes_hopper_kvcache(index)
+    if hopper:
+        traits = choose_hopper_cache_traits(d, compiled.DTYPE_NAMES[q.dtype])
+    else:
+        traits = choose_decode_traits(d, compiled.DTYPE_NAMES[q.dtype], tile_arch(compiled.device_arch(index)))
     n_blocks = -(-capacity // traits.block_n)
     m_blocks = -(-rows // traits.block_m)
-    if num_splits == 0:
-        num_splits = num_splits_heuristic(b * heads * m_blocks, compiled.num_sms(index), n_blocks)
+    if num_splits == 0:  # the Hopper entry's CTA takes 144-160 KB of shared memory: one per SM
+        num_splits = num_splits_heuristic(b * heads * m_blocks, compiled.num_sms(index), n_blocks,
+                                          ctas_per_sm=1 if hopper else 2)
     num_splits = max(1, min(num_splits, n_blocks, 128))
+    flags = score_flags(left, right, alibi_slopes, softcap)
+    if hopper:
+        config = Sm90FwdConfig(traits, kvcache=True, split=num_splits > 1, **flags)
+        launch = HopperCacheLaunch(compiled.sm90_kernel_for(config), rows if pack_gqa else 1)
+    else:
+        config = FwdConfig(traits, **flags, even_k=d == traits.head_dim, paged=paged,
+                           any_page_size=paged and k_cache.shape[1] % PAGE_ROWS != 0, kvcache=True,
+                           split=num_splits > 1, has_leftpad=cache_leftpad is not None,
+                           has_batch_idx=cache_batch_idx is not None, pack_gqa=pack_gqa)
+        launch = compiled.kernel_for(config, index)
+    plan = KVCachePlan(config, num_splits, launch, b, h, sq, rows, heads, m_blocks)
     append = k is not None and (k.shape[1] > 0 or rotary_cos is not None)  # an empty grid cannot launch
     k_extra = 0 if k is None else k.shape[1]
-    call_scalars = (k_extra, num_splits, *scales(softmax_scale, softcap), left, right)
-    if (num_splits == 1 and not paged and cache_leftpad is None and cache_batch_idx is None
-            and takes_hopper_kvcache(index)):
-        config = Sm90FwdConfig(choose_hopper_cache_traits(d, compiled.DTYPE_NAMES[q.dtype]), kvcache=True,
-                               **score_flags(left, right, alibi_slopes, softcap))
-        launch = HopperCacheLaunch(compiled.sm90_kernel_for(config), rows if pack_gqa else 1)
-        plan = KVCachePlan(config, 1, launch, b, h, sq, rows, heads, -(-rows // config.traits.block_m))
-        return KVCacheCall(plan, device, index, not is_aligned(q), seqlens, append,
-                           causal or left >= 0 or right >= 0, call_scalars)
-    config = FwdConfig(traits, **score_flags(left, right, alibi_slopes, softcap), even_k=d == traits.head_dim,
-                       paged=paged, any_page_size=paged and k_cache.shape[1] % PAGE_ROWS != 0, kvcache=True,
-                       split=num_splits > 1, has_leftpad=cache_leftpad is not None,
-                       has_batch_idx=cache_batch_idx is not None, pack_gqa=pack_gqa)
-    plan = KVCachePlan(config, num_splits, compiled.kernel_for(config, index), b, h, sq, rows, heads, m_blocks)
     return KVCacheCall(plan, device, index, not is_aligned(q), seqlens, append, causal or left >= 0 or right >= 0,
-                       call_scalars)
+                       (k_extra, num_splits, *scales(softmax_scale, softcap), left, right))
 
 
 def _append(q, k, v, k_cache, v_cache, seqlens, cache_batch_idx, block_table, rotary_cos, rotary_sin,
