@@ -262,3 +262,12 @@ def test_unused_cache_rows_hold_nan(d, path, num_splits, monkeypatch):
 def test_hopper_long_cache_decode(num_splits, hopper_cache_entry):
     """test_long_cache_decode's 32k-token decode on the Hopper KV-cache entry."""
     run_case(2, 1, 32, 8, 128, torch.bfloat16, 32768, [32767, 5000], 1, num_splits, rotary=(128, False))
+
+
+@pytest.mark.parametrize("num_splits", [1, 0])
+@pytest.mark.parametrize("d, page_size", [(128, 128), (128, 256), (256, 128), (64, 512)])
+def test_hopper_paged_cache(d, page_size, num_splits, hopper_cache_entry):
+    """Paged caches on the Hopper KV-cache entry: shuffled pages of a multiple of its key block
+    (128 keys up to d 128, 64 above: two blocks a page at d 256), ragged lengths, an empty
+    cache, a decode step with rotary."""
+    run_case(3, 1, 8, 2, d, torch.bfloat16, 1024, [0, 77, 1022], 1, num_splits, page_size, rotary=(64, True))

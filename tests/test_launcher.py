@@ -473,11 +473,12 @@ def test_packed_backward_with_a_zero_maximum_launches_nothing(recorder, max_q, m
 
 
 def test_kvcache_on_sm90_takes_the_hopper_entry_when_asked(recorder, monkeypatch):
-    """With CUTE_FLASH_ARCH_PATH=sm90 a KV-cache call over an unpaged cache launches the Hopper
-    kernel's KV-cache entry (64-row tiles) after the append: the GQA group folded into rows
-    through views of the caller's q, out and LSE (no copy), cache_seqlens and the appended row
-    count as the key lengths; split, the partials and counters laid out as the SM80 kernel's.
-    A paged cache, cache_batch_idx, or the variable unset take the SM80 kernel."""
+    """With CUTE_FLASH_ARCH_PATH=sm90 a KV-cache call launches the Hopper kernel's KV-cache
+    entry (64-row tiles) after the append: the GQA group folded into rows through views of the
+    caller's q, out and LSE (no copy), cache_seqlens and the appended row count as the key
+    lengths; split, the partials and counters laid out as the SM80 kernel's; paged, in pages of
+    a multiple of its 128-key blocks, with the block table. Pages of 16 rows, cache_batch_idx,
+    or the variable unset take the SM80 kernel."""
     from cute_flash.kernels.config import FwdConfig
     from cute_flash.kernels.fwd_sm90 import Sm90FwdConfig
     from cute_flash.launch import flash_fwd_kvcache
@@ -509,6 +510,14 @@ def test_kvcache_on_sm90_takes_the_hopper_entry_when_asked(recorder, monkeypatch
     assert split["mCounters"].shape == (4,) and not split["mCounters"].any()
     assert split["mO"].data_ptr() == out.data_ptr() and split["mLSE"].data_ptr() == lse.data_ptr()
 
+    big_table = torch.arange(2 * 4, dtype=torch.int32).view(2, 4)
+    big_pages = torch.randn(8, 256, 2, 64, dtype=torch.bfloat16)
+    flash_fwd_kvcache(q, big_pages, big_pages, cache_seqlens=seqlens, softmax_scale=0.125, num_splits=1,
+                      block_table=big_table)
+    paged = recorder.launches[-1]
+    assert isinstance(paged.config, Sm90FwdConfig) and paged.config.paged and paged["mBlockTable"] is big_table
+    assert paged["mK"] is big_pages
+
     table = torch.arange(2 * 63, dtype=torch.int32).view(2, 63)
     pages = torch.randn(126, 16, 2, 64, dtype=torch.bfloat16)
     flash_fwd_kvcache(q, pages, pages, cache_seqlens=seqlens, softmax_scale=0.125, num_splits=1, block_table=table)
@@ -516,7 +525,7 @@ def test_kvcache_on_sm90_takes_the_hopper_entry_when_asked(recorder, monkeypatch
                       cache_batch_idx=torch.tensor([1, 0], dtype=torch.int32))
     monkeypatch.delenv("CUTE_FLASH_ARCH_PATH")
     flash_fwd_kvcache(q, cache, cache, cache_seqlens=seqlens, softmax_scale=0.125, num_splits=1)
-    assert [type(x.config) for x in recorder.launches[3:]] == [FwdConfig] * 3
+    assert [type(x.config) for x in recorder.launches[4:]] == [FwdConfig] * 3
 
 
 def test_hopper_entry_splits_for_one_cta_per_sm(recorder, monkeypatch):

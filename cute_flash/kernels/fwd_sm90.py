@@ -52,7 +52,7 @@ from cute_flash.kernels.config import score_letters
 from cute_flash.kernels.gemm import wgmma, wgmma_issue
 from cute_flash.kernels.philox import Dropout, wgmma_groups
 from cute_flash.kernels.score_mods import Mask, ScoreMods
-from cute_flash.kernels.seq_info import SeqInfo
+from cute_flash.kernels.seq_info import SeqInfo, clamp
 from cute_flash.kernels.softmax import OnlineSoftmax
 from cute_flash.kernels.split_kv import SplitKV
 from layouts import hopper
@@ -85,6 +85,7 @@ class Sm90FwdConfig:
     has_seqused_k: bool = False  # packed batches whose key lengths come from seqused_k
     kvcache: bool = False      # KV caches (call_kvcache): key lengths from cache_seqlens; one CTA per tile
     split: bool = False        # KV caches: split-KV, fp32 partials merged by each tile's last split CTA
+    paged: bool = False        # KV caches in pages of a multiple of block_n rows, through a block table
 
     def __post_init__(self):
         if (self.varlen or self.kvcache) and self.persistent:
@@ -95,8 +96,8 @@ class Sm90FwdConfig:
             raise ValueError("seqused_k belongs to packed batches (varlen)")
         if self.kvcache and self.has_dropout:
             raise ValueError("KV-cache calls have no dropout")
-        if self.split and not self.kvcache:
-            raise ValueError("split-KV belongs to KV caches (kvcache)")
+        if (self.split or self.paged) and not self.kvcache:
+            raise ValueError("split-KV and paging belong to KV caches (kvcache)")
 
     @property
     def clears_v_tail(self) -> bool:
@@ -133,7 +134,7 @@ class Sm90FwdConfig:
     @property
     def name(self) -> str:
         schedule = "p" if self.persistent else "v" if self.varlen else "c" if self.kvcache else ""
-        schedule += "x" if self.split else ""
+        schedule += ("x" if self.split else "") + ("g" if self.paged else "")
         return f"{self.traits.name}_s{self.stages}{schedule}-{score_letters(self)}"
 
 
@@ -187,6 +188,7 @@ class Sm90Cache:
     """A KV cache: the keys of sequence b are the first cache_seqlens[b] + k_extra rows of its
     cache row (k_extra: rows the call appended after them)."""
     mSeqlensK: cute.Tensor  # (batch,) int32 cache_seqlens
+    mBlockTable: object     # (batch, max_blocks) int32 page indices, or None (one cache row a sequence)
     k_extra: object         # Int32
     split: object           # Sm90Split, or None unsplit
 
@@ -294,13 +296,15 @@ class FlashFwdSm90:
 
     @cute.jit
     def call_kvcache(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
-                     mAlibi, mSeqlensK: cute.Tensor, k_extra: cutlass.Int32, mOaccum, mLSEaccum, mCounters,
-                     num_splits: cutlass.Int32, scale_log2: cutlass.Float32, score_premul: cutlass.Float32,
+                     mAlibi, mSeqlensK: cute.Tensor, mBlockTable, k_extra: cutlass.Int32, mOaccum, mLSEaccum,
+                     mCounters, num_splits: cutlass.Int32, scale_log2: cutlass.Float32, score_premul: cutlass.Float32,
                      alibi_div: cutlass.Float32, window_left: cutlass.Int32, window_right: cutlass.Int32, stream):
         """KV caches, decode and chunked prefill: mQ / mO (batch, seqlen_q, heads, d) (with the
         GQA fold, (batch, group, heads_k, d) views of the caller's tensors), mK / mV (batch,
-        capacity, heads_k, d) caches, mLSE (batch, heads, seqlen_q) fp32, mSeqlensK (batch,)
-        int32 cache_seqlens, k_extra the rows appended after them; one CTA per tile. Split
+        capacity, heads_k, d) caches, or pages (num_pages, page_size, heads_k, d) with mBlockTable
+        (batch, max_blocks) int32 (`Sm90FwdConfig.paged`; page_size a multiple of block_n), mLSE
+        (batch, heads, seqlen_q) fp32, mSeqlensK (batch,) int32 cache_seqlens, k_extra the rows
+        appended after them; one CTA per tile. Split
         (`Sm90FwdConfig.split`): num_splits CTAs per tile, each writing its partials to mOaccum
         (num_splits, batch, heads, seqlen_q, d) / mLSEaccum (num_splits, batch, heads, seqlen_q)
         fp32 and counting itself on mCounters (m_blocks * batch * heads,) int32, zero at launch
@@ -309,8 +313,8 @@ class FlashFwdSm90:
         split = None
         if cutlass.const_expr(self.config.split):
             split = Sm90Split(mOaccum, mLSEaccum, mCounters, num_splits, mO)
-        self.launch(mQ, mK, mV, mO, mLSE, mAlibi, None, None, None, Sm90Cache(mSeqlensK, k_extra, split), scalars,
-                    0, stream)
+        self.launch(mQ, mK, mV, mO, mLSE, mAlibi, None, None, None, Sm90Cache(mSeqlensK, mBlockTable, k_extra, split),
+                    scalars, 0, stream)
 
     @cute.jit
     def call_varlen(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
@@ -443,7 +447,10 @@ class FlashFwdSm90:
         sequence's end; a split's share of them)."""
         cfg, t = self.config, self.t
         if cutlass.const_expr(args.cache is not None):
-            seq = SeqInfo.make(bidb, args.tma_mQ.shape[0], args.tma_mK.shape[0], mSeqUsedK=args.cache.mSeqlensK,
+            rows_k = args.tma_mK.shape[0]  # a cache row's capacity, or what the block table addresses
+            if cutlass.const_expr(cfg.paged):
+                rows_k = args.cache.mBlockTable.shape[1] * args.tma_mK.shape[0]
+            seq = SeqInfo.make(bidb, args.tma_mQ.shape[0], rows_k, mSeqUsedK=args.cache.mSeqlensK,
                                k_extra=args.cache.k_extra)
         elif cutlass.const_expr(args.varlen is None):
             seq = SeqInfo.make(bidb, args.tma_mQ.shape[0], args.tma_mK.shape[0])
@@ -533,14 +540,18 @@ class FlashFwdSm90:
     def produce_tile(self, args: Sm90Tensors, recipe: Sm90Recipe, pipes: Pipes, sQ, sK, sV, tile: Tile, tile_idx,
                      heads, q_loads, kv_uses):
         """A tile with no key block (a causal row past every key, a window beyond the keys)
-        still loads Q: its announcement travels with it."""
+        still loads Q: its announcement travels with it. Paged caches: each key block's source
+        lies in its page (`page_source`)."""
         bm, bn, d, stages = self.t.block_m, self.t.block_n, self.t.head_dim, self.config.stages
         bidh_kv = tile.bidh // (heads // args.tma_mK.shape[2])
+        kv_bidb = tile.bidb
+        if cutlass.const_expr(self.config.paged):
+            kv_bidb = 0  # page 0 stands in: only the stages' side of its partition is used
         gQ = cute.local_tile(self.rows(args.tma_mQ, tile.seq.sum_s_q, tile.bidh, tile.bidb), (bm, d),
                              (tile.m_block, 0))  # (bm, d)
-        gK = cute.local_tile(self.rows(args.tma_mK, tile.seq.sum_s_k, bidh_kv, tile.bidb), (bn, d),
+        gK = cute.local_tile(self.rows(args.tma_mK, tile.seq.sum_s_k, bidh_kv, kv_bidb), (bn, d),
                              (None, 0))  # (bn, d, n_blocks)
-        gV = cute.local_tile(self.rows(args.tma_mV, tile.seq.sum_s_k, bidh_kv, tile.bidb), (bn, d),
+        gV = cute.local_tile(self.rows(args.tma_mV, tile.seq.sum_s_k, bidh_kv, kv_bidb), (bn, d),
                              (None, 0))  # (bn, d, n_blocks)
         one = cute.make_layout(1)
         tQsQ, tQgQ = cpasync.tma_partition(recipe.tma_q, 0, one, cute.group_modes(sQ, 0, 2),
@@ -554,14 +565,33 @@ class FlashFwdSm90:
         for i in cutlass.range(tile.count, unroll=1):
             n_block = tile.n_block_max - 1 - i
             write = use_state(kv_uses + i, stages, producer=True)
+            if cutlass.const_expr(self.config.paged):
+                k_src = self.page_source(args, recipe.tma_k, args.tma_mK, sK, bidh_kv, tile.bidb, n_block)  # (TMA,)
+                v_src = self.page_source(args, recipe.tma_v, args.tma_mV, sV, bidh_kv, tile.bidb, n_block)  # (TMA,)
+            else:
+                k_src, v_src = tKgK[None, n_block], tVgV[None, n_block]  # (TMA,)
             pipes.k.producer_acquire(write)
-            cute.copy(recipe.tma_k, tKgK[None, n_block], tKsK[None, write.index],
-                      tma_bar_ptr=pipes.k.producer_get_barrier(write))
+            cute.copy(recipe.tma_k, k_src, tKsK[None, write.index], tma_bar_ptr=pipes.k.producer_get_barrier(write))
             if i == 0:
                 self.load_q(recipe, pipes, tQgQ, tQsQ, tile, tile_idx, q_loads)
             pipes.v.producer_acquire(write)
-            cute.copy(recipe.tma_v, tVgV[None, n_block], tVsV[None, write.index],
-                      tma_bar_ptr=pipes.v.producer_get_barrier(write))
+            cute.copy(recipe.tma_v, v_src, tVsV[None, write.index], tma_bar_ptr=pipes.v.producer_get_barrier(write))
+
+    @cute.jit
+    def page_source(self, args: Sm90Tensors, tma_atom, tma_mX: cute.Tensor, sX: cute.Tensor, bidh_kv, bidb,
+                    n_block):
+        """Paged caches: key block n_block's TMA source, (TMA,), inside its page: table entry
+        n_block * bn // page_size of sequence bidb, clamped into the pages (a bad id reads some
+        page, never outside them). page_size is a multiple of bn (the host checks), so no block
+        crosses a page."""
+        bn, d = self.t.block_n, self.t.head_dim
+        page_size = tma_mX.shape[0]
+        row = n_block * bn
+        page = clamp(args.cache.mBlockTable[bidb, row // page_size], 0, tma_mX.shape[3] - 1)
+        gX = cute.local_tile(tma_mX[None, None, bidh_kv, page], (bn, d), (None, 0))  # (bn, d, page_size / bn)
+        _, tXgX = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2),
+                                        cute.group_modes(gX, 0, 2))  # (TMA, page_size / bn)
+        return tXgX[None, (row - (row // page_size) * page_size) // bn]
 
     @staticmethod
     def rows(tma_mX: cute.Tensor, start, bidh, bidb) -> cute.Tensor:

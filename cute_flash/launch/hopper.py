@@ -1,12 +1,13 @@
 """The Hopper forward (kernels/fwd_sm90.py) on validated CUDA tensors, and when to take it.
 
 The default on sm_90 GPUs for dense forwards (`dense.takes_hopper_path`) and for packed batches
-over contiguous keys (`flash_fwd_varlen_sm90`): the full GPU suite passes with it, and it leads
-the SM80 kernel on the forward grid and the packed batch of the varlen bench (docs/perf.md).
-`CUTE_FLASH_ARCH_PATH=sm80` selects the SM80 kernel instead. KV-cache calls over unpaged caches
-take its KV-cache entry (`HopperCacheLaunch`, split-KV included) only with
-`CUTE_FLASH_ARCH_PATH=sm90`, not yet the default (`dense.takes_hopper_kvcache`). Paged calls take
-the SM80 kernel on every GPU; docs/perf.md lists these fall backs and why.
+over contiguous keys (`flash_fwd_varlen_sm90`): the GPU suite passes with it (its last run with
+packed batches on it: 431 passed, 0 failed, docs/perf.md), and it leads the SM80 kernel on the
+forward grid and the packed batch of the varlen bench.
+`CUTE_FLASH_ARCH_PATH=sm80` selects the SM80 kernel instead. KV-cache calls take its KV-cache
+entry (`HopperCacheLaunch`; split-KV, and pages of a multiple of its key block) only with
+`CUTE_FLASH_ARCH_PATH=sm90`, not yet the default (`dense.takes_hopper_kvcache`). Paged varlen
+calls take the SM80 kernel on every GPU; docs/perf.md lists these fall backs and why.
 """
 from __future__ import annotations
 
@@ -127,5 +128,5 @@ class HopperCacheLaunch:
             q = q[:, 0].unflatten(1, (h // self.group, self.group)).transpose(1, 2)
             out = out[:, 0].unflatten(1, (h // self.group, self.group)).transpose(1, 2)
             lse = lse.view(b, h // self.group, self.group)
-        self.kernel(q, k_cache, v_cache, out, lse, alibi, seqlens, k_extra, o_acc, lse_acc, counters, num_splits,
-                    scale_log2, score_premul, alibi_div, left, right)
+        self.kernel(q, k_cache, v_cache, out, lse, alibi, seqlens, block_table, k_extra, o_acc, lse_acc, counters,
+                    num_splits, scale_log2, score_premul, alibi_div, left, right)

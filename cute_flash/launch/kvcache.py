@@ -136,11 +136,13 @@ def _kvcache_call(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, 
     # GQA decode: the group of query heads sharing a kv head becomes M (FwdConfig's pack_gqa).
     pack_gqa = sq == 1 and h > hk and left < 0 and right < 0 and alibi_slopes is None
     rows, heads = (h // hk, hk) if pack_gqa else (sq, h)
-    # The Hopper kernel's KV-cache entry: unpaged caches without batch indices or left pads
-    hopper = not paged and cache_leftpad is None and cache_batch_idx is None and takes_hopper_kvcache(index)
+    # The Hopper kernel's KV-cache entry: caches without batch indices or left pads, in pages of
+    # a multiple of its key block if paged (a TMA box per block, inside one page)
+    hopper = cache_leftpad is None and cache_batch_idx is None and takes_hopper_kvcache(index)
     if hopper:
         traits = choose_hopper_cache_traits(d, compiled.DTYPE_NAMES[q.dtype])
-    else:
+        hopper = not (paged and k_cache.shape[1] % traits.block_n)
+    if not hopper:
         traits = choose_decode_traits(d, compiled.DTYPE_NAMES[q.dtype], tile_arch(compiled.device_arch(index)))
     n_blocks = -(-capacity // traits.block_n)
     m_blocks = -(-rows // traits.block_m)
@@ -150,7 +152,7 @@ def _kvcache_call(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, 
     num_splits = max(1, min(num_splits, n_blocks, 128))
     flags = score_flags(left, right, alibi_slopes, softcap)
     if hopper:
-        config = Sm90FwdConfig(traits, kvcache=True, split=num_splits > 1, **flags)
+        config = Sm90FwdConfig(traits, kvcache=True, split=num_splits > 1, paged=paged, **flags)
         launch = HopperCacheLaunch(compiled.sm90_kernel_for(config), rows if pack_gqa else 1)
     else:
         config = FwdConfig(traits, **flags, even_k=d == traits.head_dim, paged=paged,
