@@ -36,6 +36,11 @@ stored and K's extra columns are masked, but P = 0 times a NaN in the next seque
 so the consumers zero the V rows past seqlen_k of the last key block (`clear_v_tail`) before its
 P V; O leaves through a row-predicated copy out of shared memory, since a TMA box past the
 sequence's end would overwrite the next sequence's rows.
+
+KV caches (`call_kvcache`, one CTA per tile, 64-row tiles): key lengths from cache_seqlens and
+the appended rows, V rows past them zeroed as for packed batches (a cache's unused rows may hold
+NaN); pages of a multiple of block_n rows through a block table, a TMA box per key block inside
+its page (`page_source`); split-KV with the SM80 kernel's partials and merge (`store_split`).
 """
 from __future__ import annotations
 
@@ -186,7 +191,8 @@ class Sm90Split:
 @dataclass(frozen=True)
 class Sm90Cache:
     """A KV cache: the keys of sequence b are the first cache_seqlens[b] + k_extra rows of its
-    cache row (k_extra: rows the call appended after them)."""
+    cache row, or of its pages in block-table order (k_extra: rows the call appended after
+    them)."""
     mSeqlensK: cute.Tensor  # (batch,) int32 cache_seqlens
     mBlockTable: object     # (batch, max_blocks) int32 page indices, or None (one cache row a sequence)
     k_extra: object         # Int32
@@ -304,11 +310,11 @@ class FlashFwdSm90:
         capacity, heads_k, d) caches, or pages (num_pages, page_size, heads_k, d) with mBlockTable
         (batch, max_blocks) int32 (`Sm90FwdConfig.paged`; page_size a multiple of block_n), mLSE
         (batch, heads, seqlen_q) fp32, mSeqlensK (batch,) int32 cache_seqlens, k_extra the rows
-        appended after them; one CTA per tile. Split
-        (`Sm90FwdConfig.split`): num_splits CTAs per tile, each writing its partials to mOaccum
-        (num_splits, batch, heads, seqlen_q, d) / mLSEaccum (num_splits, batch, heads, seqlen_q)
-        fp32 and counting itself on mCounters (m_blocks * batch * heads,) int32, zero at launch
-        and left zero; the last to arrive merges (the three are None unsplit)."""
+        appended after them; one CTA per tile. Split (`Sm90FwdConfig.split`): num_splits CTAs
+        per tile, each writing its partials to mOaccum (num_splits, batch, heads, seqlen_q, d) /
+        mLSEaccum (num_splits, batch, heads, seqlen_q) fp32 and counting itself on mCounters
+        (m_blocks * batch * heads,) int32, zero at launch and left zero; the last to arrive
+        merges (the three are None unsplit)."""
         scalars = Sm90Scalars(scale_log2, score_premul, alibi_div, window_left, window_right, 1)
         split = None
         if cutlass.const_expr(self.config.split):
