@@ -14,6 +14,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from cute_flash.bench import arch_path
 from cute_flash.reference import attention_kvcache_ref
 from tests.gpu_utils import assert_matches_reference, gpu_settings, poison_allocator
 
@@ -204,14 +205,12 @@ def test_unaligned_cache_is_updated_in_place(layout, d, paged):
 
 
 @pytest.fixture
-def hopper_cache_entry(monkeypatch):
-    """KV-cache calls over unpaged caches take the Hopper kernel's KV-cache entry on sm_90 (the
-    SM80 kernel elsewhere); the per-signature call cache starts empty, so no earlier call's
-    dispatch is reused."""
-    from cute_flash.launch import kvcache
-
-    monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", "sm90")
-    monkeypatch.setattr(kvcache, "_calls", {})
+def hopper_cache_entry():
+    """KV-cache calls take the Hopper kernel's KV-cache entry on sm_90 (the SM80 kernel
+    elsewhere): `arch_path` sets the variable and empties the per-signature dispatch cache, so
+    no earlier call's dispatch is reused."""
+    with arch_path("sm90"):
+        yield
 
 
 @pytest.mark.parametrize("case", [
@@ -235,15 +234,12 @@ def test_hopper_cache_entry(case, num_splits, hopper_cache_entry):
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("path", ["sm80", "sm90"])
 @pytest.mark.parametrize("d", [64, 128])
-def test_unused_cache_rows_hold_nan(d, path, num_splits, monkeypatch):
+def test_unused_cache_rows_hold_nan(d, path, num_splits):
     """A cache's rows past cache_seqlens hold NaN (an uninitialised cache may): no output may
     see them. The last key block read reaches into them (100 and 300 keys, 128-key blocks);
     the Hopper entry zeroes those V rows in shared memory, the SM80 kernel never loads them."""
     from cute_flash import flash_attn_with_kvcache
-    from cute_flash.launch import kvcache
 
-    monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", path)
-    monkeypatch.setattr(kvcache, "_calls", {})
     seqlens = torch.tensor([100, 300], dtype=torch.int32, device="cuda")
     k_cache, v_cache = (torch.randn(2, 512, 2, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     clean = k_cache.clone(), v_cache.clone()
@@ -252,8 +248,9 @@ def test_unused_cache_rows_hold_nan(d, path, num_splits, monkeypatch):
         clean[0][i, n:], clean[1][i, n:] = 0.0, 0.0
     q = torch.randn(2, 1, 8, d, device="cuda", dtype=torch.bfloat16)
     poison_allocator()
-    out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, num_splits=num_splits,
-                                       return_softmax_lse=True)
+    with arch_path(path):
+        out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, num_splits=num_splits,
+                                           return_softmax_lse=True)
     torch.cuda.synchronize()
     assert_matches_reference(out, lse, q, *clean, ref_fn=_ref_with(None, None), cache_seqlens=seqlens)
 

@@ -57,7 +57,7 @@ from cute_flash.kernels.config import score_letters
 from cute_flash.kernels.gemm import wgmma, wgmma_issue
 from cute_flash.kernels.philox import Dropout, wgmma_groups
 from cute_flash.kernels.score_mods import Mask, ScoreMods
-from cute_flash.kernels.seq_info import SeqInfo, clamp
+from cute_flash.kernels.seq_info import SeqInfo, clamp, head_rows
 from cute_flash.kernels.softmax import OnlineSoftmax
 from cute_flash.kernels.split_kv import SplitKV
 from layouts import hopper
@@ -860,8 +860,9 @@ class FlashFwdSm90:
         tOcO_mn = lmma.acc_mn_view(recipe.mma_pv.get_slice(mma_tidx).partition_C(cO))  # (rows, cols) coordinates
         rows_q = tile.seq.seqlen_q - tile.m_block * t.block_m
         kv.store_partial(acc_o_mn, lse, tOcO_mn, tile.m_block, rows_q)
-        kv.merge(split.mO[tile.bidb, None, tile.bidh, None], args.mLSE[tile.bidb, tile.bidh, None], sQ, tile.m_block,
-                 rows_q, mma_tidx)
+        mO_s = head_rows(split.mO, tile.seq, tile.bidb, tile.bidh)  # (seqlen_q, d)
+        mLSE_s = head_rows(args.mLSE, tile.seq, tile.bidb, tile.bidh)  # (seqlen_q,)
+        kv.merge(mO_s, mLSE_s, sQ, tile.m_block, rows_q, mma_tidx)
 
     @cute.jit
     def copy_o_rows(self, sO: cute.Tensor, mO: cute.Tensor, tile: Tile, wg, wg_tidx):
@@ -872,7 +873,7 @@ class FlashFwdSm90:
         vec = 16 // ELEMENT_BYTES
         row0 = tile.m_block * self.t.block_m + wg * hopper.WGMMA_M  # this warpgroup's first row
         rows = tile.seq.seqlen_q - row0
-        gO = cute.domain_offset((tile.seq.sum_s_q, 0), mO[None, tile.bidh, None])  # (seqlen_q, d) this head
+        gO = head_rows(mO, tile.seq, tile.bidb, tile.bidh)  # (seqlen_q, d) this head
         for i in cutlass.range_constexpr(hopper.o_copy_steps(d)):
             row, chunk = hopper.o_copy_coord(wg_tidx, i, d)
             if row < rows and chunk * vec < mO.shape[2]:
