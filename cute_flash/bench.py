@@ -518,14 +518,21 @@ def copy_bandwidth_gbs(nbytes=4 << 30):
 
 def run_decode(batches=DECODE_BATCHES, caches=DECODE_CACHES):
     """seqlen_q = 1 over full caches: GB/s of K/V read (2 * b * cache * nheads_k * d * 2 bytes per
-    call) for ours (num_splits heuristic), SDPA FLASH and CUDNN on the same contiguous cache (GQA
-    through enable_gqa). Paged caches: `run_paged`."""
+    call) for ours (the default path, num_splits heuristic), on sm_90 GPUs also our SM80 kernel
+    (`CUTE_FLASH_ARCH_PATH=sm80`), SDPA FLASH and CUDNN on the same contiguous cache (GQA
+    through enable_gqa), and flash-attn-4's `flash_attn_func` when importable and it takes the
+    call (its GQA packing; it has no split-KV on sm_90: "SplitKV not supported on SM 9.0").
+    Paged caches: `run_paged`."""
     import torch
     from torch.nn.attention import SDPBackend
 
     from cute_flash import flash_attn_with_kvcache
 
     h, hk, d = DECODE_HEADS
+    try:
+        from flash_attn.cute import flash_attn_func as fa4
+    except ImportError:
+        fa4 = None
     rows = []
     for b in batches:
         for cache in caches:
@@ -534,27 +541,42 @@ def run_decode(batches=DECODE_BATCHES, caches=DECODE_CACHES):
             seqlens = torch.full((b,), cache, dtype=torch.int32, device="cuda")
             nbytes = 2 * b * cache * hk * d * 2
             row = dict(batch=b, cache=cache, nheads=h, nheads_k=hk, d=d, bytes=nbytes)
+
             def ours():
                 return flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens)
 
-            row["ours_gbs"] = nbytes / _time_ms(ours) / 1e6
-            graph_ms = _graph_time_ms(ours)
-            row["ours_graph_gbs"] = nbytes / graph_ms / 1e6 if graph_ms else None
-            if hopper_gpu():  # the Hopper kernel's KV-cache entry (opt-in)
-                with arch_path("sm90"):
-                    row["sm90_gbs"] = nbytes / _time_ms(ours) / 1e6
-                    graph_ms = _graph_time_ms(ours)
-                    row["sm90_graph_gbs"] = nbytes / graph_ms / 1e6 if graph_ms else None
-            for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
-                sdpa = _sdpa(q, kc, vc, backend, False, enable_gqa=True)
-                row[f"{name}_gbs"] = nbytes / _time_ms(sdpa) / 1e6 if sdpa else None
-                graph_ms = _graph_time_ms(sdpa) if sdpa else None
+            def timed(name, fn):
+                row[f"{name}_gbs"] = nbytes / _time_ms(fn) / 1e6 if fn else None
+                graph_ms = _graph_time_ms(fn) if fn else None
                 row[f"{name}_graph_gbs"] = nbytes / graph_ms / 1e6 if graph_ms else None
+
+            timed("ours", ours)
+            if hopper_gpu():  # our SM80 kernel, the path of sm_80/86/89 GPUs
+                with arch_path("sm80"):
+                    timed("sm80", ours)
+            for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+                timed(name, _sdpa(q, kc, vc, backend, False, enable_gqa=True))
+            timed("fa4", _fa4_decode(fa4, q, kc, vc))
             rows.append(row)
             print(row, flush=True)
             del kc, vc
             torch.cuda.empty_cache()
     return rows
+
+
+def _fa4_decode(fa4, q, kc, vc):
+    """flash-attn-4 on a decode call as fn() -> out, or None where it is absent or refuses it."""
+    if fa4 is None:
+        return None
+
+    def run():
+        return fa4(q, kc, vc)[0]
+
+    try:
+        run()
+        return run
+    except (RuntimeError, AssertionError, ValueError):
+        return None
 
 
 def format_varlen(rows) -> str:
@@ -585,35 +607,39 @@ def format_paged(rows) -> str:
 
 
 def format_decode(rows, copy_gbs) -> str:
+    """Eager and CUDA-graph tables; ours over each peer and over the best of CUDNN and FA4 (the
+    issue's bar); our SM80 kernel's table on sm_90 GPUs."""
     def cell(x):
         return f"{x:.0f}" if x else "-"
 
     def ratio(a, b):
         return f"{a / b:.2f}" if a and b else "-"
 
-    out = [f"copy bandwidth (read + write): {copy_gbs:.0f} GB/s", "",
-           "GB/s of K/V read; eager calls (host time included when the GPU waits for it), then the same "
-           "calls replayed from a CUDA graph (GPU time only):", "",
-           "| batch | cache | ours | % of copy | FLASH | CUDNN | ours/FLASH | ours/CUDNN | ours (graph) | % of copy "
-           "| FLASH (graph) | CUDNN (graph) | ours/FLASH (graph) | ours/CUDNN (graph) |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        f, c, o = r.get("flash_gbs"), r.get("cudnn_gbs"), r["ours_gbs"]
-        og, fg, cg = r.get("ours_graph_gbs"), r.get("flash_graph_gbs"), r.get("cudnn_graph_gbs")
-        out.append(f"| {r['batch']} | {r['cache']} | {o:.0f} | {100 * o / copy_gbs:.0f}% | {cell(f)} | {cell(c)} | "
-                   f"{ratio(o, f)} | {ratio(o, c)} | {cell(og)} | {100 * (og or 0) / copy_gbs:.0f}% | {cell(fg)} | "
-                   f"{cell(cg)} | {ratio(og, fg)} | {ratio(og, cg)} |")
-    if any("sm90_gbs" in r for r in rows):
-        out += ["", "With `CUTE_FLASH_ARCH_PATH=sm90` (the Hopper kernel's KV-cache entry, split-KV "
-                "included, with its own split count):", "",
-                "| batch | cache | sm90 | sm90/ours | sm90/CUDNN | sm90 (graph) | sm90/ours (graph) "
-                "| sm90/CUDNN (graph) |",
-                "|---|---|---|---|---|---|---|---|"]
+    out = [f"copy bandwidth (read + write): {copy_gbs:.0f} GB/s", ""]
+    for title, key in (("eager calls (host time included when the GPU waits for it)", "gbs"),
+                       ("the same calls replayed from a CUDA graph (GPU time only)", "graph_gbs")):
+        out += [f"GB/s of K/V read, {title}:", "",
+                "| batch | cache | ours | % of copy | FLASH | CUDNN | FA4 | ours/FLASH | ours/CUDNN | ours/FA4 "
+                "| ours/best peer |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        vs_best = []
         for r in rows:
-            s, sg = r.get("sm90_gbs"), r.get("sm90_graph_gbs")
-            out.append(f"| {r['batch']} | {r['cache']} | {cell(s)} | {ratio(s, r['ours_gbs'])} | "
-                       f"{ratio(s, r.get('cudnn_gbs'))} | {cell(sg)} | {ratio(sg, r.get('ours_graph_gbs'))} | "
-                       f"{ratio(sg, r.get('cudnn_graph_gbs'))} |")
+            o, f, c, a = (r.get(f"{n}_{key}") for n in ("ours", "flash", "cudnn", "fa4"))
+            best = max((x for x in (c, a) if x), default=None)
+            if o and best:
+                vs_best.append(o / best)
+            out.append(f"| {r['batch']} | {r['cache']} | {cell(o)} | {100 * (o or 0) / copy_gbs:.0f}% | {cell(f)} | "
+                       f"{cell(c)} | {cell(a)} | {ratio(o, f)} | {ratio(o, c)} | {ratio(o, a)} | {ratio(o, best)} |")
+        if vs_best:
+            out += ["", f"ours / best peer: min {min(vs_best):.2f}, cells >= 1.00: "
+                        f"{sum(x >= 1.0 for x in vs_best)}/{len(vs_best)}", ""]
+    if any(r.get("sm80_gbs") for r in rows):
+        out += ["Our SM80 kernel (`CUTE_FLASH_ARCH_PATH=sm80`, the path of sm_80/86/89 GPUs) on the same "
+                "calls:", "", "| batch | cache | SM80 | ours/SM80 | SM80 (graph) | ours/SM80 (graph) |",
+                "|---|---|---|---|---|---|"]
+        for r in rows:
+            s, sg = r.get("sm80_gbs"), r.get("sm80_graph_gbs")
+            out.append(f"| {r['batch']} | {r['cache']} | {cell(s)} | {ratio(r['ours_gbs'], s)} | {cell(sg)} | "
+                       f"{ratio(r.get('ours_graph_gbs'), sg)} |")
     return "\n".join(out)
 
 

@@ -5,8 +5,11 @@ forced num_splits, head dims 1..256 (caches whose rows break 128-bit copies go t
 copies);
 the caches after the append are checked element by element (appended rows against the
 reference, every other element unchanged), and every num_splits agrees with num_splits=1. The
-Hopper kernel's KV-cache entry (opt-in, `CUTE_FLASH_ARCH_PATH=sm90`) runs run_case's shapes
-split and not, and both kernels must ignore NaN in a cache's unused rows."""
+tests run the default path: on sm_90 the Hopper kernel's KV-cache entry for caches without
+cache_batch_idx or cache_leftpad in one row a sequence or pages of a multiple of its key
+block, the SM80 kernel for the rest (hypothesis draws both kinds); the long decode runs both
+paths (`arch_path`), the Hopper entry's own tests pin it, and both kernels must ignore NaN in a
+cache's unused rows."""
 import math
 
 import pytest
@@ -154,12 +157,15 @@ def test_kvcache_matches_reference(data, b, ratio, hk, d, sq, dtype, mask, paged
              batch_idx, leftpad, rotary, **opts)
 
 
+@pytest.mark.parametrize("path", ["sm80", "sm90"])
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("num_splits", [0, 1, 32])
-def test_long_cache_decode(paged, num_splits):
-    """32k-token caches, ragged, one query row, GQA 32/8, d 128: the decode shape."""
-    run_case(2, 1, 32, 8, 128, torch.bfloat16, 32768, [32767, 5000], 1, num_splits,
-             256 if paged else None, rotary=(128, False))
+def test_long_cache_decode(paged, num_splits, path):
+    """32k-token caches, ragged, one query row, GQA 32/8, d 128: the decode shape (pages of
+    256 rows: the Hopper entry's too)."""
+    with arch_path(path):
+        run_case(2, 1, 32, 8, 128, torch.bfloat16, 32768, [32767, 5000], 1, num_splits,
+                 256 if paged else None, rotary=(128, False))
 
 
 @pytest.mark.parametrize("opts", [
@@ -207,8 +213,8 @@ def test_unaligned_cache_is_updated_in_place(layout, d, paged):
 @pytest.fixture
 def hopper_cache_entry():
     """KV-cache calls take the Hopper kernel's KV-cache entry on sm_90 (the SM80 kernel
-    elsewhere): `arch_path` sets the variable and empties the per-signature dispatch cache, so
-    no earlier call's dispatch is reused."""
+    elsewhere) whatever the environment says: `arch_path` sets the variable and empties the
+    per-signature dispatch cache, so no earlier call's dispatch is reused."""
     with arch_path("sm90"):
         yield
 
@@ -253,12 +259,6 @@ def test_unused_cache_rows_hold_nan(d, path, num_splits):
                                            return_softmax_lse=True)
     torch.cuda.synchronize()
     assert_matches_reference(out, lse, q, *clean, ref_fn=_ref_with(None, None), cache_seqlens=seqlens)
-
-
-@pytest.mark.parametrize("num_splits", [0, 1, 32])
-def test_hopper_long_cache_decode(num_splits, hopper_cache_entry):
-    """test_long_cache_decode's 32k-token decode on the Hopper KV-cache entry."""
-    run_case(2, 1, 32, 8, 128, torch.bfloat16, 32768, [32767, 5000], 1, num_splits, rotary=(128, False))
 
 
 @pytest.mark.parametrize("num_splits", [1, 0])

@@ -472,13 +472,14 @@ def test_packed_backward_with_a_zero_maximum_launches_nothing(recorder, max_q, m
     assert grads[1].shape == k.shape and grads[3].shape == (4, 9) and not grads[3].any()
 
 
-def test_kvcache_on_sm90_takes_the_hopper_entry_when_asked(recorder, monkeypatch):
-    """With CUTE_FLASH_ARCH_PATH=sm90 a KV-cache call launches the Hopper kernel's KV-cache
-    entry (64-row tiles) after the append: the GQA group folded into rows through views of the
-    caller's q, out and LSE (no copy), cache_seqlens and the appended row count as the key
-    lengths; split, the partials and counters laid out as the SM80 kernel's; paged, in pages of
-    a multiple of its 128-key blocks, with the block table. Pages of 16 rows, cache_batch_idx,
-    or the variable unset take the SM80 kernel."""
+def test_kvcache_on_sm90_defaults_to_the_hopper_entry(recorder, monkeypatch):
+    """Without CUTE_FLASH_ARCH_PATH (or with sm90) a KV-cache call on sm_90 launches the Hopper
+    kernel's KV-cache entry (64-row tiles) after the append, with the SM80 entry's parameters:
+    the caller's q, out and LSE themselves (the GQA group is folded into rows inside the entry,
+    `pack_gqa`), cache_seqlens and the appended row count as the key lengths; split, the
+    partials and counters laid out as the SM80 kernel's; paged, in pages of a multiple of its
+    128-key blocks, with the block table. Pages of 16 rows, cache_batch_idx, a window (no fold)
+    or `CUTE_FLASH_ARCH_PATH=sm80` change what is launched as said below."""
     from cute_flash.kernels.config import FwdConfig
     from cute_flash.kernels.fwd_sm90 import Sm90FwdConfig
     from cute_flash.launch import flash_fwd_kvcache
@@ -487,20 +488,18 @@ def test_kvcache_on_sm90_takes_the_hopper_entry_when_asked(recorder, monkeypatch
     cache = torch.randn(2, 1000, 2, 64, dtype=torch.bfloat16)
     k = torch.randn(2, 1, 2, 64, dtype=torch.bfloat16)
     seqlens = torch.tensor([999, 3], dtype=torch.int32)
-    monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", "sm90")
+    monkeypatch.delenv("CUTE_FLASH_ARCH_PATH")
     out, lse = flash_fwd_kvcache(q, cache, cache, k=k, v=k, cache_seqlens=seqlens, softmax_scale=0.125,
                                  num_splits=1)
     _, launch = recorder.launches  # the append, then attention
     config = launch.config
     assert isinstance(config, Sm90FwdConfig) and config.kvcache and not config.split and not config.persistent
-    assert config.traits.block_m == 64 and not (config.has_left or config.has_right)
-    assert launch["mQ"].shape == (2, 4, 2, 64) and launch["mQ"].stride() == (512, 64, 256, 1)
-    assert launch["mQ"].data_ptr() == q.data_ptr() and launch["mO"].data_ptr() == out.data_ptr()
-    assert launch["mO"].stride() == (512, 64, 256, 1) and out.shape == q.shape
-    assert launch["mLSE"].shape == (2, 2, 4) and launch["mLSE"].data_ptr() == lse.data_ptr()
-    assert lse.shape == (2, 8, 1)
+    assert config.pack_gqa and config.traits.block_m == 64 and not (config.has_left or config.has_right)
+    assert launch["mQ"] is q and launch["mO"] is out and launch["mLSE"] is lse
+    assert out.shape == q.shape and lse.shape == (2, 8, 1)
     assert launch["mSeqlensK"] is seqlens and launch["k_extra"] == 1 and launch["mK"] is cache
     assert launch["mOaccum"] is None and launch["num_splits"] == 1
+    assert launch["mLeftpadK"] is None and launch["mBatchIdx"] is None
 
     out, lse = flash_fwd_kvcache(q, cache, cache, cache_seqlens=seqlens, softmax_scale=0.125, num_splits=3)
     split = recorder.launches[-1]
@@ -508,22 +507,24 @@ def test_kvcache_on_sm90_takes_the_hopper_entry_when_asked(recorder, monkeypatch
     # partials by (split, b, nheads_k, group row), one zeroed counter per (m-block, b, nheads_k)
     assert split["mOaccum"].shape == (3, 2, 2, 4, 64) and split["mLSEaccum"].shape == (3, 2, 2, 4)
     assert split["mCounters"].shape == (4,) and not split["mCounters"].any()
-    assert split["mO"].data_ptr() == out.data_ptr() and split["mLSE"].data_ptr() == lse.data_ptr()
+    assert split["mO"] is out and split["mLSE"] is lse
 
+    monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", "sm90")
     big_table = torch.arange(2 * 4, dtype=torch.int32).view(2, 4)
     big_pages = torch.randn(8, 256, 2, 64, dtype=torch.bfloat16)
     flash_fwd_kvcache(q, big_pages, big_pages, cache_seqlens=seqlens, softmax_scale=0.125, num_splits=1,
-                      block_table=big_table)
+                      block_table=big_table, window_size=(5, -1))
     paged = recorder.launches[-1]
     assert isinstance(paged.config, Sm90FwdConfig) and paged.config.paged and paged["mBlockTable"] is big_table
-    assert paged["mK"] is big_pages
+    assert paged["mK"] is big_pages and paged.config.has_left and not paged.config.pack_gqa
+    assert paged["mQ"] is q and paged["window_left"] == 5
 
     table = torch.arange(2 * 63, dtype=torch.int32).view(2, 63)
     pages = torch.randn(126, 16, 2, 64, dtype=torch.bfloat16)
     flash_fwd_kvcache(q, pages, pages, cache_seqlens=seqlens, softmax_scale=0.125, num_splits=1, block_table=table)
     flash_fwd_kvcache(q, cache, cache, cache_seqlens=seqlens, softmax_scale=0.125, num_splits=1,
                       cache_batch_idx=torch.tensor([1, 0], dtype=torch.int32))
-    monkeypatch.delenv("CUTE_FLASH_ARCH_PATH")
+    monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", "sm80")
     flash_fwd_kvcache(q, cache, cache, cache_seqlens=seqlens, softmax_scale=0.125, num_splits=1)
     assert [type(x.config) for x in recorder.launches[4:]] == [FwdConfig] * 3
 

@@ -38,6 +38,7 @@ import cutlass.cute as cute
 from cute_flash.kernels.block_range import BlockRange, Window
 from cute_flash.kernels.config import FwdConfig
 from cute_flash.kernels.gemm import MmaOperands
+from cute_flash.kernels.gqa_fold import fold_heads, fold_lse
 from cute_flash.kernels.kv_tiles import KVTiles
 from cute_flash.kernels.philox import Dropout, sm80_groups
 from cute_flash.kernels.score_mods import Mask, ScoreMods
@@ -142,13 +143,6 @@ class LoopState:
     dropout: object = None  # kernels/philox.py:Dropout (has_dropout)
 
 
-@cute.jit
-def fold_heads(t: cute.Tensor, g):
-    """(batch, 1, heads, d) as (batch, g, heads / g, d): head kh * g + j at (j, kh)."""
-    return cute.make_tensor(t.iterator, cute.make_layout(
-        (t.shape[0], g, t.shape[2] // g, t.shape[3]), stride=(t.stride[0], t.stride[2], t.stride[2] * g, 1)))
-
-
 class FlashFwd:
     """One compiled variant per `FwdConfig`; everything else (lengths, strides, window sizes,
     scales, the split count) is a run-time argument."""
@@ -210,9 +204,7 @@ class FlashFwd:
         cfg = self.config
         if cutlass.const_expr(cfg.pack_gqa):
             g = mQ.shape[2] // mK.shape[2]
-            mQ, mO = fold_heads(mQ, g), fold_heads(mO, g)
-            mLSE = cute.make_tensor(mLSE.iterator, cute.make_layout(
-                (mLSE.shape[0], mLSE.shape[1] // g, g), stride=(mLSE.stride[0], mLSE.stride[1] * g, mLSE.stride[1])))
+            mQ, mO, mLSE = fold_heads(mQ, g), fold_heads(mO, g), fold_lse(mLSE, g)
         split = None
         if cutlass.const_expr(cfg.split):
             split = SplitWorkspace(mOaccum, mLSEaccum, mCounters)

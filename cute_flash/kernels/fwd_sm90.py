@@ -55,6 +55,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cute_flash.kernels.block_range import BlockRange, Window
 from cute_flash.kernels.config import score_letters
 from cute_flash.kernels.gemm import wgmma, wgmma_issue
+from cute_flash.kernels.gqa_fold import fold_heads, fold_lse
 from cute_flash.kernels.philox import Dropout, wgmma_groups
 from cute_flash.kernels.score_mods import Mask, ScoreMods
 from cute_flash.kernels.seq_info import SeqInfo, clamp, head_rows
@@ -91,6 +92,7 @@ class Sm90FwdConfig:
     kvcache: bool = False      # KV caches (call_kvcache): key lengths from cache_seqlens; one CTA per tile
     split: bool = False        # KV caches: split-KV, fp32 partials merged by each tile's last split CTA
     paged: bool = False        # KV caches in pages of a multiple of block_n rows, through a block table
+    pack_gqa: bool = False     # KV caches, one query row: the GQA group folded into rows (kernels/gqa_fold.py)
 
     def __post_init__(self):
         if (self.varlen or self.kvcache) and self.persistent:
@@ -101,8 +103,8 @@ class Sm90FwdConfig:
             raise ValueError("seqused_k belongs to packed batches (varlen)")
         if self.kvcache and self.has_dropout:
             raise ValueError("KV-cache calls have no dropout")
-        if (self.split or self.paged) and not self.kvcache:
-            raise ValueError("split-KV and paging belong to KV caches (kvcache)")
+        if (self.split or self.paged or self.pack_gqa) and not self.kvcache:
+            raise ValueError("split-KV, paging and the GQA fold belong to KV caches (kvcache)")
 
     @property
     def clears_v_tail(self) -> bool:
@@ -139,7 +141,7 @@ class Sm90FwdConfig:
     @property
     def name(self) -> str:
         schedule = "p" if self.persistent else "v" if self.varlen else "c" if self.kvcache else ""
-        schedule += ("x" if self.split else "") + ("g" if self.paged else "")
+        schedule += ("x" if self.split else "") + ("g" if self.paged else "") + ("f" if self.pack_gqa else "")
         return f"{self.traits.name}_s{self.stages}{schedule}-{score_letters(self)}"
 
 
@@ -302,19 +304,28 @@ class FlashFwdSm90:
 
     @cute.jit
     def call_kvcache(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
-                     mAlibi, mSeqlensK: cute.Tensor, mBlockTable, k_extra: cutlass.Int32, mOaccum, mLSEaccum,
-                     mCounters, num_splits: cutlass.Int32, scale_log2: cutlass.Float32, score_premul: cutlass.Float32,
-                     alibi_div: cutlass.Float32, window_left: cutlass.Int32, window_right: cutlass.Int32, stream):
-        """KV caches, decode and chunked prefill: mQ / mO (batch, seqlen_q, heads, d) (with the
-        GQA fold, (batch, group, heads_k, d) views of the caller's tensors), mK / mV (batch,
-        capacity, heads_k, d) caches, or pages (num_pages, page_size, heads_k, d) with mBlockTable
-        (batch, max_blocks) int32 (`Sm90FwdConfig.paged`; page_size a multiple of block_n), mLSE
-        (batch, heads, seqlen_q) fp32, mSeqlensK (batch,) int32 cache_seqlens, k_extra the rows
-        appended after them; one CTA per tile. Split (`Sm90FwdConfig.split`): num_splits CTAs
-        per tile, each writing its partials to mOaccum (num_splits, batch, heads, seqlen_q, d) /
-        mLSEaccum (num_splits, batch, heads, seqlen_q) fp32 and counting itself on mCounters
-        (m_blocks * batch * heads,) int32, zero at launch and left zero; the last to arrive
-        merges (the three are None unsplit)."""
+                     mOaccum, mLSEaccum, mCounters, mAlibi, mSeqlensK: cute.Tensor, mLeftpadK, mBatchIdx,
+                     mBlockTable, k_extra: cutlass.Int32, num_splits: cutlass.Int32, scale_log2: cutlass.Float32,
+                     score_premul: cutlass.Float32, alibi_div: cutlass.Float32, window_left: cutlass.Int32,
+                     window_right: cutlass.Int32, stream):
+        """KV caches, decode and chunked prefill, with the SM80 kernel's `call_kvcache`
+        parameters (the host launches either the same way): mQ / mO (batch, seqlen_q, heads, d),
+        folded here to (batch, group, heads_k, d) with mLSE (batch, heads, 1) to (batch, heads_k,
+        group) under `pack_gqa`; mK / mV (batch, capacity, heads_k, d) caches, or pages
+        (num_pages, page_size, heads_k, d) with mBlockTable (batch, max_blocks) int32
+        (`Sm90FwdConfig.paged`; page_size a multiple of block_n), mLSE (batch, heads, seqlen_q)
+        fp32, mSeqlensK (batch,) int32 cache_seqlens, k_extra the rows appended after them; one
+        CTA per tile. mLeftpadK and mBatchIdx must be None (such calls stay on the SM80 kernel).
+        Split (`Sm90FwdConfig.split`): num_splits CTAs per tile, each writing its partials to
+        mOaccum (num_splits, batch, heads, seqlen_q, d) / mLSEaccum (num_splits, batch, heads,
+        seqlen_q) fp32 (heads and rows as folded) and counting itself on mCounters (m_blocks *
+        batch * heads,) int32, zero at launch and left zero; the last to arrive merges (the
+        three are None unsplit)."""
+        if cutlass.const_expr(mLeftpadK is not None or mBatchIdx is not None):
+            raise ValueError("cache_leftpad and cache_batch_idx are not built on the Hopper KV-cache entry")
+        if cutlass.const_expr(self.config.pack_gqa):
+            g = mQ.shape[2] // mK.shape[2]
+            mQ, mO, mLSE = fold_heads(mQ, g), fold_heads(mO, g), fold_lse(mLSE, g)
         scalars = Sm90Scalars(scale_log2, score_premul, alibi_div, window_left, window_right, 1)
         split = None
         if cutlass.const_expr(self.config.split):

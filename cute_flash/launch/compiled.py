@@ -184,10 +184,12 @@ def compile_fwd_sm90(config: Sm90FwdConfig, arch: int | None = 90, extra_options
     if config.kvcache:
         split = [fake_tensor(cutlass.Float32, 5, ALIGN, COPY_BYTES, last_extent=config.traits.head_dim),
                  fake_tensor(cutlass.Float32, 4), fake_tensor(cutlass.Int32, 1)] if config.split else [None] * 3
-        args = [fake_tensor(dtype, 4, ALIGN, COPY_BYTES) for _ in range(4)] + [
-            fake_tensor(cutlass.Float32, 3), fake_tensor(cutlass.Float32, 2) if config.has_alibi else None,
-            fake_tensor(cutlass.Int32, 1), fake_tensor(cutlass.Int32, 2) if config.paged else None, 0, *split, 2,
-            1.0, 1.0, 1.0, -1, -1, fake_stream()]
+        # the SM80 entry's parameters; cache_leftpad and cache_batch_idx are None here
+        alibi = fake_tensor(cutlass.Float32, 2) if config.has_alibi else None
+        table = fake_tensor(cutlass.Int32, 2) if config.paged else None
+        args = ([fake_tensor(dtype, 4, ALIGN, COPY_BYTES) for _ in range(4)] + [fake_tensor(cutlass.Float32, 3)]
+                + split + [alibi, fake_tensor(cutlass.Int32, 1), None, None, table, 0, 2]
+                + [1.0, 1.0, 1.0, -1, -1, fake_stream()])
         return compile_tvm_ffi(kernel.call_kvcache, args, arch, extra_options)
     args = [fake_tensor(dtype, 4, ALIGN, COPY_BYTES) for _ in range(4)] + [
         fake_tensor(cutlass.Float32, 3), fake_tensor(cutlass.Float32, 2) if config.has_alibi else None,
@@ -288,12 +290,13 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
     combination, in each schedule `prefers_persistent` can choose for it (dropout not on
     192-row tiles, which the launcher does not give it), the packed-batch entry of every
     128-row traits with and without seqused_k, and the KV-cache entry of every bucket and dtype
-    with every score flag but dropout, split and not, paged and not. Otherwise the CI subset:
+    with every score flag but dropout, split and not, paged and not, GQA-folded and not (the
+    fold without window edges or ALiBi). Otherwise the CI subset:
     every bucket in bf16 with a causal edge (the persistent variant where it fits, so both
     schedules compile), d 64's 192-row tiles likewise, d 128 in fp16, d 128 with every score
     flag on, dropout at d 64 (causal, one CTA per tile) and d 128 (persistent), packed batches
     (d 128 causal, d 96 with seqused_k, d 64 fp16 with every flag) and KV caches (d 128 plain,
-    d 64 split with softcap, d 128 split and paged, d 256 fp16 with every flag)."""
+    d 64 split with softcap, d 128 split, paged and GQA-folded, d 256 fp16 with every flag)."""
     from layouts.hopper import (choose_hopper_cache_traits, choose_hopper_traits, shipped_hopper_cache_traits,
                                 shipped_hopper_traits)
 
@@ -313,8 +316,10 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
         for t in shipped_hopper_cache_traits():
             for bits in itertools.product((False, True), repeat=4):
                 flags = dict(zip(("has_left", "has_right", "has_alibi", "has_softcap"), bits))
-                out += [Sm90FwdConfig(t, kvcache=True, split=s, paged=p, **flags)
-                        for s in (False, True) for p in (False, True)]
+                # the GQA fold only without window edges or ALiBi (launch/kvcache.py)
+                folds = (False,) if flags["has_left"] or flags["has_right"] or flags["has_alibi"] else (False, True)
+                out += [Sm90FwdConfig(t, kvcache=True, split=s, paged=p, pack_gqa=f, **flags)
+                        for s in (False, True) for p in (False, True) for f in folds]
         return out
     traits = [choose_hopper_traits(d, "bf16") for d in HEAD_DIM_BUCKETS]
     out = [Sm90FwdConfig(t, persistent=Sm90FwdConfig.fits_persistent(t), has_right=True)
@@ -330,7 +335,8 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
                                 has_dropout=True, varlen=True),
                   Sm90FwdConfig(choose_hopper_cache_traits(128, "bf16"), kvcache=True),
                   Sm90FwdConfig(choose_hopper_cache_traits(64, "bf16"), has_softcap=True, kvcache=True, split=True),
-                  Sm90FwdConfig(choose_hopper_cache_traits(128, "bf16"), kvcache=True, split=True, paged=True),
+                  Sm90FwdConfig(choose_hopper_cache_traits(128, "bf16"), kvcache=True, split=True, paged=True,
+                                pack_gqa=True),
                   Sm90FwdConfig(choose_hopper_cache_traits(256, "fp16"), has_left=True, has_right=True,
                                 has_alibi=True, has_softcap=True, kvcache=True)]
 

@@ -84,18 +84,6 @@ def takes_hopper_path(index: int) -> bool:
     return os.environ.get("CUTE_FLASH_ARCH_PATH") != "sm80" and compiled.device_arch(index) == 90
 
 
-def takes_hopper_kvcache(index: int) -> bool:
-    """KV-cache calls without cache_batch_idx or cache_leftpad, over caches in one row a sequence
-    or in pages of a multiple of its key block (128 rows up to d 128, 64 above), take the Hopper
-    kernel's KV-cache entry (split or not) only when `CUTE_FLASH_ARCH_PATH=sm90` asks for it,
-    until its GPU tests have run: as a strided view of the dense entry, with 64-row tiles,
-    the kernel streamed unsplit decode K / V at 4427-4551 GB/s against the SM80 kernel's
-    4159-4250 and CUDNN's 4420-4488 (H200, docs/perf.md, "The Hopper forward on decode
-    cells"); the entry itself (cache_seqlens, appended rows, unused cache rows zeroed in V,
-    split-KV, pages) has compiled but not yet run."""
-    return os.environ.get("CUTE_FLASH_ARCH_PATH") == "sm90" and compiled.device_arch(index) == 90
-
-
 def flash_fwd(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1), softcap=0.0,
               alibi_slopes=None, traits: FwdTraits | None = None, dropout: DropoutArgs | None = None):
     """Dense forward: q (b, sq, h, d), k/v (b, sk, hk, d); returns (out, lse (b, h, sq)).

@@ -1,17 +1,14 @@
 """The Hopper forward (kernels/fwd_sm90.py) on validated CUDA tensors, and when to take it.
 
-The default on sm_90 GPUs for dense forwards (`dense.takes_hopper_path`) and for packed batches
-over contiguous keys (`flash_fwd_varlen_sm90`): the GPU suite passes with it (its last run with
-packed batches on it: 431 passed, 0 failed, docs/perf.md), and it leads the SM80 kernel on the
-forward grid and the packed batch of the varlen bench.
-`CUTE_FLASH_ARCH_PATH=sm80` selects the SM80 kernel instead. KV-cache calls take its KV-cache
-entry (`HopperCacheLaunch`; split-KV, and pages of a multiple of its key block) only with
-`CUTE_FLASH_ARCH_PATH=sm90`, not yet the default (`dense.takes_hopper_kvcache`). Paged varlen
+The default on sm_90 GPUs (`dense.takes_hopper_path`) for dense forwards, for packed batches
+over contiguous keys (`flash_fwd_varlen_sm90`) and for KV caches without cache_batch_idx or
+cache_leftpad, in one row a sequence or in pages of a multiple of its key block (launched by
+`kvcache.py` through the SM80 KV-cache kernel's parameters, split-KV included). It leads the
+SM80 kernel on the forward grid, the packed batch of the varlen bench and the large decode
+cells (docs/perf.md). `CUTE_FLASH_ARCH_PATH=sm80` selects the SM80 kernel instead. Paged varlen
 calls take the SM80 kernel on every GPU; docs/perf.md lists these fall backs and why.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
@@ -109,24 +106,3 @@ def flash_fwd_varlen_sm90(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
                                      rng_of(dropout, q.device), cu_seqlens_q, cu_seqlens_k, seqused, max_seqlen_q,
                                      *scales(softmax_scale, softcap), left, right)
     return (out if out.shape[-1] == d else out[..., :d]), lse
-
-
-@dataclass(frozen=True)
-class HopperCacheLaunch:
-    """The Hopper kernel's KV-cache entry behind the SM80 KV-cache kernel's launch arguments
-    (`kvcache.KVCachePlan.launch`), so a plan calls either the same way, split or not (the
-    split workspace is laid out by the same `split_kv.workspace_shapes`). group > 1 folds the
-    GQA group into rows as flash-attn 2 does for decode: q and out (b, 1, h, d) go in as (b,
-    group, h / group, d) views, the LSE (b, h, 1) as (b, h / group, group); no copy."""
-    kernel: object  # the compiled `call_kvcache`
-    group: int      # query heads per kv head folded into rows; 1: no fold
-
-    def __call__(self, q, k_cache, v_cache, out, lse, o_acc, lse_acc, counters, alibi, seqlens, leftpad, batch_idx,
-                 block_table, k_extra, num_splits, scale_log2, score_premul, alibi_div, left, right):
-        if self.group > 1:
-            b, _, h, _ = q.shape
-            q = q[:, 0].unflatten(1, (h // self.group, self.group)).transpose(1, 2)
-            out = out[:, 0].unflatten(1, (h // self.group, self.group)).transpose(1, 2)
-            lse = lse.view(b, h // self.group, self.group)
-        self.kernel(q, k_cache, v_cache, out, lse, alibi, seqlens, block_table, k_extra, o_acc, lse_acc, counters,
-                    num_splits, scale_log2, score_premul, alibi_div, left, right)

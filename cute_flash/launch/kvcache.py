@@ -20,8 +20,7 @@ from cute_flash.kernels.split_kv import num_splits_heuristic, workspace_shapes
 from cute_flash.launch.align import aligned, is_aligned
 from cute_flash.launch import compiled
 from cute_flash.launch.dense import (PAGE_ROWS, alibi_2d, device_index, positive_scale, scales, score_flags,
-                                     takes_hopper_kvcache, window_edges)
-from cute_flash.launch.hopper import HopperCacheLaunch
+                                     takes_hopper_path, window_edges)
 from cute_flash.launch.per_stream import per_stream
 from layouts.hopper import choose_hopper_cache_traits
 from layouts.traits import ALIGN, choose_decode_traits, tile_arch
@@ -34,7 +33,7 @@ class KVCachePlan:
     one plan."""
     config: object   # FwdConfig, or Sm90FwdConfig (the Hopper KV-cache entry)
     num_splits: int
-    launch: object   # the compiled kernel's TVM-FFI function (or `HopperCacheLaunch`), called positionally
+    launch: object   # the compiled kernel's TVM-FFI function (either kernel's call_kvcache), called positionally
     batch: int
     nheads: int      # (heads, seqlen_q) as the caller has them
     seqlen_q: int
@@ -138,7 +137,7 @@ def _kvcache_call(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, 
     rows, heads = (h // hk, hk) if pack_gqa else (sq, h)
     # The Hopper kernel's KV-cache entry: caches without batch indices or left pads, in pages of
     # a multiple of its key block if paged (a TMA box per block, inside one page)
-    hopper = cache_leftpad is None and cache_batch_idx is None and takes_hopper_kvcache(index)
+    hopper = cache_leftpad is None and cache_batch_idx is None and takes_hopper_path(index)
     if hopper:
         traits = choose_hopper_cache_traits(d, compiled.DTYPE_NAMES[q.dtype])
         hopper = not (paged and k_cache.shape[1] % traits.block_n)
@@ -152,8 +151,8 @@ def _kvcache_call(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, 
     num_splits = max(1, min(num_splits, n_blocks, 128))
     flags = score_flags(left, right, alibi_slopes, softcap)
     if hopper:
-        config = Sm90FwdConfig(traits, kvcache=True, split=num_splits > 1, paged=paged, **flags)
-        launch = HopperCacheLaunch(compiled.sm90_kernel_for(config), rows if pack_gqa else 1)
+        config = Sm90FwdConfig(traits, kvcache=True, split=num_splits > 1, paged=paged, pack_gqa=pack_gqa, **flags)
+        launch = compiled.sm90_kernel_for(config)
     else:
         config = FwdConfig(traits, **flags, even_k=d == traits.head_dim, paged=paged,
                            any_page_size=paged and k_cache.shape[1] % PAGE_ROWS != 0, kvcache=True,
