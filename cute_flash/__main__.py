@@ -324,6 +324,8 @@ def main(argv=None):
     t = sub.add_parser("tune", help="TFLOP/s of each tile candidate per head dim (GPU)")
     t.add_argument("--bwd", action="store_true", help="the backward's tile candidates instead of the forward's")
     t.add_argument("--sm90", action="store_true", help="the Hopper forward's tile candidates (sm_90 GPUs)")
+    t.add_argument("--decode", action="store_true",
+                   help="the Hopper KV-cache entry's candidates on decode cells, GB/s (sm_90 GPUs)")
     sub.add_parser("traincheck", help="a 2-block transformer trained 200 steps with cute-flash and with SDPA: "
                                       "the two loss curves compared (GPU, about a minute)")
     m = sub.add_parser("memcheck", help="the GPU suite under compute-sanitizer memcheck (GPU); "
@@ -374,9 +376,9 @@ def main(argv=None):
 
         traincheck()
     elif cmd == "tune":
-        from cute_flash.bench import tune, tune_bwd, tune_sm90
+        from cute_flash.bench import tune, tune_bwd, tune_decode, tune_sm90
 
-        tune_bwd() if args.bwd else tune_sm90() if args.sm90 else tune()
+        tune_bwd() if args.bwd else tune_sm90() if args.sm90 else tune_decode() if args.decode else tune()
     return 0
 
 

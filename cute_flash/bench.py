@@ -703,6 +703,51 @@ def tune_sm90(seqlens=(512, 2048, 16384)):
     return _tune_fwd(SM90_TUNE_CANDIDATES, seqlens, variant)
 
 
+DECODE_TUNE_CANDIDATES = [(128, 1), (64, 1), (64, 2)]  # (block_n, CTAs an SM) of 64-row tiles; first: shipped
+DECODE_TUNE_CELLS = [(1, 1024), (1, 8192), (8, 1024), (8, 8192), (32, 1024), (64, 1024), (32, 8192), (64, 32768)]
+
+
+def tune_decode(cells=DECODE_TUNE_CELLS):
+    """GB/s (CUDA graphs and eager) of each Hopper KV-cache candidate (block_n, CTAs an SM) on
+    decode cells (`DECODE_HEADS`, full bf16 caches, the split heuristic for that many CTAs an
+    SM), with each candidate's max |out - shipped candidate's out|: `python -m cute_flash tune
+    --decode` (sm_90 GPUs)."""
+    import torch
+
+    from cute_flash.launch.kvcache import flash_fwd_kvcache
+    from layouts.hopper import HopperTileTraits
+
+    h, hk, d = DECODE_HEADS
+    rows = []
+    for b, cache in cells:
+        q = torch.randn(b, 1, h, d, device="cuda", dtype=torch.bfloat16)
+        kc, vc = (torch.randn(b, cache, hk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        seqlens = torch.full((b,), cache, dtype=torch.int32, device="cuda")
+        nbytes = 2 * b * cache * hk * d * 2
+        shipped = None
+        for block_n, ctas in DECODE_TUNE_CANDIDATES:
+            variant = dict(traits=HopperTileTraits(d, 64, block_n, "bf16"), ctas_per_sm=ctas)
+
+            key = ("tune_decode", b, cache, block_n, ctas)  # the call's setup is kept under it, as a decode loop's
+
+            def run():
+                return flash_fwd_kvcache(q, kc, vc, cache_seqlens=seqlens, softmax_scale=d ** -0.5, return_lse=False,
+                                         signature=key, hopper_variant=variant)[0]
+
+            out = run()
+            shipped = out if shipped is None else shipped
+            graph_ms = _graph_time_ms(run)
+            rows.append(dict(batch=b, cache=cache, block_n=block_n, ctas_per_sm=ctas,
+                             gbs=nbytes / _time_ms(run) / 1e6, graph_gbs=nbytes / graph_ms / 1e6 if graph_ms else None,
+                             max_diff=(out.float() - shipped.float()).abs().max().item()))
+            r = rows[-1]
+            print(f"b{b:3} cache {cache:6} n{block_n:3} ctas/SM {ctas} eager {r['gbs']:6.0f} graph "
+                  f"{r['graph_gbs'] or 0:6.0f} GB/s  max diff {r['max_diff']:.2e}", flush=True)
+        del kc, vc
+        torch.cuda.empty_cache()
+    return rows
+
+
 BWD_TUNE_CANDIDATES = {  # (block_m, block_n, (atom_m_sdp, atom_n_dkv, atom_m_dq)), 8 warps
     64: [(128, 128, (2, 4, 4)), (128, 128, (4, 4, 4)), (64, 128, (2, 4, 2)), (64, 128, (2, 4, 4)),
          (128, 64, (4, 2, 4))],

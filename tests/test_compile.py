@@ -217,6 +217,44 @@ def test_hopper_forward_compiles_to_wgmma(config, tmp_path):
     assert (re.search(r"bar\.sync\s+7,", text) is not None) == config.clears_v_tail
 
 
+@pytest.mark.parametrize("d, split", [(128, True), (64, False)])
+def test_hopper_cache_entry_two_ctas_per_sm(d, split, tmp_path):
+    """The KV-cache entry's two-CTAs-an-SM variant (`Sm90FwdConfig.ctas_per_sm`, tuned by
+    `tune --decode`) asks for two CTAs an SM (PTX .minnctapersm 2), fits in half an SM's shared
+    memory, and ptxas fits it in 128 registers a thread without spilling (the consumer raised
+    to 232 by setmaxnreg). It compiles on a machine without a GPU: the shared-memory carveout
+    is given, so the DSL does not ask the device."""
+    from cute_flash.kernels.fwd_sm90 import SMEM_PER_SM, Sm90FwdConfig
+    from cute_flash.launch.compiled import compile_fwd_sm90
+    from cute_flash.resources import find_ptxas, ptxas_report
+    from layouts.hopper import HopperTileTraits
+
+    config = Sm90FwdConfig(HopperTileTraits(d, 64, 64), kvcache=True, split=split, pack_gqa=True, ctas_per_sm=2)
+    assert 2 * (config.smem_bytes + 1024) <= SMEM_PER_SM
+    compile_fwd_sm90(config, 90, f"--keep-ptx --dump-dir={tmp_path}")
+    (ptx,) = tmp_path.glob("*.ptx")
+    assert re.search(r"\.minnctapersm\s+2", ptx.read_text())
+    if find_ptxas() is None:
+        pytest.skip("no ptxas on this machine: the register check did not run")
+    report = ptxas_report(str(ptx), 90)
+    assert report["registers"] <= 128 and not report.get("spill_stores") and not report.get("spill_loads")
+
+
+def test_two_ctas_per_sm_only_where_two_fit():
+    from cute_flash.kernels.fwd_sm90 import Sm90FwdConfig
+    from layouts.hopper import HopperTileTraits
+
+    with pytest.raises(ValueError):  # 64 x 128 tiles at d 128: 144 KB of shared memory
+        Sm90FwdConfig(HopperTileTraits(128, 64, 128), kvcache=True, ctas_per_sm=2)
+    with pytest.raises(ValueError):  # two consumer warpgroups
+        Sm90FwdConfig(HopperTileTraits(64, 128, 64), kvcache=True, ctas_per_sm=2)
+    with pytest.raises(ValueError):  # not a KV-cache entry
+        Sm90FwdConfig(HopperTileTraits(64, 64, 64), ctas_per_sm=2)
+    with pytest.raises(ValueError):
+        Sm90FwdConfig(HopperTileTraits(64, 64, 64), kvcache=True, ctas_per_sm=3)
+    assert Sm90FwdConfig(HopperTileTraits(128, 64, 64), kvcache=True, ctas_per_sm=2).name.endswith("c2-......")
+
+
 @pytest.mark.parametrize("config", _sm90_configs())
 def test_hopper_forward_wgmma_not_serialized(config, tmp_path):
     """ptxas keeps the Hopper forward's wgmmas asynchronous: its C7512 warning (serialized for

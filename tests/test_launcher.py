@@ -544,6 +544,28 @@ def test_hopper_entry_splits_for_one_cta_per_sm(recorder, monkeypatch):
     assert launch["num_splits"] == num_splits_heuristic(2, 132, 8, ctas_per_sm=1) == 8
 
 
+def test_hopper_variant_overrides_the_cache_tiles(recorder, monkeypatch):
+    """`tune --decode`'s override: the given tiles and CTAs an SM reach the config, and the split
+    count is the one for that many CTAs an SM: 10 sequences of 8 kv heads (80 tiles) over 1000
+    keys in 16 blocks of 64 split 3 ways in 264 slots, not at all in 132."""
+    from cute_flash.kernels.split_kv import num_splits_heuristic
+    from cute_flash.launch import flash_fwd_kvcache
+    from layouts.hopper import HopperTileTraits
+
+    q = torch.randn(10, 1, 32, 64, dtype=torch.bfloat16)
+    cache = torch.randn(10, 1000, 8, 64, dtype=torch.bfloat16)
+    monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", "sm90")
+    traits = HopperTileTraits(64, 64, 64, "bf16")
+    for ctas in (2, 1):
+        flash_fwd_kvcache(q, cache, cache, cache_seqlens=1000, softmax_scale=0.125, num_splits=0,
+                          hopper_variant=dict(traits=traits, ctas_per_sm=ctas))
+    two, one = recorder.launches
+    assert two.config.traits == traits and two.config.ctas_per_sm == 2 and two.config.pack_gqa
+    assert one.config.traits == traits and one.config.ctas_per_sm == 1
+    assert two["num_splits"] == num_splits_heuristic(80, 132, 16, ctas_per_sm=2) == 3
+    assert one["num_splits"] == num_splits_heuristic(80, 132, 16, ctas_per_sm=1) == 1
+
+
 @pytest.mark.parametrize("sq, window, alibi", [(2, (-1, -1), False), (1, (8, -1), False), (1, (-1, -1), True)])
 def test_no_gqa_fold_with_query_rows_window_or_alibi(recorder, sq, window, alibi):
     from cute_flash.launch import flash_fwd_kvcache

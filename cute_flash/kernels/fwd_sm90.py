@@ -70,6 +70,10 @@ from layouts.traits import ELEMENT_BYTES, SMEM_LIMIT, element_type
 # (producer, consumer) registers per thread by consumer warpgroups: 128 x producer + 128 x
 # warpgroups x consumer <= 64K registers per SM, multiples of 8, at most 256.
 REGISTERS = {1: (56, 256), 2: (24, 240), 3: (32, 160)}
+# Two CTAs an SM (`Sm90FwdConfig.ctas_per_sm`, one consumer warpgroup): half the registers each,
+# launched at 128 a thread; ptxas spilled nothing at d 64 / 128 with the consumer at 232.
+REGISTERS_TWO_CTAS = (24, 232)
+SMEM_PER_SM = 233472   # sm_90: 228 KB an SM, of which each resident CTA reserves 1 KB
 SCHEDULER_BARRIER = 1  # named barriers 1..3: consumer warpgroup 0's..2's turn to issue GEMMs
 EPILOGUE_BARRIER = 4   # named barriers 4..6: consumer warpgroup 0's..2's O tile written to smem
 CLEAR_V_BARRIER = 7    # packed batches: every consumer warpgroup's V rows past seqlen_k zeroed
@@ -93,6 +97,7 @@ class Sm90FwdConfig:
     split: bool = False        # KV caches: split-KV, fp32 partials merged by each tile's last split CTA
     paged: bool = False        # KV caches in pages of a multiple of block_n rows, through a block table
     pack_gqa: bool = False     # KV caches, one query row: the GQA group folded into rows (kernels/gqa_fold.py)
+    ctas_per_sm: int = 1       # KV caches: 2 fits two CTAs an SM (64-key blocks, d <= 128); tuning only for now
 
     def __post_init__(self):
         if (self.varlen or self.kvcache) and self.persistent:
@@ -105,6 +110,11 @@ class Sm90FwdConfig:
             raise ValueError("KV-cache calls have no dropout")
         if (self.split or self.paged or self.pack_gqa) and not self.kvcache:
             raise ValueError("split-KV, paging and the GQA fold belong to KV caches (kvcache)")
+        if self.ctas_per_sm not in (1, 2):
+            raise ValueError("ctas_per_sm is 1 or 2")
+        if self.ctas_per_sm == 2 and not (self.kvcache and self.traits.warpgroups == 1
+                                          and 2 * (self.smem_bytes + 1024) <= SMEM_PER_SM):
+            raise ValueError("two CTAs an SM: KV caches, one consumer warpgroup, and half an SM's shared memory")
 
     @property
     def clears_v_tail(self) -> bool:
@@ -142,6 +152,7 @@ class Sm90FwdConfig:
     def name(self) -> str:
         schedule = "p" if self.persistent else "v" if self.varlen else "c" if self.kvcache else ""
         schedule += ("x" if self.split else "") + ("g" if self.paged else "") + ("f" if self.pack_gqa else "")
+        schedule += "2" if self.ctas_per_sm == 2 else ""
         return f"{self.traits.name}_s{self.stages}{schedule}-{score_letters(self)}"
 
 
@@ -375,9 +386,12 @@ class FlashFwdSm90:
         args = Sm90Tensors(tma_mQ, tma_mK, tma_mV, tma_mO, mLSE, mAlibi, mRng, mTileCounter, varlen, cache)
         tiles = self.num_tiles(args)
         ctas = cutlass.min(tiles, max_ctas) if cutlass.const_expr(self.config.persistent) else tiles
+        # Two CTAs an SM: the carveout given, the DSL does not ask the device for its shared memory
+        # (which a machine without a GPU cannot answer)
+        carveout = 100 if self.config.ctas_per_sm == 2 else None
         self.kernel(args, scalars, recipe, SharedStorage).launch(
             grid=(ctas, 1, 1), block=[self.config.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(),
-            stream=stream, min_blocks_per_mp=1)
+            stream=stream, min_blocks_per_mp=self.config.ctas_per_sm, preferred_smem_carveout=carveout)
 
     @cute.kernel
     def kernel(self, args: Sm90Tensors, scalars: Sm90Scalars, recipe: Sm90Recipe, SharedStorage: cutlass.Constexpr):
@@ -410,7 +424,7 @@ class FlashFwdSm90:
         if cutlass.const_expr(cfg.persistent):
             sO = storage.sO.get_tensor(recipe.sQ_layout.outer, swizzle=recipe.sQ_layout.inner)
 
-        producer_regs, consumer_regs = REGISTERS[t.warpgroups]
+        producer_regs, consumer_regs = REGISTERS_TWO_CTAS if cfg.ctas_per_sm == 2 else REGISTERS[t.warpgroups]
         if warp < 4:
             cute.arch.setmaxregister_decrease(producer_regs)
             if warp == 0:

@@ -68,11 +68,13 @@ def flash_fwd_kvcache(q, k_cache, v_cache, *, k=None, v=None, rotary_cos=None, r
                       cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                       softmax_scale, causal=False, window_size=(-1, -1), softcap=0.0,
                       rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_lse=True,
-                      signature=None):
+                      signature=None, hopper_variant=None):
     """`flash_attn_with_kvcache` on validated CUDA tensors: append (rotary) k/v into the caches in
     place, then split-KV attention over them, merged in the same launch. Returns (out, lse (b, h,
     sq)), lse None unless return_lse. `signature`: the interface's summary of every argument's
-    metadata and options (`_validate.signature`); calls that share one share their setup."""
+    metadata and options (`_validate.signature`); calls that share one share their setup.
+    `hopper_variant` (tuning, `python -m cute_flash tune --decode`): dict(traits=HopperTileTraits,
+    ctas_per_sm=1 or 2) for the Hopper entry in place of its own choice, on a call it takes."""
     b, sq, h, d = q.shape
     q, softmax_scale, _ = positive_scale(q, softmax_scale)  # rotary is linear: it commutes with -q
     call = _calls.get(signature) if signature is not None else None
@@ -97,7 +99,8 @@ def flash_fwd_kvcache(q, k_cache, v_cache, *, k=None, v=None, rotary_cos=None, r
                 v_cache.copy_(v_al[..., :d])
             return out[..., :d], lse
         call = _kvcache_call(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
-                             softmax_scale, causal, window_size, softcap, alibi_slopes, rotary_cos, num_splits)
+                             softmax_scale, causal, window_size, softcap, alibi_slopes, rotary_cos, num_splits,
+                             hopper_variant)
         if signature is not None:
             if len(_calls) >= _CALLS_MAX:
                 _calls.clear()
@@ -120,7 +123,7 @@ def flash_fwd_kvcache(q, k_cache, v_cache, *, k=None, v=None, rotary_cos=None, r
 
 
 def _kvcache_call(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, softmax_scale,
-                  causal, window_size, softcap, alibi_slopes, rotary_cos, num_splits):
+                  causal, window_size, softcap, alibi_slopes, rotary_cos, num_splits, hopper_variant=None):
     b, sq, h, d = q.shape
     device = q.device
     index = device_index(device)
@@ -138,20 +141,24 @@ def _kvcache_call(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, 
     # The Hopper kernel's KV-cache entry: caches without batch indices or left pads, in pages of
     # a multiple of its key block if paged (a TMA box per block, inside one page)
     hopper = cache_leftpad is None and cache_batch_idx is None and takes_hopper_path(index)
+    variant = hopper_variant or {}
     if hopper:
-        traits = choose_hopper_cache_traits(d, compiled.DTYPE_NAMES[q.dtype])
+        traits = variant.get("traits") or choose_hopper_cache_traits(d, compiled.DTYPE_NAMES[q.dtype])
         hopper = not (paged and k_cache.shape[1] % traits.block_n)
     if not hopper:
         traits = choose_decode_traits(d, compiled.DTYPE_NAMES[q.dtype], tile_arch(compiled.device_arch(index)))
+    # CTAs an SM: the SM80 kernel's 2; the Hopper entry's CTA takes 144-160 KB of shared memory
+    ctas_per_sm = variant.get("ctas_per_sm", 1) if hopper else 2
     n_blocks = -(-capacity // traits.block_n)
     m_blocks = -(-rows // traits.block_m)
-    if num_splits == 0:  # the Hopper entry's CTA takes 144-160 KB of shared memory: one per SM
+    if num_splits == 0:
         num_splits = num_splits_heuristic(b * heads * m_blocks, compiled.num_sms(index), n_blocks,
-                                          ctas_per_sm=1 if hopper else 2)
+                                          ctas_per_sm=ctas_per_sm)
     num_splits = max(1, min(num_splits, n_blocks, 128))
     flags = score_flags(left, right, alibi_slopes, softcap)
     if hopper:
-        config = Sm90FwdConfig(traits, kvcache=True, split=num_splits > 1, paged=paged, pack_gqa=pack_gqa, **flags)
+        config = Sm90FwdConfig(traits, kvcache=True, split=num_splits > 1, paged=paged, pack_gqa=pack_gqa,
+                               ctas_per_sm=ctas_per_sm, **flags)
         launch = compiled.sm90_kernel_for(config)
     else:
         config = FwdConfig(traits, **flags, even_k=d == traits.head_dim, paged=paged,
