@@ -743,8 +743,6 @@ def tune_decode(cells=DECODE_TUNE_CELLS):
             r = rows[-1]
             print(f"b{b:3} cache {cache:6} n{block_n:3} ctas/SM {ctas} eager {r['gbs']:6.0f} graph "
                   f"{r['graph_gbs'] or 0:6.0f} GB/s  max diff {r['max_diff']:.2e}", flush=True)
-        del kc, vc
-        torch.cuda.empty_cache()
     return rows
 
 

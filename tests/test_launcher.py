@@ -216,6 +216,31 @@ def test_packed_forwards_on_sm90_default_to_the_hopper_kernel(recorder, monkeypa
     assert [type(x.config) for x in recorder.launches[2:]] == [FwdConfig] * 3
 
 
+def test_paged_packed_forwards_take_the_hopper_kernel_when_asked(recorder, monkeypatch):
+    """With CUTE_FLASH_ARCH_PATH=sm90 a paged packed forward whose pages hold whole key blocks
+    (256 rows; 128-key blocks at d 64) launches the Hopper varlen entry with the pages and the
+    block table; by default, or with pages of 64 rows at d 64, the SM80 kernel."""
+    from cute_flash.kernels.config import FwdConfig
+    from cute_flash.kernels.fwd_sm90 import Sm90FwdConfig
+    from cute_flash.launch import flash_fwd_varlen
+
+    q = torch.randn(9, 4, 64, dtype=torch.bfloat16)
+    cu_q, cu_k = torch.tensor([0, 4, 9], dtype=torch.int32), torch.tensor([0, 300, 700], dtype=torch.int32)
+    opts = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=5, max_seqlen_k=400, softmax_scale=0.5)
+    pages, table = torch.randn(5, 256, 2, 64, dtype=torch.bfloat16), torch.tensor([[3, 1], [0, 4]], dtype=torch.int32)
+    monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", "sm90")
+    out, lse = flash_fwd_varlen(q, pages, pages, block_table=table, causal=True, **opts)
+    (launch,) = recorder.launches
+    assert isinstance(launch.config, Sm90FwdConfig) and launch.config.varlen and launch.config.paged
+    assert launch["mK"] is pages and launch["mV"] is pages and launch["mBlockTable"] is table
+    assert launch["mCuSeqlensK"] is cu_k and launch["mO"].data_ptr() == out.data_ptr() and launch["mLSE"] is lse
+    small = torch.randn(20, 64, 2, 64, dtype=torch.bfloat16)
+    flash_fwd_varlen(q, small, small, block_table=torch.zeros(2, 7, dtype=torch.int32), **opts)
+    monkeypatch.delenv("CUTE_FLASH_ARCH_PATH")
+    flash_fwd_varlen(q, pages, pages, block_table=table, **opts)
+    assert [type(x.config) for x in recorder.launches[1:]] == [FwdConfig] * 2
+
+
 @pytest.mark.parametrize("d, sk, opts, block_m, persistent", [
     (64, 2048, dict(causal=True), 128, True),    # 16 key blocks: persistent under a mask
     (64, 2049, dict(causal=True), 192, True),    # 17: d 64's 192-row tiles, always persistent

@@ -2,7 +2,8 @@
 tables, page sizes from 1 to 1000 (multiples of 16, which take the page-run copy, and any other
 size, which looks each row's page up), smaller and larger than a key block, against the
 reference and bitwise against the same keys stored contiguously (through the SM80 kernel, which
-paged calls take on every GPU)."""
+paged calls take by default on every GPU); and the Hopper kernel's paged varlen entry (opt-in)
+against the reference and its own contiguous calls."""
 import pytest
 import torch
 from hypothesis import given
@@ -58,7 +59,7 @@ def test_paged_matches_reference_and_contiguous(data, hh, d, causal, page_size, 
     out, lse = varlen_attention(q, k_pages, v_pages, cu_q, cu_k, lq, lk, causal=causal, block_table=table)
     assert_matches_reference(out, lse, q, k_pages, v_pages, ref_fn=attention_varlen_ref, cu_seqlens_q=cu_q,
                              cu_seqlens_k=cu_k, block_table=table, causal=causal)
-    with arch_path("sm80"):  # paged calls take the SM80 kernel; contiguous ones the Hopper one on sm_90
+    with arch_path("sm80"):  # paged calls take the SM80 kernel by default; contiguous ones the Hopper one on sm_90
         flat, flat_lse = varlen_attention(q, k, v, cu_q, cu_k, lq, lk, causal=causal)
     assert torch.equal(out, flat) and torch.equal(lse, flat_lse)
 
@@ -81,3 +82,32 @@ def test_paged_modifiers(opts, page_size):
     out, lse = varlen_attention(q, k_pages, v_pages, cu_q, cu_k, lq, lk, block_table=table, **opts)
     assert_matches_reference(out, lse, q, k_pages, v_pages, ref_fn=attention_varlen_ref, cu_seqlens_q=cu_q,
                              cu_seqlens_k=cu_k, block_table=table, **opts)
+
+
+@pytest.mark.parametrize("opts", [
+    dict(), dict(causal=True), dict(window_size=(70, 10)), dict(softcap=15.0), dict(alibi=True, causal=True),
+    dict(seqused=True, causal=True),
+])
+@pytest.mark.parametrize("d, page_size", [(128, 128), (128, 256), (64, 512), (256, 64), (96, 256)])
+def test_hopper_paged_varlen(d, page_size, opts):
+    """Paged varlen on the Hopper kernel's varlen entry (opt-in: `CUTE_FLASH_ARCH_PATH=sm90`
+    selects it on sm_90 GPUs for pages holding whole key blocks, 128 keys up to d 128, 64
+    above): against the reference, and bitwise against the same keys packed contiguously on the
+    same kernel (the key blocks start at each sequence's first key either way; what the last
+    block reads past seqlen_k, another sequence's rows or a page's unused ones, is masked in K
+    and zeroed in V). Sequences of 1 to 600 keys, an empty query row set, GQA 4 / 2."""
+    lq, lk = [1, 100, 0, 257, 33], [300, 1, 5, 129, 600]
+    k_pages, v_pages, table, k, v = paged_cache(lk, page_size, 2, d, torch.bfloat16)
+    q = torch.randn(sum(lq), 4, d, device="cuda", dtype=torch.bfloat16)
+    opts = dict(opts)
+    if opts.pop("alibi", False):
+        opts["alibi_slopes"] = torch.rand(4, device="cuda", dtype=torch.float32)
+    if opts.pop("seqused", False):
+        opts["seqused_k"] = torch.tensor([0, 1, 5, 100, 599], dtype=torch.int32, device="cuda")
+    cu_q, cu_k = cu_seqlens(lq), cu_seqlens(lk)
+    with arch_path("sm90"):
+        out, lse = varlen_attention(q, k_pages, v_pages, cu_q, cu_k, lq, lk, block_table=table, **opts)
+        flat, flat_lse = varlen_attention(q, k, v, cu_q, cu_k, lq, lk, **opts)
+    assert_matches_reference(out, lse, q, k_pages, v_pages, ref_fn=attention_varlen_ref, cu_seqlens_q=cu_q,
+                             cu_seqlens_k=cu_k, block_table=table, **opts)
+    assert torch.equal(out, flat) and torch.equal(lse, flat_lse)

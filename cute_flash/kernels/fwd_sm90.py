@@ -35,7 +35,8 @@ past the sequence's end read the next sequence's rows instead of zeros. Q's extr
 stored and K's extra columns are masked, but P = 0 times a NaN in the next sequence's V is NaN,
 so the consumers zero the V rows past seqlen_k of the last key block (`clear_v_tail`) before its
 P V; O leaves through a row-predicated copy out of shared memory, since a TMA box past the
-sequence's end would overwrite the next sequence's rows.
+sequence's end would overwrite the next sequence's rows. Keys may lie in pages of a multiple of
+block_n rows through a block table (`paged`), read as the KV-cache entry reads them.
 
 KV caches (`call_kvcache`, one CTA per tile, 64-row tiles): key lengths from cache_seqlens and
 the appended rows, V rows past them zeroed as for packed batches (a cache's unused rows may hold
@@ -95,7 +96,7 @@ class Sm90FwdConfig:
     has_seqused_k: bool = False  # packed batches whose key lengths come from seqused_k
     kvcache: bool = False      # KV caches (call_kvcache): key lengths from cache_seqlens; one CTA per tile
     split: bool = False        # KV caches: split-KV, fp32 partials merged by each tile's last split CTA
-    paged: bool = False        # KV caches in pages of a multiple of block_n rows, through a block table
+    paged: bool = False        # KV caches or packed batches: keys in pages of a multiple of block_n rows
     pack_gqa: bool = False     # KV caches, one query row: the GQA group folded into rows (kernels/gqa_fold.py)
     ctas_per_sm: int = 1       # KV caches: 2 fits two CTAs an SM (64-key blocks, d <= 128); tuning only for now
 
@@ -108,8 +109,10 @@ class Sm90FwdConfig:
             raise ValueError("seqused_k belongs to packed batches (varlen)")
         if self.kvcache and self.has_dropout:
             raise ValueError("KV-cache calls have no dropout")
-        if (self.split or self.paged or self.pack_gqa) and not self.kvcache:
-            raise ValueError("split-KV, paging and the GQA fold belong to KV caches (kvcache)")
+        if (self.split or self.pack_gqa) and not self.kvcache:
+            raise ValueError("split-KV and the GQA fold belong to KV caches (kvcache)")
+        if self.paged and not (self.kvcache or self.varlen):
+            raise ValueError("paged keys belong to KV caches (kvcache) or packed batches (varlen)")
         if self.ctas_per_sm not in (1, 2):
             raise ValueError("ctas_per_sm is 1 or 2")
         if self.ctas_per_sm == 2 and not (self.kvcache and self.traits.warpgroups == 1
@@ -188,6 +191,7 @@ class Sm90Varlen:
     mSeqUsedK: object         # (batch,) int32 key lengths overriding the prefix sums', or None
     max_seqlen_q: object      # Int32: the grid covers its query blocks
     mO: cute.Tensor           # (total_q, heads, d)
+    mBlockTable: object       # (batch, max_blocks) int32: keys in pages (`Sm90FwdConfig.paged`), or None
 
 
 @dataclass(frozen=True)
@@ -346,16 +350,19 @@ class FlashFwdSm90:
 
     @cute.jit
     def call_varlen(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
-                    mAlibi, mRng, mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, mSeqUsedK,
+                    mAlibi, mRng, mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, mSeqUsedK, mBlockTable,
                     max_seqlen_q: cutlass.Int32,
                     scale_log2: cutlass.Float32, score_premul: cutlass.Float32, alibi_div: cutlass.Float32,
                     window_left: cutlass.Int32, window_right: cutlass.Int32, stream):
-        """Packed batches: mQ / mO (total_q, heads, d), mK / mV (total_k, heads_k, d), mLSE
-        (heads, total_q) fp32, int32 prefix sums mCuSeqlens* (batch + 1,), mSeqUsedK (batch,)
-        int32 key lengths or None; one CTA per tile of max_seqlen_q's query blocks, those past a
-        sequence's end storing nothing."""
+        """Packed batches, with the SM80 kernel's `call_varlen` parameters: mQ / mO (total_q,
+        heads, d), mK / mV (total_k, heads_k, d), or pages (num_pages, page_size, heads_k, d)
+        with mBlockTable (batch, max_blocks) int32 (`Sm90FwdConfig.paged`; page_size a multiple
+        of block_n; the prefix sums of the keys then only give lengths), mLSE (heads, total_q)
+        fp32, int32 prefix sums mCuSeqlens* (batch + 1,), mSeqUsedK (batch,) int32 key lengths
+        or None; one CTA per tile of max_seqlen_q's query blocks, those past a sequence's end
+        storing nothing."""
         scalars = Sm90Scalars(scale_log2, score_premul, alibi_div, window_left, window_right, 1)
-        varlen = Sm90Varlen(mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, max_seqlen_q, mO)
+        varlen = Sm90Varlen(mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, max_seqlen_q, mO, mBlockTable)
         self.launch(mQ, mK, mV, mO, mLSE, mAlibi, mRng, None, varlen, None, scalars, 0, stream)
 
     @cute.jit
@@ -486,8 +493,11 @@ class FlashFwdSm90:
         elif cutlass.const_expr(args.varlen is None):
             seq = SeqInfo.make(bidb, args.tma_mQ.shape[0], args.tma_mK.shape[0])
         else:
-            seq = SeqInfo.make(bidb, args.tma_mQ.shape[0], args.tma_mK.shape[0], args.varlen.mCuSeqlensQ,
-                               args.varlen.mCuSeqlensK, args.varlen.mSeqUsedK)
+            rows_k = args.tma_mK.shape[0]  # the packed keys, or what the block table addresses
+            if cutlass.const_expr(cfg.paged):
+                rows_k = args.varlen.mBlockTable.shape[1] * args.tma_mK.shape[0]
+            seq = SeqInfo.make(bidb, args.tma_mQ.shape[0], rows_k, args.varlen.mCuSeqlensQ, args.varlen.mCuSeqlensK,
+                               args.varlen.mSeqUsedK, paged=cfg.paged)
         window = Window(scalars.window_left, scalars.window_right, cfg.has_left, cfg.has_right)
         num_splits = 1
         if cutlass.const_expr(cfg.split):
@@ -611,14 +621,15 @@ class FlashFwdSm90:
     @cute.jit
     def page_source(self, args: Sm90Tensors, tma_atom, tma_mX: cute.Tensor, sX: cute.Tensor, bidh_kv, bidb,
                     n_block):
-        """Paged caches: key block n_block's TMA source, (TMA,), inside its page: table entry
-        n_block * bn // page_size of sequence bidb, clamped into the pages (a bad id reads some
-        page, never outside them). page_size is a multiple of bn (the host checks), so no block
-        crosses a page."""
+        """Paged keys (a cache's or a packed batch's): key block n_block's TMA source, (TMA,),
+        inside its page: table entry n_block * bn // page_size of sequence bidb, clamped into
+        the pages (a bad id reads some page, never outside them). page_size is a multiple of bn
+        (the host checks), so no block crosses a page."""
         bn, d = self.t.block_n, self.t.head_dim
         page_size = tma_mX.shape[0]
         row = n_block * bn
-        page = clamp(args.cache.mBlockTable[bidb, row // page_size], 0, tma_mX.shape[3] - 1)
+        table = args.varlen.mBlockTable if args.cache is None else args.cache.mBlockTable
+        page = clamp(table[bidb, row // page_size], 0, tma_mX.shape[3] - 1)
         gX = cute.local_tile(tma_mX[None, None, bidh_kv, page], (bn, d), (None, 0))  # (bn, d, page_size / bn)
         _, tXgX = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2),
                                         cute.group_modes(gX, 0, 2))  # (TMA, page_size / bn)

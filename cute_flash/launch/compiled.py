@@ -174,12 +174,13 @@ def compile_fwd_sm90(config: Sm90FwdConfig, arch: int | None = 90, extra_options
     dense entry, `call_varlen` for packed batches or `call_kvcache` for KV caches."""
     dtype = element_type(config.traits)
     kernel = FlashFwdSm90(config)
-    if config.varlen:
-        args = [fake_tensor(dtype, 3, ALIGN, COPY_BYTES) for _ in range(4)] + [
+    if config.varlen:  # keys packed (total_k, heads_k, d) or in pages (num_pages, page_size, heads_k, d)
+        kv_rank = 4 if config.paged else 3
+        args = [fake_tensor(dtype, r, ALIGN, COPY_BYTES) for r in (3, kv_rank, kv_rank, 3)] + [
             fake_tensor(cutlass.Float32, 2), fake_tensor(cutlass.Float32, 2) if config.has_alibi else None,
             fake_tensor(cutlass.Uint32, 1) if config.has_dropout else None, fake_tensor(cutlass.Int32, 1),
             fake_tensor(cutlass.Int32, 1), fake_tensor(cutlass.Int32, 1) if config.has_seqused_k else None,
-            1, 1.0, 1.0, 1.0, -1, -1, fake_stream()]
+            fake_tensor(cutlass.Int32, 2) if config.paged else None, 1, 1.0, 1.0, 1.0, -1, -1, fake_stream()]
         return compile_tvm_ffi(kernel.call_varlen, args, arch, extra_options)
     if config.kvcache:
         split = [fake_tensor(cutlass.Float32, 5, ALIGN, COPY_BYTES, last_extent=config.traits.head_dim),
@@ -289,14 +290,15 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
     full: every shipped traits (layouts.hopper.shipped_hopper_traits) times every score-flag
     combination, in each schedule `prefers_persistent` can choose for it (dropout not on
     192-row tiles, which the launcher does not give it), the packed-batch entry of every
-    128-row traits with and without seqused_k, and the KV-cache entry of every bucket and dtype
-    with every score flag but dropout, split and not, paged and not, GQA-folded and not (the
-    fold without window edges or ALiBi). Otherwise the CI subset:
-    every bucket in bf16 with a causal edge (the persistent variant where it fits, so both
-    schedules compile), d 64's 192-row tiles likewise, d 128 in fp16, d 128 with every score
-    flag on, dropout at d 64 (causal, one CTA per tile) and d 128 (persistent), packed batches
-    (d 128 causal, d 96 with seqused_k, d 64 fp16 with every flag) and KV caches (d 128 plain,
-    d 64 split with softcap, d 128 split, paged and GQA-folded, d 256 fp16 with every flag)."""
+    128-row traits with and without seqused_k, paged and not, and the KV-cache entry of every
+    bucket and dtype with every score flag but dropout, split and not, paged and not,
+    GQA-folded and not (the fold without window edges or ALiBi). Otherwise the CI subset: every
+    bucket in bf16 with a causal edge (the persistent variant where it fits, so both schedules
+    compile), d 64's 192-row tiles likewise, d 128 in fp16, d 128 with every score flag on,
+    dropout at d 64 (causal, one CTA per tile) and d 128 (persistent), packed batches (d 128
+    causal, d 96 with seqused_k, d 64 fp16 with every flag, d 128 causal over pages) and KV
+    caches (d 128 plain, d 64 split with softcap, d 128 split, paged and GQA-folded, d 256 fp16
+    with every flag)."""
     from layouts.hopper import (choose_hopper_cache_traits, choose_hopper_traits, shipped_hopper_cache_traits,
                                 shipped_hopper_traits)
 
@@ -312,7 +314,8 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
                 if Sm90FwdConfig.fits_persistent(t):
                     out.append(Sm90FwdConfig(t, persistent=True, **flags))
                 if t.warpgroups != 3:
-                    out += [Sm90FwdConfig(t, varlen=True, has_seqused_k=u, **flags) for u in (False, True)]
+                    out += [Sm90FwdConfig(t, varlen=True, has_seqused_k=u, paged=p, **flags)
+                            for u in (False, True) for p in (False, True)]
         for t in shipped_hopper_cache_traits():
             for bits in itertools.product((False, True), repeat=4):
                 flags = dict(zip(("has_left", "has_right", "has_alibi", "has_softcap"), bits))
@@ -331,6 +334,7 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
                   Sm90FwdConfig(choose_hopper_traits(128, "bf16"), persistent=True, has_dropout=True),
                   Sm90FwdConfig(choose_hopper_traits(128, "bf16"), has_right=True, varlen=True),
                   Sm90FwdConfig(choose_hopper_traits(96, "bf16"), varlen=True, has_seqused_k=True),
+                  Sm90FwdConfig(choose_hopper_traits(128, "bf16"), has_right=True, varlen=True, paged=True),
                   Sm90FwdConfig(choose_hopper_traits(64, "fp16"), has_left=True, has_alibi=True, has_softcap=True,
                                 has_dropout=True, varlen=True),
                   Sm90FwdConfig(choose_hopper_cache_traits(128, "bf16"), kvcache=True),

@@ -84,6 +84,14 @@ def takes_hopper_path(index: int) -> bool:
     return os.environ.get("CUTE_FLASH_ARCH_PATH") != "sm80" and compiled.device_arch(index) == 90
 
 
+def takes_hopper_paged_varlen(index: int) -> bool:
+    """Packed batches over paged keys take the Hopper kernel's varlen entry (pages of a multiple
+    of its key block) only when `CUTE_FLASH_ARCH_PATH=sm90` asks for it, until its GPU tests
+    have run: the entry compiles (`Sm90FwdConfig.paged` with `varlen`) but has not run on a GPU.
+    Otherwise they take the SM80 kernel."""
+    return os.environ.get("CUTE_FLASH_ARCH_PATH") == "sm90" and compiled.device_arch(index) == 90
+
+
 def flash_fwd(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1), softcap=0.0,
               alibi_slopes=None, traits: FwdTraits | None = None, dropout: DropoutArgs | None = None):
     """Dense forward: q (b, sq, h, d), k/v (b, sk, hk, d); returns (out, lse (b, h, sq)).
@@ -116,18 +124,20 @@ def flash_fwd_varlen(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     """Packed-batch forward: q (total_q, h, d), k/v (total_k, hk, d) or pages (num_blocks,
     page_size, hk, d) through block_table; returns (out (total_q, h, d), lse (h, total_q)).
     Dropout's rows and columns count from each sequence's start. On sm_90 contiguous keys take
-    the Hopper kernel (`takes_hopper_path`), pages the SM80 one."""
+    the Hopper kernel (`takes_hopper_path`), pages the SM80 one unless `takes_hopper_paged_varlen`
+    and the pages hold whole key blocks of the Hopper kernel."""
     total_q, h, d = q.shape
     paged = block_table is not None
     q, softmax_scale, _ = positive_scale(q, softmax_scale)
     index = device_index(q.device)
-    if not paged and takes_hopper_path(index):
-        from cute_flash.launch.hopper import flash_fwd_varlen_sm90
+    if takes_hopper_path(index) and (not paged or takes_hopper_paged_varlen(index)):
+        from cute_flash.launch.hopper import flash_fwd_varlen_sm90, hopper_pages_fit
 
-        return flash_fwd_varlen_sm90(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                                     max_seqlen_q=max_seqlen_q, softmax_scale=softmax_scale, causal=causal,
-                                     window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                                     seqused_k=seqused_k, dropout=dropout)
+        if not paged or hopper_pages_fit(q, k):
+            return flash_fwd_varlen_sm90(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                         max_seqlen_q=max_seqlen_q, softmax_scale=softmax_scale, causal=causal,
+                                         window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                                         seqused_k=seqused_k, block_table=block_table, dropout=dropout)
     q, k, v = aligned(q), aligned(k), aligned(v)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((h, total_q), dtype=torch.float32, device=q.device)

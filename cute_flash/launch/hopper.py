@@ -6,7 +6,9 @@ cache_leftpad, in one row a sequence or in pages of a multiple of its key block 
 `kvcache.py` through the SM80 KV-cache kernel's parameters, split-KV included). It leads the
 SM80 kernel on the forward grid, the packed batch of the varlen bench and the large decode
 cells (docs/perf.md). `CUTE_FLASH_ARCH_PATH=sm80` selects the SM80 kernel instead. Paged varlen
-calls take the SM80 kernel on every GPU; docs/perf.md lists these fall backs and why.
+calls take the SM80 kernel unless `CUTE_FLASH_ARCH_PATH=sm90` asks for the Hopper varlen entry
+over pages (`dense.takes_hopper_paged_varlen`, not yet run on a GPU); docs/perf.md lists these
+fall backs and why.
 """
 from __future__ import annotations
 
@@ -84,12 +86,19 @@ def flash_fwd_sm90(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1)
     return (out if out.shape[-1] == d else out[..., :d]), lse
 
 
+def hopper_pages_fit(q, k_pages) -> bool:
+    """Pages (num_pages, page_size, hk, d) the Hopper kernel reads by key block: page_size a
+    multiple of its key block (128 rows up to d 128, 64 above), so no TMA box spans pages."""
+    return k_pages.shape[1] % choose_hopper_traits(q.shape[-1], compiled.DTYPE_NAMES[q.dtype]).block_n == 0
+
+
 def flash_fwd_varlen_sm90(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale, causal=False,
-                          window_size=(-1, -1), softcap=0.0, alibi_slopes=None, seqused_k=None,
+                          window_size=(-1, -1), softcap=0.0, alibi_slopes=None, seqused_k=None, block_table=None,
                           dropout: DropoutArgs | None = None):
-    """Packed batches on the Hopper kernel: q (total_q, h, d), k/v (total_k, hk, d), int32
-    prefix sums, seqused_k (batch,) int32 key lengths or None; returns (out (total_q, h, d),
-    lse (h, total_q)) as `flash_fwd_varlen` does.
+    """Packed batches on the Hopper kernel: q (total_q, h, d), k/v (total_k, hk, d) or pages
+    (num_pages, page_size, hk, d) through block_table (`hopper_pages_fit`), int32 prefix sums,
+    seqused_k (batch,) int32 key lengths or None; returns (out (total_q, h, d), lse (h,
+    total_q)) as `flash_fwd_varlen` does.
     One CTA per tile (the persistent schedule's tile numbering assumes equal lengths), and
     128-row tiles at every d (192-row ones ran at half speed with one CTA per tile)."""
     total_q, h, d = q.shape
@@ -98,11 +107,11 @@ def flash_fwd_varlen_sm90(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     lse = torch.empty((h, total_q), dtype=torch.float32, device=q.device)
     left, right = window_edges(causal, window_size)
     config = Sm90FwdConfig(choose_hopper_traits(q.shape[-1], compiled.DTYPE_NAMES[q.dtype]), varlen=True,
-                           has_seqused_k=seqused_k is not None,
+                           has_seqused_k=seqused_k is not None, paged=block_table is not None,
                            **score_flags(left, right, alibi_slopes, softcap, dropout))
     cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     seqused = None if seqused_k is None else seqused_k.contiguous()
     compiled.sm90_kernel_for(config)(q, k, v, out, lse, alibi_2d(alibi_slopes, cu_seqlens_q.shape[0] - 1, h),
-                                     rng_of(dropout, q.device), cu_seqlens_q, cu_seqlens_k, seqused, max_seqlen_q,
-                                     *scales(softmax_scale, softcap), left, right)
+                                     rng_of(dropout, q.device), cu_seqlens_q, cu_seqlens_k, seqused, block_table,
+                                     max_seqlen_q, *scales(softmax_scale, softcap), left, right)
     return (out if out.shape[-1] == d else out[..., :d]), lse
