@@ -77,10 +77,12 @@ def alibi_2d(alibi_slopes, batch, nheads):
 
 
 def takes_hopper_path(index: int) -> bool:
-    """Dense forwards and packed batches over contiguous keys on sm_90 GPUs take the Hopper
-    kernel (launch/hopper.py) unless `CUTE_FLASH_ARCH_PATH=sm80` selects the SM80 kernel, which
-    every other GPU runs (a packed batch measured 602 / 527 TFLOP/s on the Hopper kernel against
-    367 / 338 on the SM80 one, non-causal / causal, H200, docs/perf.md)."""
+    """Dense forwards, packed batches over contiguous keys and KV caches (those the Hopper entry
+    takes, launch/kvcache.py) on sm_90 GPUs take the Hopper kernel (launch/hopper.py) unless
+    `CUTE_FLASH_ARCH_PATH=sm80` selects the SM80 kernel, which every other GPU runs (a packed
+    batch measured 602 / 527 TFLOP/s on the Hopper kernel against 367 / 338 on the SM80 one,
+    non-causal / causal; decode 1.03-1.16x the SM80 kernel except at 1k-key caches; H200,
+    docs/perf.md)."""
     return os.environ.get("CUTE_FLASH_ARCH_PATH") != "sm80" and compiled.device_arch(index) == 90
 
 
