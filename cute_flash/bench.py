@@ -727,7 +727,6 @@ def tune_decode(cells=DECODE_TUNE_CELLS):
         shipped = None
         for block_n, ctas in DECODE_TUNE_CANDIDATES:
             variant = dict(traits=HopperTileTraits(d, 64, block_n, "bf16"), ctas_per_sm=ctas)
-
             key = ("tune_decode", b, cache, block_n, ctas)  # the call's setup is kept under it, as a decode loop's
 
             def run():
