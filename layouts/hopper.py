@@ -80,8 +80,7 @@ def choose_hopper_cache_traits(head_dim: int, dtype: str = "bf16") -> HopperTile
     the H200 64-row tiles streamed K / V at 4427-4551 GB/s against 4199-4293 for 128-row ones
     (d 128, 4 query heads per kv head, batch 32-64, 8k-128k keys; docs/perf.md, "The Hopper
     forward on decode cells")."""
-    return HopperTileTraits(head_dim_bucket(head_dim), WGMMA_M, 128 if head_dim_bucket(head_dim) <= 128 else 64,
-                            dtype)
+    return HopperTileTraits(head_dim_bucket(head_dim), WGMMA_M, choose_hopper_traits(head_dim, dtype).block_n, dtype)
 
 
 def shipped_hopper_traits() -> list[HopperTileTraits]:

@@ -484,18 +484,15 @@ class FlashFwdSm90:
         """The tile of query block m_block of (bidb, bidh): its key blocks (none past a packed
         sequence's end; a split's share of them)."""
         cfg, t = self.config, self.t
+        rows_k = args.tma_mK.shape[0]  # the keys, packed keys or a cache row's capacity
+        if cutlass.const_expr(cfg.paged):
+            rows_k = self.block_table(args).shape[1] * rows_k  # what the block table addresses
         if cutlass.const_expr(args.cache is not None):
-            rows_k = args.tma_mK.shape[0]  # a cache row's capacity, or what the block table addresses
-            if cutlass.const_expr(cfg.paged):
-                rows_k = args.cache.mBlockTable.shape[1] * args.tma_mK.shape[0]
             seq = SeqInfo.make(bidb, args.tma_mQ.shape[0], rows_k, mSeqUsedK=args.cache.mSeqlensK,
                                k_extra=args.cache.k_extra)
         elif cutlass.const_expr(args.varlen is None):
-            seq = SeqInfo.make(bidb, args.tma_mQ.shape[0], args.tma_mK.shape[0])
+            seq = SeqInfo.make(bidb, args.tma_mQ.shape[0], rows_k)
         else:
-            rows_k = args.tma_mK.shape[0]  # the packed keys, or what the block table addresses
-            if cutlass.const_expr(cfg.paged):
-                rows_k = args.varlen.mBlockTable.shape[1] * args.tma_mK.shape[0]
             seq = SeqInfo.make(bidb, args.tma_mQ.shape[0], rows_k, args.varlen.mCuSeqlensQ, args.varlen.mCuSeqlensK,
                                args.varlen.mSeqUsedK, paged=cfg.paged)
         window = Window(scalars.window_left, scalars.window_right, cfg.has_left, cfg.has_right)
@@ -628,12 +625,16 @@ class FlashFwdSm90:
         bn, d = self.t.block_n, self.t.head_dim
         page_size = tma_mX.shape[0]
         row = n_block * bn
-        table = args.varlen.mBlockTable if args.cache is None else args.cache.mBlockTable
-        page = clamp(table[bidb, row // page_size], 0, tma_mX.shape[3] - 1)
+        page = clamp(self.block_table(args)[bidb, row // page_size], 0, tma_mX.shape[3] - 1)
         gX = cute.local_tile(tma_mX[None, None, bidh_kv, page], (bn, d), (None, 0))  # (bn, d, page_size / bn)
         _, tXgX = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2),
                                         cute.group_modes(gX, 0, 2))  # (TMA, page_size / bn)
         return tXgX[None, (row - (row // page_size) * page_size) // bn]
+
+    @staticmethod
+    def block_table(args: Sm90Tensors) -> cute.Tensor:
+        """Paged keys' (batch, max_blocks) int32 block table: the KV cache's or the packed batch's."""
+        return args.varlen.mBlockTable if args.cache is None else args.cache.mBlockTable
 
     @staticmethod
     def rows(tma_mX: cute.Tensor, start, bidh, bidb) -> cute.Tensor:

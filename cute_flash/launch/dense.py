@@ -132,10 +132,10 @@ def flash_fwd_varlen(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     paged = block_table is not None
     q, softmax_scale, _ = positive_scale(q, softmax_scale)
     index = device_index(q.device)
-    if takes_hopper_path(index) and (not paged or takes_hopper_paged_varlen(index)):
+    if takes_hopper_path(index):
         from cute_flash.launch.hopper import flash_fwd_varlen_sm90, hopper_pages_fit
 
-        if not paged or hopper_pages_fit(q, k):
+        if not paged or (takes_hopper_paged_varlen(index) and hopper_pages_fit(q, k)):
             return flash_fwd_varlen_sm90(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                                          max_seqlen_q=max_seqlen_q, softmax_scale=softmax_scale, causal=causal,
                                          window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
