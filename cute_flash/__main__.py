@@ -1,4 +1,4 @@
-"""`python -m cute_flash [compile|check|bench|overhead|coldstart|traincheck|tune|memcheck]`.
+"""`python -m cute_flash [compile|check|bench|overhead|coldstart|traincheck|tune|memcheck|occupancy]`.
 
 With no command: on a machine with a GPU, `check` then `bench`; without one, compile-only mode:
 `compile` (the CI set of kernel variants for sm_80 and sm_90a, into the compile cache, with
@@ -331,6 +331,9 @@ def main(argv=None):
     m = sub.add_parser("memcheck", help="the GPU suite under compute-sanitizer memcheck (GPU); "
                                         "other arguments go to pytest (default: tests)")
     m.add_argument("--jobs", type=int, default=1, help="sanitized pytest processes, spread over the GPUs")
+    o = sub.add_parser("occupancy", help="achieved occupancy, registers, time and throughput of representative "
+                                         "calls' kernels under Nsight Compute (GPU, ncu)")
+    o.add_argument("--case", default=None, help=argparse.SUPPRESS)  # the child ncu profiles
     args, extra = p.parse_known_args(argv)
     if extra and args.cmd != "memcheck":
         p.error(f"unrecognized arguments: {' '.join(extra)}")
@@ -371,6 +374,13 @@ def main(argv=None):
         cmd_coldstart()
     elif cmd == "memcheck":
         return cmd_memcheck(extra, args.jobs)
+    elif cmd == "occupancy":
+        from cute_flash import occupancy
+
+        if args.case is not None:
+            occupancy.profile_case(args.case)
+            return 0
+        return occupancy.main()
     elif cmd == "traincheck":
         from cute_flash.train_check import main as traincheck
 

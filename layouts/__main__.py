@@ -121,7 +121,7 @@ def print_hopper_report() -> bool:
     widths = [30, WIDTHS["smem"], WIDTHS["fits"], WIDTHS["bij"], 12, 12, 10, 8]
     print(_row(header, widths), flush=True)
     rows = []
-    for t in shipped_hopper_traits() + shipped_hopper_cache_traits():
+    for t in shipped_hopper_traits() + shipped_hopper_cache_traits() + shipped_hopper_cache_traits(2):
         r = verify_hopper.report(t)
         rows.append(r)
         smem, p = r["smem"], r["p_operand"]

@@ -59,6 +59,7 @@ class HopperTileTraits:
 
 
 TALL_D64_MIN_SEQLEN_K = 2049  # d 64 takes 192-row tiles past 16 key blocks of 128
+TWO_CTAS_MAX_HEAD_DIM = 128   # the KV-cache entry's two-CTAs-an-SM tiles: ptxas spilled 0 B at d 64 / 128
 
 
 @functools.lru_cache(maxsize=None)
@@ -74,12 +75,15 @@ def choose_hopper_traits(head_dim: int, dtype: str = "bf16", long_keys: bool = F
     return HopperTileTraits(d, 128, 128 if d <= 128 else 64, dtype)
 
 
-def choose_hopper_cache_traits(head_dim: int, dtype: str = "bf16") -> HopperTileTraits:
+def choose_hopper_cache_traits(head_dim: int, dtype: str = "bf16", ctas_per_sm: int = 1) -> HopperTileTraits:
     """The KV-cache entry's tiles: 64 query rows (one consumer warpgroup), keys as
     `choose_hopper_traits`. Decode rows are few (seqlen_q, or the GQA group when folded): on
     the H200 64-row tiles streamed K / V at 4427-4551 GB/s against 4199-4293 for 128-row ones
     (d 128, 4 query heads per kv head, batch 32-64, 8k-128k keys; docs/perf.md, "The Hopper
-    forward on decode cells")."""
+    forward on decode cells"). Two CTAs an SM (`TWO_CTAS_MAX_HEAD_DIM` at most) take 64-key
+    blocks, so that two fit in an SM's shared memory."""
+    if ctas_per_sm == 2:
+        return HopperTileTraits(head_dim_bucket(head_dim), WGMMA_M, 64, dtype)
     return HopperTileTraits(head_dim_bucket(head_dim), WGMMA_M, choose_hopper_traits(head_dim, dtype).block_n, dtype)
 
 
@@ -88,9 +92,11 @@ def shipped_hopper_traits() -> list[HopperTileTraits]:
                               for long_keys in (False, True)))
 
 
-def shipped_hopper_cache_traits() -> list[HopperTileTraits]:
-    """The KV-cache entry's traits (`choose_hopper_cache_traits`), every bucket and dtype."""
-    return [choose_hopper_cache_traits(d, dt) for d in HEAD_DIM_BUCKETS for dt in DTYPES]
+def shipped_hopper_cache_traits(ctas_per_sm: int = 1) -> list[HopperTileTraits]:
+    """The KV-cache entry's traits (`choose_hopper_cache_traits`), every bucket and dtype (up to
+    `TWO_CTAS_MAX_HEAD_DIM` for two CTAs an SM)."""
+    dims = HEAD_DIM_BUCKETS if ctas_per_sm == 1 else [d for d in HEAD_DIM_BUCKETS if d <= TWO_CTAS_MAX_HEAD_DIM]
+    return [choose_hopper_cache_traits(d, dt, ctas_per_sm) for d in dims for dt in DTYPES]
 
 
 def smem_layout(traits: HopperTileTraits, rows: int):

@@ -268,3 +268,41 @@ def test_hopper_paged_cache(d, page_size, num_splits, hopper_cache_entry):
     (128 keys up to d 128, 64 above: two blocks a page at d 256), ragged lengths, an empty
     cache, a decode step with rotary."""
     run_case(3, 1, 8, 2, d, torch.bfloat16, 1024, [0, 77, 1022], 1, num_splits, page_size, rotary=(64, True))
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("num_splits", [0, 1])
+@pytest.mark.parametrize("d", [64, 128])
+def test_hopper_two_ctas_per_sm(d, num_splits, paged, hopper_cache_entry):
+    """Decode over 1k-key caches with more tiles than SMs (20 sequences x 8 kv heads, the GQA
+    fold): the Hopper entry at two CTAs an SM (`kvcache.takes_two_ctas_per_sm`, 64 x 64 tiles),
+    ragged lengths, an empty cache, a decode step with rotary, pages of 128 rows."""
+    from cute_flash.launch import compiled, kvcache
+
+    seqlens = [0, 1, 63, 64, 65, 1023, *torch.randint(1, 1024, (14,)).tolist()]
+    run_case(20, 1, 32, 8, d, torch.bfloat16, 1024, seqlens, 1, num_splits, 128 if paged else None,
+             rotary=(d, False))
+    if compiled.device_arch(torch.cuda.current_device()) == 90:
+        assert {call.plan.config.ctas_per_sm for call in kvcache._calls.values()} == {2}
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_hopper_two_ctas_per_sm_split(d, hopper_cache_entry):
+    """The two-CTAs-an-SM tiles split (what `tune --decode` runs for one and eight sequences):
+    4 splits, merged by the last split CTA of each tile, against the reference; unused cache
+    rows hold NaN."""
+    from cute_flash.launch.kvcache import flash_fwd_kvcache
+    from layouts.hopper import choose_hopper_cache_traits
+
+    seqlens = torch.tensor([700, 0, 1024], dtype=torch.int32, device="cuda")
+    k_cache, v_cache = (torch.randn(3, 1024, 2, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    clean = k_cache.clone(), v_cache.clone()
+    k_cache[0, 700:], v_cache[0, 700:] = float("nan"), float("nan")
+    clean[0][0, 700:], clean[1][0, 700:] = 0.0, 0.0
+    q = torch.randn(3, 1, 8, d, device="cuda", dtype=torch.bfloat16)
+    variant = dict(traits=choose_hopper_cache_traits(d, "bf16", ctas_per_sm=2), ctas_per_sm=2)
+    poison_allocator()
+    out, lse = flash_fwd_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, softmax_scale=d ** -0.5,
+                                 num_splits=4, hopper_variant=variant)
+    torch.cuda.synchronize()
+    assert_matches_reference(out, lse, q, *clean, ref_fn=_ref_with(None, None), cache_seqlens=seqlens)

@@ -216,10 +216,10 @@ def test_packed_forwards_on_sm90_default_to_the_hopper_kernel(recorder, monkeypa
     assert [type(x.config) for x in recorder.launches[2:]] == [FwdConfig] * 3
 
 
-def test_paged_packed_forwards_take_the_hopper_kernel_when_asked(recorder, monkeypatch):
-    """With CUTE_FLASH_ARCH_PATH=sm90 a paged packed forward whose pages hold whole key blocks
-    (256 rows; 128-key blocks at d 64) launches the Hopper varlen entry with the pages and the
-    block table; by default, or with pages of 64 rows at d 64, the SM80 kernel."""
+def test_paged_packed_forwards_take_the_hopper_kernel(recorder, monkeypatch):
+    """A paged packed forward whose pages hold whole key blocks (256 rows; 128-key blocks at d
+    64) launches the Hopper varlen entry with the pages and the block table; with pages of 64
+    rows at d 64, or with CUTE_FLASH_ARCH_PATH=sm80, the SM80 kernel."""
     from cute_flash.kernels.config import FwdConfig
     from cute_flash.kernels.fwd_sm90 import Sm90FwdConfig
     from cute_flash.launch import flash_fwd_varlen
@@ -228,7 +228,7 @@ def test_paged_packed_forwards_take_the_hopper_kernel_when_asked(recorder, monke
     cu_q, cu_k = torch.tensor([0, 4, 9], dtype=torch.int32), torch.tensor([0, 300, 700], dtype=torch.int32)
     opts = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=5, max_seqlen_k=400, softmax_scale=0.5)
     pages, table = torch.randn(5, 256, 2, 64, dtype=torch.bfloat16), torch.tensor([[3, 1], [0, 4]], dtype=torch.int32)
-    monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", "sm90")
+    monkeypatch.delenv("CUTE_FLASH_ARCH_PATH", raising=False)
     out, lse = flash_fwd_varlen(q, pages, pages, block_table=table, causal=True, **opts)
     (launch,) = recorder.launches
     assert isinstance(launch.config, Sm90FwdConfig) and launch.config.varlen and launch.config.paged
@@ -236,7 +236,7 @@ def test_paged_packed_forwards_take_the_hopper_kernel_when_asked(recorder, monke
     assert launch["mCuSeqlensK"] is cu_k and launch["mO"].data_ptr() == out.data_ptr() and launch["mLSE"] is lse
     small = torch.randn(20, 64, 2, 64, dtype=torch.bfloat16)
     flash_fwd_varlen(q, small, small, block_table=torch.zeros(2, 7, dtype=torch.int32), **opts)
-    monkeypatch.delenv("CUTE_FLASH_ARCH_PATH")
+    monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", "sm80")
     flash_fwd_varlen(q, pages, pages, block_table=table, **opts)
     assert [type(x.config) for x in recorder.launches[1:]] == [FwdConfig] * 2
 
@@ -589,6 +589,31 @@ def test_hopper_variant_overrides_the_cache_tiles(recorder, monkeypatch):
     assert one.config.traits == traits and one.config.ctas_per_sm == 1
     assert two["num_splits"] == num_splits_heuristic(80, 132, 16, ctas_per_sm=2) == 3
     assert one["num_splits"] == num_splits_heuristic(80, 132, 16, ctas_per_sm=1) == 1
+
+
+@pytest.mark.parametrize("b, capacity, d, num_splits, two", [
+    (17, 1024, 128, 0, True),    # 136 tiles > 132 SMs, 1k keys: two CTAs an SM, unsplit
+    (17, 4096, 64, 1, True),     # at the key limit, an explicit single split
+    (16, 1024, 128, 0, False),   # 128 tiles fit one wave of one CTA an SM
+    (17, 4097, 128, 0, False),   # past TWO_CTAS_MAX_KEYS
+    (17, 1024, 160, 0, False),   # past TWO_CTAS_MAX_HEAD_DIM
+    (17, 1024, 128, 2, False),   # an explicit split
+])
+def test_hopper_cache_entry_two_ctas_per_sm_rule(recorder, monkeypatch, b, capacity, d, num_splits, two):
+    """The Hopper entry takes 64 x 64 tiles at two CTAs an SM (`takes_two_ctas_per_sm`) for
+    unsplit decode over short caches whose tiles (b x 8 kv heads, the GQA fold: one 64-row
+    tile each) outnumber the recorder's 132 SMs; otherwise its 64 x 128 tiles, one an SM."""
+    from cute_flash.launch import flash_fwd_kvcache
+    from layouts.hopper import choose_hopper_cache_traits
+
+    q = torch.randn(b, 1, 32, d, dtype=torch.bfloat16)
+    cache = torch.randn(b, capacity, 8, d, dtype=torch.bfloat16)
+    monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", "sm90")
+    flash_fwd_kvcache(q, cache, cache, cache_seqlens=capacity, softmax_scale=0.125, num_splits=num_splits)
+    (launch,) = recorder.launches
+    assert launch.config.ctas_per_sm == (2 if two else 1)
+    assert launch.config.traits == choose_hopper_cache_traits(d, "bf16", ctas_per_sm=2 if two else 1)
+    assert launch["num_splits"] == max(num_splits, 1) and launch.config.pack_gqa
 
 
 @pytest.mark.parametrize("sq, window, alibi", [(2, (-1, -1), False), (1, (8, -1), False), (1, (-1, -1), True)])

@@ -373,8 +373,8 @@ def _swapped_operand_view(acc):
                                                            stride=((1, 4, 2), 4 * n8, 8)))
 
 
-@pytest.mark.parametrize("traits", shipped_hopper_traits() + shipped_hopper_cache_traits(),
-                         ids=lambda t: t.name)
+@pytest.mark.parametrize("traits", [*shipped_hopper_traits(), *shipped_hopper_cache_traits(),
+                                    *shipped_hopper_cache_traits(2)], ids=lambda t: t.name)
 def test_hopper_traits_verify(traits):
     """layouts.verify_hopper on every Hopper forward traits (the KV-cache entry's too): GMMA
     tiles are bijections, stages 1024-byte aligned, the S accumulator serves as P V's A operand

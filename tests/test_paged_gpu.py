@@ -1,15 +1,16 @@
 """Paged KV through `flash_attn_varlen_func(..., block_table=...)` on the GPU: shuffled block
 tables, page sizes from 1 to 1000 (multiples of 16, which take the page-run copy, and any other
 size, which looks each row's page up), smaller and larger than a key block, against the
-reference and bitwise against the same keys stored contiguously (through the SM80 kernel, which
-paged calls take by default on every GPU); and the Hopper kernel's paged varlen entry (opt-in)
-against the reference and its own contiguous calls."""
+reference and bitwise against the same keys stored contiguously on the kernel the paged call
+took (the Hopper varlen entry on sm_90 where pages hold whole key blocks of it, the SM80 kernel
+otherwise); and the Hopper entry's pages against the reference and its own contiguous calls."""
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 from cute_flash.bench import arch_path
+from cute_flash.launch.hopper import hopper_pages_fit
 from cute_flash.reference import attention_varlen_ref
 from tests.gpu_utils import assert_matches_reference, cu_seqlens, gpu_settings, varlen_attention
 
@@ -59,7 +60,8 @@ def test_paged_matches_reference_and_contiguous(data, hh, d, causal, page_size, 
     out, lse = varlen_attention(q, k_pages, v_pages, cu_q, cu_k, lq, lk, causal=causal, block_table=table)
     assert_matches_reference(out, lse, q, k_pages, v_pages, ref_fn=attention_varlen_ref, cu_seqlens_q=cu_q,
                              cu_seqlens_k=cu_k, block_table=table, causal=causal)
-    with arch_path("sm80"):  # paged calls take the SM80 kernel by default; contiguous ones the Hopper one on sm_90
+    # the contiguous keys on the kernel the paged call took
+    with arch_path("sm90" if hopper_pages_fit(q, k_pages) else "sm80"):
         flat, flat_lse = varlen_attention(q, k, v, cu_q, cu_k, lq, lk, causal=causal)
     assert torch.equal(out, flat) and torch.equal(lse, flat_lse)
 
@@ -90,12 +92,12 @@ def test_paged_modifiers(opts, page_size):
 ])
 @pytest.mark.parametrize("d, page_size", [(128, 128), (128, 256), (64, 512), (256, 64), (96, 256)])
 def test_hopper_paged_varlen(d, page_size, opts):
-    """Paged varlen on the Hopper kernel's varlen entry (opt-in: `CUTE_FLASH_ARCH_PATH=sm90`
-    selects it on sm_90 GPUs for pages holding whole key blocks, 128 keys up to d 128, 64
-    above): against the reference, and bitwise against the same keys packed contiguously on the
-    same kernel (the key blocks start at each sequence's first key either way; what the last
-    block reads past seqlen_k, another sequence's rows or a page's unused ones, is masked in K
-    and zeroed in V). Sequences of 1 to 600 keys, an empty query row set, GQA 4 / 2."""
+    """Paged varlen on the Hopper kernel's varlen entry (the sm_90 default for pages holding
+    whole key blocks, 128 keys up to d 128, 64 above): against the reference, and bitwise
+    against the same keys packed contiguously on the same kernel (the key blocks start at each
+    sequence's first key either way; what the last block reads past seqlen_k, another
+    sequence's rows or a page's unused ones, is masked in K and zeroed in V). Sequences of 1
+    to 600 keys, an empty query row set, GQA 4 / 2."""
     lq, lk = [1, 100, 0, 257, 33], [300, 1, 5, 129, 600]
     k_pages, v_pages, table, k, v = paged_cache(lk, page_size, 2, d, torch.bfloat16)
     q = torch.randn(sum(lq), 4, d, device="cuda", dtype=torch.bfloat16)
@@ -105,9 +107,8 @@ def test_hopper_paged_varlen(d, page_size, opts):
     if opts.pop("seqused", False):
         opts["seqused_k"] = torch.tensor([0, 1, 5, 100, 599], dtype=torch.int32, device="cuda")
     cu_q, cu_k = cu_seqlens(lq), cu_seqlens(lk)
-    with arch_path("sm90"):
-        out, lse = varlen_attention(q, k_pages, v_pages, cu_q, cu_k, lq, lk, block_table=table, **opts)
-        flat, flat_lse = varlen_attention(q, k, v, cu_q, cu_k, lq, lk, **opts)
+    out, lse = varlen_attention(q, k_pages, v_pages, cu_q, cu_k, lq, lk, block_table=table, **opts)
+    flat, flat_lse = varlen_attention(q, k, v, cu_q, cu_k, lq, lk, **opts)
     assert_matches_reference(out, lse, q, k_pages, v_pages, ref_fn=attention_varlen_ref, cu_seqlens_q=cu_q,
                              cu_seqlens_k=cu_k, block_table=table, **opts)
     assert torch.equal(out, flat) and torch.equal(lse, flat_lse)

@@ -292,13 +292,14 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
     192-row tiles, which the launcher does not give it), the packed-batch entry of every
     128-row traits with and without seqused_k, paged and not, and the KV-cache entry of every
     bucket and dtype with every score flag but dropout, split and not, paged and not,
-    GQA-folded and not (the fold without window edges or ALiBi). Otherwise the CI subset: every
+    GQA-folded and not (the fold without window edges or ALiBi), at one CTA an SM and (up to
+    `TWO_CTAS_MAX_HEAD_DIM`) two. Otherwise the CI subset: every
     bucket in bf16 with a causal edge (the persistent variant where it fits, so both schedules
     compile), d 64's 192-row tiles likewise, d 128 in fp16, d 128 with every score flag on,
     dropout at d 64 (causal, one CTA per tile) and d 128 (persistent), packed batches (d 128
     causal, d 96 with seqused_k, d 64 fp16 with every flag, d 128 causal over pages) and KV
     caches (d 128 plain, d 64 split with softcap, d 128 split, paged and GQA-folded, d 256 fp16
-    with every flag)."""
+    with every flag, d 128 GQA-folded at two CTAs an SM)."""
     from layouts.hopper import (choose_hopper_cache_traits, choose_hopper_traits, shipped_hopper_cache_traits,
                                 shipped_hopper_traits)
 
@@ -316,13 +317,14 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
                 if t.warpgroups != 3:
                     out += [Sm90FwdConfig(t, varlen=True, has_seqused_k=u, paged=p, **flags)
                             for u in (False, True) for p in (False, True)]
-        for t in shipped_hopper_cache_traits():
-            for bits in itertools.product((False, True), repeat=4):
-                flags = dict(zip(("has_left", "has_right", "has_alibi", "has_softcap"), bits))
-                # the GQA fold only without window edges or ALiBi (launch/kvcache.py)
-                folds = (False,) if flags["has_left"] or flags["has_right"] or flags["has_alibi"] else (False, True)
-                out += [Sm90FwdConfig(t, kvcache=True, split=s, paged=p, pack_gqa=f, **flags)
-                        for s in (False, True) for p in (False, True) for f in folds]
+        for ctas in (1, 2):
+            for t in shipped_hopper_cache_traits(ctas):
+                for bits in itertools.product((False, True), repeat=4):
+                    flags = dict(zip(("has_left", "has_right", "has_alibi", "has_softcap"), bits))
+                    # the GQA fold only without window edges or ALiBi (launch/kvcache.py)
+                    folds = (False,) if flags["has_left"] or flags["has_right"] or flags["has_alibi"] else (False, True)
+                    out += [Sm90FwdConfig(t, kvcache=True, split=s, paged=p, pack_gqa=f, ctas_per_sm=ctas, **flags)
+                            for s in (False, True) for p in (False, True) for f in folds]
         return out
     traits = [choose_hopper_traits(d, "bf16") for d in HEAD_DIM_BUCKETS]
     out = [Sm90FwdConfig(t, persistent=Sm90FwdConfig.fits_persistent(t), has_right=True)
@@ -342,7 +344,9 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
                   Sm90FwdConfig(choose_hopper_cache_traits(128, "bf16"), kvcache=True, split=True, paged=True,
                                 pack_gqa=True),
                   Sm90FwdConfig(choose_hopper_cache_traits(256, "fp16"), has_left=True, has_right=True,
-                                has_alibi=True, has_softcap=True, kvcache=True)]
+                                has_alibi=True, has_softcap=True, kvcache=True),
+                  Sm90FwdConfig(choose_hopper_cache_traits(128, "bf16", ctas_per_sm=2), kvcache=True, pack_gqa=True,
+                                ctas_per_sm=2)]
 
 
 def bwd_variants(arch: int, full: bool = False) -> list:

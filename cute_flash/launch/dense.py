@@ -77,21 +77,13 @@ def alibi_2d(alibi_slopes, batch, nheads):
 
 
 def takes_hopper_path(index: int) -> bool:
-    """Dense forwards, packed batches over contiguous keys and KV caches (those the Hopper entry
-    takes, launch/kvcache.py) on sm_90 GPUs take the Hopper kernel (launch/hopper.py) unless
-    `CUTE_FLASH_ARCH_PATH=sm80` selects the SM80 kernel, which every other GPU runs (a packed
-    batch measured 602 / 527 TFLOP/s on the Hopper kernel against 367 / 338 on the SM80 one,
-    non-causal / causal; decode 1.03-1.16x the SM80 kernel except at 1k-key caches; H200,
-    docs/perf.md)."""
+    """Dense forwards, packed batches (over pages of a multiple of its key block too) and KV
+    caches (those the Hopper entry takes, launch/kvcache.py) on sm_90 GPUs take the Hopper
+    kernel (launch/hopper.py) unless `CUTE_FLASH_ARCH_PATH=sm80` selects the SM80 kernel, which
+    every other GPU runs (a packed batch measured 602 / 527 TFLOP/s on the Hopper kernel against
+    367 / 338 on the SM80 one, non-causal / causal; decode 1.03-1.16x the SM80 kernel except at
+    1k-key caches; H200, docs/perf.md)."""
     return os.environ.get("CUTE_FLASH_ARCH_PATH") != "sm80" and compiled.device_arch(index) == 90
-
-
-def takes_hopper_paged_varlen(index: int) -> bool:
-    """Packed batches over paged keys take the Hopper kernel's varlen entry (pages of a multiple
-    of its key block) only when `CUTE_FLASH_ARCH_PATH=sm90` asks for it, until its GPU tests
-    have run: the entry compiles (`Sm90FwdConfig.paged` with `varlen`) but has not run on a GPU.
-    Otherwise they take the SM80 kernel."""
-    return os.environ.get("CUTE_FLASH_ARCH_PATH") == "sm90" and compiled.device_arch(index) == 90
 
 
 def flash_fwd(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1), softcap=0.0,
@@ -125,9 +117,9 @@ def flash_fwd_varlen(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
                      block_table=None, seqused_k=None, dropout: DropoutArgs | None = None):
     """Packed-batch forward: q (total_q, h, d), k/v (total_k, hk, d) or pages (num_blocks,
     page_size, hk, d) through block_table; returns (out (total_q, h, d), lse (h, total_q)).
-    Dropout's rows and columns count from each sequence's start. On sm_90 contiguous keys take
-    the Hopper kernel (`takes_hopper_path`), pages the SM80 one unless `takes_hopper_paged_varlen`
-    and the pages hold whole key blocks of the Hopper kernel."""
+    Dropout's rows and columns count from each sequence's start. On sm_90 the Hopper kernel
+    (`takes_hopper_path`), for pages when they hold whole key blocks of it (`hopper_pages_fit`);
+    smaller pages take the SM80 kernel."""
     total_q, h, d = q.shape
     paged = block_table is not None
     q, softmax_scale, _ = positive_scale(q, softmax_scale)
@@ -135,7 +127,7 @@ def flash_fwd_varlen(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     if takes_hopper_path(index):
         from cute_flash.launch.hopper import flash_fwd_varlen_sm90, hopper_pages_fit
 
-        if not paged or (takes_hopper_paged_varlen(index) and hopper_pages_fit(q, k)):
+        if not paged or hopper_pages_fit(q, k):
             return flash_fwd_varlen_sm90(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                                          max_seqlen_q=max_seqlen_q, softmax_scale=softmax_scale, causal=causal,
                                          window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,

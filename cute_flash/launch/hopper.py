@@ -1,14 +1,13 @@
 """The Hopper forward (kernels/fwd_sm90.py) on validated CUDA tensors, and when to take it.
 
 The default on sm_90 GPUs (`dense.takes_hopper_path`) for dense forwards, for packed batches
-over contiguous keys (`flash_fwd_varlen_sm90`) and for KV caches without cache_batch_idx or
-cache_leftpad, in one row a sequence or in pages of a multiple of its key block (launched by
-`kvcache.py` through the SM80 KV-cache kernel's parameters, split-KV included). It leads the
-SM80 kernel on the forward grid, the packed batch of the varlen bench and the large decode
-cells (docs/perf.md). `CUTE_FLASH_ARCH_PATH=sm80` selects the SM80 kernel instead. Paged varlen
-calls take the SM80 kernel unless `CUTE_FLASH_ARCH_PATH=sm90` asks for the Hopper varlen entry
-over pages (`dense.takes_hopper_paged_varlen`, not yet run on a GPU); docs/perf.md lists these
-fall backs and why.
+over contiguous keys or pages of a multiple of its key block (`flash_fwd_varlen_sm90`,
+`hopper_pages_fit`) and for KV caches without cache_batch_idx or cache_leftpad, in one row a
+sequence or in pages of a multiple of its key block (launched by `kvcache.py` through the SM80
+KV-cache kernel's parameters, split-KV included). It leads the SM80 kernel on the forward
+grid, the packed batch of the varlen bench and the large decode cells (docs/perf.md).
+`CUTE_FLASH_ARCH_PATH=sm80` selects the SM80 kernel instead; smaller pages take it too, and
+docs/perf.md lists these fall backs and why.
 """
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ from cute_flash.launch import compiled
 from cute_flash.launch.dense import (PAGE_ROWS, alibi_2d, device_index, positive_scale, scales, score_flags,
                                      takes_hopper_path, window_edges)
 from cute_flash.launch.per_stream import per_stream
-from layouts.hopper import choose_hopper_cache_traits
+from layouts.hopper import TWO_CTAS_MAX_HEAD_DIM, choose_hopper_cache_traits
 from layouts.traits import ALIGN, choose_decode_traits, tile_arch
 
 
@@ -122,6 +122,19 @@ def flash_fwd_kvcache(q, k_cache, v_cache, *, k=None, v=None, rotary_cos=None, r
     return out, (lse if return_lse else None)
 
 
+TWO_CTAS_MAX_KEYS = 4096
+
+
+def takes_two_ctas_per_sm(work_ctas: int, num_sms: int, capacity: int, head_dim: int) -> bool:
+    """The Hopper entry at two CTAs an SM (64 x 64 tiles, `Sm90FwdConfig.ctas_per_sm`) for caches
+    of at most `TWO_CTAS_MAX_KEYS` keys whose tiles outnumber the SMs (so no split): one CTA's
+    prologue and merge overlap the other's keys. Measured (H200, d 128, 32 / 8 heads, CUDA
+    graphs, `tune --decode`; docs/perf.md): b32 / 1k 3924 GB/s against 3641 for the shipped
+    64 x 128 tiles, b64 / 1k 4108 against 3922, b32 / 8k 4415 against 4416, b64 / 32k 4478
+    against 4558; where the shipped tiles split (b1 and b8) within -4..+2%."""
+    return work_ctas > num_sms and capacity <= TWO_CTAS_MAX_KEYS and head_dim <= TWO_CTAS_MAX_HEAD_DIM
+
+
 def _kvcache_call(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, softmax_scale,
                   causal, window_size, softcap, alibi_slopes, rotary_cos, num_splits, hopper_variant=None):
     b, sq, h, d = q.shape
@@ -147,10 +160,14 @@ def _kvcache_call(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, 
         hopper = not (paged and k_cache.shape[1] % traits.block_n)
     if not hopper:
         traits = choose_decode_traits(d, compiled.DTYPE_NAMES[q.dtype], tile_arch(compiled.device_arch(index)))
-    # CTAs an SM: the SM80 kernel's 2; the Hopper entry's CTA takes 144-160 KB of shared memory
+    # CTAs an SM: the SM80 kernel's 2; the Hopper entry's CTA takes 144-160 KB of shared memory,
+    # or half an SM's with 64-key blocks (`takes_two_ctas_per_sm`)
     ctas_per_sm = variant.get("ctas_per_sm", 1) if hopper else 2
-    n_blocks = -(-capacity // traits.block_n)
     m_blocks = -(-rows // traits.block_m)
+    if hopper and not variant and num_splits <= 1 and takes_two_ctas_per_sm(
+            b * heads * m_blocks, compiled.num_sms(index), capacity, d):
+        traits, ctas_per_sm = choose_hopper_cache_traits(d, compiled.DTYPE_NAMES[q.dtype], ctas_per_sm=2), 2
+    n_blocks = -(-capacity // traits.block_n)
     if num_splits == 0:
         num_splits = num_splits_heuristic(b * heads * m_blocks, compiled.num_sms(index), n_blocks,
                                           ctas_per_sm=ctas_per_sm)
