@@ -293,13 +293,13 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
     128-row traits with and without seqused_k, paged and not, and the KV-cache entry of every
     bucket and dtype with every score flag but dropout, split and not, paged and not,
     GQA-folded and not (the fold without window edges or ALiBi), at one CTA an SM and (up to
-    `TWO_CTAS_MAX_HEAD_DIM`) two. Otherwise the CI subset: every
-    bucket in bf16 with a causal edge (the persistent variant where it fits, so both schedules
-    compile), d 64's 192-row tiles likewise, d 128 in fp16, d 128 with every score flag on,
-    dropout at d 64 (causal, one CTA per tile) and d 128 (persistent), packed batches (d 128
-    causal, d 96 with seqused_k, d 64 fp16 with every flag, d 128 causal over pages) and KV
-    caches (d 128 plain, d 64 split with softcap, d 128 split, paged and GQA-folded, d 256 fp16
-    with every flag, d 128 GQA-folded at two CTAs an SM)."""
+    `TWO_CTAS_MAX_HEAD_DIM`) two. Otherwise the CI subset: every bucket in bf16 with a causal
+    edge (the persistent variant where it fits, so both schedules compile), d 64's 192-row
+    tiles likewise, d 128 in fp16, d 128 with every score flag on, dropout at d 64 (causal,
+    one CTA per tile) and d 128 (persistent), packed batches (d 128 causal, d 96 with
+    seqused_k, d 64 fp16 with every flag, d 128 causal over pages) and KV caches (d 128 plain,
+    d 64 split with softcap, d 128 split, paged and GQA-folded, d 256 fp16 with every flag,
+    d 128 GQA-folded at two CTAs an SM)."""
     from layouts.hopper import (choose_hopper_cache_traits, choose_hopper_traits, shipped_hopper_cache_traits,
                                 shipped_hopper_traits)
 

@@ -128,10 +128,11 @@ TWO_CTAS_MAX_KEYS = 4096
 def takes_two_ctas_per_sm(work_ctas: int, num_sms: int, capacity: int, head_dim: int) -> bool:
     """The Hopper entry at two CTAs an SM (64 x 64 tiles, `Sm90FwdConfig.ctas_per_sm`) for caches
     of at most `TWO_CTAS_MAX_KEYS` keys whose tiles outnumber the SMs (so no split): one CTA's
-    prologue and merge overlap the other's keys. Measured (H200, d 128, 32 / 8 heads, CUDA
-    graphs, `tune --decode`; docs/perf.md): b32 / 1k 3924 GB/s against 3641 for the shipped
-    64 x 128 tiles, b64 / 1k 4108 against 3922, b32 / 8k 4415 against 4416, b64 / 32k 4478
-    against 4558; where the shipped tiles split (b1 and b8) within -4..+2%."""
+    prologue and merge overlap the other's keys. Measured against the shipped 64 x 128 tiles
+    (H200, d 128, 32 / 8 heads, CUDA graphs, `tune --decode`; docs/perf.md, "Two CTAs an SM
+    for short caches"): 1.33x at 17 sequences of 1k keys (136 tiles: one wave plus 4 CTAs at
+    one an SM), 1.05-1.14x at 24-64 sequences of 1k, 1.01-1.04x at 2k-4k, 1.00 at 8k, 0.98 at
+    32k; where the shipped tiles split (1 and 8 sequences) 0.96-1.02x."""
     return work_ctas > num_sms and capacity <= TWO_CTAS_MAX_KEYS and head_dim <= TWO_CTAS_MAX_HEAD_DIM
 
 
