@@ -529,10 +529,7 @@ def run_decode(batches=DECODE_BATCHES, caches=DECODE_CACHES):
     from cute_flash import flash_attn_with_kvcache
 
     h, hk, d = DECODE_HEADS
-    try:
-        from flash_attn.cute import flash_attn_func as fa4
-    except ImportError:
-        fa4 = None
+    fa4 = fa4_func()
     rows = []
     for b in batches:
         for cache in caches:
@@ -565,12 +562,13 @@ def run_decode(batches=DECODE_BATCHES, caches=DECODE_CACHES):
 
 
 def _fa4_decode(fa4, q, kc, vc):
-    """flash-attn-4 on a decode call as fn() -> out, or None where it is absent or refuses it."""
+    """flash-attn-4 (`fa4_func`) on a decode call as fn() -> out, or None where it is absent or
+    refuses it."""
     if fa4 is None:
         return None
 
     def run():
-        return fa4(q, kc, vc)[0]
+        return fa4(q, kc, vc, False)
 
     try:
         run()

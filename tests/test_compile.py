@@ -219,11 +219,12 @@ def test_hopper_forward_compiles_to_wgmma(config, tmp_path):
 
 @pytest.mark.parametrize("d, split", [(128, True), (64, False)])
 def test_hopper_cache_entry_two_ctas_per_sm(d, split, tmp_path):
-    """The KV-cache entry's two-CTAs-an-SM variant (`Sm90FwdConfig.ctas_per_sm`, tuned by
-    `tune --decode`) asks for two CTAs an SM (PTX .minnctapersm 2), fits in half an SM's shared
-    memory, and ptxas fits it in 128 registers a thread without spilling (the consumer raised
-    to 232 by setmaxnreg). It compiles on a machine without a GPU: the shared-memory carveout
-    is given, so the DSL does not ask the device."""
+    """The KV-cache entry's two-CTAs-an-SM variant (`Sm90FwdConfig.ctas_per_sm`, taken for
+    short caches by `kvcache.takes_two_ctas_per_sm`) asks for two CTAs an SM (PTX
+    .minnctapersm 2), fits in half an SM's shared memory, and ptxas fits it in 128 registers a
+    thread without spilling (the consumer raised to 232 by setmaxnreg). It compiles on a
+    machine without a GPU: the shared-memory carveout is given, so the DSL does not ask the
+    device."""
     from cute_flash.kernels.fwd_sm90 import SMEM_PER_SM, Sm90FwdConfig
     from cute_flash.launch.compiled import compile_fwd_sm90
     from cute_flash.resources import find_ptxas, ptxas_report

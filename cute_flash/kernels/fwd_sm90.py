@@ -98,7 +98,7 @@ class Sm90FwdConfig:
     split: bool = False        # KV caches: split-KV, fp32 partials merged by each tile's last split CTA
     paged: bool = False        # KV caches or packed batches: keys in pages of a multiple of block_n rows
     pack_gqa: bool = False     # KV caches, one query row: the GQA group folded into rows (kernels/gqa_fold.py)
-    ctas_per_sm: int = 1       # KV caches: 2 fits two CTAs an SM (64-key blocks, d <= 128); tuning only for now
+    ctas_per_sm: int = 1       # KV caches: 2 fits two CTAs an SM (64-key blocks, d <= 128; launch/kvcache.py)
 
     def __post_init__(self):
         if (self.varlen or self.kvcache) and self.persistent:
@@ -625,11 +625,12 @@ class FlashFwdSm90:
         bn, d = self.t.block_n, self.t.head_dim
         page_size = tma_mX.shape[0]
         row = n_block * bn
-        page = clamp(self.block_table(args)[bidb, row // page_size], 0, tma_mX.shape[3] - 1)
+        entry = row // page_size  # the block's page in the sequence's table row
+        page = clamp(self.block_table(args)[bidb, entry], 0, tma_mX.shape[3] - 1)
         gX = cute.local_tile(tma_mX[None, None, bidh_kv, page], (bn, d), (None, 0))  # (bn, d, page_size / bn)
         _, tXgX = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2),
                                         cute.group_modes(gX, 0, 2))  # (TMA, page_size / bn)
-        return tXgX[None, (row - (row // page_size) * page_size) // bn]
+        return tXgX[None, (row - entry * page_size) // bn]
 
     @staticmethod
     def block_table(args: Sm90Tensors) -> cute.Tensor:

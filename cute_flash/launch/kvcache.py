@@ -165,13 +165,12 @@ def _kvcache_call(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, 
     # or half an SM's with 64-key blocks (`takes_two_ctas_per_sm`)
     ctas_per_sm = variant.get("ctas_per_sm", 1) if hopper else 2
     m_blocks = -(-rows // traits.block_m)
-    if hopper and not variant and num_splits <= 1 and takes_two_ctas_per_sm(
-            b * heads * m_blocks, compiled.num_sms(index), capacity, d):
+    work_ctas, num_sms = b * heads * m_blocks, compiled.num_sms(index)
+    if hopper and not variant and num_splits <= 1 and takes_two_ctas_per_sm(work_ctas, num_sms, capacity, d):
         traits, ctas_per_sm = choose_hopper_cache_traits(d, compiled.DTYPE_NAMES[q.dtype], ctas_per_sm=2), 2
     n_blocks = -(-capacity // traits.block_n)
     if num_splits == 0:
-        num_splits = num_splits_heuristic(b * heads * m_blocks, compiled.num_sms(index), n_blocks,
-                                          ctas_per_sm=ctas_per_sm)
+        num_splits = num_splits_heuristic(work_ctas, num_sms, n_blocks, ctas_per_sm=ctas_per_sm)
     num_splits = max(1, min(num_splits, n_blocks, 128))
     flags = score_flags(left, right, alibi_slopes, softcap)
     if hopper:
