@@ -194,13 +194,15 @@ def test_hopper_forward_compiles_to_wgmma(config, tmp_path):
     are wgmma, head_dim / 16 + block_n / 16 per key block, each GEMM traced twice (the first S
     and the last P V are peeled off the loop), and it fits in shared memory. Its softmax takes
     row maxima with max.f32, not the slower max.NaN.f32, and rescales O lazily behind a warp
-    vote (docs/perf.md, Hopper step 7). Philox's 32x32 -> 64-bit multiplies appear exactly in
-    the dropout variants. O leaves through TMA stores, except from packed batches, whose rows
-    go out in 128-bit stores behind a row predicate (a box past a sequence would overwrite the
-    next one's), and from split-KV tiles (fp32 partials, merged with plain stores). Packed
-    batches and KV caches zero V rows past seqlen_k behind named barrier 7 (`clear_v_tail`);
-    dense calls never do."""
+    vote (docs/perf.md, Hopper step 7). Philox's 32x32 -> 64-bit multiplies by its round
+    constant appear exactly in the dropout variants (others multiply block indices wide too).
+    O leaves through TMA stores, except from packed batches, whose rows go out in 128-bit
+    stores behind a row predicate (a box past a sequence would overwrite the next one's), and
+    from split-KV tiles (fp32 partials, merged with plain stores). Packed batches and KV
+    caches zero V rows past seqlen_k behind named barrier 7 (`clear_v_tail`); dense calls
+    never do."""
     from cute_flash.launch.compiled import compile_fwd_sm90
+    from cute_flash.philox import M0
 
     assert config.smem_bytes <= SMEM_LIMIT[90]
     compile_fwd_sm90(config, 90, f"--keep-ptx --dump-dir={tmp_path}")
@@ -211,7 +213,7 @@ def test_hopper_forward_compiles_to_wgmma(config, tmp_path):
     assert text.count("wgmma.mma_async") == 2 * (t.head_dim // 16 + t.block_n // 16)
     assert "max.NaN.f32" not in text
     assert "vote.sync.any.pred" in text
-    assert ("mul.wide.u32" in text) == config.has_dropout
+    assert (f", {M0 - (1 << 32)};" in text) == config.has_dropout  # the immediate, as an int32
     assert (".global.shared::cta" in text) == (not config.varlen and not config.split)  # a TMA store
     assert ("st.global.v4" in text) == config.varlen
     assert (re.search(r"bar\.sync\s+7,", text) is not None) == config.clears_v_tail

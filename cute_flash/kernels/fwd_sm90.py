@@ -393,11 +393,15 @@ class FlashFwdSm90:
         args = Sm90Tensors(tma_mQ, tma_mK, tma_mV, tma_mO, mLSE, mAlibi, mRng, mTileCounter, varlen, cache)
         tiles = self.num_tiles(args)
         ctas = cutlass.min(tiles, max_ctas) if cutlass.const_expr(self.config.persistent) else tiles
+        grid = (ctas, 1, 1)
+        if cutlass.const_expr(self.config.kvcache):  # (splits x query blocks, heads, batch): `cache_tile`
+            heads, batch = args.tma_mQ.shape[2], self.batch(args)
+            grid = (tiles // (heads * batch), heads, batch)
         # Two CTAs an SM: the carveout given, the DSL does not ask the device for its shared memory
         # (which a machine without a GPU cannot answer)
         carveout = 100 if self.config.ctas_per_sm == 2 else None
         self.kernel(args, scalars, recipe, SharedStorage).launch(
-            grid=(ctas, 1, 1), block=[self.config.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(),
+            grid=grid, block=[self.config.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(),
             stream=stream, min_blocks_per_mp=self.config.ctas_per_sm, preferred_smem_carveout=carveout)
 
     @cute.kernel
@@ -480,6 +484,17 @@ class FlashFwdSm90:
         return self.tile_at(args, scalars, m_blocks - 1 - r // in_section, pair % heads, pair // heads, split_idx)
 
     @cute.jit
+    def cache_tile(self, args: Sm90Tensors, scalars: Sm90Scalars) -> Tile:
+        """KV caches: the CTA's tile from its 3-D block index (split fastest, then query block;
+        head; batch), one division where `tile` takes six."""
+        bx, bidh, bidb = cute.arch.block_idx()
+        split_idx, m_block = 0, bx
+        if cutlass.const_expr(self.config.split):
+            m_block = bx // args.cache.split.num_splits
+            split_idx = bx - m_block * args.cache.split.num_splits
+        return self.tile_at(args, scalars, m_block, bidh, bidb, split_idx)
+
+    @cute.jit
     def tile_at(self, args: Sm90Tensors, scalars: Sm90Scalars, m_block, bidh, bidb, split_idx=0) -> Tile:
         """The tile of query block m_block of (bidb, bidh): its key blocks (none past a packed
         sequence's end; a split's share of them)."""
@@ -530,7 +545,9 @@ class FlashFwdSm90:
         bidx, _, _ = cute.arch.block_idx()
         ctas, _, _ = cute.arch.grid_dim()
         heads = args.tma_mQ.shape[2]
-        if cutlass.const_expr(not self.config.persistent):
+        if cutlass.const_expr(self.config.kvcache):
+            self.produce_tile(args, recipe, pipes, sQ, sK, sV, self.cache_tile(args, scalars), bidx, heads, 0, 0)
+        elif cutlass.const_expr(not self.config.persistent):
             self.produce_tile(args, recipe, pipes, sQ, sK, sV, self.tile(args, scalars, bidx), bidx, heads, 0, 0)
         else:
             tiles = self.num_tiles(args)
@@ -679,8 +696,9 @@ class FlashFwdSm90:
         if cutlass.const_expr(not self.config.persistent):
             bidx, _, _ = cute.arch.block_idx()
             ctas, _, _ = cute.arch.grid_dim()
-            # One trip (grid = tiles). Written without the loop, ptxas spilled 68 B at d 128 causal.
-            for _ in cutlass.range(bidx, self.num_tiles(args), ctas, unroll=1):
+            tiles = ctas if cutlass.const_expr(self.config.kvcache) else self.num_tiles(args)  # grid x = tiles
+            # One trip. Written without the loop, ptxas spilled 68 B at d 128 causal.
+            for _ in cutlass.range(bidx, tiles, ctas, unroll=1):
                 cute.arch.mbarrier_wait(pipes.q_full, 0)
                 consume(self.announced(args, scalars, pipes), mma_tidx, 0)
         else:
