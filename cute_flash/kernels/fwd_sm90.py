@@ -745,7 +745,11 @@ class FlashFwdSm90:
                         lo, hi, consumer_wg, kv_uses, dropout, mma_tidx, sV)
         if tile.count > 0:
             self.mainloop(loop, tile.n_block_max, tile.count, recipe)
-        cute.arch.mbarrier_arrive(pipes.q_empty)  # this thread's wgmmas are done with sQ and the tile's index
+        if cutlass.const_expr(cfg.persistent):
+            if tile.count == 0:
+                self.release_q(loop)
+        else:
+            self.release_q(loop)
 
         # no key seen: LSE +inf, or -inf in a split's partial so that the merge gives it no weight
         lse = cute.make_rmem_tensor(softmax.row_max.layout, cutlass.Float32)
@@ -770,6 +774,9 @@ class FlashFwdSm90:
         loop.pipes.k.consumer_wait(first)
         wgmma(mma_qk, loop.acc_s, loop.tSrQ, loop.tSrK[None, None, None, first.index])
         loop.pipes.k.consumer_release(first)
+        if cutlass.const_expr(self.config.persistent):
+            if count == 1:
+                self.release_q(loop)
         self.scores(loop, n_block_max - 1, recipe, True, True)
         if cutlass.const_expr(self.config.clears_v_tail):
             self.clear_v_tail(loop, first, n_block_max - 1)
@@ -787,6 +794,9 @@ class FlashFwdSm90:
             self.pass_turn(loop)
             warpgroup.wait_group(1)  # S landed; P V may still run
             loop.pipes.k.consumer_release(k_read)
+            if cutlass.const_expr(self.config.persistent):
+                if i == count - 1:
+                    self.release_q(loop)
             if loop.unmasked_lo <= n_block and n_block < loop.unmasked_hi:
                 self.scores(loop, n_block, recipe, False, False)
             else:
@@ -799,6 +809,14 @@ class FlashFwdSm90:
         loop.pipes.v.consumer_wait(last)
         wgmma(mma_pv, loop.acc_o, loop.tOrP, loop.tOrV[None, None, None, last.index], accumulate=True)
         loop.pipes.v.consumer_release(last)
+
+    @cute.jit
+    def release_q(self, loop: Sm90Loop):
+        """This thread's wgmmas are done with sQ and the tile's index: the producer may load the
+        next tile's. Persistent: as soon as the tile's last S has landed, so the next Q loads
+        under the last softmax, P V and epilogue (H200: +7-12% at 512 keys, +3-7% at 1k, level
+        from 4k; released after the last P V before); otherwise after the tile (sQ then stages O)."""
+        cute.arch.mbarrier_arrive(loop.pipes.q_empty)
 
     @cute.jit
     def clear_v_tail(self, loop: Sm90Loop, state: pipeline.PipelineState, n_block):
