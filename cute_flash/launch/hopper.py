@@ -22,7 +22,7 @@ from cute_flash.launch.per_stream import per_stream
 from layouts.hopper import TALL_D64_MIN_SEQLEN_K, choose_hopper_traits
 
 
-PERSISTENT_MAX_KEY_BLOCKS = 16
+PERSISTENT_MAX_KEY_BLOCKS = 64
 L2_SECTION_BYTES = 32 << 20  # K / V bytes a scheduling section's heads may span: ~2/3 of the H200's 50 MB L2
 
 
@@ -30,8 +30,9 @@ def prefers_persistent(traits, seqlen_k: int, left: int, right: int) -> bool:
     """The persistent kernel (one CTA per SM, tiles claimed from a counter) where it measured
     faster than one CTA per tile (H200, bf16, TFLOP/s, docs/perf.md): always without a causal
     / local mask (d 128 512 / 2k / 16k: 446 / 564 / 613 against 409 / 546 / 610); under one, up
-    to 16 key blocks per tile (d 128 causal 512 / 2k: 292 / 492 against 236 / 437), not beyond
-    (16k: 541 against 560); 192-row tiles always (d 64 512: 317 against 138)."""
+    to 64 key blocks per tile (since Q is released early, d 128 causal 4k / 8k: 585 / 616
+    against 547 / 596), not beyond (16k: 633 against 635); 192-row tiles always (d 64 512: 317
+    against 138)."""
     if not Sm90FwdConfig.fits_persistent(traits):
         return False
     masked = left >= 0 or right >= 0
