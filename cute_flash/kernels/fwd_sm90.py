@@ -466,13 +466,9 @@ class FlashFwdSm90:
         last query block of every pair comes first, then the one before, and so on: tiles in
         decreasing length under a causal mask, while the K / V the CTAs in flight read stay
         those of one section (the host sizes it for L2). section_heads 1: one pair's blocks,
-        last first, then the next pair's. Split-KV: the splits of a tile are neighbours (split
-        fastest), so they run together and the last to finish merges soon after the first."""
+        last first, then the next pair's. (KV caches take theirs from the block index:
+        `cache_tile`.)"""
         t = self.t
-        split_idx = 0
-        if cutlass.const_expr(self.config.split):
-            split_idx = tile_idx % args.cache.split.num_splits
-            tile_idx = tile_idx // args.cache.split.num_splits
         heads = args.tma_mQ.shape[2]
         pairs = heads * self.batch(args)
         m_blocks = cute.ceil_div(self.rows_q(args), t.block_m)
@@ -481,12 +477,13 @@ class FlashFwdSm90:
         in_section = cutlass.min(scalars.section_heads, pairs - first_pair)
         r = tile_idx - first_pair * m_blocks
         pair = first_pair + r % in_section
-        return self.tile_at(args, scalars, m_blocks - 1 - r // in_section, pair % heads, pair // heads, split_idx)
+        return self.tile_at(args, scalars, m_blocks - 1 - r // in_section, pair % heads, pair // heads)
 
     @cute.jit
     def cache_tile(self, args: Sm90Tensors, scalars: Sm90Scalars) -> Tile:
         """KV caches: the CTA's tile from its 3-D block index (split fastest, then query block;
-        head; batch), one division where `tile` takes six."""
+        head; batch), one division where `tile` takes six. A tile's splits are neighbours, so
+        they run together and the last to finish merges soon after the first."""
         bx, bidh, bidb = cute.arch.block_idx()
         split_idx, m_block = 0, bx
         if cutlass.const_expr(self.config.split):
@@ -696,7 +693,8 @@ class FlashFwdSm90:
         if cutlass.const_expr(not self.config.persistent):
             bidx, _, _ = cute.arch.block_idx()
             ctas, _, _ = cute.arch.grid_dim()
-            tiles = ctas if cutlass.const_expr(self.config.kvcache) else self.num_tiles(args)  # grid x = tiles
+            # the tiles along grid x: all of them, or a KV cache's splits x query blocks
+            tiles = ctas if cutlass.const_expr(self.config.kvcache) else self.num_tiles(args)
             # One trip. Written without the loop, ptxas spilled 68 B at d 128 causal.
             for _ in cutlass.range(bidx, tiles, ctas, unroll=1):
                 cute.arch.mbarrier_wait(pipes.q_full, 0)
