@@ -217,6 +217,10 @@ def test_hopper_forward_compiles_to_wgmma(config, tmp_path):
     assert (".global.shared::cta" in text) == (not config.varlen and not config.split)  # a TMA store
     assert ("st.global.v4" in text) == config.varlen
     assert (re.search(r"bar\.sync\s+7,", text) is not None) == config.clears_v_tail
+    # a cluster-merged split reads the other splits' partials from their shared memory, and
+    # touches no arrival counter
+    assert ("ld.shared::cluster.f32" in text) == config.cluster_merge
+    assert ("atom.global" in text) == (config.persistent or (config.split and not config.cluster_merge))
 
 
 @pytest.mark.parametrize("d, split", [(128, True), (64, False)])

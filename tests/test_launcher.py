@@ -529,9 +529,18 @@ def test_kvcache_on_sm90_defaults_to_the_hopper_entry(recorder, monkeypatch):
 
     out, lse = flash_fwd_kvcache(q, cache, cache, cache_seqlens=seqlens, softmax_scale=0.125, num_splits=3)
     split = recorder.launches[-1]
+    # up to 8 splits: one cluster, merged in shared memory, no workspace
     assert isinstance(split.config, Sm90FwdConfig) and split.config.split and split["num_splits"] == 3
+    assert split.config.cluster_merge and split["mOaccum"] is None and split["mCounters"] is None
+    assert split["mO"] is out and split["mLSE"] is lse
+
+    long_cache = torch.randn(2, 2000, 2, 64, dtype=torch.bfloat16)
+    out, lse = flash_fwd_kvcache(q, long_cache, long_cache, cache_seqlens=seqlens, softmax_scale=0.125,
+                                 num_splits=12)
+    split = recorder.launches[-1]
+    assert split.config.split and not split.config.cluster_merge and split["num_splits"] == 12
     # partials by (split, b, nheads_k, group row), one zeroed counter per (m-block, b, nheads_k)
-    assert split["mOaccum"].shape == (3, 2, 2, 4, 64) and split["mLSEaccum"].shape == (3, 2, 2, 4)
+    assert split["mOaccum"].shape == (12, 2, 2, 4, 64) and split["mLSEaccum"].shape == (12, 2, 2, 4)
     assert split["mCounters"].shape == (4,) and not split["mCounters"].any()
     assert split["mO"] is out and split["mLSE"] is lse
 
@@ -552,7 +561,7 @@ def test_kvcache_on_sm90_defaults_to_the_hopper_entry(recorder, monkeypatch):
                       cache_batch_idx=torch.tensor([1, 0], dtype=torch.int32))
     monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", "sm80")
     flash_fwd_kvcache(q, cache, cache, cache_seqlens=seqlens, softmax_scale=0.125, num_splits=1)
-    assert [type(x.config) for x in recorder.launches[4:]] == [FwdConfig] * 3
+    assert [type(x.config) for x in recorder.launches[5:]] == [FwdConfig] * 3
 
 
 def test_hopper_entry_splits_for_one_cta_per_sm(recorder, monkeypatch):

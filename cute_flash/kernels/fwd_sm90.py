@@ -61,7 +61,7 @@ from cute_flash.kernels.philox import Dropout, wgmma_groups
 from cute_flash.kernels.score_mods import Mask, ScoreMods
 from cute_flash.kernels.seq_info import SeqInfo, clamp, head_rows
 from cute_flash.kernels.softmax import OnlineSoftmax
-from cute_flash.kernels.split_kv import SplitKV
+from cute_flash.kernels.split_kv import ClusterMerge, SplitKV, cluster_sync
 from layouts import hopper
 from layouts import mma as lmma
 from layouts import smem as lsmem
@@ -99,6 +99,7 @@ class Sm90FwdConfig:
     paged: bool = False        # KV caches or packed batches: keys in pages of a multiple of block_n rows
     pack_gqa: bool = False     # KV caches, one query row: the GQA group folded into rows (kernels/gqa_fold.py)
     ctas_per_sm: int = 1       # KV caches: 2 fits two CTAs an SM (64-key blocks, d <= 128; launch/kvcache.py)
+    cluster_merge: bool = False  # split-KV: a tile's splits are one cluster, merged in shared memory (ClusterMerge)
 
     def __post_init__(self):
         if (self.varlen or self.kvcache) and self.persistent:
@@ -109,6 +110,8 @@ class Sm90FwdConfig:
             raise ValueError("seqused_k belongs to packed batches (varlen)")
         if self.kvcache and self.has_dropout:
             raise ValueError("KV-cache calls have no dropout")
+        if self.cluster_merge and not self.split:
+            raise ValueError("the cluster merge is split-KV's (split)")
         if (self.split or self.pack_gqa) and not self.kvcache:
             raise ValueError("split-KV and the GQA fold belong to KV caches (kvcache)")
         if self.paged and not (self.kvcache or self.varlen):
@@ -154,7 +157,8 @@ class Sm90FwdConfig:
     @property
     def name(self) -> str:
         schedule = "p" if self.persistent else "v" if self.varlen else "c" if self.kvcache else ""
-        schedule += ("x" if self.split else "") + ("g" if self.paged else "") + ("f" if self.pack_gqa else "")
+        schedule += ("x" if self.split else "") + ("m" if self.cluster_merge else "") + ("g" if self.paged else "")
+        schedule += "f" if self.pack_gqa else ""
         schedule += "2" if self.ctas_per_sm == 2 else ""
         return f"{self.traits.name}_s{self.stages}{schedule}-{score_letters(self)}"
 
@@ -197,7 +201,9 @@ class Sm90Varlen:
 @dataclass(frozen=True)
 class Sm90Split:
     """Split-KV (`split_kv.SplitKV`): every split's fp32 partials, the tiles' arrival counters,
-    and O / LSE as tensors for the merge (it writes them with plain stores, not TMA)."""
+    and O / LSE as tensors for the merge (it writes them with plain stores, not TMA). The
+    cluster merge (`Sm90FwdConfig.cluster_merge`, `split_kv.ClusterMerge`) has no partials or
+    counters in global memory: the three are None."""
     mOaccum: cute.Tensor    # (num_splits, batch, heads, seqlen_q, d) fp32
     mLSEaccum: cute.Tensor  # (num_splits, batch, heads, seqlen_q) fp32
     mCounters: cute.Tensor  # (m_blocks * batch * heads,) int32, zero at launch and at exit
@@ -400,8 +406,11 @@ class FlashFwdSm90:
         # Two CTAs an SM: the carveout given, the DSL does not ask the device for its shared memory
         # (which a machine without a GPU cannot answer)
         carveout = 100 if self.config.ctas_per_sm == 2 else None
+        cluster = None
+        if cutlass.const_expr(self.config.cluster_merge):  # a tile's splits: neighbours along x
+            cluster = [args.cache.split.num_splits, 1, 1]
         self.kernel(args, scalars, recipe, SharedStorage).launch(
-            grid=grid, block=[self.config.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(),
+            grid=grid, block=[self.config.num_threads, 1, 1], cluster=cluster, smem=SharedStorage.size_in_bytes(),
             stream=stream, min_blocks_per_mp=self.config.ctas_per_sm, preferred_smem_carveout=carveout)
 
     @cute.kernel
@@ -435,14 +444,21 @@ class FlashFwdSm90:
         if cutlass.const_expr(cfg.persistent):
             sO = storage.sO.get_tensor(recipe.sQ_layout.outer, swizzle=recipe.sQ_layout.inner)
 
+        merge = None
+        if cutlass.const_expr(cfg.cluster_merge):
+            merge = ClusterMerge.make(storage.sK.data_ptr(), storage.sV.data_ptr(), args.cache.split.num_splits, t)
+
         producer_regs, consumer_regs = REGISTERS_TWO_CTAS if cfg.ctas_per_sm == 2 else REGISTERS[t.warpgroups]
         if warp < 4:
             cute.arch.setmaxregister_decrease(producer_regs)
             if warp == 0:
                 self.produce(args, scalars, recipe, pipes, sQ, sK, sV)
+            if cutlass.const_expr(cfg.cluster_merge):  # the consumers' two cluster barriers (`ClusterMerge.merge`)
+                cluster_sync()
+                cluster_sync()
         else:
             cute.arch.setmaxregister_increase(consumer_regs)
-            self.consume(args, scalars, recipe, pipes, sQ, sK, sV, sO, tidx - 128)
+            self.consume(args, scalars, recipe, pipes, sQ, sK, sV, sO, tidx - 128, merge)
 
     def num_tiles(self, args: Sm90Tensors):
         tiles = cute.ceil_div(self.rows_q(args), self.t.block_m) * args.tma_mQ.shape[2] * self.batch(args)
@@ -666,7 +682,7 @@ class FlashFwdSm90:
 
     @cute.jit
     def consume(self, args: Sm90Tensors, scalars: Sm90Scalars, recipe: Sm90Recipe, pipes: Pipes, sQ, sK, sV, sO,
-                mma_tidx):
+                mma_tidx, merge=None):
         """A consumer warpgroup, per tile: its 64 rows of O and LSE (mma_tidx: the thread's
         index among the consumers)."""
         t = self.t
@@ -689,7 +705,7 @@ class FlashFwdSm90:
                 cute.arch.barrier_arrive(barrier_id=SCHEDULER_BARRIER, number_of_threads=256)
 
         consume = functools.partial(self.consume_tile, args, scalars, recipe, pipes, tSrQ, tSrK, tOrV, acc_s, tOrP,
-                                    acc_o, row_scale, sO, sV, consumer_wg)
+                                    acc_o, row_scale, sO, sV, consumer_wg, merge)
         if cutlass.const_expr(not self.config.persistent):
             bidx, _, _ = cute.arch.block_idx()
             ctas, _, _ = cute.arch.grid_dim()
@@ -717,8 +733,10 @@ class FlashFwdSm90:
 
     @cute.jit
     def consume_tile(self, args: Sm90Tensors, scalars: Sm90Scalars, recipe: Sm90Recipe, pipes: Pipes, tSrQ, tSrK,
-                     tOrV, acc_s, tOrP, acc_o, row_scale, sO, sV, consumer_wg, tile: Tile, mma_tidx, kv_uses):
-        """One tile; the caller has waited for its Q (and coordinates)."""
+                     tOrV, acc_s, tOrP, acc_o, row_scale, sO, sV, consumer_wg, merge, tile: Tile, mma_tidx,
+                     kv_uses):
+        """One tile; the caller has waited for its Q (and coordinates). merge: ClusterMerge of a
+        cluster-merged split, else None."""
         cfg, t = self.config, self.t
         bm, bn = t.block_m, t.block_n
         acc_o.fill(0.0)
@@ -754,7 +772,9 @@ class FlashFwdSm90:
         softmax.finalize(acc_o_mn, lse, -cutlass.Float32.inf if cutlass.const_expr(cfg.split) else cutlass.Float32.inf)
         if cutlass.const_expr(cfg.has_dropout):  # the kept values' 1 / P(keep), once for all of O
             acc_o.store(acc_o.load() * dropout.scale())
-        if cutlass.const_expr(cfg.split):
+        if cutlass.const_expr(cfg.cluster_merge):
+            self.store_cluster(acc_o_mn, lse, merge, args, recipe, tile, mma_tidx)
+        elif cutlass.const_expr(cfg.split):
             self.store_split(acc_o_mn, lse, sO, args, recipe, tile, mma_tidx)
         else:
             self.store(acc_o, lse, sO, args, recipe, tile, mma_tidx)
@@ -935,6 +955,24 @@ class FlashFwdSm90:
         mO_s = head_rows(split.mO, tile.seq, tile.bidb, tile.bidh)  # (seqlen_q, d)
         mLSE_s = head_rows(args.mLSE, tile.seq, tile.bidb, tile.bidh)  # (seqlen_q,)
         kv.merge(mO_s, mLSE_s, sQ, tile.m_block, rows_q, mma_tidx)
+
+    @cute.jit
+    def store_cluster(self, acc_o_mn: cute.Tensor, lse: cute.Tensor, merge: ClusterMerge, args: Sm90Tensors,
+                      recipe: Sm90Recipe, tile: Tile, mma_tidx):
+        """Split-KV in a cluster: this split's normalised fp32 O and LSE into its own shared
+        memory, then cluster rank 0 merges every split's (`split_kv.ClusterMerge`). K's and V's
+        stages hold them: every wgmma of the tile has completed, and the producer loads no
+        more."""
+        t = self.t
+        cO = cute.make_identity_tensor((t.block_m, t.head_dim))
+        tOcO_mn = lmma.acc_mn_view(recipe.mma_pv.get_slice(mma_tidx).partition_C(cO))  # (rows, cols) coordinates
+        merge.store_partial(acc_o_mn, lse, tOcO_mn)
+        rows_q = tile.seq.seqlen_q - tile.m_block * t.block_m
+        mO_s = head_rows(args.cache.split.mO, tile.seq, tile.bidb, tile.bidh)  # (seqlen_q, d)
+        mLSE_s = head_rows(args.mLSE, tile.seq, tile.bidb, tile.bidh)  # (seqlen_q,)
+        row0 = tile.m_block * t.block_m
+        merge.merge(cute.domain_offset((row0, 0), mO_s), cute.domain_offset((row0,), mLSE_s),
+                    cutlass.min(rows_q, t.block_m), mma_tidx)
 
     @cute.jit
     def copy_o_rows(self, sO: cute.Tensor, mO: cute.Tensor, tile: Tile, wg, wg_tidx):

@@ -9,7 +9,10 @@ exp(LSE_s - LSE) O_s: a weighted sum, no second pass over keys. A row no split s
 and LSE = +inf, the unsplit kernel's convention.
 
 It runs inside the split-KV kernel, not as a kernel of its own: the CTA that finishes last among
-the splits of a tile (`SplitKV.merge`) merges that tile's rows while the others exit.
+the splits of a tile (`SplitKV.merge`) merges that tile's rows while the others exit. The Hopper
+KV-cache entry, at most 8 splits, launches a tile's splits as one thread-block cluster instead
+(`ClusterMerge`): partials stay in each CTA's shared memory and rank 0 merges them through
+distributed shared memory, with no workspace, fence or counter in global memory.
 That saves a launch per decode step, which at small batches costs more host time than the whole
 GPU work.
 
@@ -26,7 +29,9 @@ from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
+from cutlass._mlir.dialects import llvm
 from cutlass.base_dsl.ast_helpers import DSLOptimizationWarning
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 from cute_flash.kernels.constants import LN2, LOG2E
 
@@ -192,3 +197,94 @@ class SplitKV:
                 cute.autovec_copy(out, cute.local_tile(mO[i, None], (VEC,), (chunk,)))
             if chunk == 0:
                 mLSE[i] = cutlass.Float32.inf if empty else (cute.math.log2(total, fastmath=True) + max_log2) * LN2
+
+
+@dataclass(frozen=True)
+class ClusterMerge:
+    """Split-KV inside a thread-block cluster (the Hopper KV-cache entry, at most 8 splits): the
+    splits of a tile are the CTAs of one cluster, each leaves its partials in its own shared
+    memory, and cluster rank 0 reads them all through distributed shared memory and merges
+    them, with no workspace, fence or arrival counter in global memory. Two cluster barriers:
+    the partials are written (every CTA is then also known to be running), and rank 0 is done
+    reading (no CTA may leave while its shared memory is read)."""
+    sOpart: cute.Tensor   # (block_m, kHeadDim) fp32: this CTA's normalised O (K's stages, idle by then)
+    sLSEpart: cute.Tensor  # (block_m,) fp32: its LSE, -inf where it saw no key (V's stages)
+    num_splits: object
+    block_m: int
+    head_dim: int
+    num_threads: int       # the consumer threads, which store and merge
+
+    @staticmethod
+    def make(k_stages, v_stages, num_splits, traits):
+        """k_stages / v_stages: raw (unswizzled) pointers to K's and V's stages, which hold at
+        least block_m x kHeadDim fp32 (2 block_m <= block_n x stages) and block_m fp32."""
+        bm, d = traits.block_m, traits.head_dim
+        sOpart = cute.make_tensor(cute.recast_ptr(k_stages, dtype=cutlass.Float32),
+                                  cute.make_layout((bm, d), stride=(d, 1)))
+        sLSEpart = cute.make_tensor(cute.recast_ptr(v_stages, dtype=cutlass.Float32), cute.make_layout(bm))
+        return ClusterMerge(sOpart, sLSEpart, num_splits, bm, d, traits.num_threads)
+
+    @cute.jit
+    def store_partial(self, acc_o_mn: cute.Tensor, lse: cute.Tensor, tOcO_mn: cute.Tensor):
+        """This split's normalised fp32 O and LSE into its own shared memory, every row."""
+        for r in cutlass.range_constexpr(cute.size(acc_o_mn.shape[0])):
+            row = tOcO_mn[r, 0][0]
+            for c in cutlass.range_constexpr(cute.size(acc_o_mn.shape[1])):
+                self.sOpart[row, tOcO_mn[0, c][1]] = acc_o_mn[r, c]
+            if tOcO_mn[0, 0][1] == 0:
+                self.sLSEpart[row] = lse[r]
+
+    @cute.jit
+    def merge(self, mO: cute.Tensor, mLSE: cute.Tensor, rows, tidx):
+        """Rank 0 merges `rows` rows into mO (rows, d <= kHeadDim) and mLSE (rows,), the
+        others wait for it; every consumer thread of every CTA calls this (the producer
+        warpgroup passes the same two barriers, `cluster_sync`)."""
+        cluster_sync()  # every split's partials are in its shared memory
+        if cute.arch.block_idx_in_cluster() == 0:
+            tpr = self.head_dim // VEC  # threads per row
+            chunk = tidx % tpr
+            for i in cutlass.range(tidx // tpr, rows, self.num_threads // tpr, unroll=1):
+                # distributed shared memory takes no tensor loads: each value through its pointer
+                lse_at = self.sLSEpart.iterator + i
+                o_at = self.sOpart.iterator + i * self.head_dim + chunk * VEC
+                lse_max = -cutlass.Float32.inf
+                for s in cutlass.range(self.num_splits, unroll=UNROLL):
+                    lse_max = cute.arch.fmax(lse_max, remote_f32(lse_at, s))
+                # All splits empty: every weight is exp2(-inf) = 0, the sum stays 0 and LSE is +inf.
+                max_log2 = 0.0 if lse_max == -cutlass.Float32.inf else lse_max * LOG2E
+                total = cutlass.Float32(0.0)
+                acc = cute.make_rmem_tensor((VEC,), cutlass.Float32)
+                acc.fill(0.0)
+                for s in cutlass.range(self.num_splits, unroll=UNROLL):
+                    weight = cute.math.exp2(remote_f32(lse_at, s) * LOG2E - max_log2, fastmath=True)
+                    total = total + weight
+                    for v in cutlass.range_constexpr(VEC):
+                        acc[v] = acc[v] + weight * remote_f32(o_at + v, s)
+                empty = total == 0.0 or total != total
+                inv = 0.0 if empty else cute.arch.rcp_approx(total)
+                if chunk * VEC < mO.shape[1]:
+                    out = cute.make_rmem_tensor((VEC,), mO.element_type)
+                    out.store((acc.load() * inv).to(mO.element_type))
+                    cute.autovec_copy(out, cute.local_tile(mO[i, None], (VEC,), (chunk,)))
+                if chunk == 0:
+                    mLSE[i] = cutlass.Float32.inf if empty else (cute.math.log2(total, fastmath=True) + max_log2) * LN2
+        cluster_sync()  # rank 0 is done reading the others' shared memory
+
+
+@dsl_user_op
+def remote_f32(ptr, rank, *, loc=None, ip=None) -> cutlass.Float32:
+    """The fp32 at `ptr` (this CTA's shared memory) in cluster CTA `rank`'s shared memory:
+    `ld.shared::cluster` on the mapped address (the DSL's loads take no distributed shared
+    memory pointer). A side effect, so that it stays after the cluster barrier."""
+    remote = cute.arch.map_dsmem_ptr(ptr, rank, loc=loc, ip=ip)
+    addr = llvm.ptrtoint(T.i32(), remote.to_llvm_ptr(loc=loc, ip=ip), loc=loc, ip=ip)
+    return cutlass.Float32(llvm.inline_asm(T.f32(), [addr], "ld.shared::cluster.f32 $0, [$1];", "=f,r",
+                                           has_side_effects=True, is_align_stack=False,
+                                           asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@cute.jit
+def cluster_sync():
+    """Every non-exited thread of the cluster arrives, then waits for all the others."""
+    cute.arch.cluster_arrive()
+    cute.arch.cluster_wait()

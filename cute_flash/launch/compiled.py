@@ -184,7 +184,8 @@ def compile_fwd_sm90(config: Sm90FwdConfig, arch: int | None = 90, extra_options
         return compile_tvm_ffi(kernel.call_varlen, args, arch, extra_options)
     if config.kvcache:
         split = [fake_tensor(cutlass.Float32, 5, ALIGN, COPY_BYTES, last_extent=config.traits.head_dim),
-                 fake_tensor(cutlass.Float32, 4), fake_tensor(cutlass.Int32, 1)] if config.split else [None] * 3
+                 fake_tensor(cutlass.Float32, 4), fake_tensor(cutlass.Int32, 1)] \
+            if config.split and not config.cluster_merge else [None] * 3  # a cluster merges in shared memory
         # the SM80 entry's parameters; cache_leftpad and cache_batch_idx are None here
         alibi = fake_tensor(cutlass.Float32, 2) if config.has_alibi else None
         table = fake_tensor(cutlass.Int32, 2) if config.paged else None
@@ -323,8 +324,10 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
                     flags = dict(zip(("has_left", "has_right", "has_alibi", "has_softcap"), bits))
                     # the GQA fold only without window edges or ALiBi (launch/kvcache.py)
                     folds = (False,) if flags["has_left"] or flags["has_right"] or flags["has_alibi"] else (False, True)
-                    out += [Sm90FwdConfig(t, kvcache=True, split=s, paged=p, pack_gqa=f, ctas_per_sm=ctas, **flags)
-                            for s in (False, True) for p in (False, True) for f in folds]
+                    out += [Sm90FwdConfig(t, kvcache=True, split=s, cluster_merge=m, paged=p, pack_gqa=f,
+                                          ctas_per_sm=ctas, **flags)
+                            for s, m in ((False, False), (True, False), (True, True)) for p in (False, True)
+                            for f in folds]
         return out
     traits = [choose_hopper_traits(d, "bf16") for d in HEAD_DIM_BUCKETS]
     out = [Sm90FwdConfig(t, persistent=Sm90FwdConfig.fits_persistent(t), has_right=True)
@@ -342,6 +345,8 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
                   Sm90FwdConfig(choose_hopper_cache_traits(128, "bf16"), kvcache=True),
                   Sm90FwdConfig(choose_hopper_cache_traits(64, "bf16"), has_softcap=True, kvcache=True, split=True),
                   Sm90FwdConfig(choose_hopper_cache_traits(128, "bf16"), kvcache=True, split=True, paged=True,
+                                pack_gqa=True),
+                  Sm90FwdConfig(choose_hopper_cache_traits(128, "bf16"), kvcache=True, split=True, cluster_merge=True,
                                 pack_gqa=True),
                   Sm90FwdConfig(choose_hopper_cache_traits(256, "fp16"), has_left=True, has_right=True,
                                 has_alibi=True, has_softcap=True, kvcache=True),

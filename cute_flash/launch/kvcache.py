@@ -123,6 +123,7 @@ def flash_fwd_kvcache(q, k_cache, v_cache, *, k=None, v=None, rotary_cos=None, r
 
 
 TWO_CTAS_MAX_KEYS = 4096
+CLUSTER_MAX_SPLITS = 8  # a portable cluster's CTAs: the Hopper entry's splits merge in one (ClusterMerge)
 
 
 def takes_two_ctas_per_sm(work_ctas: int, num_sms: int, capacity: int, head_dim: int) -> bool:
@@ -175,7 +176,7 @@ def _kvcache_call(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, 
     flags = score_flags(left, right, alibi_slopes, softcap)
     if hopper:
         config = Sm90FwdConfig(traits, kvcache=True, split=num_splits > 1, paged=paged, pack_gqa=pack_gqa,
-                               ctas_per_sm=ctas_per_sm, **flags)
+                               ctas_per_sm=ctas_per_sm, cluster_merge=1 < num_splits <= CLUSTER_MAX_SPLITS, **flags)
         launch = compiled.sm90_kernel_for(config)
     else:
         config = FwdConfig(traits, **flags, even_k=d == traits.head_dim, paged=paged,
@@ -217,7 +218,7 @@ def _workspace(plan: KVCachePlan, device: torch.device):
     the caller does not want it. Kept per (plan, stream); the kernel leaves the counters at
     zero."""
     lse = torch.empty((plan.batch, plan.nheads, plan.seqlen_q), dtype=torch.float32, device=device)
-    if plan.num_splits == 1:
+    if plan.num_splits == 1 or getattr(plan.config, "cluster_merge", False):  # no partials in global memory
         return None, None, None, lse
     o_shape, lse_shape, counter_shape = workspace_shapes(plan.num_splits, plan.batch, plan.heads, plan.rows,
                                                          plan.traits.head_dim, plan.m_blocks)
