@@ -539,12 +539,9 @@ class FlashFwdSm90:
     def announced(self, args: Sm90Tensors, scalars: Sm90Scalars, pipes: Pipes) -> Tile:
         """The tile whose coordinates the producer published with Q (`announce`): the integer
         divisions of `tile` are the producer's alone (d 64 causal: 180 instructions before a
-        tile's first wgmma, SASS). A split tile's split index is its CTA's (split-KV runs one CTA
-        per tile) modulo the split count."""
-        split_idx = 0
-        if cutlass.const_expr(self.config.split):
-            split_idx = cute.arch.block_idx()[0] % args.cache.split.num_splits
-        return self.tile_at(args, scalars, pipes.tile_slot[1], pipes.tile_slot[2], pipes.tile_slot[3], split_idx)
+        tile's first wgmma, SASS). KV caches (split-KV's only users) take theirs from the block
+        index (`cache_tile`)."""
+        return self.tile_at(args, scalars, pipes.tile_slot[1], pipes.tile_slot[2], pipes.tile_slot[3])
 
     @cute.jit
     def produce(self, args: Sm90Tensors, scalars: Sm90Scalars, recipe: Sm90Recipe, pipes: Pipes, sQ, sK, sV):
@@ -706,13 +703,17 @@ class FlashFwdSm90:
 
         consume = functools.partial(self.consume_tile, args, scalars, recipe, pipes, tSrQ, tSrK, tOrV, acc_s, tOrP,
                                     acc_o, row_scale, sO, sV, consumer_wg, merge)
-        if cutlass.const_expr(not self.config.persistent):
+        if cutlass.const_expr(self.config.kvcache):
+            # The tile from the block index before Q's wait: the length load and the division
+            # leave the path from Q's arrival to the first wgmma
+            tile = self.cache_tile(args, scalars)
+            cute.arch.mbarrier_wait(pipes.q_full, 0)
+            consume(tile, mma_tidx, 0)
+        elif cutlass.const_expr(not self.config.persistent):
             bidx, _, _ = cute.arch.block_idx()
             ctas, _, _ = cute.arch.grid_dim()
-            # the tiles along grid x: all of them, or a KV cache's splits x query blocks
-            tiles = ctas if cutlass.const_expr(self.config.kvcache) else self.num_tiles(args)
-            # One trip. Written without the loop, ptxas spilled 68 B at d 128 causal.
-            for _ in cutlass.range(bidx, tiles, ctas, unroll=1):
+            # One trip (grid = tiles). Written without the loop, ptxas spilled 68 B at d 128 causal.
+            for _ in cutlass.range(bidx, self.num_tiles(args), ctas, unroll=1):
                 cute.arch.mbarrier_wait(pipes.q_full, 0)
                 consume(self.announced(args, scalars, pipes), mma_tidx, 0)
         else:

@@ -46,6 +46,11 @@ class KVCachePlan:
         """FwdTraits, or HopperTileTraits for the Hopper entry."""
         return self.config.traits
 
+    @property
+    def global_partials(self) -> bool:
+        """Splits that merge through global memory: not the Hopper entry's cluster merge."""
+        return self.num_splits > 1 and not getattr(self.config, "cluster_merge", False)  # FwdConfig has none
+
 
 @dataclass(frozen=True)
 class KVCacheCall:
@@ -218,7 +223,7 @@ def _workspace(plan: KVCachePlan, device: torch.device):
     the caller does not want it. Kept per (plan, stream); the kernel leaves the counters at
     zero."""
     lse = torch.empty((plan.batch, plan.nheads, plan.seqlen_q), dtype=torch.float32, device=device)
-    if plan.num_splits == 1 or getattr(plan.config, "cluster_merge", False):  # no partials in global memory
+    if not plan.global_partials:
         return None, None, None, lse
     o_shape, lse_shape, counter_shape = workspace_shapes(plan.num_splits, plan.batch, plan.heads, plan.rows,
                                                          plan.traits.head_dim, plan.m_blocks)
