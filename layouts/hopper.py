@@ -58,17 +58,19 @@ class HopperTileTraits:
         return f"sm90_d{self.head_dim}_m{self.block_m}_n{self.block_n}_{self.dtype}"
 
 
-TALL_D64_MIN_SEQLEN_K = 2049  # d 64 takes 192-row tiles past 16 key blocks of 128
+TALL_D64_MIN_SEQLEN_K = 2048  # d 64 takes 192-row tiles from 16 key blocks of 128
 TWO_CTAS_MAX_HEAD_DIM = 128   # the KV-cache entry's two-CTAs-an-SM tiles: ptxas spilled 0 B at d 64 / 128
 
 
 @functools.lru_cache(maxsize=None)
 def choose_hopper_traits(head_dim: int, dtype: str = "bf16", long_keys: bool = False) -> HopperTileTraits:
     """The Hopper forward's tiles: 128 query rows (two warpgroups); 128 keys per block up to
-    d 128, 64 above (two K / V stages then fit: 196 KB at d 256). d 64 with long_keys (more
-    than 2048 keys, `TALL_D64_MIN_SEQLEN_K`; a flag, so the cache stays small): 192 rows (three
-    warpgroups), which measured 472 / 462 TFLOP/s against 449 / 426 at 16k non-causal / causal,
-    but lost at 512 and 2k causal (174 vs 213, 346 vs 357; H200, docs/perf.md)."""
+    d 128, 64 above (two K / V stages then fit: 196 KB at d 256). d 64 with long_keys (2048
+    keys or more, `TALL_D64_MIN_SEQLEN_K`; a flag, so the cache stays small): 192 rows (three
+    warpgroups, persistent), which measured 478 / 391 TFLOP/s against 423 / 380 at 2k
+    non-causal / causal and 491 / 433 against 427 / 407 at 4k (H200, docs/perf.md). Shorter
+    rows keep 128: 192 lost at 512, and at 1k (418 against 407 non-causal) the causal case
+    is unmeasured."""
     d = head_dim_bucket(head_dim)
     if d == 64 and long_keys:
         return HopperTileTraits(d, 192, 128, dtype)
