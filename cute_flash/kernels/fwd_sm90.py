@@ -41,7 +41,8 @@ block_n rows through a block table (`paged`), read as the KV-cache entry reads t
 KV caches (`call_kvcache`, one CTA per tile, 64-row tiles): key lengths from cache_seqlens and
 the appended rows, V rows past them zeroed as for packed batches (a cache's unused rows may hold
 NaN); pages of a multiple of block_n rows through a block table, a TMA box per key block inside
-its page (`page_source`); split-KV with the SM80 kernel's partials and merge (`store_split`).
+its page (`page_source`); split-KV merged inside a thread-block cluster up to 8 splits
+(`store_cluster`), past that with the SM80 kernel's partials and merge (`store_split`).
 """
 from __future__ import annotations
 
@@ -341,7 +342,8 @@ class FlashFwdSm90:
         mOaccum (num_splits, batch, heads, seqlen_q, d) / mLSEaccum (num_splits, batch, heads,
         seqlen_q) fp32 (heads and rows as folded) and counting itself on mCounters (m_blocks *
         batch * heads,) int32, zero at launch and left zero; the last to arrive merges (the
-        three are None unsplit)."""
+        three are None unsplit, and with `Sm90FwdConfig.cluster_merge`, whose splits merge in
+        shared memory)."""
         if cutlass.const_expr(mLeftpadK is not None or mBatchIdx is not None):
             raise ValueError("cache_leftpad and cache_batch_idx are not built on the Hopper KV-cache entry")
         if cutlass.const_expr(self.config.pack_gqa):
