@@ -535,6 +535,10 @@ def test_kvcache_on_sm90_defaults_to_the_hopper_entry(recorder, monkeypatch):
     assert split["mO"] is out and split["mLSE"] is lse
 
     long_cache = torch.randn(2, 2000, 2, 64, dtype=torch.bfloat16)
+    for splits in (8, 9):  # a portable cluster's limit, and one past it
+        flash_fwd_kvcache(q, long_cache, long_cache, cache_seqlens=seqlens, softmax_scale=0.125, num_splits=splits)
+        assert recorder.launches[-1]["num_splits"] == splits
+        assert recorder.launches[-1].config.cluster_merge == (splits <= 8)
     out, lse = flash_fwd_kvcache(q, long_cache, long_cache, cache_seqlens=seqlens, softmax_scale=0.125,
                                  num_splits=12)
     split = recorder.launches[-1]
@@ -561,7 +565,7 @@ def test_kvcache_on_sm90_defaults_to_the_hopper_entry(recorder, monkeypatch):
                       cache_batch_idx=torch.tensor([1, 0], dtype=torch.int32))
     monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", "sm80")
     flash_fwd_kvcache(q, cache, cache, cache_seqlens=seqlens, softmax_scale=0.125, num_splits=1)
-    assert [type(x.config) for x in recorder.launches[5:]] == [FwdConfig] * 3
+    assert [type(x.config) for x in recorder.launches[7:]] == [FwdConfig] * 3
 
 
 def test_hopper_entry_splits_for_one_cta_per_sm(recorder, monkeypatch):
