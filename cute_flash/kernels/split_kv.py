@@ -189,14 +189,7 @@ class SplitKV:
                 cute.autovec_copy(cute.local_tile(mOaccum[s, i, None], (VEC,), (chunk,)), part)
                 for v in cutlass.range_constexpr(VEC):
                     acc[v] = acc[v] + weight * part[v]
-            empty = total == 0.0 or total != total
-            inv = 0.0 if empty else cute.arch.rcp_approx(total)
-            if chunk * VEC < mO.shape[1]:
-                out = cute.make_rmem_tensor((VEC,), mO.element_type)
-                out.store((acc.load() * inv).to(mO.element_type))
-                cute.autovec_copy(out, cute.local_tile(mO[i, None], (VEC,), (chunk,)))
-            if chunk == 0:
-                mLSE[i] = cutlass.Float32.inf if empty else (cute.math.log2(total, fastmath=True) + max_log2) * LN2
+            write_merged_row(mO, mLSE, i, chunk, acc, total, max_log2)
 
 
 @dataclass(frozen=True)
@@ -260,15 +253,24 @@ class ClusterMerge:
                     total = total + weight
                     for v in cutlass.range_constexpr(VEC):
                         acc[v] = acc[v] + weight * remote_f32(o_at + v, s)
-                empty = total == 0.0 or total != total
-                inv = 0.0 if empty else cute.arch.rcp_approx(total)
-                if chunk * VEC < mO.shape[1]:
-                    out = cute.make_rmem_tensor((VEC,), mO.element_type)
-                    out.store((acc.load() * inv).to(mO.element_type))
-                    cute.autovec_copy(out, cute.local_tile(mO[i, None], (VEC,), (chunk,)))
-                if chunk == 0:
-                    mLSE[i] = cutlass.Float32.inf if empty else (cute.math.log2(total, fastmath=True) + max_log2) * LN2
+                write_merged_row(mO, mLSE, i, chunk, acc, total, max_log2)
         cluster_sync()  # rank 0 is done reading the others' shared memory
+
+
+@cute.jit
+def write_merged_row(mO: cute.Tensor, mLSE: cute.Tensor, i, chunk, acc: cute.Tensor, total, max_log2):
+    """Row i of a merge (`SplitKV.combine_tile`, `ClusterMerge.merge`) from its weighted sums:
+    acc (VEC,) = sum_s w_s O_s over this thread's columns chunk * VEC.., total = sum_s w_s with
+    w_s = exp2(LSE_s log2(e) - max_log2). O = acc / total, LSE = ln(total) + max; a row no split
+    saw (total 0, or NaN) gets O = 0 and LSE = +inf."""
+    empty = total == 0.0 or total != total
+    inv = 0.0 if empty else cute.arch.rcp_approx(total)
+    if chunk * VEC < mO.shape[1]:
+        out = cute.make_rmem_tensor((VEC,), mO.element_type)
+        out.store((acc.load() * inv).to(mO.element_type))
+        cute.autovec_copy(out, cute.local_tile(mO[i, None], (VEC,), (chunk,)))
+    if chunk == 0:
+        mLSE[i] = cutlass.Float32.inf if empty else (cute.math.log2(total, fastmath=True) + max_log2) * LN2
 
 
 @dsl_user_op
