@@ -58,19 +58,21 @@ class HopperTileTraits:
         return f"sm90_d{self.head_dim}_m{self.block_m}_n{self.block_n}_{self.dtype}"
 
 
-TALL_D64_MIN_SEQLEN_K = 2048  # d 64 takes 192-row tiles from 16 key blocks of 128
+TALL_D64_MIN_SEQLEN_K = 2048           # d 64 takes 192-row tiles from 16 key blocks of 128 under a mask,
+TALL_D64_UNMASKED_MIN_SEQLEN_K = 1024  # from 8 without one
 TWO_CTAS_MAX_HEAD_DIM = 128   # the KV-cache entry's two-CTAs-an-SM tiles: ptxas spilled 0 B at d 64 / 128
 
 
 @functools.lru_cache(maxsize=None)
 def choose_hopper_traits(head_dim: int, dtype: str = "bf16", long_keys: bool = False) -> HopperTileTraits:
     """The Hopper forward's tiles: 128 query rows (two warpgroups); 128 keys per block up to
-    d 128, 64 above (two K / V stages then fit: 196 KB at d 256). d 64 with long_keys (2048
-    keys or more, `TALL_D64_MIN_SEQLEN_K`; a flag, so the cache stays small): 192 rows (three
+    d 128, 64 above (two K / V stages then fit: 196 KB at d 256). d 64 with long_keys (a flag,
+    so the cache stays small; the launcher sets it from `TALL_D64_MIN_SEQLEN_K` keys under a
+    causal / local mask, `TALL_D64_UNMASKED_MIN_SEQLEN_K` without one): 192 rows (three
     warpgroups, persistent), which measured 478 / 391 TFLOP/s against 423 / 380 at 2k
-    non-causal / causal and 491 / 433 against 427 / 407 at 4k (H200, docs/perf.md). Shorter
-    rows keep 128: 192 lost at 512, and at 1k (418 against 407 non-causal) the causal case
-    is unmeasured."""
+    non-causal / causal, 491 / 433 against 427 / 407 at 4k and 417-420 against 395-404 at 1k
+    non-causal (H200, docs/perf.md). 1k causal keeps 128 rows (325 against 288), as does 512
+    (192 rows 0.3-2.5% ahead in one A/B, behind in an earlier one)."""
     d = head_dim_bucket(head_dim)
     if d == 64 and long_keys:
         return HopperTileTraits(d, 192, 128, dtype)

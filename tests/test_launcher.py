@@ -244,6 +244,8 @@ def test_paged_packed_forwards_take_the_hopper_kernel(recorder, monkeypatch):
 @pytest.mark.parametrize("d, sk, opts, block_m, persistent", [
     (64, 2047, dict(causal=True), 128, True),    # 16 key blocks: persistent under a mask
     (64, 2048, dict(causal=True), 192, True),    # from 2048 keys d 64's 192-row tiles, always persistent
+    (64, 1023, dict(), 128, True),
+    (64, 1024, dict(), 192, True),               # without a mask from 1024 keys
     (64, 4096, dict(), 192, True),
     (64, 4096, dict(dropout_p=0.1), 128, True),  # with dropout 192-row tiles spill: 128
     (128, 2048, dict(window_size=(50, 50)), 128, True),
@@ -251,7 +253,7 @@ def test_paged_packed_forwards_take_the_hopper_kernel(recorder, monkeypatch):
     (128, 8193, dict(causal=True), 128, False),  # masked past 64 key blocks: one CTA per tile
     (128, 8192, dict(), 128, True),              # no mask: persistent at any length
     (256, 512, dict(), 128, False),              # no room for O's own tile
-], ids=["d64-2047-keys-causal", "d64-2048-keys-causal", "d64-long", "d64-long-dropout", "d128-window",
+], ids=["d64-2047-keys-causal", "d64-2048-keys-causal", "d64-1023-keys", "d64-1024-keys", "d64-long", "d64-long-dropout", "d128-window",
         "d128-64-blocks-causal", "d128-65-blocks-causal", "d128-long", "d256"])
 def test_hopper_forward_tiles_and_schedule(recorder, monkeypatch, d, sk, opts, block_m, persistent):
     """The tiles, schedule and tile order the sm_90 launcher picks (the rules measured in

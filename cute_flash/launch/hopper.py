@@ -19,7 +19,7 @@ from cute_flash.launch import compiled
 from cute_flash.launch.align import aligned
 from cute_flash.launch.dense import alibi_2d, device_index, scales, score_flags, window_edges
 from cute_flash.launch.per_stream import per_stream
-from layouts.hopper import TALL_D64_MIN_SEQLEN_K, choose_hopper_traits
+from layouts.hopper import TALL_D64_MIN_SEQLEN_K, TALL_D64_UNMASKED_MIN_SEQLEN_K, choose_hopper_traits
 
 
 PERSISTENT_MAX_KEY_BLOCKS = 64
@@ -38,6 +38,15 @@ def prefers_persistent(traits, seqlen_k: int, left: int, right: int) -> bool:
     masked = left >= 0 or right >= 0
     return (traits.warpgroups == 3 or not masked
             or -(-seqlen_k // traits.block_n) <= PERSISTENT_MAX_KEY_BLOCKS)
+
+
+def takes_tall_tiles(seqlen_k: int, left: int, right: int, dropout) -> bool:
+    """d 64's 192-row tiles (`choose_hopper_traits`' long_keys): from 2048 keys under a causal
+    / local mask, from 1024 without one (1k: 417-420 TFLOP/s against 395-404 non-causal, 288
+    against 325 causal; H200, docs/perf.md); never with dropout (three consumer warpgroups
+    leave a thread 160 registers, and ptxas spilled 150-640 B)."""
+    masked = left >= 0 or right >= 0
+    return dropout is None and seqlen_k >= (TALL_D64_MIN_SEQLEN_K if masked else TALL_D64_UNMASKED_MIN_SEQLEN_K)
 
 
 def section_heads(q, k, longest_first: bool) -> int:
@@ -72,9 +81,8 @@ def flash_fwd_sm90(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
     left, right = window_edges(causal, window_size)
-    # 192-row tiles leave a consumer thread 160 registers: with dropout ptxas spilled 150-640 B
     traits = traits or choose_hopper_traits(q.shape[-1], compiled.DTYPE_NAMES[q.dtype],
-                                            k.shape[1] >= TALL_D64_MIN_SEQLEN_K and dropout is None)
+                                            takes_tall_tiles(k.shape[1], left, right, dropout))
     if persistent is None:
         persistent = prefers_persistent(traits, k.shape[1], left, right)
     config = Sm90FwdConfig(traits, persistent=persistent, **score_flags(left, right, alibi_slopes, softcap, dropout))
