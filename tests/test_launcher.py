@@ -253,8 +253,8 @@ def test_paged_packed_forwards_take_the_hopper_kernel(recorder, monkeypatch):
     (128, 8193, dict(causal=True), 128, False),  # masked past 64 key blocks: one CTA per tile
     (128, 8192, dict(), 128, True),              # no mask: persistent at any length
     (256, 512, dict(), 128, False),              # no room for O's own tile
-], ids=["d64-2047-keys-causal", "d64-2048-keys-causal", "d64-1023-keys", "d64-1024-keys", "d64-long", "d64-long-dropout", "d128-window",
-        "d128-64-blocks-causal", "d128-65-blocks-causal", "d128-long", "d256"])
+], ids=["d64-2047-keys-causal", "d64-2048-keys-causal", "d64-1023-keys", "d64-1024-keys", "d64-long",
+        "d64-long-dropout", "d128-window", "d128-64-blocks-causal", "d128-65-blocks-causal", "d128-long", "d256"])
 def test_hopper_forward_tiles_and_schedule(recorder, monkeypatch, d, sk, opts, block_m, persistent):
     """The tiles, schedule and tile order the sm_90 launcher picks (the rules measured in
     docs/perf.md: longest tiles first only for the persistent kernel under a mask), and the

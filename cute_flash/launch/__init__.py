@@ -3,6 +3,7 @@ launch on torch tensors. `cute_flash.kernels` holds the device code (CuTe DSL on
 interface validates and dispatches here.
 
 - `align`: inputs made fit for 128-bit copies (views when possible, copies otherwise).
+- `batch_chunks`: calls over more sequences than a launch grid's y / z holds, in chunks.
 - `compiled`: the compiled kernel of a config on a device (the in-process compile cache),
   the fake arguments a compile needs, and the variant lists CI and `compile` build.
 - `dense`: the dense and packed-varlen forwards.

@@ -20,6 +20,8 @@ from cute_flash.kernels.config import BwdConfig, dq_reduction
 from cute_flash.kernels.dq_accum import DQConvertConfig
 from cute_flash.launch import compiled
 from cute_flash.launch.align import aligned
+from cute_flash.launch.batch_chunks import (batch_chunks, chunked, lengths_of, refuse_chunked_dropout, rows_of,
+                                            slopes_of)
 from cute_flash.launch.dense import (alibi_2d, device_index, positive_scale, scales, score_flags, takes_hopper_path,
                                      window_edges)
 from cute_flash.dropout import DropoutArgs, rng_of
@@ -129,6 +131,15 @@ def flash_bwd(dout, q, k, v, out, lse, *, softmax_scale, causal=False, window_si
     sk, hk = k.shape[1], k.shape[2]
     if b == 0 or sq == 0 or sk == 0:
         return _zeros(q, k, v, (b, h, sq), (dq, dk, dv))
+    if chunked(b):  # launch/batch_chunks.py: each chunk writes its rows of the gradients
+        refuse_chunked_dropout(dropout, b)
+        dq, dk, dv = (torch.empty_like(x) if g is None else g for g, x in zip((dq, dk, dv), (q, k, v)))
+        dot = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
+        for s in batch_chunks(b):
+            dot[s] = flash_bwd(dout[s], q[s], k[s], v[s], out[s], lse[s], softmax_scale=softmax_scale, causal=causal,
+                               window_size=window_size, softcap=softcap, alibi_slopes=slopes_of(alibi_slopes, s),
+                               deterministic=deterministic, dq=dq[s], dk=dk[s], dv=dv[s], variant=variant)[3]
+        return dq, dk, dv, dot
     q, softmax_scale, dq_sign = positive_scale(q, softmax_scale)
     q, k, v, out, dout = (aligned(x) for x in (q, k, v, out, dout))
     d_pad = q.shape[-1]
@@ -169,6 +180,7 @@ def flash_bwd_varlen(dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max
     batch = cu_seqlens_q.shape[0] - 1
     if batch == 0 or total_q == 0 or total_k == 0 or max_seqlen_q == 0 or max_seqlen_k == 0:
         return _zeros(q, k, v, (h, total_q), (dq, dk, dv))  # the forward computed nothing either
+    refuse_chunked_dropout(dropout, batch)
     q, softmax_scale, dq_sign = positive_scale(q, softmax_scale)
     q, k, v, out, dout = (aligned(x) for x in (q, k, v, out, dout))
     d_pad = q.shape[-1]
@@ -177,22 +189,25 @@ def flash_bwd_varlen(dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max
     config = _config(d_pad, q.dtype, index, left, right, alibi_slopes, softcap, True, seqused_k, deterministic,
                      dropout)
     cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
-    dot = torch.empty((h, total_q), dtype=torch.float32, device=q.device)
-    compiled.bwd_kernel_for(PreprocessConfig(config.traits.head_dim, config.traits.dtype, config.even_k, True),
-                            index)(out, dout, dot, cu_seqlens_q, max_seqlen_q)
+    seqused = None if seqused_k is None else seqused_k.contiguous()
     grid_x = _grid_x(config, max_seqlen_k, batch, h, index)
     t = config.traits
+    dot = torch.empty((h, total_q), dtype=torch.float32, device=q.device)
     dq_accum = torch.zeros((grid_x if deterministic else 1, h, total_q // t.block_m + batch + 1,
                             t.block_m * t.head_dim), dtype=torch.float32, device=q.device)
-    dk_h = torch.empty((total_k, h, d_pad), dtype=q.dtype, device=q.device)
-    dv_h = torch.empty((total_k, h, d_pad), dtype=q.dtype, device=q.device)
-    dk_h.zero_()  # keys no sequence covers (or past seqused_k) get a zero gradient
-    dv_h.zero_()
-    compiled.bwd_kernel_for(config, index)(
-        q, k, v, dout, lse, dot, dq_accum, dk_h, dv_h, alibi_2d(alibi_slopes, batch, h), rng_of(dropout, q.device),
-        cu_seqlens_q, cu_seqlens_k, None if seqused_k is None else seqused_k.contiguous(), softmax_scale,
-        *scales(softmax_scale, softcap), left, right, grid_x)
+    dk_h = torch.zeros((total_k, h, d_pad), dtype=q.dtype, device=q.device)  # keys no sequence covers (or past
+    dv_h = torch.zeros((total_k, h, d_pad), dtype=q.dtype, device=q.device)  # seqused_k) get a zero gradient
     dq_out = torch.zeros((total_q, h, d_pad), dtype=q.dtype, device=q.device)  # rows no sequence covers: 0
-    compiled.bwd_kernel_for(DQConvertConfig(t, config.even_k, True, config.dq_vec), index)(
-        dq_accum, dq_out, cu_seqlens_q, max_seqlen_q, softmax_scale)
+    alibi, rng = alibi_2d(alibi_slopes, batch, h), rng_of(dropout, q.device)
+    for i, s in enumerate(batch_chunks(batch)):  # one unless past GRID_MAX_BATCH sequences (launch/batch_chunks.py)
+        cu_q, cu_k = lengths_of(cu_seqlens_q, s), lengths_of(cu_seqlens_k, s)
+        if i:
+            dq_accum.zero_()  # a chunk's row blocks count from its own first sequence: they overlap the last's
+        compiled.bwd_kernel_for(PreprocessConfig(t.head_dim, t.dtype, config.even_k, True), index)(
+            out, dout, dot, cu_q, max_seqlen_q)
+        compiled.bwd_kernel_for(config, index)(
+            q, k, v, dout, lse, dot, dq_accum, dk_h, dv_h, rows_of(alibi, s), rng, cu_q, cu_k, rows_of(seqused, s),
+            softmax_scale, *scales(softmax_scale, softcap), left, right, grid_x)
+        compiled.bwd_kernel_for(DQConvertConfig(t, config.even_k, True, config.dq_vec), index)(
+            dq_accum, dq_out, cu_q, max_seqlen_q, softmax_scale)
     return _signed_dq(_finish(dq_out, dk_h, dv_h, d, hk, (dq, dk, dv), dot), dq_sign)

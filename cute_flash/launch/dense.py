@@ -11,6 +11,8 @@ from cute_flash.kernels.config import FwdConfig
 from cute_flash.kernels.constants import LOG2E
 from cute_flash.launch.align import aligned
 from cute_flash.launch import compiled
+from cute_flash.launch.batch_chunks import (batch_chunks, chunked, lengths_of, refuse_chunked_dropout, rows_of,
+                                            slopes_of)
 from cute_flash.dropout import DropoutArgs, rng_of
 from layouts.traits import FwdTraits, choose_fwd_traits, tile_arch
 
@@ -94,6 +96,12 @@ def flash_fwd(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1), sof
     drops P's elements by the Philox mask (cute_flash/dropout.py), the same mask on either
     kernel."""
     b, sq, h, d = q.shape
+    if chunked(b):  # launch/batch_chunks.py
+        refuse_chunked_dropout(dropout, b)
+        parts = [flash_fwd(q[s], k[s], v[s], softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                           softcap=softcap, alibi_slopes=slopes_of(alibi_slopes, s), traits=traits)
+                 for s in batch_chunks(b)]
+        return torch.cat([out for out, _ in parts]), torch.cat([lse for _, lse in parts])
     index = device_index(q.device)
     q, softmax_scale, _ = positive_scale(q, softmax_scale)
     if traits is None and takes_hopper_path(index):
@@ -121,10 +129,12 @@ def flash_fwd_varlen(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     (`takes_hopper_path`), for pages when they hold whole key blocks of it (`hopper_pages_fit`);
     smaller pages take the SM80 kernel."""
     total_q, h, d = q.shape
+    batch = cu_seqlens_q.shape[0] - 1
+    refuse_chunked_dropout(dropout, batch)
     paged = block_table is not None
     q, softmax_scale, _ = positive_scale(q, softmax_scale)
     index = device_index(q.device)
-    if takes_hopper_path(index):
+    if takes_hopper_path(index):  # its grid holds every tile on x: no chunks
         from cute_flash.launch.hopper import flash_fwd_varlen_sm90, hopper_pages_fit
 
         if not paged or hopper_pages_fit(q, k):
@@ -142,6 +152,8 @@ def flash_fwd_varlen(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
         ("any_page_size", paged and k.shape[1] % PAGE_ROWS != 0)))
     cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     seqused = None if seqused_k is None else seqused_k.contiguous()
-    kernel(q, k, v, out, lse, alibi_2d(alibi_slopes, cu_seqlens_q.shape[0] - 1, h), rng_of(dropout, q.device),
-           cu_seqlens_q, cu_seqlens_k, seqused, block_table, max_seqlen_q, *scales(softmax_scale, softcap), left, right)
+    alibi, rng = alibi_2d(alibi_slopes, batch, h), rng_of(dropout, q.device)
+    for s in batch_chunks(batch):  # one launch unless past GRID_MAX_BATCH sequences (launch/batch_chunks.py)
+        kernel(q, k, v, out, lse, rows_of(alibi, s), rng, lengths_of(cu_seqlens_q, s), lengths_of(cu_seqlens_k, s),
+               rows_of(seqused, s), rows_of(block_table, s), max_seqlen_q, *scales(softmax_scale, softcap), left, right)
     return (out if out.shape[-1] == d else out[..., :d]), lse

@@ -18,6 +18,7 @@ from cute_flash.kernels.config import FwdConfig
 from cute_flash.kernels.fwd_sm90 import Sm90FwdConfig
 from cute_flash.kernels.split_kv import num_splits_heuristic, workspace_shapes
 from cute_flash.launch.align import aligned, is_aligned
+from cute_flash.launch.batch_chunks import batch_chunks, chunked, rows_of, slopes_of
 from cute_flash.launch import compiled
 from cute_flash.launch.dense import (PAGE_ROWS, alibi_2d, device_index, positive_scale, scales, score_flags,
                                      takes_hopper_path, window_edges)
@@ -81,6 +82,13 @@ def flash_fwd_kvcache(q, k_cache, v_cache, *, k=None, v=None, rotary_cos=None, r
     `hopper_variant` (tuning, `python -m cute_flash tune --decode`): dict(traits=HopperTileTraits,
     ctas_per_sm=1 or 2) for the Hopper entry in place of its own choice, on a call it takes."""
     b, sq, h, d = q.shape
+    if chunked(b):  # launch/batch_chunks.py
+        return _by_batch_chunks(q, k_cache, v_cache, k=k, v=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+                                cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
+                                cache_leftpad=cache_leftpad, block_table=block_table, softmax_scale=softmax_scale,
+                                causal=causal, window_size=window_size, softcap=softcap,
+                                rotary_interleaved=rotary_interleaved, alibi_slopes=alibi_slopes,
+                                num_splits=num_splits, return_lse=return_lse, hopper_variant=hopper_variant)
     q, softmax_scale, _ = positive_scale(q, softmax_scale)  # rotary is linear: it commutes with -q
     call = _calls.get(signature) if signature is not None else None
     if call is None:
@@ -125,6 +133,23 @@ def flash_fwd_kvcache(q, k_cache, v_cache, *, k=None, v=None, rotary_cos=None, r
     plan.launch(q, k_cache, v_cache, out, lse, o_acc, lse_acc, counters, alibi_2d(alibi_slopes, b, h), seqlens,
                 cache_leftpad, cache_batch_idx, block_table, *call.scalars)
     return out, (lse if return_lse else None)
+
+
+def _by_batch_chunks(q, k_cache, v_cache, *, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+                     alibi_slopes, return_lse, **options):
+    """`flash_fwd_kvcache` over consecutive chunks of at most GRID_MAX_BATCH sequences. A
+    chunk's caches are its rows of contiguous ones; through cache_batch_idx or block_table it
+    takes its rows of those and the whole caches. Appends land in the caller's caches."""
+    whole = cache_batch_idx is not None or block_table is not None
+    parts = []
+    for s in batch_chunks(q.shape[0]):
+        parts.append(flash_fwd_kvcache(
+            q[s], k_cache if whole else k_cache[s], v_cache if whole else v_cache[s], k=rows_of(k, s), v=rows_of(v, s),
+            cache_seqlens=cache_seqlens[s] if isinstance(cache_seqlens, torch.Tensor) else cache_seqlens,
+            cache_batch_idx=rows_of(cache_batch_idx, s), cache_leftpad=rows_of(cache_leftpad, s),
+            block_table=rows_of(block_table, s), alibi_slopes=slopes_of(alibi_slopes, s), return_lse=return_lse,
+            **options))
+    return torch.cat([out for out, _ in parts]), (torch.cat([lse for _, lse in parts]) if return_lse else None)
 
 
 TWO_CTAS_MAX_KEYS = 4096
