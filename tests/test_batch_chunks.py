@@ -134,3 +134,16 @@ def test_kvcache_chunks_take_their_rows_of_the_caches(recorder, monkeypatch, lim
             assert attend["mK"].data_ptr() == caches.data_ptr() and attend["mK"].shape[0] == caches.shape[0]
             key = "mBatchIdx" if cache == "batch_idx" else "mBlockTable"
             assert torch.equal(attend[key], opts[key == "mBatchIdx" and "cache_batch_idx" or "block_table"][s])
+
+
+def test_kvcache_splits_stay_within_grid_z(recorder, monkeypatch):  # noqa: F811
+    """The SM80 KV-cache kernel's grid z holds num_splits x heads: a requested split count is
+    cut to what fits (here a limit of 16 over 8 heads: 2 splits)."""
+    from cute_flash.launch import flash_fwd_kvcache
+
+    monkeypatch.setattr(batch_chunks, "GRID_MAX_BATCH", 16)
+    q = torch.randn(1, 2, 8, 64, dtype=torch.float16)  # two query rows: no GQA fold, 8 heads tiled
+    cache = torch.randn(1, 2048, 8, 64, dtype=torch.float16)
+    flash_fwd_kvcache(q, cache, cache, cache_seqlens=2000, softmax_scale=0.1, num_splits=8)
+    (launch,) = recorder.launches
+    assert launch["num_splits"] == 2 and launch.config.split
