@@ -23,6 +23,11 @@ def batch_chunks(batch: int) -> list[slice]:
     return [slice(lo, min(batch, lo + GRID_MAX_BATCH)) for lo in range(0, batch, GRID_MAX_BATCH)]
 
 
+def splits_within_grid(heads: int) -> int:
+    """The most splits whose splits x heads fit a grid's z (the SM80 KV-cache kernel's)."""
+    return GRID_MAX_BATCH // heads
+
+
 def refuse_chunked_dropout(dropout, batch: int) -> None:
     """ValueError (before any launch) for dropout over more than GRID_MAX_BATCH sequences."""
     if dropout is not None and chunked(batch):

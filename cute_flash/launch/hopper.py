@@ -26,7 +26,7 @@ PERSISTENT_MAX_KEY_BLOCKS = 64
 L2_SECTION_BYTES = 32 << 20  # K / V bytes a scheduling section's heads may span: ~2/3 of the H200's 50 MB L2
 
 
-def prefers_persistent(traits, seqlen_k: int, left: int, right: int) -> bool:
+def prefers_persistent(traits, seqlen_k: int, masked: bool) -> bool:
     """The persistent kernel (one CTA per SM, tiles claimed from a counter) where it measured
     faster than one CTA per tile (H200, bf16, TFLOP/s, docs/perf.md): always without a causal
     / local mask (d 128 512 / 2k / 16k: 446 / 564 / 613 against 409 / 546 / 610); under one, up
@@ -35,17 +35,15 @@ def prefers_persistent(traits, seqlen_k: int, left: int, right: int) -> bool:
     against 138)."""
     if not Sm90FwdConfig.fits_persistent(traits):
         return False
-    masked = left >= 0 or right >= 0
     return (traits.warpgroups == 3 or not masked
             or -(-seqlen_k // traits.block_n) <= PERSISTENT_MAX_KEY_BLOCKS)
 
 
-def takes_tall_tiles(seqlen_k: int, left: int, right: int, dropout) -> bool:
+def takes_tall_tiles(seqlen_k: int, masked: bool, dropout) -> bool:
     """d 64's 192-row tiles (`choose_hopper_traits`' long_keys): from 2048 keys under a causal
     / local mask, from 1024 without one (1k: 417-420 TFLOP/s against 395-404 non-causal, 288
     against 325 causal; H200, docs/perf.md); never with dropout (three consumer warpgroups
     leave a thread 160 registers, and ptxas spilled 150-640 B)."""
-    masked = left >= 0 or right >= 0
     return dropout is None and seqlen_k >= (TALL_D64_MIN_SEQLEN_K if masked else TALL_D64_UNMASKED_MIN_SEQLEN_K)
 
 
@@ -81,13 +79,14 @@ def flash_fwd_sm90(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
     left, right = window_edges(causal, window_size)
+    masked = left >= 0 or right >= 0  # a causal or local mask
     traits = traits or choose_hopper_traits(q.shape[-1], compiled.DTYPE_NAMES[q.dtype],
-                                            takes_tall_tiles(k.shape[1], left, right, dropout))
+                                            takes_tall_tiles(k.shape[1], masked, dropout))
     if persistent is None:
-        persistent = prefers_persistent(traits, k.shape[1], left, right)
+        persistent = prefers_persistent(traits, k.shape[1], masked)
     config = Sm90FwdConfig(traits, persistent=persistent, **score_flags(left, right, alibi_slopes, softcap, dropout))
     if sections is None:
-        sections = section_heads(q, k, persistent and (left >= 0 or right >= 0))
+        sections = section_heads(q, k, persistent and masked)
     compiled.sm90_kernel_for(config)(q, k, v, out, lse, alibi_2d(alibi_slopes, b, h), rng_of(dropout, q.device),
                                      tile_counter(q.device), *scales(softmax_scale, softcap), left, right,
                                      sections, compiled.num_sms(device_index(q.device)))

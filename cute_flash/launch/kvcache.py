@@ -18,8 +18,7 @@ from cute_flash.kernels.config import FwdConfig
 from cute_flash.kernels.fwd_sm90 import Sm90FwdConfig
 from cute_flash.kernels.split_kv import num_splits_heuristic, workspace_shapes
 from cute_flash.launch.align import aligned, is_aligned
-from cute_flash.launch import batch_chunks
-from cute_flash.launch.batch_chunks import chunked, rows_of, slopes_of
+from cute_flash.launch.batch_chunks import batch_chunks, chunked, rows_of, slopes_of, splits_within_grid
 from cute_flash.launch import compiled
 from cute_flash.launch.dense import (PAGE_ROWS, alibi_2d, device_index, positive_scale, scales, score_flags,
                                      takes_hopper_path, window_edges)
@@ -143,7 +142,7 @@ def _by_batch_chunks(q, k_cache, v_cache, *, k, v, cache_seqlens, cache_batch_id
     takes its rows of those and the whole caches. Appends land in the caller's caches."""
     whole = cache_batch_idx is not None or block_table is not None
     parts = []
-    for s in batch_chunks.batch_chunks(q.shape[0]):
+    for s in batch_chunks(q.shape[0]):
         parts.append(flash_fwd_kvcache(
             q[s], k_cache if whole else k_cache[s], v_cache if whole else v_cache[s], k=rows_of(k, s), v=rows_of(v, s),
             cache_seqlens=cache_seqlens[s] if isinstance(cache_seqlens, torch.Tensor) else cache_seqlens,
@@ -203,8 +202,8 @@ def _kvcache_call(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, 
     n_blocks = -(-capacity // traits.block_n)
     if num_splits == 0:
         num_splits = num_splits_heuristic(work_ctas, num_sms, n_blocks, ctas_per_sm=ctas_per_sm)
-    # the SM80 kernel's grid z holds splits x heads: within CUDA's 65535 (launch/batch_chunks.py)
-    num_splits = max(1, min(num_splits, n_blocks, 128, batch_chunks.GRID_MAX_BATCH // heads))
+    # the SM80 kernel's grid z holds splits x heads
+    num_splits = max(1, min(num_splits, n_blocks, 128, splits_within_grid(heads)))
     flags = score_flags(left, right, alibi_slopes, softcap)
     if hopper:
         config = Sm90FwdConfig(traits, kvcache=True, split=num_splits > 1, paged=paged, pack_gqa=pack_gqa,
