@@ -223,14 +223,14 @@ def check_no_grad(named, fn_name, why="it is inference-only and has no backward 
 
 
 def check_dropout(dropout_p) -> float:
-    """dropout_p as a float in [0, 1); above 1 - 2^-17 the 16-bit keep threshold
+    """dropout_p as a float in [0, 1); above 1 - 2^-15 the 14-bit keep threshold
     (philox.keep_threshold) would keep nothing, so those are refused too."""
     if type(dropout_p) is float and dropout_p == 0.0:
         return 0.0
     if not isinstance(dropout_p, numbers.Real) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
-    if dropout_p > 1.0 - 2.0 ** -17:
-        raise ValueError(f"dropout_p must be at most 1 - 2^-17 (the keep probability is quantized to 2^-16), "
+    if dropout_p > 1.0 - 2.0 ** -15:
+        raise ValueError(f"dropout_p must be at most 1 - 2^-15 (the keep probability is quantized to 2^-14), "
                          f"got {dropout_p!r}")
     return float(dropout_p)
 

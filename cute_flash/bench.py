@@ -238,7 +238,8 @@ def format_bwd(rows) -> str:
 def bench_dropout_cell(d, seqlen, causal=False, p=0.1):
     """The cost of dropout: forward and backward (through autograd, as `bench_bwd_cell`) at
     dropout p against p = 0, ours (the public function, its per-call state draw included) and
-    SDPA's FLASH backend (flash-attn 2's C++ dropout), TFLOP/s of the same FLOP count."""
+    SDPA's FLASH (flash-attn 2's C++ dropout) and CUDNN backends, TFLOP/s of the same FLOP
+    count; a peer that refuses the call is left out of the row (None)."""
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -252,19 +253,28 @@ def bench_dropout_cell(d, seqlen, causal=False, p=0.1):
     def ours(q, k, v, p):
         return flash_attn_func(q, k, v, dropout_p=p, causal=causal)
 
-    def flash(q, k, v, p):
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            return torch.nn.functional.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p=p, is_causal=causal).transpose(1, 2)
+    def sdpa(backend):
+        def run(q, k, v, p):
+            with sdpa_kernel(backend):
+                return torch.nn.functional.scaled_dot_product_attention(
+                    q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p=p,
+                    is_causal=causal).transpose(1, 2)
+        return run
 
-    for name, fn in (("ours", ours), ("flash", flash)):
+    for name, fn in (("ours", ours), ("flash", sdpa(SDPBackend.FLASH_ATTENTION)),
+                     ("cudnn", sdpa(SDPBackend.CUDNN_ATTENTION))):
         for tag, prob in (("p0", 0.0), ("p", p)):
-            with torch.no_grad():
-                row[f"{name}_fwd_{tag}"] = fwd_flops / _time_ms(lambda: fn(q, k, v, prob)) / 1e9
-            leaves = [x.detach().requires_grad_() for x in (q, k, v)]
-            out = fn(*leaves, prob)
-            ms = _time_ms(lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True))
-            row[f"{name}_bwd_{tag}"] = 2.5 * fwd_flops / ms / 1e9
+            try:
+                with torch.no_grad():
+                    row[f"{name}_fwd_{tag}"] = fwd_flops / _time_ms(lambda: fn(q, k, v, prob)) / 1e9
+                leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+                out = fn(*leaves, prob)
+                ms = _time_ms(lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True))
+                row[f"{name}_bwd_{tag}"] = 2.5 * fwd_flops / ms / 1e9
+            except RuntimeError:
+                if name == "ours":
+                    raise
+                row[f"{name}_fwd_{tag}"] = row[f"{name}_bwd_{tag}"] = None
     if hopper_gpu():  # the SM80 kernels' dropout, what sm_90 ran before the Hopper kernels had it
         with arch_path("sm80"):
             with torch.no_grad():
@@ -282,31 +292,51 @@ def run_dropout(seqlens=SEQLENS, head_dims=HEAD_DIMS):
 
 def format_dropout(rows) -> str:
     """Each pass's overhead = time at p / time at p = 0 - 1 (the TFLOP/s ratio inverted), the
-    same kernels at both. On sm_90 also the SM80 kernels at p (`--sm80`) and ours / them."""
+    same kernels at both; ours at p over the better peer at p (FLASH, CUDNN). On sm_90 also the
+    SM80 kernels at p (`--sm80`) and ours / them."""
     def overhead(r, name, kind):
+        if r.get(f"{name}_{kind}_p") is None or r.get(f"{name}_{kind}_p0") is None:
+            return None
         return r[f"{name}_{kind}_p0"] / r[f"{name}_{kind}_p"] - 1
+
+    def pct(x):
+        return "-" if x is None else f"{x:+.1%}"
+
+    def vs_peers(r, kind):
+        peers = [r.get(f"{n}_{kind}_p") for n in ("flash", "cudnn")]
+        peers = [x for x in peers if x is not None]
+        return r[f"ours_{kind}_p"] / max(peers) if peers else None
 
     p = rows[0]["p"] if rows else 0.1
     sm80 = all("sm80_bwd_p" in r for r in rows)
     head = {kind: f"{kind} p SM80 | ours/SM80 | " if sm80 else "" for kind in ("fwd", "bwd")}
     rule = "---|---|" if sm80 else ""
-    out = [f"dropout p = {p} against p = 0, TFLOP/s (bf16) and overhead:", "",
-           f"| d | causal | seqlen | fwd p=0 | fwd p | fwd overhead | {head['fwd']}FLASH fwd overhead | bwd p=0 | "
-           f"bwd p | bwd overhead | {head['bwd']}FLASH bwd overhead |",
-           f"|---|---|---|---|---|---|{rule}---|---|---|---|{rule}---|"]
+    out = [f"dropout p = {p} against p = 0, TFLOP/s (bf16) and overhead; `vs peers`: ours at p over the "
+           "better of FLASH and CUDNN at p:", "",
+           f"| d | causal | seqlen | fwd p=0 | fwd p | fwd overhead | {head['fwd']}FLASH fwd overhead | "
+           f"CUDNN fwd overhead | fwd vs peers | bwd p=0 | bwd p | bwd overhead | {head['bwd']}FLASH bwd overhead | "
+           "CUDNN bwd overhead | bwd vs peers |",
+           f"|---|---|---|---|---|---|{rule}---|---|---|---|---|---|{rule}---|---|---|"]
     for r in rows:
         vs = {kind: f"{r[f'sm80_{kind}_p']:.0f} | {r[f'ours_{kind}_p'] / r[f'sm80_{kind}_p']:.2f} | " if sm80 else ""
               for kind in ("fwd", "bwd")}
+        peer = {kind: "-" if vs_peers(r, kind) is None else f"{vs_peers(r, kind):.2f}" for kind in ("fwd", "bwd")}
         out.append(f"| {r['d']} | {r['causal']} | {r['seqlen']} | {r['ours_fwd_p0']:.0f} | {r['ours_fwd_p']:.0f} | "
-                   f"{overhead(r, 'ours', 'fwd'):+.1%} | {vs['fwd']}{overhead(r, 'flash', 'fwd'):+.1%} | "
-                   f"{r['ours_bwd_p0']:.0f} | {r['ours_bwd_p']:.0f} | {overhead(r, 'ours', 'bwd'):+.1%} | "
-                   f"{vs['bwd']}{overhead(r, 'flash', 'bwd'):+.1%} |")
+                   f"{pct(overhead(r, 'ours', 'fwd'))} | {vs['fwd']}{pct(overhead(r, 'flash', 'fwd'))} | "
+                   f"{pct(overhead(r, 'cudnn', 'fwd'))} | {peer['fwd']} | "
+                   f"{r['ours_bwd_p0']:.0f} | {r['ours_bwd_p']:.0f} | {pct(overhead(r, 'ours', 'bwd'))} | "
+                   f"{vs['bwd']}{pct(overhead(r, 'flash', 'bwd'))} | {pct(overhead(r, 'cudnn', 'bwd'))} | "
+                   f"{peer['bwd']} |")
     if rows:
         fwd = [overhead(r, "ours", "fwd") for r in rows]
         bwd = [overhead(r, "ours", "bwd") for r in rows]
         out.append(f"\noverheads against p = 0: forward max {max(fwd):+.1%}, cells <= 15%: "
                    f"{sum(x <= 0.15 for x in fwd)}/{len(fwd)}; backward max {max(bwd):+.1%}, cells <= 20%: "
                    f"{sum(x <= 0.20 for x in bwd)}/{len(bwd)}")
+        for kind in ("fwd", "bwd"):
+            ratios = [x for x in (vs_peers(r, kind) for r in rows) if x is not None]
+            if ratios:
+                out.append(ratio_line(f"{kind} at p, ours / better peer at p", ratios))
     return "\n".join(out)
 
 

@@ -39,7 +39,7 @@ class DropoutArgs:
         if not 0.0 < self.p < 1.0:
             raise ValueError(f"dropout p must be in (0, 1) here (p = 0 compiles no dropout), got {self.p!r}")
         if philox.keep_threshold(self.p) == 0:
-            raise ValueError(f"dropout p = {self.p!r} keeps nothing at 16-bit resolution (p must be below 1 - 2^-17)")
+            raise ValueError(f"dropout p = {self.p!r} keeps nothing at 14-bit resolution (p must be below 1 - 2^-15)")
         if self.rng_state.dtype != torch.int64 or self.rng_state.shape != (2,):
             raise ValueError(f"rng_state must be a (2,) int64 tensor (seed, offset), got "
                              f"{tuple(self.rng_state.shape)} {self.rng_state.dtype}")

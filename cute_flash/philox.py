@@ -20,14 +20,18 @@ shape or a split, so every kernel (forward, backward, SM80, Hopper) draws the sa
               c1 = 8 (i div 16) + i mod 8            rows {r, r+8} + 16 (i div 16)
               bh = batch * heads + head
     element (i, j) takes 16-bit word  s = 4 ((i div 8) mod 2) + 2 ((j div 8) mod 2) + j mod 2
-    of the 8 in the output (word s div 2, low half if s is even), and is kept iff that word is
-    below keep_threshold(p).
+    of the 8 in the output (word s div 2, low half if s is even), and is kept iff that word's
+    low 14 bits are below keep_threshold(p).
 
 The 8 elements of one counter are exactly those one thread holds in a 16x16 piece of an S
 accumulator, in the SM80 forward's mma.sync tiles (two adjacent n8 tiles) and in a wgmma's
 m64nN layout: one Philox call per 8 elements, none wasted (layouts/verify_dropout.py; the
-backward's S tile, whose warps interleave along N, uses 4 of each call's 8). 16 bits per
-element (not 8 as flash-attn 2 uses) keep the kept fraction within 2^-17 of 1 - p.
+backward's S tile, whose warps interleave along N, uses 4 of each call's 8). 14 bits per
+element (not 8 as flash-attn 2 uses) keep the kept fraction within 2^-15 of 1 - p. Why 14 and
+not all 16: a 14-bit value is a finite, non-negative bfloat16 bit pattern, whose float order is
+its integer order, so on sm_90 one bf16x2 compare (HSETP2 / HSET2) decides both elements of a
+32-bit word (`kernels/philox.py:Dropout`): the decisions went from 5 instructions a word to 4 in
+the Hopper forward and from about 6.5 to 3 in the Hopper backward (docs/perf.md, Dropout, run 7).
 """
 from __future__ import annotations
 
@@ -37,6 +41,9 @@ M0, M1 = 0xD2511F53, 0xCD9E8D57  # round multipliers
 W0, W1 = 0x9E3779B9, 0xBB67AE85  # key bumps (golden ratio, sqrt(3) - 1)
 ROUNDS = 7  # Philox4x32-7, as flash-attn 2 (the module docstring says why not 10)
 MASK32 = 0xFFFFFFFF
+KEEP_BITS = 14  # of each 16-bit word, the low ones: the module docstring says why not 16
+KEEP_RANGE = 1 << KEEP_BITS
+KEEP_MASK = KEEP_RANGE - 1
 
 
 class NumpyOps:
@@ -110,11 +117,11 @@ def counter_of(i, j):
 
 
 def keep_threshold(p: float) -> int:
-    """An element is kept iff its 16-bit random word is below this: round((1 - p) * 2^16),
-    which is 65536 (always kept) for p = 0."""
+    """An element is kept iff the low 14 bits of its 16-bit random word are below this:
+    round((1 - p) * 2^14), which is 2^14 (always kept) for p = 0."""
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout probability must be in [0, 1), got {p!r}")
-    return int(round((1.0 - p) * 65536))
+    return int(round((1.0 - p) * KEEP_RANGE))
 
 
 def split_seed(seed: int) -> tuple[int, int]:
@@ -136,7 +143,7 @@ def keep_mask(seed: int, offset: int, batch: int, heads: int, seqlen_q: int, seq
         words = philox4x32((c0, c1, np.full(c0.shape, bh, dtype=np.uint64),
                             np.full(c0.shape, offset & MASK32, dtype=np.uint64)), (k0, k1))
         word = np.choose(s // 2, words)
-        half = (word >> (np.uint64(16) * (s % 2).astype(np.uint64))) & np.uint64(0xFFFF)
+        half = (word >> (np.uint64(16) * (s % 2).astype(np.uint64))) & np.uint64(KEEP_MASK)
         out[bh // heads, bh % heads] = half < threshold
     return out
 
@@ -157,5 +164,5 @@ def keep_mask_of_state(rng_state, p: float, batch: int, heads: int, seqlen_q: in
     words = philox4x32((c0, c1, bh, offset & MASK32), key, TorchOps)
     shape = (batch * heads, seqlen_q, seqlen_k)
     word = torch.stack([w.expand(shape) for w in words]).gather(0, (s // 2).expand(shape).unsqueeze(0))[0]
-    half = (word >> (16 * (s % 2))) & 0xFFFF
+    half = (word >> (16 * (s % 2))) & KEEP_MASK
     return (half < keep_threshold(p)).view(batch, heads, seqlen_q, seqlen_k)

@@ -34,7 +34,7 @@ def attention_ref(
 
     ``dropout_mask`` (b, h, sq, sk) bool (True: kept, e.g. ``philox.keep_mask``) drops
     probabilities after the softmax; the kept ones are scaled by 1 / P(keep), P(keep) being
-    ``philox.keep_threshold(dropout_p) / 2^16`` (docs/semantics.md, Dropout). lse is not affected.
+    ``philox.keep_threshold(dropout_p) / 2^14`` (docs/semantics.md, Dropout). lse is not affected.
 
     ``key_padding_mask`` / ``query_padding_mask`` (b, s) bool mark the valid rows (a prefix) and
     ``key_leftpad`` (b,) hides the first key columns; the valid counts are the per-batch "sk" and
@@ -92,9 +92,9 @@ def attention_ref(
     probs = torch.softmax(scores, dim=-1).masked_fill(empty.unsqueeze(-1), 0.0)
     kept = probs
     if dropout_mask is not None:
-        from cute_flash.philox import keep_threshold
+        from cute_flash.philox import KEEP_RANGE, keep_threshold
 
-        kept = probs.masked_fill(~dropout_mask.to(probs.device), 0.0) * (65536.0 / keep_threshold(dropout_p))
+        kept = probs.masked_fill(~dropout_mask.to(probs.device), 0.0) * (KEEP_RANGE / keep_threshold(dropout_p))
     out = torch.einsum("bhqk,bkhd->bqhd", kept.to(v.dtype), v)
     return (out.to(out_dtype), lse, probs) if return_probs else (out.to(out_dtype), lse)
 

@@ -1,7 +1,8 @@
 """The decode bench's tables (`bench.format_decode`) on hand-made rows: ours over each peer and
 over the better of CUDNN and flash-attn-4 (the issue's bar), a missing peer as "-", and the SM80
-table only when the rows carry it. No GPU: the rows are written here."""
-from cute_flash.bench import format_decode
+table only when the rows carry it; the dropout table (`bench.format_dropout`): overheads and
+ours at p over the better peer at p. No GPU: the rows are written here."""
+from cute_flash.bench import format_decode, format_dropout
 
 
 def _row(batch, ours, cudnn, fa4, sm80=None):
@@ -29,3 +30,23 @@ def test_best_peer_is_the_better_of_cudnn_and_fa4():
 def test_sm80_table_on_hopper_rows():
     text = format_decode([_row(1, 900.0, 1000.0, 800.0, sm80=750.0)], 4000.0)
     assert "| 1 | 1024 | 750 | 1.20 | 375 | 1.20 |" in text
+
+
+def _dropout_row(cudnn_p):
+    return dict(d=64, seqlen=1024, causal=False, p=0.1, ours_fwd_p0=300.0, ours_fwd_p=200.0, ours_bwd_p0=240.0,
+                ours_bwd_p=200.0, flash_fwd_p0=150.0, flash_fwd_p=100.0, flash_bwd_p0=120.0, flash_bwd_p=100.0,
+                cudnn_fwd_p0=None if cudnn_p is None else 2 * cudnn_p, cudnn_fwd_p=cudnn_p,
+                cudnn_bwd_p0=None if cudnn_p is None else 2 * cudnn_p, cudnn_bwd_p=cudnn_p)
+
+
+def test_dropout_overheads_and_ours_over_the_better_peer():
+    """Overhead = TFLOP/s at 0 / at p - 1; ours at p over max(FLASH, CUDNN) at p, CUDNN's
+    column "-" where it refused the call."""
+    text = format_dropout([_dropout_row(250.0), _dropout_row(None)])
+    lines = text.splitlines()
+    assert "| 64 | False | 1024 | 300 | 200 | +50.0% | +50.0% | +100.0% | 0.80 | 240 | 200 | +20.0% | +20.0% | " \
+           "+100.0% | 0.80 |" in lines
+    assert "| 64 | False | 1024 | 300 | 200 | +50.0% | +50.0% | - | 2.00 | 240 | 200 | +20.0% | +20.0% | - | 2.00 |" \
+        in lines
+    assert "cells <= 15%: 0/2; backward max +20.0%, cells <= 20%: 2/2" in text
+    assert "fwd at p, ours / better peer at p: geometric mean 1.265; min 0.800; cells >= 1.0: 1/2" in text

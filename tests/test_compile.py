@@ -195,7 +195,8 @@ def test_hopper_forward_compiles_to_wgmma(config, tmp_path):
     and the last P V are peeled off the loop), and it fits in shared memory. Its softmax takes
     row maxima with max.f32, not the slower max.NaN.f32, and rescales O lazily behind a warp
     vote (docs/perf.md, Hopper step 7). Philox's 32x32 -> 64-bit multiplies by its round
-    constant appear exactly in the dropout variants (others multiply block indices wide too).
+    constant appear exactly in the dropout variants (others multiply block indices wide too),
+    which decide a word's two elements with one bf16x2 compare, 4 per call.
     O leaves through TMA stores, except from packed batches, whose rows go out in 128-bit
     stores behind a row predicate (a box past a sequence would overwrite the next one's), and
     from split-KV tiles (fp32 partials, merged with plain stores). Packed batches and KV
@@ -214,6 +215,8 @@ def test_hopper_forward_compiles_to_wgmma(config, tmp_path):
     assert "max.NaN.f32" not in text
     assert "vote.sync.any.pred" in text
     assert (f", {M0 - (1 << 32)};" in text) == config.has_dropout  # the immediate, as an int32
+    compares = text.count("setp.lt.bf16x2")
+    assert (compares > 0) == config.has_dropout and compares % 4 == 0
     assert (".global.shared::cta" in text) == (not config.varlen and not config.split)  # a TMA store
     assert ("st.global.v4" in text) == config.varlen
     assert (re.search(r"bar\.sync\s+7,", text) is not None) == config.clears_v_tail
@@ -284,7 +287,8 @@ def test_hopper_backward_compiles_to_wgmma(config, tmp_path):
     """The Hopper backward (the sm_90 default for dense backwards at d 32 / 64 / 128) and its dQ
     convert build for sm_90a and fit in shared memory. The main kernel's five GEMMs are wgmma,
     one per 16-wide k step: S^T and dP^T over the head dim, dV and dK over the query block, dQ
-    over the 128 keys."""
+    over the 128 keys. With dropout each Philox call's four words are decided by four bf16x2
+    compares to masks (`Dropout.pair_keep_bits`)."""
     from cute_flash.kernels.bwd_sm90 import Sm90BwdConfig
 
     assert config.smem_bytes <= SMEM_LIMIT[90]
@@ -293,7 +297,10 @@ def test_hopper_backward_compiles_to_wgmma(config, tmp_path):
     if isinstance(config, Sm90BwdConfig):
         t = config.traits
         (ptx,) = tmp_path.glob("*.ptx")
-        assert ptx.read_text().count("wgmma.mma_async") == 2 * t.head_dim // 16 + 2 * t.block_m // 16 + t.block_n // 16
+        text = ptx.read_text()
+        assert text.count("wgmma.mma_async") == 2 * t.head_dim // 16 + 2 * t.block_m // 16 + t.block_n // 16
+        compares = text.count("set.lt.u32.bf16x2")
+        assert (compares > 0) == config.has_dropout and compares % 4 == 0
 
 
 @pytest.mark.slow

@@ -81,20 +81,24 @@ def test_same_seed_same_output_other_offset_other_output():
     assert torch.equal(run[0], run[1]) and not torch.equal(run[0], run[2])
 
 
-@pytest.mark.parametrize("b, sq, sk, h, hk, d, opts", [
-    (2, 257, 300, 4, 2, 64, {}),
-    (1, 200, 333, 6, 3, 128, dict(causal=True)),
-    (2, 129, 65, 4, 4, 96, dict(window_size=(40, 10), softcap=20.0)),
-], ids=["d64-gqa", "d128-causal", "d96-window-softcap"])
-def test_dense_dropout_grads_match_reference(b, sq, sk, h, hk, d, opts):
+@pytest.mark.parametrize("b, sq, sk, h, hk, d, opts, p", [
+    (2, 257, 300, 4, 2, 64, {}, 0.25),
+    (1, 200, 333, 6, 3, 128, dict(causal=True), 0.25),
+    (2, 129, 65, 4, 4, 96, dict(window_size=(40, 10), softcap=20.0), 0.25),
+    (2, 257, 300, 4, 2, 64, {}, 0.996),
+    (2, 300, 200, 4, 4, 32, {}, 0.996),
+], ids=["d64-gqa", "d128-causal", "d96-window-softcap", "d64-gqa-subnormal", "d32-subnormal"])
+def test_dense_dropout_grads_match_reference(b, sq, sk, h, hk, d, opts, p):
     """The backward recomputes the forward's mask from the same seed and offset: dq, dk, dv
-    against the reference's autograd with that mask, by the backward tests' rule."""
+    against the reference's autograd with that mask, by the backward tests' rule. p = 0.996:
+    a keep threshold of 66, bfloat16 subnormals in the Hopper backward's packed compare; d 32
+    takes 128-row query blocks there (two registers of keep bits per thread)."""
     from cute_flash.launch.backward import flash_bwd
     from cute_flash.launch.dense import flash_fwd
     from cute_flash.dropout import DropoutArgs
     from tests.test_bwd_gpu import assert_grads_match
 
-    p, seed, offset = 0.25, 31337, 3
+    seed, offset = 31337, 3
     drop = DropoutArgs.seeded(p, seed, offset, "cuda")
     q = torch.randn(b, sq, h, d, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(b, sk, hk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
@@ -131,6 +135,17 @@ def test_kernel_mask_is_the_states_mask_and_kept_fraction_within_4_sigma():
     frac = bits.sum().item() / n
     sigma = (p * (1 - p) / n) ** 0.5
     assert abs(frac - (1 - p)) < 4 * sigma, (frac, sigma)
+
+
+@pytest.mark.parametrize("p", [0.996, 1e-5])
+def test_kernel_mask_at_the_thresholds_ends(p):
+    """Keep thresholds below 128 (p = 0.996: 66 of 2^14, bfloat16 subnormals in the Hopper
+    kernels' packed compare) and at 2^14 (p = 1e-5: every element kept) give the state's mask
+    bit for bit."""
+    b, sq, h, sk = 2, 512, 8, 128
+    bits, rng_state = _kernel_bits(b, sq, h, sk, p)
+    assert philox.keep_threshold(p) in (66, 2 ** 14)
+    assert torch.equal(bits, philox.keep_mask_of_state(rng_state, p, b, h, sq, sk))
 
 
 def _chi_square(a, b):

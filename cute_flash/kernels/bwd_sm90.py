@@ -41,7 +41,7 @@ from cute_flash.kernels.config import score_letters
 from cute_flash.kernels.dq_accum import HOPPER_VEC, bulk_add_run, chunk_index, stage_run
 from cute_flash.kernels.fwd_sm90 import seq_first, use_state
 from cute_flash.kernels.gemm import wgmma_issue
-from cute_flash.kernels.philox import Dropout
+from cute_flash.kernels.philox import Dropout, keep_bit
 from cute_flash.kernels.score_mods import Mask, apply_alibi, softcap_with_derivative
 from cute_flash.kernels.seq_info import SeqInfo
 from layouts import hopper
@@ -336,7 +336,7 @@ class FlashBwdSm90:
         mask = Mask(tile.seq.seqlen_q, tile.seq.seqlen_k, window)
         dropout = None
         if cutlass.const_expr(cfg.has_dropout):
-            dropout = Dropout.load(args.mRng, tile.bidb, tile.bidh, args.tma_mQ.shape[2])
+            dropout = Dropout.load(args.mRng, tile.bidb, tile.bidh, args.tma_mQ.shape[2], packed=True)
         cute.arch.mbarrier_wait(pipes.kv_full, 0)
         for i in cutlass.range(tile.m_block_max - tile.m_block_min, unroll=1):
             m_block = tile.m_block_min + i
@@ -414,7 +414,7 @@ class FlashBwdSm90:
                 for c in cutlass.range_constexpr(2):
                     v = ((c, r, k), 0, 0)
                     z = cutlass.Float32(0.0)
-                    if (keep_bits[c] >> (4 * (k // 2) + 2 * (k % 2) + r)) & cutlass.Uint32(1) != cutlass.Uint32(0):
+                    if keep_bit(keep_bits, c, r, k):
                         z = scale
                     p = acc_s[v]
                     acc_s[v] = p * z

@@ -759,7 +759,7 @@ class FlashFwdSm90:
         lo, hi = BlockRange.unmasked(tile.seq, tile.m_block, bm, bn, window)
         dropout = None
         if cutlass.const_expr(cfg.has_dropout):
-            dropout = Dropout.load(args.mRng, tile.bidb, tile.bidh, args.tma_mQ.shape[2])
+            dropout = Dropout.load(args.mRng, tile.bidb, tile.bidh, args.tma_mQ.shape[2], packed=True)
         loop = Sm90Loop(pipes, tSrQ, tSrK, tOrV, acc_s, tOrP, acc_o, acc_o_mn, row_scale, softmax, mods, tile.m_block,
                         lo, hi, consumer_wg, kv_uses, dropout, mma_tidx, sV)
         if tile.count > 0:

@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 from cute_flash import philox
 
@@ -92,43 +94,76 @@ def philox_probe(out, seed: int, offset: int, bh: int, row0: int = 0, col0: int 
     return out
 
 
+@dsl_user_op
+def keep_pair(word, threshold2, x_lo, x_hi, *, loc=None, ip=None):
+    """sm_90: (x_lo, x_hi) with each zeroed where its half of `word` drops it: both halves'
+    low 14 bits compared with the threshold pair (threshold * 0x10001) by one bf16x2 compare
+    (HSETP2). A 14-bit pattern is a finite, non-negative bfloat16 (subnormals included), whose
+    float order is its integer order (`philox.KEEP_BITS`); p is the low half's result."""
+    out = llvm.inline_asm(
+        llvm.StructType.get_literal([T.f32(), T.f32()]),
+        [cutlass.Uint32(word).ir_value(loc=loc, ip=ip), cutlass.Uint32(threshold2).ir_value(loc=loc, ip=ip),
+         cutlass.Float32(x_lo).ir_value(loc=loc, ip=ip), cutlass.Float32(x_hi).ir_value(loc=loc, ip=ip)],
+        "{ .reg .pred p, q; .reg .b32 v; and.b32 v, $2, 0x3FFF3FFF; setp.lt.bf16x2 p|q, v, $3; "
+        "selp.f32 $0, $4, 0f00000000, p; selp.f32 $1, $5, 0f00000000, q; }",
+        "=f,=f,r,r,f,f", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc, ip=ip)
+    return (cutlass.Float32(llvm.extractvalue(T.f32(), out, [0], loc=loc, ip=ip)),
+            cutlass.Float32(llvm.extractvalue(T.f32(), out, [1], loc=loc, ip=ip)))
+
+
+@dsl_user_op
+def keep_halves(word, threshold2, *, loc=None, ip=None) -> cutlass.Uint32:
+    """sm_90: 0xFFFF in each 16-bit half of `word` whose low 14 bits are below the threshold, 0
+    in the others: one bf16x2 compare to a mask (HSET2), as `keep_pair`."""
+    return cutlass.Uint32(llvm.inline_asm(
+        T.i32(), [cutlass.Uint32(word).ir_value(loc=loc, ip=ip), cutlass.Uint32(threshold2).ir_value(loc=loc, ip=ip)],
+        "{ .reg .b32 v; and.b32 v, $1, 0x3FFF3FFF; set.lt.u32.bf16x2 $0, v, $2; }", "=r,r,r",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
 @dataclass(frozen=True)
 class Dropout:
-    """One CTA's dropout: the Philox key and offset, the keep threshold (a 16-bit word below it
-    keeps its element) and the CTA's head row bh = batch * heads + head."""
+    """One CTA's dropout: the Philox key and offset, the keep threshold (a word's low 14 bits
+    below it keep its element; `threshold2`, the threshold in both halves) and the CTA's head row
+    bh = batch * heads + head. packed (sm_90 kernels): a word's two decisions by one bf16x2
+    compare (`keep_pair`) instead of an integer compare each."""
     key_lo: object
     key_hi: object
     offset_lo: object
     threshold: object
+    threshold2: object
     bh: object
+    packed: bool = False
 
     @staticmethod
-    def load(mRng: cute.Tensor, bidb, bidh, heads) -> "Dropout":
+    def load(mRng: cute.Tensor, bidb, bidh, heads, packed: bool = False) -> "Dropout":
         """mRng (4,) uint32: key_lo, key_hi, offset_lo, threshold (`cute_flash/dropout.py`);
         the CTA's head row bh = batch * heads + head, the counter's third word."""
-        return Dropout(mRng[0], mRng[1], mRng[2], mRng[3], bidb * heads + bidh)
+        threshold = mRng[3]
+        return Dropout(mRng[0], mRng[1], mRng[2], threshold, threshold * cutlass.Uint32(0x10001),
+                       bidb * heads + bidh, packed)
 
     @cute.jit
     def scale(self) -> cutlass.Float32:
-        """1 / P(keep) = 2^16 / threshold: what the kept values are multiplied by (applied to O
+        """1 / P(keep) = 2^14 / threshold: what the kept values are multiplied by (applied to O
         once at the end), exact for the quantized keep probability."""
-        return cutlass.Float32(65536.0) / cutlass.Float32(self.threshold)
+        return cutlass.Float32(philox.KEEP_RANGE) / cutlass.Float32(self.threshold)
 
     @cute.jit
     def keeps(self, word, half: cutlass.Constexpr):
-        """Whether 16-bit half `half` (0: low) of a Philox word is below the threshold. The high
-        half needs no shift: w div 2^16 < t iff w <= t * 2^16 - 1 (mod 2^32, which is all ones
-        for t = 2^16, keep all)."""
+        """Whether the low 14 bits of 16-bit half `half` (0: low) of a Philox word are below the
+        threshold (at most 2^14, so the shifted one fits)."""
         if cutlass.const_expr(half == 1):
-            return word <= (self.threshold << 16) - cutlass.Uint32(1)
-        return (word & cutlass.Uint32(0xFFFF)) < self.threshold
+            return (word & cutlass.Uint32(philox.KEEP_MASK << 16)) < (self.threshold << 16)
+        return (word & cutlass.Uint32(philox.KEEP_MASK)) < self.threshold
 
     @cute.jit
     def drops(self, word, half: cutlass.Constexpr):
         """not `keeps(word, half)`."""
         if cutlass.const_expr(half == 1):
-            return word > (self.threshold << 16) - cutlass.Uint32(1)
-        return (word & cutlass.Uint32(0xFFFF)) >= self.threshold
+            return (word & cutlass.Uint32(philox.KEEP_MASK << 16)) >= (self.threshold << 16)
+        return (word & cutlass.Uint32(philox.KEEP_MASK)) >= self.threshold
 
     @cute.jit
     def atom_keeps(self, i, j):
@@ -177,42 +212,65 @@ class Dropout:
 
     @cute.jit
     def drop_group(self, acc_s: cute.Tensor, members, words):
-        """Zero the members (value, 16-bit word) of one group that its call's words drop."""
-        for e in cutlass.range_constexpr(len(members)):
-            value, s = members[e]
-            if self.drops(words[s // 2], s % 2):
-                acc_s[value] = cutlass.Float32(0.0)
+        """Zero the members (value, 16-bit word) of one group that its call's words drop;
+        packed: the two members of each 32-bit word at once (`keep_pair`)."""
+        if cutlass.const_expr(self.packed):
+            halves = word_halves(members)
+            for q in cutlass.range_constexpr(4):
+                lo, hi = halves[q]
+                acc_s[lo], acc_s[hi] = keep_pair(words[q], self.threshold2, acc_s[lo], acc_s[hi])
+        else:
+            for e in cutlass.range_constexpr(len(members)):
+                value, s = members[e]
+                if self.drops(words[s // 2], s % 2):
+                    acc_s[value] = cutlass.Float32(0.0)
 
     @cute.jit
     def pair_keep_bits(self, tiled_mma: cute.TiledMma, thread, row0, col0, tile_kq: cutlass.Constexpr):
         """The keep decisions of thread `thread`'s part of a wgmma S^T tile (keys, queries: the
         Hopper backward's) whose element (r, c) is (query row0 + c, key col0 + r) of the head,
-        values ((c, r, k), 0, 0): (bits_c0, bits_c1), bit 4 (k div 2) + 2 (k mod 2) + r of bits_c
-        keeping value ((c, r, k), 0, 0). No thread holds a whole Philox group here, but lanes t
-        and t ^ 4 hold the two halves of each of their groups' words
-        (layouts/verify_dropout.py:pair_exchange): each makes the calls of the groups at its own
-        key parity c = jpar (one call per 8 values, as the forward), keeps its half of each word
-        and sends the other half's decisions to its partner in one shuffle. Both halves are
-        decided as they come (low, high) and sorted into this thread's and its partner's by two
-        masked selects at the end: rotating each word first measured 1.6-2.6% slower (H200,
-        backward, 4 cells, same run)."""
+        values ((c, r, k), 0, 0): a list of uint32, bit 16 c + 4 (k div 2 mod 4) + 2 (k mod 2) + r
+        of entry k div 8 keeping value ((c, r, k), 0, 0) (`keep_bit`). No thread holds a whole
+        Philox group here, but lanes t and t ^ 4 hold the two halves of each of their groups'
+        words (layouts/verify_dropout.py:pair_exchange): each makes the calls of the groups at its
+        own key parity c = jpar (one call per 8 values, as the forward), decides both halves of
+        each word with one bf16x2 compare (`keep_halves`), gathering low halves' decisions in
+        bits 0..15 and high halves' in 16..31, and trades them with its partner by one shuffle
+        and one byte permute per 4 calls: about 3 instructions a word, where integer compares,
+        selects and ors had taken about 6.5 (SASS, docs/perf.md, Dropout, run 7)."""
         ident = cute.make_identity_tensor(tile_kq)
         tScS = tiled_mma.get_slice(thread).partition_C(ident)  # (MMA, MMA_M, MMA_N): (key, query)
         first = tScS[0]
         c0, c1, _ = philox.counter_of(row0 + first[1], col0 + first[0])
         jpar = cutlass.Uint32(first[0] % 2)  # col0 is even
-        swap = cutlass.Uint32(0) - jpar  # all ones: this thread's half is the high one
-        low, high = cutlass.Uint32(0), cutlass.Uint32(0)
-        for kd in cutlass.range_constexpr(cute.size(tScS.shape[0][2]) // 2):
-            words = counter_words(self.key_lo, self.key_hi, self.offset_lo, self.bh, c0, c1 + 8 * kd + jpar)
-            for kk in cutlass.range_constexpr(2):
-                for r in cutlass.range_constexpr(2):
-                    bit = 4 * kd + 2 * kk + r
-                    low = low | (cutlass.Uint32(self.keeps(words[2 * kk + r], 0)) << bit)
-                    high = high | (cutlass.Uint32(self.keeps(words[2 * kk + r], 1)) << bit)
-        mine, theirs = low ^ ((low ^ high) & swap), high ^ ((high ^ low) & swap)
-        received = cutlass.Uint32(cute.arch.shuffle_sync_bfly(theirs, offset=4))
-        return mine ^ ((mine ^ received) & swap), received ^ ((received ^ mine) & swap)
+        # own decisions sit in half jpar of `mine`, the partner's (for this thread's c != jpar
+        # values) in half jpar of what it sends: bytes (0, 1, 4, 5) low halves, (6, 7, 2, 3) high
+        select = cutlass.Uint32(0x5410) ^ ((cutlass.Uint32(0) - jpar) & cutlass.Uint32(0x5410 ^ 0x3276))
+        calls = cute.size(tScS.shape[0][2]) // 2
+        bits = []
+        for reg in cutlass.range_constexpr((calls + 3) // 4):
+            mine = cutlass.Uint32(0)
+            for kd in cutlass.range_constexpr(4 * reg, min(4 * reg + 4, calls)):
+                words = counter_words(self.key_lo, self.key_hi, self.offset_lo, self.bh, c0, c1 + 8 * kd + jpar)
+                for kk in cutlass.range_constexpr(2):
+                    for r in cutlass.range_constexpr(2):
+                        both = cutlass.Uint32(0x00010001 << (4 * (kd % 4) + 2 * kk + r))
+                        mine = mine | (keep_halves(words[2 * kk + r], self.threshold2) & both)
+            theirs = cutlass.Uint32(cute.arch.shuffle_sync_bfly(mine, offset=4))
+            bits.append(cutlass.Uint32(cute.arch.prmt(mine, theirs, select)))
+        return bits
+
+
+def word_halves(members) -> list:
+    """A Philox group's members (value, 16-bit word s) as (low half's value, high half's value)
+    of 32-bit words 0..3."""
+    by_word = {s: value for value, s in members}
+    return [(by_word[2 * q], by_word[2 * q + 1]) for q in range(4)]
+
+
+def keep_bit(bits, c: int, r: int, k: int):
+    """Whether `Dropout.pair_keep_bits` keeps value ((c, r, k), 0, 0) (compile-time c, r, k)."""
+    return (bits[k // 8] >> (16 * c + 4 * ((k // 2) % 4) + 2 * (k % 2) + r)) & cutlass.Uint32(1) != cutlass.Uint32(0)
 
 
 def sm80_groups(shape) -> list:
