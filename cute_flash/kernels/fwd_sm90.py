@@ -250,6 +250,15 @@ class Tile:
 
 
 @dataclass(frozen=True)
+class MergeRows:
+    """A split tile's view for its merge (`FlashFwdSm90.merge_rows`)."""
+    tOcO_mn: cute.Tensor  # (rows, cols) (row, col) coordinates of the thread's O accumulators
+    rows_q: object        # query rows of the tile inside the sequence (may exceed block_m)
+    mO: cute.Tensor       # (seqlen_q, d) this head's O
+    mLSE: cute.Tensor     # (seqlen_q,) this head's LSE
+
+
+@dataclass(frozen=True)
 class Pipes:
     """Q's mbarriers (full: the TMA bytes landed; empty: every consumer thread is done with the
     tile) and the K and V stage pipelines (`PipelineTmaAsync`: a full barrier the TMA bytes
@@ -588,16 +597,18 @@ class FlashFwdSm90:
     def announce(self, pipes: Pipes, tile_idx, tile, q_bytes: cutlass.Constexpr, q_loads):
         """Once the consumers are done with the previous tile's Q, write the tile's index and
         coordinates (tile None: only the index, past the last tile) where the consumers read
-        them, and arrive on Q's full barrier, expecting q_bytes of Q's TMA (0: no load follows,
-        the arrival alone completes the phase)."""
+        them (KV caches: nowhere, their consumers take the tile from the block index), and
+        arrive on Q's full barrier, expecting q_bytes of Q's TMA (0: no load follows, the
+        arrival alone completes the phase)."""
         if q_loads > 0:
             cute.arch.mbarrier_wait(pipes.q_empty, (q_loads - 1) % 2)
         with cute.arch.elect_one():
-            pipes.tile_slot[0] = tile_idx
-            if cutlass.const_expr(tile is not None):
-                pipes.tile_slot[1] = tile.m_block
-                pipes.tile_slot[2] = tile.bidh
-                pipes.tile_slot[3] = tile.bidb
+            if cutlass.const_expr(not self.config.kvcache):
+                pipes.tile_slot[0] = tile_idx
+                if cutlass.const_expr(tile is not None):
+                    pipes.tile_slot[1] = tile.m_block
+                    pipes.tile_slot[2] = tile.bidh
+                    pipes.tile_slot[3] = tile.bidb
             if cutlass.const_expr(q_bytes > 0):
                 cute.arch.mbarrier_arrive_and_expect_tx(pipes.q_full, q_bytes)
             else:
@@ -951,13 +962,9 @@ class FlashFwdSm90:
         m_blocks = cute.ceil_div(self.rows_q(args), t.block_m)
         kv = SplitKV.make(split.mOaccum, split.mLSEaccum, split.mCounters, tile.split_idx, split.num_splits,
                           (tile.m_block, tile.bidb, tile.bidh, args.tma_mQ.shape[2]), t, m_blocks, SPLIT_BARRIER)
-        cO = cute.make_identity_tensor((t.block_m, t.head_dim))
-        tOcO_mn = lmma.acc_mn_view(recipe.mma_pv.get_slice(mma_tidx).partition_C(cO))  # (rows, cols) coordinates
-        rows_q = tile.seq.seqlen_q - tile.m_block * t.block_m
-        kv.store_partial(acc_o_mn, lse, tOcO_mn, tile.m_block, rows_q)
-        mO_s = head_rows(split.mO, tile.seq, tile.bidb, tile.bidh)  # (seqlen_q, d)
-        mLSE_s = head_rows(args.mLSE, tile.seq, tile.bidb, tile.bidh)  # (seqlen_q,)
-        kv.merge(mO_s, mLSE_s, sQ, tile.m_block, rows_q, mma_tidx)
+        rows = self.merge_rows(args, recipe, tile, mma_tidx)
+        kv.store_partial(acc_o_mn, lse, rows.tOcO_mn, tile.m_block, rows.rows_q)
+        kv.merge(rows.mO, rows.mLSE, sQ, tile.m_block, rows.rows_q, mma_tidx)
 
     @cute.jit
     def store_cluster(self, acc_o_mn: cute.Tensor, lse: cute.Tensor, merge: ClusterMerge, args: Sm90Tensors,
@@ -966,16 +973,20 @@ class FlashFwdSm90:
         memory, then cluster rank 0 merges every split's (`split_kv.ClusterMerge`). K's and V's
         stages hold them: every wgmma of the tile has completed, and the producer loads no
         more."""
-        t = self.t
-        cO = cute.make_identity_tensor((t.block_m, t.head_dim))
-        tOcO_mn = lmma.acc_mn_view(recipe.mma_pv.get_slice(mma_tidx).partition_C(cO))  # (rows, cols) coordinates
-        merge.store_partial(acc_o_mn, lse, tOcO_mn)
-        rows_q = tile.seq.seqlen_q - tile.m_block * t.block_m
-        mO_s = head_rows(args.cache.split.mO, tile.seq, tile.bidb, tile.bidh)  # (seqlen_q, d)
-        mLSE_s = head_rows(args.mLSE, tile.seq, tile.bidb, tile.bidh)  # (seqlen_q,)
-        row0 = tile.m_block * t.block_m
-        merge.merge(cute.domain_offset((row0, 0), mO_s), cute.domain_offset((row0,), mLSE_s),
-                    cutlass.min(rows_q, t.block_m), mma_tidx)
+        rows = self.merge_rows(args, recipe, tile, mma_tidx)
+        merge.store_partial(acc_o_mn, lse, rows.tOcO_mn)
+        row0 = tile.m_block * self.t.block_m
+        merge.merge(cute.domain_offset((row0, 0), rows.mO), cute.domain_offset((row0,), rows.mLSE),
+                    cutlass.min(rows.rows_q, self.t.block_m), mma_tidx)
+
+    def merge_rows(self, args: Sm90Tensors, recipe: Sm90Recipe, tile: Tile, mma_tidx) -> "MergeRows":
+        """What both split-KV merges read: the thread's accumulator coordinates, the tile's
+        real query rows, and the head's O and LSE rows."""
+        cO = cute.make_identity_tensor((self.t.block_m, self.t.head_dim))
+        return MergeRows(lmma.acc_mn_view(recipe.mma_pv.get_slice(mma_tidx).partition_C(cO)),
+                         tile.seq.seqlen_q - tile.m_block * self.t.block_m,
+                         head_rows(args.cache.split.mO, tile.seq, tile.bidb, tile.bidh),
+                         head_rows(args.mLSE, tile.seq, tile.bidb, tile.bidh))
 
     @cute.jit
     def copy_o_rows(self, sO: cute.Tensor, mO: cute.Tensor, tile: Tile, wg, wg_tidx):

@@ -50,7 +50,7 @@ class KVCachePlan:
     @property
     def global_partials(self) -> bool:
         """Splits that merge through global memory: not the Hopper entry's cluster merge."""
-        return self.num_splits > 1 and not getattr(self.config, "cluster_merge", False)  # FwdConfig has none
+        return self.num_splits > 1 and not (isinstance(self.config, Sm90FwdConfig) and self.config.cluster_merge)
 
 
 @dataclass(frozen=True)
