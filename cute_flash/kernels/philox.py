@@ -99,7 +99,8 @@ def keep_pair(word, threshold2, x_lo, x_hi, *, loc=None, ip=None):
     """sm_90: (x_lo, x_hi) with each zeroed where its half of `word` drops it: both halves'
     low 14 bits compared with the threshold pair (threshold * 0x10001) by one bf16x2 compare
     (HSETP2). A 14-bit pattern is a finite, non-negative bfloat16 (subnormals included), whose
-    float order is its integer order (`philox.KEEP_BITS`); p is the low half's result."""
+    float order is its integer order (`philox.KEEP_BITS`). PTX's p takes the low halves'
+    compare, q the high (tests/test_dropout_gpu.py checks the mask bit for bit on the GPU)."""
     out = llvm.inline_asm(
         llvm.StructType.get_literal([T.f32(), T.f32()]),
         [cutlass.Uint32(word).ir_value(loc=loc, ip=ip), cutlass.Uint32(threshold2).ir_value(loc=loc, ip=ip),
@@ -243,8 +244,9 @@ class Dropout:
         first = tScS[0]
         c0, c1, _ = philox.counter_of(row0 + first[1], col0 + first[0])
         jpar = cutlass.Uint32(first[0] % 2)  # col0 is even
-        # own decisions sit in half jpar of `mine`, the partner's (for this thread's c != jpar
-        # values) in half jpar of what it sends: bytes (0, 1, 4, 5) low halves, (6, 7, 2, 3) high
+        # this thread's values all take half jpar of their words: its own calls' (c = jpar) from
+        # `mine`, the others' (c != jpar) from its partner's; each entry holds c = 0 in its low
+        # 16 bits, c = 1 in its high: bytes (0, 1, 4, 5) of (mine, theirs) for jpar 0, (6, 7, 2, 3)
         select = cutlass.Uint32(0x5410) ^ ((cutlass.Uint32(0) - jpar) & cutlass.Uint32(0x5410 ^ 0x3276))
         calls = cute.size(tScS.shape[0][2]) // 2
         bits = []
