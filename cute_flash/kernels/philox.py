@@ -94,6 +94,10 @@ def philox_probe(out, seed: int, offset: int, bh: int, row0: int = 0, col0: int 
     return out
 
 
+# philox.KEEP_MASK in both 16-bit halves: what the packed compares read of a word
+BOTH_KEEP_MASKS = f"{philox.KEEP_MASK * 0x10001:#010x}"
+
+
 @dsl_user_op
 def keep_pair(word, threshold2, x_lo, x_hi, *, loc=None, ip=None):
     """sm_90: (x_lo, x_hi) with each zeroed where its half of `word` drops it: both halves'
@@ -105,7 +109,7 @@ def keep_pair(word, threshold2, x_lo, x_hi, *, loc=None, ip=None):
         llvm.StructType.get_literal([T.f32(), T.f32()]),
         [cutlass.Uint32(word).ir_value(loc=loc, ip=ip), cutlass.Uint32(threshold2).ir_value(loc=loc, ip=ip),
          cutlass.Float32(x_lo).ir_value(loc=loc, ip=ip), cutlass.Float32(x_hi).ir_value(loc=loc, ip=ip)],
-        "{ .reg .pred p, q; .reg .b32 v; and.b32 v, $2, 0x3FFF3FFF; setp.lt.bf16x2 p|q, v, $3; "
+        f"{{ .reg .pred p, q; .reg .b32 v; and.b32 v, $2, {BOTH_KEEP_MASKS}; setp.lt.bf16x2 p|q, v, $3; "
         "selp.f32 $0, $4, 0f00000000, p; selp.f32 $1, $5, 0f00000000, q; }",
         "=f,=f,r,r,f,f", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
         loc=loc, ip=ip)
@@ -119,7 +123,7 @@ def keep_halves(word, threshold2, *, loc=None, ip=None) -> cutlass.Uint32:
     in the others: one bf16x2 compare to a mask (HSET2), as `keep_pair`."""
     return cutlass.Uint32(llvm.inline_asm(
         T.i32(), [cutlass.Uint32(word).ir_value(loc=loc, ip=ip), cutlass.Uint32(threshold2).ir_value(loc=loc, ip=ip)],
-        "{ .reg .b32 v; and.b32 v, $1, 0x3FFF3FFF; set.lt.u32.bf16x2 $0, v, $2; }", "=r,r,r",
+        f"{{ .reg .b32 v; and.b32 v, $1, {BOTH_KEEP_MASKS}; set.lt.u32.bf16x2 $0, v, $2; }}", "=r,r,r",
         has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
 
 
