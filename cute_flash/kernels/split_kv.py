@@ -171,25 +171,9 @@ class SplitKV:
         """Merge `rows` rows. mOaccum (num_splits, rows, kHeadDim) and mLSEaccum (num_splits,
         rows) fp32 partials; mO (rows, d <= kHeadDim) and mLSE (rows,) fp32, any strides."""
         tpr = self.head_dim // VEC  # threads per row
-        num_splits = mLSEaccum.shape[0]
-        chunk = tidx % tpr
+        partials = GlobalPartials(mOaccum, mLSEaccum)
         for i in cutlass.range(tidx // tpr, rows, self.num_threads // tpr, unroll=1):
-            lse_max = -cutlass.Float32.inf
-            for s in cutlass.range(num_splits, unroll=UNROLL):
-                lse_max = cute.arch.fmax(lse_max, mLSEaccum[s, i])
-            # All splits empty: every weight is exp2(-inf) = 0, the sum stays 0 and LSE is +inf.
-            max_log2 = 0.0 if lse_max == -cutlass.Float32.inf else lse_max * LOG2E
-            total = cutlass.Float32(0.0)
-            acc = cute.make_rmem_tensor((VEC,), cutlass.Float32)
-            acc.fill(0.0)
-            part = cute.make_rmem_tensor((VEC,), cutlass.Float32)
-            for s in cutlass.range(num_splits, unroll=UNROLL):
-                weight = cute.math.exp2(mLSEaccum[s, i] * LOG2E - max_log2, fastmath=True)
-                total = total + weight
-                cute.autovec_copy(cute.local_tile(mOaccum[s, i, None], (VEC,), (chunk,)), part)
-                for v in cutlass.range_constexpr(VEC):
-                    acc[v] = acc[v] + weight * part[v]
-            write_merged_row(mO, mLSE, i, chunk, acc, total, max_log2)
+            partials.merge_row(mLSEaccum.shape[0], i, tidx % tpr, mO, mLSE)
 
 
 @dataclass(frozen=True)
@@ -235,31 +219,80 @@ class ClusterMerge:
         cluster_sync()  # every split's partials are in its shared memory
         if cute.arch.block_idx_in_cluster() == 0:
             tpr = self.head_dim // VEC  # threads per row
-            chunk = tidx % tpr
+            partials = ClusterPartials(self.sOpart, self.sLSEpart)
             for i in cutlass.range(tidx // tpr, rows, self.num_threads // tpr, unroll=1):
-                # distributed shared memory takes no tensor loads: each value through its pointer
-                lse_at = self.sLSEpart.iterator + i
-                o_at = self.sOpart.iterator + i * self.head_dim + chunk * VEC
-                lse_max = -cutlass.Float32.inf
-                for s in cutlass.range(self.num_splits, unroll=UNROLL):
-                    lse_max = cute.arch.fmax(lse_max, remote_f32(lse_at, s))
-                # All splits empty: every weight is exp2(-inf) = 0, the sum stays 0 and LSE is +inf.
-                max_log2 = 0.0 if lse_max == -cutlass.Float32.inf else lse_max * LOG2E
-                total = cutlass.Float32(0.0)
-                acc = cute.make_rmem_tensor((VEC,), cutlass.Float32)
-                acc.fill(0.0)
-                for s in cutlass.range(self.num_splits, unroll=UNROLL):
-                    weight = cute.math.exp2(remote_f32(lse_at, s) * LOG2E - max_log2, fastmath=True)
-                    total = total + weight
-                    for v in cutlass.range_constexpr(VEC):
-                        acc[v] = acc[v] + weight * remote_f32(o_at + v, s)
-                write_merged_row(mO, mLSE, i, chunk, acc, total, max_log2)
+                partials.merge_row(self.num_splits, i, tidx % tpr, mO, mLSE)
         cluster_sync()  # rank 0 is done reading the others' shared memory
+
+
+class SplitPartials:
+    """Every split's partials of a tile, as a merge reads them: the global workspace
+    (`GlobalPartials`, `SplitKV.combine_tile`) or the cluster's shared memories
+    (`ClusterPartials`, `ClusterMerge.merge`). A subclass says how to read split s's LSE and O
+    chunk of row i; the merge of a row is this one."""
+
+    @cute.jit
+    def merge_row(self, num_splits, i, chunk, mO: cute.Tensor, mLSE: cute.Tensor):
+        """Row i, this thread's columns chunk * VEC..: the max of the splits' LSEs, then
+        sum_s w_s O_s and sum_s w_s with w_s = exp2(LSE_s log2(e) - max log2(e)), in one pass;
+        `write_merged_row` divides."""
+        lse_max = -cutlass.Float32.inf
+        for s in cutlass.range(num_splits, unroll=UNROLL):
+            lse_max = cute.arch.fmax(lse_max, self.lse(s, i))
+        # All splits empty: every weight is exp2(-inf) = 0, the sum stays 0 and LSE is +inf.
+        max_log2 = 0.0 if lse_max == -cutlass.Float32.inf else lse_max * LOG2E
+        total = cutlass.Float32(0.0)
+        acc = cute.make_rmem_tensor((VEC,), cutlass.Float32)
+        acc.fill(0.0)
+        part = cute.make_rmem_tensor((VEC,), cutlass.Float32)
+        for s in cutlass.range(num_splits, unroll=UNROLL):
+            weight = cute.math.exp2(self.lse(s, i) * LOG2E - max_log2, fastmath=True)
+            total = total + weight
+            self.load_o(s, i, chunk, part)
+            for v in cutlass.range_constexpr(VEC):
+                acc[v] = acc[v] + weight * part[v]
+        write_merged_row(mO, mLSE, i, chunk, acc, total, max_log2)
+
+
+@dataclass(frozen=True)
+class GlobalPartials(SplitPartials):
+    """The workspace's partials of a tile: mOaccum (num_splits, rows, kHeadDim), mLSEaccum
+    (num_splits, rows) fp32."""
+    mOaccum: cute.Tensor
+    mLSEaccum: cute.Tensor
+
+    @cute.jit
+    def lse(self, s, i):
+        return self.mLSEaccum[s, i]
+
+    @cute.jit
+    def load_o(self, s, i, chunk, part: cute.Tensor):
+        """part (VEC,) <- split s's columns chunk * VEC.. of row i, one 128-bit load."""
+        cute.autovec_copy(cute.local_tile(self.mOaccum[s, i, None], (VEC,), (chunk,)), part)
+
+
+@dataclass(frozen=True)
+class ClusterPartials(SplitPartials):
+    """The partials in the shared memory of each CTA of a cluster (`ClusterMerge`), split s in
+    rank s's, at the addresses of this CTA's sOpart (block_m, kHeadDim) and sLSEpart (block_m,):
+    distributed shared memory takes no tensor loads, so each value goes through its pointer."""
+    sOpart: cute.Tensor
+    sLSEpart: cute.Tensor
+
+    @cute.jit
+    def lse(self, s, i):
+        return remote_f32(self.sLSEpart.iterator + i, s)
+
+    @cute.jit
+    def load_o(self, s, i, chunk, part: cute.Tensor):
+        o_at = self.sOpart.iterator + i * self.sOpart.shape[1] + chunk * VEC
+        for v in cutlass.range_constexpr(VEC):
+            part[v] = remote_f32(o_at + v, s)
 
 
 @cute.jit
 def write_merged_row(mO: cute.Tensor, mLSE: cute.Tensor, i, chunk, acc: cute.Tensor, total, max_log2):
-    """Row i of a merge (`SplitKV.combine_tile`, `ClusterMerge.merge`) from its weighted sums:
+    """Row i of a merge (`SplitPartials.merge_row`) from its weighted sums:
     acc (VEC,) = sum_s w_s O_s over this thread's columns chunk * VEC.., total = sum_s w_s with
     w_s = exp2(LSE_s log2(e) - max_log2). O = acc / total, LSE = ln(total) + max; a row no split
     saw (total 0, or NaN) gets O = 0 and LSE = +inf."""
