@@ -585,6 +585,20 @@ def test_hopper_entry_splits_for_one_cta_per_sm(recorder, monkeypatch):
     assert launch["num_splits"] == num_splits_heuristic(2, 132, 8, ctas_per_sm=1) == 8
 
 
+def test_only_the_sm80_kernel_caps_splits_by_its_grid(recorder, monkeypatch):
+    """The SM80 KV-cache kernel puts splits x heads on grid z (at most 65535), so 600 heads
+    take at most 109 splits there; the Hopper entry puts the splits on grid x and keeps the 128
+    asked for (32k keys: 128 key blocks of 256 for the SM80 kernel, 256 of 128 for Hopper)."""
+    from cute_flash.launch import flash_fwd_kvcache
+
+    q = torch.randn(1, 1, 600, 8, dtype=torch.bfloat16)
+    cache = torch.zeros(1, 256 * 128, 600, 8, dtype=torch.bfloat16)
+    for path, splits in (("sm80", 65535 // 600), ("sm90", 128)):
+        monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", path)
+        flash_fwd_kvcache(q, cache, cache, cache_seqlens=256 * 128, softmax_scale=0.125, num_splits=128)
+        assert recorder.launches[-1]["num_splits"] == splits
+
+
 def test_hopper_variant_overrides_the_cache_tiles(recorder, monkeypatch):
     """`tune --decode`'s override: the given tiles and CTAs an SM reach the config, and the split
     count is the one for that many CTAs an SM: 10 sequences of 8 kv heads (80 tiles) over 1000
