@@ -336,7 +336,7 @@ class FlashBwdSm90:
         mask = Mask(tile.seq.seqlen_q, tile.seq.seqlen_k, window)
         dropout = None
         if cutlass.const_expr(cfg.has_dropout):
-            dropout = Dropout.load(args.mRng, tile.bidb, tile.bidh, args.tma_mQ.shape[2], packed=True)
+            dropout = Dropout.load(args.mRng, tile.bidb, tile.bidh, args.tma_mQ.shape[2])
         cute.arch.mbarrier_wait(pipes.kv_full, 0)
         for i in cutlass.range(tile.m_block_max - tile.m_block_min, unroll=1):
             m_block = tile.m_block_min + i
