@@ -302,6 +302,9 @@ def format_dropout(rows) -> str:
     def pct(x):
         return "-" if x is None else f"{x:+.1%}"
 
+    def times(x):
+        return "-" if x is None else f"{x:.2f}"
+
     def vs_peers(r, kind):
         peers = [r.get(f"{n}_{kind}_p") for n in ("flash", "cudnn")]
         peers = [x for x in peers if x is not None]
@@ -320,7 +323,7 @@ def format_dropout(rows) -> str:
     for r in rows:
         vs = {kind: f"{r[f'sm80_{kind}_p']:.0f} | {r[f'ours_{kind}_p'] / r[f'sm80_{kind}_p']:.2f} | " if sm80 else ""
               for kind in ("fwd", "bwd")}
-        peer = {kind: "-" if vs_peers(r, kind) is None else f"{vs_peers(r, kind):.2f}" for kind in ("fwd", "bwd")}
+        peer = {kind: times(vs_peers(r, kind)) for kind in ("fwd", "bwd")}
         out.append(f"| {r['d']} | {r['causal']} | {r['seqlen']} | {r['ours_fwd_p0']:.0f} | {r['ours_fwd_p']:.0f} | "
                    f"{pct(overhead(r, 'ours', 'fwd'))} | {vs['fwd']}{pct(overhead(r, 'flash', 'fwd'))} | "
                    f"{pct(overhead(r, 'cudnn', 'fwd'))} | {peer['fwd']} | "
