@@ -599,6 +599,20 @@ def test_only_the_sm80_kernel_caps_splits_by_its_grid(recorder, monkeypatch):
         assert recorder.launches[-1]["num_splits"] == splits
 
 
+def test_the_grid_cap_leaves_one_split(recorder, monkeypatch):
+    """More heads than the grid's z holds (the batch-chunk tests shrink the limit to 2) leave
+    the SM80 kernel one split, not zero: a grid with no split fails to launch on the GPU
+    (tests/test_batch_chunks_gpu.py failed so when the cap lost its lower bound)."""
+    from cute_flash.launch import batch_chunks, flash_fwd_kvcache
+
+    monkeypatch.setattr(batch_chunks, "GRID_MAX_BATCH", 2)
+    monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", "sm80")
+    q = torch.randn(1, 1, 8, 8, dtype=torch.bfloat16)
+    cache = torch.zeros(1, 1024, 8, 8, dtype=torch.bfloat16)
+    flash_fwd_kvcache(q, cache, cache, cache_seqlens=1024, softmax_scale=0.125, num_splits=4)
+    assert recorder.launches[-1]["num_splits"] == 1
+
+
 def test_hopper_variant_overrides_the_cache_tiles(recorder, monkeypatch):
     """`tune --decode`'s override: the given tiles and CTAs an SM reach the config, and the split
     count is the one for that many CTAs an SM: 10 sequences of 8 kv heads (80 tiles) over 1000
