@@ -202,9 +202,10 @@ def _kvcache_call(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, 
     n_blocks = -(-capacity // traits.block_n)
     if num_splits == 0:
         num_splits = num_splits_heuristic(work_ctas, num_sms, n_blocks, ctas_per_sm=ctas_per_sm)
-    num_splits = max(1, min(num_splits, n_blocks, 128))
+    cap = min(n_blocks, 128)
     if not hopper:  # the SM80 kernel's grid z holds splits x heads; the Hopper entry's x holds the splits
-        num_splits = max(1, min(num_splits, splits_within_grid(heads)))
+        cap = min(cap, splits_within_grid(heads))
+    num_splits = max(1, min(num_splits, cap))
     flags = score_flags(left, right, alibi_slopes, softcap)
     if hopper:
         config = Sm90FwdConfig(traits, kvcache=True, split=num_splits > 1, paged=paged, pack_gqa=pack_gqa,
