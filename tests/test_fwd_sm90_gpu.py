@@ -121,3 +121,24 @@ def test_dropout_matches_reference_with_the_philox_mask(d, sq, sk, opts, persist
     mask = torch.from_numpy(philox.keep_mask(seed, offset, 3, 12, sq, sk, p)).cuda()
     assert_matches_reference(out, lse, q, k, v, ref_fn=functools.partial(attention_ref, dropout_p=p,
                                                                          dropout_mask=mask), **opts)
+
+
+@pytest.mark.parametrize("d, causal, scale, ramp", [(64, False, None, 0.0), (64, True, None, 0.0),
+                                                    (64, True, 1.0, 0.0), (64, False, None, 0.05),
+                                                    (32, True, 0.5, 0.02), (64, False, 3.0, 0.05)],
+                         ids=["d64", "d64-causal", "d64-causal-scale1", "d64-ramp", "d32-causal-ramp",
+                              "d64-scale3-ramp"])
+def test_speculative_maxima_change_no_bit(d, causal, scale, ramp):
+    """`OnlineSoftmax.update_speculative` (the default for 128-row tiles up to d 64) gives the
+    same O and LSE bit for bit as `update`, including where its guess fails: keys scaled up by
+    a ramp toward the start (the kernel visits key blocks last to first, so row maxima keep
+    growing), large scales, causal rows that see no key for a while (sq > sk)."""
+    from cute_flash.launch.hopper import flash_fwd_sm90
+
+    q, k, v = _inputs(2, 700, 600, 8, 8, d, torch.bfloat16)
+    k = k * (1.0 + ramp * torch.arange(600, 0, -1, device="cuda", dtype=torch.float32)).view(1, -1, 1, 1).to(k.dtype)
+    scale = scale or d ** -0.5
+    outs = [flash_fwd_sm90(q, k, v, softmax_scale=scale, causal=causal, speculative_max=s) for s in (False, True)]
+    (o0, l0), (o1, l1) = outs
+    assert torch.equal(o0, o1) and torch.equal(l0, l1)
+    assert_matches_reference(o1, l1, q, k, v, softmax_scale=scale, causal=causal)

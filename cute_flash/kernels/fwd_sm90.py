@@ -101,6 +101,7 @@ class Sm90FwdConfig:
     pack_gqa: bool = False     # KV caches, one query row: the GQA group folded into rows (kernels/gqa_fold.py)
     ctas_per_sm: int = 1       # KV caches: 2 fits two CTAs an SM (64-key blocks, d <= 128; launch/kvcache.py)
     cluster_merge: bool = False  # split-KV: a tile's splits are one cluster, merged in shared memory (ClusterMerge)
+    speculative_max: bool = False  # P from the kept row maxima first (OnlineSoftmax.update_speculative)
 
     def __post_init__(self):
         if (self.varlen or self.kvcache) and self.persistent:
@@ -111,6 +112,8 @@ class Sm90FwdConfig:
             raise ValueError("seqused_k belongs to packed batches (varlen)")
         if self.kvcache and self.has_dropout:
             raise ValueError("KV-cache calls have no dropout")
+        if self.speculative_max and self.has_dropout:
+            raise ValueError("speculative maxima hold P beside S: no registers left for dropout's calls")
         if self.cluster_merge and not self.split:
             raise ValueError("the cluster merge is split-KV's (split)")
         if (self.split or self.pack_gqa) and not self.kvcache:
@@ -161,6 +164,7 @@ class Sm90FwdConfig:
         schedule += ("x" if self.split else "") + ("m" if self.cluster_merge else "") + ("g" if self.paged else "")
         schedule += "f" if self.pack_gqa else ""
         schedule += "2" if self.ctas_per_sm == 2 else ""
+        schedule += "s" if self.speculative_max else ""
         return f"{self.traits.name}_s{self.stages}{schedule}-{score_letters(self)}"
 
 
@@ -292,6 +296,7 @@ class Sm90Loop:
     dropout: object           # kernels/philox.py:Dropout (has_dropout), else None
     mma_tidx: object          # this thread among the consumers
     sV: cute.Tensor           # (bn, d, stages): packed batches zero V rows past seqlen_k in it
+    acc_p: object = None      # (MMA, MMA_M, MMA_N) fp32 P beside S (speculative_max), else None: P in acc_s
 
 
 def use_state(n, stages: int, producer: bool) -> pipeline.PipelineState:
@@ -708,6 +713,9 @@ class FlashFwdSm90:
         tOrV = recipe.mma_pv.make_fragment_B(wg_pv.partition_B(sVt))  # (MMA, MMA_N, MMA_K, stages)
         acc_s = cute.make_rmem_tensor(wg_qk.partition_shape_C((bm, bn)), cutlass.Float32)  # (MMA, MMA_M, MMA_N)
         tOrP = cute.make_rmem_tensor(hopper.acc_as_operand_a(acc_s).layout, self.dtype)  # ((2, 2, 2), MMA_M, MMA_K)
+        acc_p = None
+        if cutlass.const_expr(self.config.speculative_max):
+            acc_p = cute.make_rmem_tensor(acc_s.layout, cutlass.Float32)  # (MMA, MMA_M, MMA_N)
         acc_o = cute.make_rmem_tensor(wg_pv.partition_shape_C((bm, d)), cutlass.Float32)  # (MMA, MMA_M, MMA_N)
         row_scale = cute.make_rmem_tensor((cute.size(lmma.acc_mn_view(acc_o).shape[0]),), cutlass.Float32)
         if cutlass.const_expr(self.config.pingpong):
@@ -715,7 +723,7 @@ class FlashFwdSm90:
                 cute.arch.barrier_arrive(barrier_id=SCHEDULER_BARRIER, number_of_threads=256)
 
         consume = functools.partial(self.consume_tile, args, scalars, recipe, pipes, tSrQ, tSrK, tOrV, acc_s, tOrP,
-                                    acc_o, row_scale, sO, sV, consumer_wg, merge)
+                                    acc_o, row_scale, sO, sV, consumer_wg, merge, acc_p)
         if cutlass.const_expr(self.config.kvcache):
             # The tile from the block index before Q's wait: the length load and the division
             # leave the path from Q's arrival to the first wgmma
@@ -747,10 +755,10 @@ class FlashFwdSm90:
 
     @cute.jit
     def consume_tile(self, args: Sm90Tensors, scalars: Sm90Scalars, recipe: Sm90Recipe, pipes: Pipes, tSrQ, tSrK,
-                     tOrV, acc_s, tOrP, acc_o, row_scale, sO, sV, consumer_wg, merge, tile: Tile, mma_tidx,
+                     tOrV, acc_s, tOrP, acc_o, row_scale, sO, sV, consumer_wg, merge, acc_p, tile: Tile, mma_tidx,
                      kv_uses):
         """One tile; the caller has waited for its Q (and coordinates). merge: ClusterMerge of a
-        cluster-merged split, else None."""
+        cluster-merged split, else None; acc_p: P's registers beside S (speculative_max), else None."""
         cfg, t = self.config, self.t
         bm, bn = t.block_m, t.block_n
         acc_o.fill(0.0)
@@ -772,7 +780,7 @@ class FlashFwdSm90:
         if cutlass.const_expr(cfg.has_dropout):
             dropout = Dropout.load(args.mRng, tile.bidb, tile.bidh, args.tma_mQ.shape[2], packed=True)
         loop = Sm90Loop(pipes, tSrQ, tSrK, tOrV, acc_s, tOrP, acc_o, acc_o_mn, row_scale, softmax, mods, tile.m_block,
-                        lo, hi, consumer_wg, kv_uses, dropout, mma_tidx, sV)
+                        lo, hi, consumer_wg, kv_uses, dropout, mma_tidx, sV, acc_p)
         if tile.count > 0:
             self.mainloop(loop, tile.n_block_max, tile.count, recipe)
         if cutlass.const_expr(cfg.persistent):
@@ -882,7 +890,12 @@ class FlashFwdSm90:
         computed while the GEMMs run instead (they depend on the coordinates alone) they held
         32 more registers and measured 1-9% slower (docs/perf.md, Dropout)."""
         acc_s_mn = loop.mods.apply(recipe.mma_qk, loop.acc_s, loop.m_block, n_block, masked)
-        loop.softmax.update(acc_s_mn, loop.row_scale, is_first, masked)
+        if cutlass.const_expr(loop.acc_p is None):
+            loop.softmax.update(acc_s_mn, loop.row_scale, is_first, masked)
+        elif cutlass.const_expr(is_first):
+            loop.softmax.update(acc_s_mn, loop.row_scale, is_first, masked, dst_mn=lmma.acc_mn_view(loop.acc_p))
+        else:
+            loop.softmax.update_speculative(acc_s_mn, lmma.acc_mn_view(loop.acc_p), loop.row_scale, masked)
         if cutlass.const_expr(self.config.has_dropout):
             bm, bn = self.t.block_m, self.t.block_n
             loop.dropout.apply(recipe.mma_qk, loop.acc_s, wgmma_groups(loop.acc_s.shape), loop.mma_tidx,
@@ -892,7 +905,8 @@ class FlashFwdSm90:
 
     @cute.jit
     def convert_p(self, loop: Sm90Loop):
-        loop.tOrP.store(hopper.acc_as_operand_a(loop.acc_s).load().to(self.dtype))
+        acc_p = loop.acc_s if cutlass.const_expr(loop.acc_p is None) else loop.acc_p
+        loop.tOrP.store(hopper.acc_as_operand_a(acc_p).load().to(self.dtype))
 
     @cute.jit
     def take_turn(self, loop: Sm90Loop):

@@ -31,6 +31,10 @@ def quad_allreduce_sum(val: cutlass.Float32) -> cutlass.Float32:
 # Lazy rescaling keeps a row's maximum until a block raises it by more than this (log2 units):
 # P then stays below 2^8, far from overflow in fp32 sums and in range for fp16 / bf16 P.
 LAZY_RESCALE_LOG2 = 8.0
+# `update_speculative` keeps the kept maxima when every thread's part of each row of P sums to
+# at most this: then no value passes 2^7, a log2 unit clear of LAZY_RESCALE_LOG2, so `update`
+# would have kept them too (whatever the rounding of its test), and P is the same bit for bit.
+SPECULATIVE_SUM_MAX = 128.0
 
 
 def row_max(acc_s_mn: cute.Tensor, r: int):
@@ -64,8 +68,9 @@ class OnlineSoftmax:
 
     @cute.jit
     def update(self, acc_s_mn: cute.Tensor, scale_to: cute.Tensor, is_first: cutlass.Constexpr,
-               check_inf: cutlass.Constexpr, rescale_o: cutlass.Constexpr = False):
-        """Turn S into unnormalised P in place and update the row maxima and sums. Unless
+               check_inf: cutlass.Constexpr, rescale_o: cutlass.Constexpr = False, dst_mn=None):
+        """Turn S into unnormalised P in place (or into dst_mn, S left as it is) and update the
+        row maxima and sums. Unless
         is_first, each row's exp(old max - new max) goes to `scale_to`: O's rows are rescaled by
         it there (rescale_o: scale_to is O's (row, col) view), or it is stored as row_scale[r]
         for `rescale` to apply later (the Hopper kernel, once the P V in flight has landed).
@@ -99,7 +104,37 @@ class OnlineSoftmax:
                 else:
                     scale_to[r] = correction
             self.row_max[r] = row_max_r
-            acc_s_mn[r, None] = p_row
+            if cutlass.const_expr(dst_mn is None):
+                acc_s_mn[r, None] = p_row
+            else:
+                dst_mn[r, None] = p_row
+
+    @cute.jit
+    def update_speculative(self, acc_s_mn: cute.Tensor, dst_mn: cute.Tensor, row_scale: cute.Tensor,
+                           check_inf: cutlass.Constexpr):
+        """`update` for a block after the first (lazy), P into dst_mn, without row maxima where
+        it can: P from the kept maxima first, and if every thread of the warp finds each of its
+        rows' part of P summing to at most SPECULATIVE_SUM_MAX (so no maximum would have moved),
+        that P and those sums stand; otherwise (a maximum may move, or a row has seen no key
+        yet: its P is inf or NaN) the warp runs `update` from S, which is still in acc_s_mn.
+        Either way P, the sums and the maxima are `update`'s bit for bit. The common path skips
+        each row's max tree and quad shuffles (32 FMNMX + 2 SHFL + 2 FMNMX a row at 128 keys)
+        and the factor's exp2."""
+        sums = []
+        fits = cutlass.Boolean(True)
+        for r in cutlass.range_constexpr(cute.size(self.row_max)):
+            p_row = cute.math.exp2(acc_s_mn[r, None].load() * self.scale_log2 - self.row_max[r] * self.scale_log2,
+                                   fastmath=True)
+            dst_mn[r, None] = p_row
+            sums.append(p_row.reduce(cute.ReductionOp.ADD, cutlass.Float32.zero, 0))
+            fits = fits & (sums[r] <= SPECULATIVE_SUM_MAX)
+        row_sum = self.row_sum  # a local: the DSL's run-time `if` cannot carry `self` through
+        if cute.arch.vote_all_sync(fits):
+            for r in cutlass.range_constexpr(cute.size(row_sum)):
+                row_sum[r] = row_sum[r] + sums[r]
+                row_scale[r] = cutlass.Float32(1.0)
+        else:
+            self.update(acc_s_mn, row_scale, False, check_inf, dst_mn=dst_mn)
 
     @cute.jit
     def rescale(self, acc_o_mn: cute.Tensor, row_scale: cute.Tensor):

@@ -301,6 +301,7 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
     seqused_k, d 64 fp16 with every flag, d 128 causal over pages) and KV caches (d 128 plain,
     d 64 split with softcap, d 128 split, paged and GQA-folded, d 256 fp16 with every flag,
     d 128 GQA-folded at two CTAs an SM)."""
+    from cute_flash.launch.hopper import takes_speculative_max
     from layouts.hopper import (choose_hopper_cache_traits, choose_hopper_traits, shipped_hopper_cache_traits,
                                 shipped_hopper_traits)
 
@@ -311,10 +312,11 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
                 flags = dict(zip(("has_left", "has_right", "has_alibi", "has_softcap", "has_dropout"), bits))
                 if flags["has_dropout"] and t.warpgroups == 3:
                     continue
+                spec = takes_speculative_max(t, True if flags["has_dropout"] else None)
                 if t.warpgroups != 3 or not Sm90FwdConfig.fits_persistent(t):
-                    out.append(Sm90FwdConfig(t, **flags))
+                    out.append(Sm90FwdConfig(t, speculative_max=spec, **flags))
                 if Sm90FwdConfig.fits_persistent(t):
-                    out.append(Sm90FwdConfig(t, persistent=True, **flags))
+                    out.append(Sm90FwdConfig(t, persistent=True, speculative_max=spec, **flags))
                 if t.warpgroups != 3:
                     out += [Sm90FwdConfig(t, varlen=True, has_seqused_k=u, paged=p, **flags)
                             for u in (False, True) for p in (False, True)]
@@ -330,7 +332,8 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
                             for f in folds]
         return out
     traits = [choose_hopper_traits(d, "bf16") for d in HEAD_DIM_BUCKETS]
-    out = [Sm90FwdConfig(t, persistent=Sm90FwdConfig.fits_persistent(t), has_right=True)
+    out = [Sm90FwdConfig(t, persistent=Sm90FwdConfig.fits_persistent(t), has_right=True,
+                         speculative_max=takes_speculative_max(t, None))
            for t in traits + [choose_hopper_traits(64, "bf16", long_keys=True)]]
     return out + [Sm90FwdConfig(choose_hopper_traits(128, "fp16")),
                   Sm90FwdConfig(choose_hopper_traits(128, "bf16"), has_left=True, has_right=True, has_alibi=True,

@@ -47,6 +47,14 @@ def takes_tall_tiles(seqlen_k: int, masked: bool, dropout) -> bool:
     return dropout is None and seqlen_k >= (TALL_D64_MIN_SEQLEN_K if masked else TALL_D64_UNMASKED_MIN_SEQLEN_K)
 
 
+def takes_speculative_max(traits, dropout) -> bool:
+    """P from the kept row maxima first (`OnlineSoftmax.update_speculative`) where P fits in
+    registers beside S: 128-row tiles up to d 64 (ptxas 13.0: 0 B of spills in the loop; d 96
+    and 128 spilled 64 and 144 B, 192-row tiles 1016 B), without dropout (its calls need those
+    registers)."""
+    return dropout is None and traits.head_dim <= 64 and traits.warpgroups == 2
+
+
 def section_heads(q, k, longest_first: bool) -> int:
     """(batch, head) pairs per scheduling section (`FlashFwdSm90.tile`). longest_first (the
     persistent kernel under a causal or local mask): tiles go longest first across as many
@@ -70,10 +78,12 @@ def tile_counter(device: torch.device) -> torch.Tensor:
 
 
 def flash_fwd_sm90(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                   dropout: DropoutArgs | None = None, traits=None, persistent=None, sections=None):
+                   dropout: DropoutArgs | None = None, traits=None, persistent=None, sections=None,
+                   speculative_max=None):
     """Dense forward on the Hopper kernel: q (b, sq, h, d), k/v (b, sk, hk, d); returns (out,
     lse (b, h, sq)) as `flash_fwd` does. `traits` (HopperTileTraits), `persistent` and
-    `sections` (pairs per scheduling section) override the kernel's choices (`tune --sm90`)."""
+    `sections` (pairs per scheduling section) and `speculative_max` override the kernel's
+    choices (`tune --sm90`)."""
     b, sq, h, d = q.shape
     q, k, v = aligned(q), aligned(k), aligned(v)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -84,7 +94,10 @@ def flash_fwd_sm90(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1)
                                             takes_tall_tiles(k.shape[1], masked, dropout))
     if persistent is None:
         persistent = prefers_persistent(traits, k.shape[1], masked)
-    config = Sm90FwdConfig(traits, persistent=persistent, **score_flags(left, right, alibi_slopes, softcap, dropout))
+    if speculative_max is None:
+        speculative_max = takes_speculative_max(traits, dropout)
+    config = Sm90FwdConfig(traits, persistent=persistent, speculative_max=speculative_max,
+                           **score_flags(left, right, alibi_slopes, softcap, dropout))
     if sections is None:
         sections = section_heads(q, k, persistent and masked)
     compiled.sm90_kernel_for(config)(q, k, v, out, lse, alibi_2d(alibi_slopes, b, h), rng_of(dropout, q.device),
