@@ -33,7 +33,8 @@ def quad_allreduce_sum(val: cutlass.Float32) -> cutlass.Float32:
 LAZY_RESCALE_LOG2 = 8.0
 # `update_speculative` keeps the kept maxima when every thread's part of each row of P sums to
 # at most this: then no value passes 2^7, a log2 unit clear of LAZY_RESCALE_LOG2, so `update`
-# would have kept them too (whatever the rounding of its test), and P is the same bit for bit.
+# would have kept them too, and P is the same bit for bit. (The two tests round differently;
+# their difference reaches that unit only where |max * scale_log2| passes about 2^23.)
 SPECULATIVE_SUM_MAX = 128.0
 
 
