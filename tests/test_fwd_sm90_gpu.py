@@ -125,11 +125,13 @@ def test_dropout_matches_reference_with_the_philox_mask(d, sq, sk, opts, persist
 
 @pytest.mark.parametrize("d, causal, scale, ramp", [(64, False, None, 0.0), (64, True, None, 0.0),
                                                     (64, True, 1.0, 0.0), (64, False, None, 0.05),
-                                                    (32, True, 0.5, 0.02), (64, False, 3.0, 0.05)],
+                                                    (32, True, 0.5, 0.02), (64, False, 3.0, 0.05),
+                                                    (128, False, None, 0.0), (128, True, 3.0, 0.05),
+                                                    (256, True, None, 0.02)],
                          ids=["d64", "d64-causal", "d64-causal-scale1", "d64-ramp", "d32-causal-ramp",
-                              "d64-scale3-ramp"])
+                              "d64-scale3-ramp", "d128", "d128-causal-scale3-ramp", "d256-causal-ramp"])
 def test_speculative_maxima_change_no_bit(d, causal, scale, ramp):
-    """`OnlineSoftmax.update_speculative` (the default for 128-row tiles up to d 64) gives the
+    """`OnlineSoftmax.update_speculative` (the default for 128-row tiles) gives the
     same O and LSE bit for bit as `update`, including where its guess fails: keys scaled up by
     a ramp toward the start (the kernel visits key blocks last to first, so row maxima keep
     growing), large scales, causal rows that see no key for a while (sq > sk)."""

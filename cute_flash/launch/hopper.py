@@ -49,10 +49,11 @@ def takes_tall_tiles(seqlen_k: int, masked: bool, dropout) -> bool:
 
 def takes_speculative_max(traits, dropout) -> bool:
     """P from the kept row maxima first (`OnlineSoftmax.update_speculative`) where P fits in
-    registers beside S: 128-row tiles up to d 64 (ptxas 13.0: 0 B of spills in the loop; d 96
-    and 128 spilled 64 and 144 B, 192-row tiles 1016 B), without dropout (its calls need those
-    registers)."""
-    return dropout is None and traits.head_dim <= 64 and traits.warpgroups == 2
+    registers beside S: 128-row tiles (ptxas 13.0, every bucket: no spill inside the key-block
+    loop; what spills, up to 148 B at d 128 / 256 causal, is the epilogue's addresses, kept in
+    registers through the loop before), not 192-row ones (1016 B), and without dropout (its
+    calls need those registers)."""
+    return dropout is None and traits.warpgroups == 2
 
 
 def section_heads(q, k, longest_first: bool) -> int:
