@@ -71,10 +71,10 @@ class OnlineSoftmax:
     def update(self, acc_s_mn: cute.Tensor, scale_to: cute.Tensor, is_first: cutlass.Constexpr,
                check_inf: cutlass.Constexpr, rescale_o: cutlass.Constexpr = False, dst_mn=None):
         """Turn S into unnormalised P in place (or into dst_mn, S left as it is) and update the
-        row maxima and sums. Unless
-        is_first, each row's exp(old max - new max) goes to `scale_to`: O's rows are rescaled by
-        it there (rescale_o: scale_to is O's (row, col) view), or it is stored as row_scale[r]
-        for `rescale` to apply later (the Hopper kernel, once the P V in flight has landed).
+        row maxima and sums. Unless is_first, each row's exp(old max - new max) goes to
+        `scale_to`: O's rows are rescaled by it there (rescale_o: scale_to is O's (row, col)
+        view), or it is stored as row_scale[r] for `rescale` to apply later (the Hopper kernel,
+        once the P V in flight has landed).
 
         check_inf: a masked tile can leave a row all -inf; its max is then taken as 0 so that
         exp2 gives 0 instead of NaN.
@@ -119,7 +119,7 @@ class OnlineSoftmax:
         that P and those sums stand; otherwise (a maximum may move, or a row has seen no key
         yet: its P is inf or NaN) the warp runs `update` from S, which is still in acc_s_mn.
         Either way P, the sums and the maxima are `update`'s bit for bit. The common path skips
-        each row's max tree and quad shuffles (32 FMNMX + 2 SHFL + 2 FMNMX a row at 128 keys)
+        each row's max tree and quad shuffles (31 + 2 FMNMX and 2 SHFL a row at 128 keys)
         and the factor's exp2."""
         sums = []
         fits = cutlass.Boolean(True)
