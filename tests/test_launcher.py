@@ -241,24 +241,28 @@ def test_paged_packed_forwards_take_the_hopper_kernel(recorder, monkeypatch):
     assert [type(x.config) for x in recorder.launches[1:]] == [FwdConfig] * 2
 
 
-@pytest.mark.parametrize("d, sk, opts, block_m, persistent", [
-    (64, 2047, dict(causal=True), 128, True),    # 16 key blocks: persistent under a mask
-    (64, 2048, dict(causal=True), 192, True),    # from 2048 keys d 64's 192-row tiles, always persistent
-    (64, 1023, dict(), 128, True),
-    (64, 1024, dict(), 192, True),               # without a mask from 1024 keys
-    (64, 4096, dict(), 192, True),
-    (64, 4096, dict(dropout_p=0.1), 128, True),  # with dropout 192-row tiles spill: 128
-    (128, 2048, dict(window_size=(50, 50)), 128, True),
-    (128, 8192, dict(causal=True), 128, True),   # 64 key blocks: persistent under a mask
-    (128, 8193, dict(causal=True), 128, False),  # masked past 64 key blocks: one CTA per tile
-    (128, 8192, dict(), 128, True),              # no mask: persistent at any length
-    (256, 512, dict(), 128, False),              # no room for O's own tile
+@pytest.mark.parametrize("d, sk, opts, block_m, persistent, speculative", [
+    (64, 2047, dict(causal=True), 128, True, True),    # 16 key blocks: persistent under a mask
+    (64, 2048, dict(causal=True), 192, True, False),   # from 2048 keys d 64's 192-row tiles, always persistent
+    (64, 1023, dict(), 128, True, True),
+    (64, 1024, dict(), 192, True, False),              # without a mask from 1024 keys
+    (64, 4096, dict(), 192, True, False),
+    (64, 4096, dict(dropout_p=0.1), 128, True, False),  # with dropout 192-row tiles spill: 128
+    (128, 2048, dict(window_size=(50, 50)), 128, True, True),
+    (128, 1023, dict(causal=True), 128, True, False),  # masked: speculative maxima from 1024 keys
+    (128, 1024, dict(causal=True), 128, True, True),
+    (128, 8192, dict(causal=True), 128, True, True),   # 64 key blocks: persistent under a mask
+    (128, 8193, dict(causal=True), 128, False, True),  # masked past 64 key blocks: one CTA per tile
+    (128, 8192, dict(), 128, True, True),              # no mask: persistent at any length
+    (128, 512, dict(), 128, True, True),               # no mask: speculative maxima at any length
+    (256, 512, dict(), 128, False, True),              # no room for O's own tile
 ], ids=["d64-2047-keys-causal", "d64-2048-keys-causal", "d64-1023-keys", "d64-1024-keys", "d64-long",
-        "d64-long-dropout", "d128-window", "d128-64-blocks-causal", "d128-65-blocks-causal", "d128-long", "d256"])
-def test_hopper_forward_tiles_and_schedule(recorder, monkeypatch, d, sk, opts, block_m, persistent):
-    """The tiles, schedule and tile order the sm_90 launcher picks (the rules measured in
-    docs/perf.md: longest tiles first only for the persistent kernel under a mask), and the
-    tile counter: one per stream, a fresh one under capture."""
+        "d64-long-dropout", "d128-window", "d128-1023-keys-causal", "d128-1024-keys-causal", "d128-64-blocks-causal",
+        "d128-65-blocks-causal", "d128-long", "d128-short", "d256"])
+def test_hopper_forward_tiles_and_schedule(recorder, monkeypatch, d, sk, opts, block_m, persistent, speculative):
+    """The tiles, schedule, speculative maxima and tile order the sm_90 launcher picks (the
+    rules measured in docs/perf.md: longest tiles first only for the persistent kernel under a
+    mask), and the tile counter: one per stream, a fresh one under capture."""
     from cute_flash.dropout import DropoutArgs
     from cute_flash.launch import flash_fwd
     from cute_flash.launch.hopper import tile_counter
@@ -276,6 +280,7 @@ def test_hopper_forward_tiles_and_schedule(recorder, monkeypatch, d, sk, opts, b
     flash_fwd(q, k, v, softmax_scale=0.5, **opts)
     first, second, captured = recorder.launches
     assert (first.config.traits.block_m, first.config.persistent) == (block_m, persistent)
+    assert first.config.speculative_max == speculative
     longest_first = persistent and masked  # every masked case here has 2 (batch, head) pairs
     assert first["section_heads"] == (2 if longest_first else 1)
     assert first["mTileCounter"].tolist() == [0, 0] and first["mTileCounter"] is second["mTileCounter"]

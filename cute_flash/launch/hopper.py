@@ -47,13 +47,22 @@ def takes_tall_tiles(seqlen_k: int, masked: bool, dropout) -> bool:
     return dropout is None and seqlen_k >= (TALL_D64_MIN_SEQLEN_K if masked else TALL_D64_UNMASKED_MIN_SEQLEN_K)
 
 
-def takes_speculative_max(traits, dropout) -> bool:
+# Under a causal / local mask speculative maxima start from this many keys: below it a tile's
+# second key block, where the diagonal block's few keys leave a low kept maximum in some rows,
+# is a large share of its blocks, and those fall back (H200, d 128 causal 512: 0.975x).
+SPECULATIVE_MASKED_MIN_SEQLEN_K = 1024
+
+
+def takes_speculative_max(traits, seqlen_k: int, masked: bool, dropout) -> bool:
     """P from the kept row maxima first (`OnlineSoftmax.update_speculative`) where P fits in
     registers beside S: 128-row tiles (ptxas 13.0, every bucket: no spill inside the key-block
-    loop; what spills, up to 148 B at d 128 / 256 causal, is the epilogue's addresses, kept in
-    registers through the loop before), not 192-row ones (1016 B), and without dropout (its
-    calls need those registers)."""
-    return dropout is None and traits.warpgroups == 2
+    loop; what spills, up to 152 B at d 128 causal, is the epilogue's addresses, kept in
+    registers through the loop before), not 192-row ones (1016 B), not with dropout (its calls
+    need those registers), and under a mask from SPECULATIVE_MASKED_MIN_SEQLEN_K keys. H200,
+    against `update`, best of 3: d 128 non-causal 8k / 16k 1.069 / 1.070, causal 4k / 16k
+    1.039 / 1.055, d 64 512 1.037, causal 1k 1.037 (docs/perf.md, Hopper step 16)."""
+    return (dropout is None and traits.warpgroups == 2
+            and (not masked or seqlen_k >= SPECULATIVE_MASKED_MIN_SEQLEN_K))
 
 
 def section_heads(q, k, longest_first: bool) -> int:
@@ -96,7 +105,7 @@ def flash_fwd_sm90(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1)
     if persistent is None:
         persistent = prefers_persistent(traits, k.shape[1], masked)
     if speculative_max is None:
-        speculative_max = takes_speculative_max(traits, dropout)
+        speculative_max = takes_speculative_max(traits, k.shape[1], masked, dropout)
     config = Sm90FwdConfig(traits, persistent=persistent, speculative_max=speculative_max,
                            **score_flags(left, right, alibi_slopes, softcap, dropout))
     if sections is None:
