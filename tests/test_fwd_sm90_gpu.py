@@ -131,7 +131,8 @@ def test_dropout_matches_reference_with_the_philox_mask(d, sq, sk, opts, persist
                          ids=["d64", "d64-causal", "d64-causal-scale1", "d64-ramp", "d32-causal-ramp", "d32-ramp",
                               "d64-scale1-ramp", "d128", "d128-causal-scale05-ramp", "d256-causal-ramp"])
 def test_speculative_maxima_match_reference(d, causal, scale, ramp):
-    """`OnlineSoftmax.update_speculative` (the default for 128-row tiles) where its guess holds
+    """`OnlineSoftmax.update_speculative` (the default for 128-row tiles without dropout, under
+    a mask from 1024 keys; forced on here) where its guess holds
     and where it fails: keys scaled up by a ramp toward the start (the kernel visits key
     blocks last to first, so row maxima keep rising), large scales, causal rows that see no
     key for a while (sq > sk) or few in the first block. Scores stay below about 1000 so that
@@ -139,7 +140,8 @@ def test_speculative_maxima_match_reference(d, causal, scale, ramp):
     2.4e-4, the kernel and the reference differed by 2.2e-3).
 
     Non-causal without a ramp, the first block's maxima are over 88 keys of unit-variance
-    scores, so no later block's P can sum to 2^8 against them: the guess holds everywhere and
+    scores (about 2.4); a thread's 32 values of a later block sum to about 8 against them, and
+    reaching 2^8 would take a score near 8 standard deviations: the guess holds everywhere, so
     O and LSE must equal `update`'s bit for bit."""
     from cute_flash.launch.hopper import flash_fwd_sm90
 

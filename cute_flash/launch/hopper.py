@@ -56,8 +56,8 @@ SPECULATIVE_MASKED_MIN_SEQLEN_K = 1024
 def takes_speculative_max(traits, seqlen_k: int, masked: bool, dropout) -> bool:
     """P from the kept row maxima first (`OnlineSoftmax.update_speculative`) where P fits in
     registers beside S: 128-row tiles (ptxas 13.0, every bucket: no spill inside the key-block
-    loop; what spills, up to 152 B at d 128 causal, is the epilogue's addresses, kept in
-    registers through the loop before), not 192-row ones (1016 B), not with dropout (its calls
+    loop; what spills, up to 152 B persistent at d 128 and 208 B at d 256, is the epilogue's
+    addresses, kept in registers through the loop before), not 192-row ones (1016 B), not with dropout (its calls
     need those registers), and under a mask from SPECULATIVE_MASKED_MIN_SEQLEN_K keys. H200,
     against `update`, best of 3: d 128 non-causal 8k / 16k 1.069 / 1.070, causal 4k / 16k
     1.039 / 1.055, d 64 512 1.037, causal 1k 1.037 (docs/perf.md, Hopper step 16)."""
