@@ -26,8 +26,8 @@ def test_dense_past_the_grid_limit(path, causal, monkeypatch):
     k, v = (torch.randn(PAST, 5, 1, 32, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
     assert_matches_reference(out, lse, q, k, v, causal=causal)
-    _, grads = ours(flash_attn_func, dout, q, k, v, causal=causal)
-    assert_grads_match(grads, q, k, v, dout, causal=causal)
+    out, grads = ours(flash_attn_func, dout, q, k, v, causal=causal)
+    assert_grads_match(grads, q, k, v, dout, out=out, causal=causal)
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -47,9 +47,9 @@ def test_packed_past_the_grid_limit(path, monkeypatch):
 
     out, lse, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, 5, causal=True, return_attn_probs=True)
     assert_matches_reference(out, lse, q, k, v, ref_fn=ref, causal=True)
-    _, grads = ours(lambda q, k, v, **o: flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, 5, **o), dout, q, k, v,
-                    causal=True)
-    assert_grads_match(grads, q, k, v, dout, ref_fn=ref, causal=True)
+    out, grads = ours(lambda q, k, v, **o: flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, 5, **o), dout, q, k, v,
+                      causal=True)
+    assert_grads_match(grads, q, k, v, dout, out=out, ref_fn=ref, causal=True)
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -84,6 +84,6 @@ def test_packed_ragged_chunks(path, monkeypatch):
 
     out, lse, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lq), max(lk), return_attn_probs=True)
     assert_matches_reference(out, lse, q, k, v, ref_fn=ref)
-    _, grads = ours(lambda q, k, v, **o: flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lq), max(lk), **o),
-                    dout, q, k, v)
-    assert_grads_match(grads, q, k, v, dout, ref_fn=ref)
+    out, grads = ours(lambda q, k, v, **o: flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lq), max(lk), **o),
+                      dout, q, k, v)
+    assert_grads_match(grads, q, k, v, dout, out=out, ref_fn=ref)

@@ -46,8 +46,8 @@ def hopper_path(monkeypatch):
        layout=st.sampled_from(["bshd", "bhsd"]))
 def test_dense_grads_match_reference(b, sq, sk, hh, d, causal, dtype, layout):
     q, k, v, dout = _inputs(b, sq, sk, *hh, d, dtype, layout)
-    _, grads = ours(flash_attn_func, dout, q, k, v, causal=causal)
-    assert_grads_match(grads, q, k, v, dout, causal=causal)
+    out, grads = ours(flash_attn_func, dout, q, k, v, causal=causal)
+    assert_grads_match(grads, q, k, v, dout, out=out, causal=causal)
 
 
 @pytest.mark.parametrize("d", [32, 64, 128, 8, 40, 100])
@@ -56,8 +56,8 @@ def test_head_dims_on_many_blocks(d, causal):
     """More key-block CTAs than SMs and up to 16 query blocks per CTA: both pipelines' stages
     and phases wrap several times; sq > sk leaves causal key blocks with no query row."""
     q, k, v, dout = _inputs(3, 1000, 700, 12, 4, d)
-    _, grads = ours(flash_attn_func, dout, q, k, v, causal=causal)
-    assert_grads_match(grads, q, k, v, dout, causal=causal)
+    out, grads = ours(flash_attn_func, dout, q, k, v, causal=causal)
+    assert_grads_match(grads, q, k, v, dout, out=out, causal=causal)
 
 
 MODS = ["window", "alibi", "softcap", "all"]
@@ -100,5 +100,5 @@ def test_dropout_grads_match_reference_with_the_philox_mask(d, sq, sk, opts):
     dq, dk, dv, _ = flash_bwd(dout, q, k, v, out, lse, softmax_scale=d ** -0.5, dropout=drop, **opts)
     torch.cuda.synchronize()
     mask = torch.from_numpy(philox.keep_mask(seed, offset, 2, 12, sq, sk, p)).cuda()
-    assert_grads_match([dq, dk, dv], q, k, v, dout, ref_fn=functools.partial(attention_ref, dropout_p=p,
+    assert_grads_match([dq, dk, dv], q, k, v, dout, out=out, ref_fn=functools.partial(attention_ref, dropout_p=p,
                                                                              dropout_mask=mask), **opts)

@@ -108,7 +108,7 @@ def test_dense_dropout_grads_match_reference(b, sq, sk, h, hk, d, opts, p):
     dq, dk, dv, _ = flash_bwd(dout, q, k, v, out, lse, softmax_scale=d ** -0.5, dropout=drop, **opts)
     torch.cuda.synchronize()
     ref = functools.partial(attention_ref, dropout_p=p, dropout_mask=_mask(seed, offset, b, h, sq, sk, p))
-    assert_grads_match([dq, dk, dv], q, k, v, dout, ref_fn=ref, **opts)
+    assert_grads_match([dq, dk, dv], q, k, v, dout, out=out, ref_fn=ref, **opts)
 
 
 # --- through the public functions -----------------------------------------------------------
@@ -203,7 +203,7 @@ def test_public_out_and_grads_match_reference_with_s_dmask_mask(b, sq, sk, h, hk
     grads = [x.grad for x in (q, k, v)]
     q, k, v = q.detach(), k.detach(), v.detach()
     assert_matches_reference(out.detach(), lse, q, k, v, ref_fn=ref, **opts)
-    assert_grads_match(grads, q, k, v, dout, ref_fn=ref, **opts)
+    assert_grads_match(grads, q, k, v, dout, out=out.detach(), ref_fn=ref, **opts)
 
 
 def test_public_varlen_matches_reference_with_s_dmask_mask():
@@ -287,4 +287,4 @@ def test_compiled_training_step_with_dropout():
     torch.cuda.synchronize()
     ref = functools.partial(attention_ref, dropout_p=p, dropout_mask=_mask_of(s))
     assert_matches_reference(out.detach(), lse, q, k, v, ref_fn=ref, causal=True)
-    assert_grads_match([x.grad for x in leaves], q, k, v, dout, ref_fn=ref, causal=True)
+    assert_grads_match([x.grad for x in leaves], q, k, v, dout, out=out.detach(), ref_fn=ref, causal=True)
