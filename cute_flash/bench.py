@@ -697,7 +697,7 @@ def _tune_fwd(candidates: dict, seqlens, variant):
                     name, fn = variant(d, cand)
                     ms = _time_ms(lambda: fn(q, k, v, causal))
                     rows.append(dict(d=d, causal=causal, seqlen=s, traits=name, tflops=flops / ms / 1e9))
-                    print(f"d{d} causal={causal!s:5} s{s:6} {name:36} {rows[-1]['tflops']:6.0f}", flush=True)
+                    print(f"d{d} causal={causal!s:5} s{s:6} {name:48} {rows[-1]['tflops']:6.0f}", flush=True)
     return rows
 
 
@@ -714,22 +714,24 @@ def tune(seqlens=(1024, 4096, 16384)):
     return _tune_fwd(TUNE_CANDIDATES, seqlens, variant)
 
 
-SM90_TUNE_CANDIDATES = {64: [(128, 128, True), (128, 128, False), (192, 128, True), (192, 128, False)],
-                        128: [(128, 128, True), (128, 128, False)]}
+# (block_m, block_n, persistent, speculative maxima); 192-row tiles have no room for them
+SM90_TUNE_CANDIDATES = {64: [(128, 128, True, True), (128, 128, True, False), (128, 128, False, True),
+                             (192, 128, True, False), (192, 128, False, False)],
+                        128: [(128, 128, True, True), (128, 128, True, False), (128, 128, False, True)]}
 
 
 def tune_sm90(seqlens=(512, 2048, 16384)):
-    """TFLOP/s of each Hopper forward candidate (block_m, block_n, persistent) on the forward
-    grid's shapes, bf16: `python -m cute_flash tune --sm90`."""
+    """TFLOP/s of each Hopper forward candidate (block_m, block_n, persistent, speculative
+    maxima) on the forward grid's shapes, bf16: `python -m cute_flash tune --sm90`."""
     from cute_flash.launch.hopper import flash_fwd_sm90
     from layouts.hopper import HopperTileTraits
 
     def variant(d, cand):
-        m, n, persistent = cand
+        m, n, persistent, speculative = cand
         t = HopperTileTraits(d, m, n, "bf16")
-        return (t.name + ("_persistent" if persistent else ""),
+        return (t.name + ("_persistent" if persistent else "") + ("_speculative" if speculative else ""),
                 lambda q, k, v, causal: flash_fwd_sm90(q, k, v, softmax_scale=d ** -0.5, causal=causal, traits=t,
-                                                       persistent=persistent))
+                                                       persistent=persistent, speculative_max=speculative))
 
     return _tune_fwd(SM90_TUNE_CANDIDATES, seqlens, variant)
 
