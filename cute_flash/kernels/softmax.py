@@ -91,12 +91,13 @@ class OnlineSoftmax:
         exp2 gives 0 instead of NaN. eager: a lazy softmax's maxima follow every rise this once
         (`update_speculative`'s fallback).
         """
+        lazy = self.lazy and not eager
         for r in cutlass.range_constexpr(cute.size(self.row_max)):
             s_row = acc_s_mn[r, None].load()
             row_max_r = quad_allreduce_max(row_max(acc_s_mn, r))
             if cutlass.const_expr(not is_first):
                 row_max_r = cute.arch.fmax(self.row_max[r], row_max_r)
-                if cutlass.const_expr(self.lazy and not eager):
+                if cutlass.const_expr(lazy):
                     # -inf - -inf is NaN: a row with no key yet keeps -inf (and its factor 1)
                     grows = (row_max_r - self.row_max[r]) * self.scale_log2 > LAZY_RESCALE_LOG2
                     row_max_r = row_max_r if grows else self.row_max[r]
@@ -109,7 +110,7 @@ class OnlineSoftmax:
                 self.row_sum[r] = row_sum
             else:
                 correction = cute.math.exp2(self.row_max[r] * self.scale_log2 - max_scaled, fastmath=True)
-                if cutlass.const_expr(self.lazy and not eager):
+                if cutlass.const_expr(lazy):
                     correction = correction if grows else cutlass.Float32(1.0)  # exactly 1: `rescale` tests it
                 self.row_sum[r] = self.row_sum[r] * correction + row_sum
                 if cutlass.const_expr(rescale_o):
