@@ -201,7 +201,8 @@ def test_hopper_forward_compiles_to_wgmma(config, tmp_path):
     stores behind a row predicate (a box past a sequence would overwrite the next one's), and
     from split-KV tiles (fp32 partials, merged with plain stores). Packed batches and KV
     caches zero V rows past seqlen_k behind named barrier 7 (`clear_v_tail`); dense calls
-    never do."""
+    never do. Speculative maxima over S (d 64's 192-row tiles) vote by warpgroup and, where the
+    vote fails, issue Q K^T again."""
     from cute_flash.launch.compiled import compile_fwd_sm90
     from cute_flash.philox import M0
 
@@ -211,7 +212,11 @@ def test_hopper_forward_compiles_to_wgmma(config, tmp_path):
     (ptx,) = tmp_path.glob("*.ptx")
     t = config.traits
     text = ptx.read_text()
-    assert text.count("wgmma.mma_async") == 2 * (t.head_dim // 16 + t.block_n // 16)
+    # speculating in place, a failed warpgroup vote (bar.red.and) issues Q K^T again, traced in
+    # the masked and the unmasked softmax
+    rescores = 2 * (t.head_dim // 16) if config.speculative_in_place else 0
+    assert text.count("wgmma.mma_async") == 2 * (t.head_dim // 16 + t.block_n // 16) + rescores
+    assert text.count("bar.red.and.pred") == (2 if config.speculative_in_place else 0)
     assert "max.NaN.f32" not in text
     assert "vote.sync.any.pred" in text
     assert (f", {M0 - (1 << 32)};" in text) == config.has_dropout  # the immediate, as an int32

@@ -123,16 +123,23 @@ def test_dropout_matches_reference_with_the_philox_mask(d, sq, sk, opts, persist
                                                                          dropout_mask=mask), **opts)
 
 
-@pytest.mark.parametrize("d, causal, scale, ramp", [(64, False, None, 0.0), (64, True, None, 0.0),
-                                                    (64, True, 1.0, 0.0), (64, False, None, 0.05),
-                                                    (32, True, 0.5, 0.02), (32, False, 0.5, 0.02),
-                                                    (64, False, 1.0, 0.05), (128, False, None, 0.0),
-                                                    (128, True, 0.5, 0.05), (256, True, None, 0.02)],
-                         ids=["d64", "d64-causal", "d64-causal-scale1", "d64-ramp", "d32-causal-ramp", "d32-ramp",
-                              "d64-scale1-ramp", "d128", "d128-causal-scale05-ramp", "d256-causal-ramp"])
-def test_speculative_maxima_match_reference(d, causal, scale, ramp):
-    """`OnlineSoftmax.update_speculative` (the default for 128-row tiles without dropout, under
-    a mask from 1024 keys; forced on here) where its guess holds
+SPECULATIVE_CASES = [(64, False, None, 0.0), (64, True, None, 0.0), (64, True, 1.0, 0.0), (64, False, None, 0.05),
+                     (32, True, 0.5, 0.02), (32, False, 0.5, 0.02), (64, False, 1.0, 0.05), (128, False, None, 0.0),
+                     (128, True, 0.5, 0.05), (256, True, None, 0.02)]
+SPECULATIVE_IDS = ["d64", "d64-causal", "d64-causal-scale1", "d64-ramp", "d32-causal-ramp", "d32-ramp",
+                   "d64-scale1-ramp", "d128", "d128-causal-scale05-ramp", "d256-causal-ramp"]
+
+
+@pytest.mark.parametrize("d, causal, scale, ramp, in_place, rows", [
+    case + (in_place, rows)
+    for in_place, rows in ((False, 128), (True, 128), (True, 192))
+    for case in SPECULATIVE_CASES if rows == 128 or case[0] == 64
+], ids=[f"{i}-{place}" for place, rows in (("beside", 128), ("in-place", 128), ("in-place-192", 192))
+        for c, i in zip(SPECULATIVE_CASES, SPECULATIVE_IDS) if rows == 128 or c[0] == 64])
+def test_speculative_maxima_match_reference(d, causal, scale, ramp, in_place, rows):
+    """`OnlineSoftmax.update_speculative` (forced on here), with P beside S or over it
+    (`speculative_in_place`, where a failed warpgroup vote issues Q K^T again; d 64's 192-row
+    tiles too), where its guess holds
     and where it fails: keys scaled up by a ramp toward the start (the kernel visits key
     blocks last to first, so row maxima keep rising), large scales, causal rows that see no
     key for a while (sq > sk) or few in the first block. Scores stay below about 1000 so that
@@ -144,11 +151,14 @@ def test_speculative_maxima_match_reference(d, causal, scale, ramp):
     reaching 2^8 would take a score near 8 standard deviations: the guess holds everywhere, so
     O and LSE must equal `update`'s bit for bit."""
     from cute_flash.launch.hopper import flash_fwd_sm90
+    from layouts.hopper import HopperTileTraits
 
     q, k, v = _inputs(2, 700, 600, 8, 8, d, torch.bfloat16)
     k = k * (1.0 + ramp * torch.arange(600, 0, -1, device="cuda", dtype=torch.float32)).view(1, -1, 1, 1).to(k.dtype)
     scale = scale or d ** -0.5
-    outs = [flash_fwd_sm90(q, k, v, softmax_scale=scale, causal=causal, speculative_max=s) for s in (False, True)]
+    traits = HopperTileTraits(d, rows, 128 if d <= 128 else 64, "bf16")
+    outs = [flash_fwd_sm90(q, k, v, softmax_scale=scale, causal=causal, traits=traits, speculative_max=s,
+                           speculative_in_place=s and in_place) for s in (False, True)]
     (o0, l0), (o1, l1) = outs
     if not causal and ramp == 0.0 and scale == d ** -0.5:
         assert torch.equal(o0, o1) and torch.equal(l0, l1)

@@ -242,12 +242,17 @@ def test_paged_packed_forwards_take_the_hopper_kernel(recorder, monkeypatch):
 
 
 @pytest.mark.parametrize("d, sk, opts, block_m, persistent, speculative", [
+    (64, 511, dict(causal=True), 128, True, False),    # masked: speculative maxima from 512 keys at d 64
+    (64, 512, dict(causal=True), 128, True, True),
     (64, 2047, dict(causal=True), 128, True, True),    # 16 key blocks: persistent under a mask
     (64, 2048, dict(causal=True), 192, True, False),   # from 2048 keys d 64's 192-row tiles, always persistent
+    (64, 8191, dict(causal=True), 192, True, False),   # speculating in place under a mask from 8192 keys
+    (64, 8192, dict(causal=True), 192, True, True),
     (64, 1023, dict(), 128, True, True),
-    (64, 1024, dict(), 192, True, False),              # without a mask from 1024 keys
-    (64, 4096, dict(), 192, True, False),
+    (64, 1024, dict(), 192, True, True),               # without a mask from 1024 keys
+    (64, 4096, dict(), 192, True, True),
     (64, 4096, dict(dropout_p=0.1), 128, True, False),  # with dropout 192-row tiles spill: 128
+    (64, 4096, dict(alibi=True), 192, True, False),    # with ALiBi P over S spills: no speculation
     (128, 2048, dict(window_size=(50, 50)), 128, True, True),
     (128, 1023, dict(causal=True), 128, True, False),  # masked: speculative maxima from 1024 keys
     (128, 1024, dict(causal=True), 128, True, True),
@@ -256,11 +261,11 @@ def test_paged_packed_forwards_take_the_hopper_kernel(recorder, monkeypatch):
     (128, 8192, dict(), 128, True, True),              # no mask: persistent at any length
     (128, 512, dict(), 128, True, True),               # no mask: speculative maxima at any length
     (256, 512, dict(), 128, False, True),              # no room for O's own tile
-], ids=["d64-2047-keys-causal", "d64-2048-keys-causal", "d64-1023-keys", "d64-1024-keys", "d64-long",
-        "d64-long-dropout", "d128-window", "d128-1023-keys-causal", "d128-1024-keys-causal", "d128-64-blocks-causal",
+], ids=["d64-511-keys-causal", "d64-512-keys-causal", "d64-2047-keys-causal", "d64-2048-keys-causal", "d64-8191-keys-causal", "d64-8192-keys-causal", "d64-1023-keys", "d64-1024-keys", "d64-long",
+        "d64-long-dropout", "d64-long-alibi", "d128-window", "d128-1023-keys-causal", "d128-1024-keys-causal", "d128-64-blocks-causal",
         "d128-65-blocks-causal", "d128-long", "d128-short", "d256"])
 def test_hopper_forward_tiles_and_schedule(recorder, monkeypatch, d, sk, opts, block_m, persistent, speculative):
-    """The tiles, schedule, speculative maxima and tile order the sm_90 launcher picks (the
+    """The tiles, schedule, speculative maxima (and where P goes) and tile order the sm_90 launcher picks (the
     rules measured in docs/perf.md: longest tiles first only for the persistent kernel under a
     mask), and the tile counter: one per stream, a fresh one under capture."""
     from cute_flash.dropout import DropoutArgs
@@ -272,6 +277,8 @@ def test_hopper_forward_tiles_and_schedule(recorder, monkeypatch, d, sk, opts, b
     masked = bool(opts)
     if "dropout_p" in opts:
         opts, masked = dict(dropout=DropoutArgs.seeded(opts["dropout_p"], 1, 2, "cpu")), False
+    if "alibi" in opts:
+        opts, masked = dict(alibi_slopes=torch.ones(2)), False
     q = torch.randn(1, 3, 2, d, dtype=torch.bfloat16)
     k = v = torch.randn(1, sk, 2, d, dtype=torch.bfloat16)
     flash_fwd(q, k, v, softmax_scale=0.5, **opts)
@@ -281,6 +288,7 @@ def test_hopper_forward_tiles_and_schedule(recorder, monkeypatch, d, sk, opts, b
     first, second, captured = recorder.launches
     assert (first.config.traits.block_m, first.config.persistent) == (block_m, persistent)
     assert first.config.speculative_max == speculative
+    assert first.config.speculative_in_place == (speculative and block_m == 192)  # P over S where 64 rows more
     longest_first = persistent and masked  # every masked case here has 2 (batch, head) pairs
     assert first["section_heads"] == (2 if longest_first else 1)
     assert first["mTileCounter"].tolist() == [0, 0] and first["mTileCounter"] is second["mTileCounter"]

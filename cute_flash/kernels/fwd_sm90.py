@@ -53,6 +53,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import pipeline
 from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.experimental.primitives import nvvm_wrapper as nvvm
 
 from cute_flash.kernels.block_range import BlockRange, Window
 from cute_flash.kernels.config import score_letters
@@ -80,6 +81,7 @@ SCHEDULER_BARRIER = 1  # named barriers 1..3: consumer warpgroup 0's..2's turn t
 EPILOGUE_BARRIER = 4   # named barriers 4..6: consumer warpgroup 0's..2's O tile written to smem
 CLEAR_V_BARRIER = 7    # packed batches: every consumer warpgroup's V rows past seqlen_k zeroed
 SPLIT_BARRIER = 8      # split-KV: the consumer threads' arrival count and merge (SplitKV.sync)
+VOTE_BARRIER = 9       # named barriers 9..11: consumer warpgroup 0's..2's vote on speculative P in place
 
 
 @dataclass(frozen=True)
@@ -102,6 +104,7 @@ class Sm90FwdConfig:
     ctas_per_sm: int = 1       # KV caches: 2 fits two CTAs an SM (64-key blocks, d <= 128; launch/kvcache.py)
     cluster_merge: bool = False  # split-KV: a tile's splits are one cluster, merged in shared memory (ClusterMerge)
     speculative_max: bool = False  # P from the kept row maxima first (OnlineSoftmax.update_speculative)
+    speculative_in_place: bool = False  # ... written over S; a failed warpgroup vote issues Q K^T again
 
     def __post_init__(self):
         if (self.varlen or self.kvcache) and self.persistent:
@@ -112,6 +115,8 @@ class Sm90FwdConfig:
             raise ValueError("seqused_k belongs to packed batches (varlen)")
         if self.kvcache and self.has_dropout:
             raise ValueError("KV-cache calls have no dropout")
+        if self.speculative_in_place and not self.speculative_max:
+            raise ValueError("speculative_in_place places speculative_max's P")
         if self.speculative_max and self.has_dropout:
             raise ValueError("speculative maxima hold P beside S: no registers left for dropout's calls")
         if self.cluster_merge and not self.split:
@@ -165,6 +170,7 @@ class Sm90FwdConfig:
         schedule += "f" if self.pack_gqa else ""
         schedule += "2" if self.ctas_per_sm == 2 else ""
         schedule += "s" if self.speculative_max else ""
+        schedule += "i" if self.speculative_in_place else ""
         return f"{self.traits.name}_s{self.stages}{schedule}-{score_letters(self)}"
 
 
@@ -296,7 +302,8 @@ class Sm90Loop:
     dropout: object           # kernels/philox.py:Dropout (has_dropout), else None
     mma_tidx: object          # this thread among the consumers
     sV: cute.Tensor           # (bn, d, stages): packed batches zero V rows past seqlen_k in it
-    acc_p: object = None      # (MMA, MMA_M, MMA_N) fp32 P beside S (speculative_max), else None: P in acc_s
+    acc_p: object = None      # (MMA, MMA_M, MMA_N) fp32 P beside S (speculative_max, not in place), else
+                              # None: P in acc_s
 
 
 def use_state(n, stages: int, producer: bool) -> pipeline.PipelineState:
@@ -714,7 +721,7 @@ class FlashFwdSm90:
         acc_s = cute.make_rmem_tensor(wg_qk.partition_shape_C((bm, bn)), cutlass.Float32)  # (MMA, MMA_M, MMA_N)
         tOrP = cute.make_rmem_tensor(hopper.acc_as_operand_a(acc_s).layout, self.dtype)  # ((2, 2, 2), MMA_M, MMA_K)
         acc_p = None
-        if cutlass.const_expr(self.config.speculative_max):
+        if cutlass.const_expr(self.config.speculative_max and not self.config.speculative_in_place):
             acc_p = cute.make_rmem_tensor(acc_s.layout, cutlass.Float32)  # (MMA, MMA_M, MMA_N)
         acc_o = cute.make_rmem_tensor(wg_pv.partition_shape_C((bm, d)), cutlass.Float32)  # (MMA, MMA_M, MMA_N)
         row_scale = cute.make_rmem_tensor((cute.size(lmma.acc_mn_view(acc_o).shape[0]),), cutlass.Float32)
@@ -807,6 +814,7 @@ class FlashFwdSm90:
         then per block its S = Q K^T with the previous block's O += P V in flight, the last P V
         at the end."""
         stages = self.config.stages
+        rescores = self.config.speculative_in_place  # a failed vote issues Q K^T again: Q and K stay till after it
         # MMAs of this function's own (recipe's only partition): wgmma sets an MMA's accumulate
         # field, state that must not escape the dynamic branch / loop it was set in.
         mma_qk, mma_pv = hopper.tiled_mma_qk(self.t), hopper.tiled_mma_pv(self.t)
@@ -833,14 +841,14 @@ class FlashFwdSm90:
                         accumulate=True)
             self.pass_turn(loop)
             warpgroup.wait_group(1)  # S landed; P V may still run
-            loop.pipes.k.consumer_release(k_read)
-            if cutlass.const_expr(self.config.persistent):
-                if i == count - 1:
-                    self.release_q(loop)
+            if cutlass.const_expr(not rescores):
+                self.release_qk(loop, k_read, i == count - 1)
             if loop.unmasked_lo <= n_block and n_block < loop.unmasked_hi:
-                self.scores(loop, n_block, recipe, False, False)
+                self.scores(loop, n_block, recipe, False, False, k_read.index)
             else:
-                self.scores(loop, n_block, recipe, False, True)
+                self.scores(loop, n_block, recipe, False, True, k_read.index)
+            if cutlass.const_expr(rescores):
+                self.release_qk(loop, k_read, i == count - 1)
             warpgroup.wait_group(0)
             loop.pipes.v.consumer_release(v_read)
             loop.softmax.rescale(loop.acc_o_mn, loop.row_scale)
@@ -849,6 +857,15 @@ class FlashFwdSm90:
         loop.pipes.v.consumer_wait(last)
         wgmma(mma_pv, loop.acc_o, loop.tOrP, loop.tOrV[None, None, None, last.index], accumulate=True)
         loop.pipes.v.consumer_release(last)
+
+    @cute.jit
+    def release_qk(self, loop: Sm90Loop, k_read: pipeline.PipelineState, last):
+        """The warpgroup is done with this K stage, and with sQ after the tile's last block
+        (persistent; otherwise after the tile)."""
+        loop.pipes.k.consumer_release(k_read)
+        if cutlass.const_expr(self.config.persistent):
+            if last:
+                self.release_q(loop)
 
     @cute.jit
     def release_q(self, loop: Sm90Loop):
@@ -883,25 +900,39 @@ class FlashFwdSm90:
 
     @cute.jit
     def scores(self, loop: Sm90Loop, n_block, recipe: Sm90Recipe, is_first: cutlass.Constexpr,
-               masked: cutlass.Constexpr):
-        """S of key block n_block (in acc_s) -> modifiers -> unnormalised P -> dropout (after
-        the row sums: they are taken before dropout); the first block's P is converted here, a
-        later one's after O is rescaled. Dropout's Philox calls run here, after the softmax:
-        computed while the GEMMs run instead (they depend on the coordinates alone) they held
-        32 more registers and measured 1-9% slower (docs/perf.md, Dropout)."""
+               masked: cutlass.Constexpr, k_stage=None):
+        """S of key block n_block (in acc_s; K in stage k_stage) -> modifiers -> unnormalised P
+        -> dropout (after the row sums: they are taken before dropout); the first block's P is
+        converted here, a later one's after O is rescaled. Dropout's Philox calls run here,
+        after the softmax: computed while the GEMMs run instead (they depend on the coordinates
+        alone) they held 32 more registers and measured 1-9% slower (docs/perf.md, Dropout)."""
         acc_s_mn = loop.mods.apply(recipe.mma_qk, loop.acc_s, loop.m_block, n_block, masked)
-        if cutlass.const_expr(loop.acc_p is None):
-            loop.softmax.update(acc_s_mn, loop.row_scale, is_first, masked)
-        elif cutlass.const_expr(is_first):
-            loop.softmax.update(acc_s_mn, loop.row_scale, is_first, masked, dst_mn=lmma.acc_mn_view(loop.acc_p))
+        cfg = self.config
+        if cutlass.const_expr(is_first or not cfg.speculative_max):
+            dst_mn = None if cutlass.const_expr(loop.acc_p is None) else lmma.acc_mn_view(loop.acc_p)
+            loop.softmax.update(acc_s_mn, loop.row_scale, is_first, masked, dst_mn=dst_mn)
+        elif cutlass.const_expr(cfg.speculative_in_place):
+            loop.softmax.update_speculative(
+                acc_s_mn, None, loop.row_scale, masked,
+                agree=lambda fits: nvvm.barrier_cta_red_aligned(fits, VOTE_BARRIER + loop.consumer_wg, "and",
+                                                                thread_count=128),
+                rescore=lambda: self.rescore(loop, n_block, recipe, masked, k_stage))
         else:
             loop.softmax.update_speculative(acc_s_mn, lmma.acc_mn_view(loop.acc_p), loop.row_scale, masked)
-        if cutlass.const_expr(self.config.has_dropout):
+        if cutlass.const_expr(cfg.has_dropout):
             bm, bn = self.t.block_m, self.t.block_n
             loop.dropout.apply(recipe.mma_qk, loop.acc_s, wgmma_groups(loop.acc_s.shape), loop.mma_tidx,
                                loop.m_block * bm, n_block * bn, (bm, bn), True)
         if cutlass.const_expr(is_first):
             self.convert_p(loop)
+
+    @cute.jit
+    def rescore(self, loop: Sm90Loop, n_block, recipe: Sm90Recipe, masked: cutlass.Constexpr, k_stage):
+        """S of key block n_block again, with its modifiers (speculative_in_place, whose P
+        overwrote it): the warpgroup's Q K^T issued once more, waited for with the P V in
+        flight."""
+        wgmma(hopper.tiled_mma_qk(self.t), loop.acc_s, loop.tSrQ, loop.tSrK[None, None, None, k_stage])
+        return loop.mods.apply(recipe.mma_qk, loop.acc_s, loop.m_block, n_block, masked)
 
     @cute.jit
     def convert_p(self, loop: Sm90Loop):

@@ -124,8 +124,8 @@ class OnlineSoftmax:
                 dst_mn[r, None] = p_row
 
     @cute.jit
-    def update_speculative(self, acc_s_mn: cute.Tensor, dst_mn: cute.Tensor, row_scale: cute.Tensor,
-                           check_inf: cutlass.Constexpr):
+    def update_speculative(self, acc_s_mn: cute.Tensor, dst_mn, row_scale: cute.Tensor,
+                           check_inf: cutlass.Constexpr, agree=None, rescore=None):
         """`update` for a block after the first (lazy), P into dst_mn, without row maxima where
         it can: P from the kept maxima first, and if every thread of the warp finds each of its
         rows' part of P summing to at most SPECULATIVE_SUM_MAX (no value past the lazy bound),
@@ -137,21 +137,33 @@ class OnlineSoftmax:
         fail at a bound of 128 with a lazy fallback, 0.8% at 256 lazy, 0.1% at 256 eager; none
         non-causal, where the first block's maxima are over 128 keys). The common path skips
         each row's max tree and quad shuffles (31 + 2 FMNMX and 2 SHFL a row at 128 keys) and
-        the factor's exp2."""
+        the factor's exp2.
+
+        dst_mn None: P over S, for tiles with no registers for a second one. Then S is gone
+        when the test fails, so the decision is the warpgroup's (agree(fits): every thread of
+        it fits), and a failed one takes S again from rescore() (the warpgroup's Q K^T issued
+        again, with the score modifiers)."""
         sums = []
         fits = cutlass.Boolean(True)
         for r in cutlass.range_constexpr(cute.size(self.row_max)):
             p_row = exp2_shifted(acc_s_mn[r, None].load(), self.scale_log2, self.row_max[r] * self.scale_log2)
-            dst_mn[r, None] = p_row
+            if cutlass.const_expr(dst_mn is None):
+                acc_s_mn[r, None] = p_row
+            else:
+                dst_mn[r, None] = p_row
             sums.append(p_row.reduce(cute.ReductionOp.ADD, cutlass.Float32.zero, 0))
             fits = fits & (sums[r] <= SPECULATIVE_SUM_MAX)
         row_sum = self.row_sum  # a local: the DSL's run-time `if` cannot carry `self` through
-        if cute.arch.vote_all_sync(fits):
+        agreed = cute.arch.vote_all_sync(fits) if cutlass.const_expr(agree is None) else agree(fits)
+        if agreed:
             for r in cutlass.range_constexpr(cute.size(row_sum)):
                 row_sum[r] = row_sum[r] + sums[r]
                 row_scale[r] = cutlass.Float32(1.0)
         else:
-            self.update(acc_s_mn, row_scale, False, check_inf, dst_mn=dst_mn, eager=True)
+            if cutlass.const_expr(dst_mn is None):
+                self.update(rescore(), row_scale, False, check_inf, eager=True)
+            else:
+                self.update(acc_s_mn, row_scale, False, check_inf, dst_mn=dst_mn, eager=True)
 
     @cute.jit
     def rescale(self, acc_o_mn: cute.Tensor, row_scale: cute.Tensor):

@@ -296,14 +296,16 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
     bucket and dtype with every score flag but dropout, split and not, paged and not,
     GQA-folded and not (the fold without window edges or ALiBi), at one CTA an SM and (up to
     `TWO_CTAS_MAX_HEAD_DIM`) two. Otherwise the CI subset: every bucket in bf16 with a causal
-    edge (the persistent variant where it fits, so both schedules compile; speculative maxima
-    on 128-row tiles, as at 1024 keys and more), d 64's 192-row
-    tiles likewise, d 128 in fp16, d 128 with every score flag on, dropout at d 64 (causal,
+    edge (the persistent variant where it fits, so both schedules compile; speculative maxima,
+    as at 1024 keys and more), d 64's 192-row tiles likewise (speculating in place, as from
+    8192 keys), d 128 in fp16, d 128 with every score flag on, dropout at d 64 (causal,
     one CTA per tile) and d 128 (persistent), packed batches (d 128 causal, d 96 with
     seqused_k, d 64 fp16 with every flag, d 128 causal over pages) and KV caches (d 128 plain,
     d 64 split with softcap, d 128 split, paged and GQA-folded, d 256 fp16 with every flag,
     d 128 GQA-folded at two CTAs an SM)."""
-    from cute_flash.launch.hopper import SPECULATIVE_MASKED_MIN_SEQLEN_K, takes_speculative_max
+    from cute_flash.launch.hopper import (SPECULATIVE_IN_PLACE_MASKED_MIN_SEQLEN_K, SPECULATIVE_MASKED_MIN_SEQLEN_K,
+                                          SPECULATIVE_MASKED_MIN_SEQLEN_K_D64, speculates_in_place,
+                                          takes_speculative_max)
     from layouts.hopper import (choose_hopper_cache_traits, choose_hopper_traits, shipped_hopper_cache_traits,
                                 shipped_hopper_traits)
 
@@ -316,13 +318,16 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
                     continue
                 masked = flags["has_left"] or flags["has_right"]
                 # speculative maxima by key count: a mask's short and long keys differ
-                specs = {takes_speculative_max(t, sk, masked, True if flags["has_dropout"] else None)
-                         for sk in (SPECULATIVE_MASKED_MIN_SEQLEN_K - 1, SPECULATIVE_MASKED_MIN_SEQLEN_K)}
+                specs = {takes_speculative_max(t, sk, masked, True if flags["has_dropout"] else None, flags["has_alibi"])
+                         for edge in (SPECULATIVE_MASKED_MIN_SEQLEN_K, SPECULATIVE_MASKED_MIN_SEQLEN_K_D64,
+                                      SPECULATIVE_IN_PLACE_MASKED_MIN_SEQLEN_K)
+                         for sk in (edge - 1, edge)}
                 for spec in sorted(specs):
+                    kinds = {"speculative_max": spec, "speculative_in_place": spec and speculates_in_place(t)}
                     if t.warpgroups != 3 or not Sm90FwdConfig.fits_persistent(t):
-                        out.append(Sm90FwdConfig(t, speculative_max=spec, **flags))
+                        out.append(Sm90FwdConfig(t, **kinds, **flags))
                     if Sm90FwdConfig.fits_persistent(t):
-                        out.append(Sm90FwdConfig(t, persistent=True, speculative_max=spec, **flags))
+                        out.append(Sm90FwdConfig(t, persistent=True, **kinds, **flags))
                 if t.warpgroups != 3:
                     out += [Sm90FwdConfig(t, varlen=True, has_seqused_k=u, paged=p, **flags)
                             for u in (False, True) for p in (False, True)]
@@ -338,8 +343,8 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
                             for f in folds]
         return out
     traits = [choose_hopper_traits(d, "bf16") for d in HEAD_DIM_BUCKETS]
-    out = [Sm90FwdConfig(t, persistent=Sm90FwdConfig.fits_persistent(t), has_right=True,
-                         speculative_max=takes_speculative_max(t, SPECULATIVE_MASKED_MIN_SEQLEN_K, True, None))
+    out = [Sm90FwdConfig(t, persistent=Sm90FwdConfig.fits_persistent(t), has_right=True, speculative_max=True,
+                         speculative_in_place=speculates_in_place(t))
            for t in traits + [choose_hopper_traits(64, "bf16", long_keys=True)]]
     return out + [Sm90FwdConfig(choose_hopper_traits(128, "fp16")),
                   Sm90FwdConfig(choose_hopper_traits(128, "bf16"), has_left=True, has_right=True, has_alibi=True,

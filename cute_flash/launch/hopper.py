@@ -51,18 +51,43 @@ def takes_tall_tiles(seqlen_k: int, masked: bool, dropout) -> bool:
 # second key block, where the diagonal block's few keys leave a low kept maximum in some rows,
 # is a large share of its blocks, and those fall back (H200, d 128 causal 512: 0.975x).
 SPECULATIVE_MASKED_MIN_SEQLEN_K = 1024
+# ... from this many at d 64 and below, where the softmax is a larger share of a block's work
+# (H200, causal 512, beside / update: d 32 1.014-1.020, d 64 1.008-1.015; 768: 1.033-1.038)
+SPECULATIVE_MASKED_MIN_SEQLEN_K_D64 = 512
+# ... and on 192-row tiles, where P goes over S (`speculates_in_place`), a warpgroup's vote
+# fails where any of its warps' would, and Q and K stay until it has voted, from this many
+# (H200, d 64 causal, in place / update: 2k 0.954-0.968, 4k 0.982-0.991, 8k 1.000-1.035, 16k
+# 1.031-1.032).
+SPECULATIVE_IN_PLACE_MASKED_MIN_SEQLEN_K = 8192
 
 
-def takes_speculative_max(traits, seqlen_k: int, masked: bool, dropout) -> bool:
-    """P from the kept row maxima first (`OnlineSoftmax.update_speculative`) where P fits in
-    registers beside S: 128-row tiles (ptxas 13.0, every bucket: no spill inside the key-block
-    loop; what spills, up to 152 B persistent at d 128 and 208 B at d 256, is the epilogue's
-    addresses, kept in registers through the loop before), not 192-row ones (1016 B), not with dropout (its calls
-    need those registers), and under a mask from SPECULATIVE_MASKED_MIN_SEQLEN_K keys. H200,
-    against `update`, best of 3: d 128 non-causal 8k / 16k 1.069 / 1.070, causal 4k / 16k
-    1.039 / 1.055, d 64 512 1.037, causal 1k 1.037 (docs/perf.md, Hopper step 16)."""
-    return (dropout is None and traits.warpgroups == 2
-            and (not masked or seqlen_k >= SPECULATIVE_MASKED_MIN_SEQLEN_K))
+def takes_speculative_max(traits, seqlen_k: int, masked: bool, dropout, alibi: bool) -> bool:
+    """P from the kept row maxima first (`OnlineSoftmax.update_speculative`), not with dropout
+    (its calls need the registers) nor with ALiBi where P goes over S (ptxas 13.0 spilled 236-1132
+    B there, up to 538 spill instructions in the key-block loop, against 136-380 B without
+    speculation), and under a mask from SPECULATIVE_MASKED_MIN_SEQLEN_K keys
+    (_D64 at d 64 and below, SPECULATIVE_IN_PLACE_MASKED_MIN_SEQLEN_K on tiles that speculate
+    in place). H200, against
+    `update`, best of 3: d 128 non-causal 8k / 16k 1.069 / 1.070, causal 4k / 16k 1.039 /
+    1.055, d 64 512 1.037, causal 1k 1.037 (P beside S); d 64's 192-row tiles non-causal 1k /
+    2k / 8k / 16k 1.011-1.025 / 1.022-1.028 / 1.029-1.040 / 1.036-1.047, causal 16k 1.031-1.032
+    (in place; docs/perf.md, Hopper steps 16 and 17)."""
+    if speculates_in_place(traits):
+        min_masked = SPECULATIVE_IN_PLACE_MASKED_MIN_SEQLEN_K
+    elif traits.head_dim <= 64:
+        min_masked = SPECULATIVE_MASKED_MIN_SEQLEN_K_D64
+    else:
+        min_masked = SPECULATIVE_MASKED_MIN_SEQLEN_K
+    return dropout is None and not (alibi and speculates_in_place(traits)) and (not masked or seqlen_k >= min_masked)
+
+
+def speculates_in_place(traits) -> bool:
+    """Speculative P over S (`Sm90FwdConfig.speculative_in_place`: a failed vote issues the
+    warpgroup's Q K^T again) rather than beside it in 64 more registers a thread: on 192-row
+    tiles, whose 160 registers a thread have no room for them (ptxas 13.0: 1016 B of spills).
+    128-row tiles keep P beside S: in place measured 0.966-1.000x of it at d 128 (4k-16k, causal
+    1k-16k) and 0.71x at d 64 non-causal 512 (H200, docs/perf.md, Hopper step 17)."""
+    return traits.warpgroups == 3
 
 
 def section_heads(q, k, longest_first: bool) -> int:
@@ -89,11 +114,11 @@ def tile_counter(device: torch.device) -> torch.Tensor:
 
 def flash_fwd_sm90(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                    dropout: DropoutArgs | None = None, traits=None, persistent=None, sections=None,
-                   speculative_max=None):
+                   speculative_max=None, speculative_in_place=None):
     """Dense forward on the Hopper kernel: q (b, sq, h, d), k/v (b, sk, hk, d); returns (out,
     lse (b, h, sq)) as `flash_fwd` does. `traits` (HopperTileTraits), `persistent` and
-    `sections` (pairs per scheduling section) and `speculative_max` override the kernel's
-    choices (`tune --sm90`)."""
+    `sections` (pairs per scheduling section), `speculative_max` and `speculative_in_place`
+    override the kernel's choices (`tune --sm90`)."""
     b, sq, h, d = q.shape
     q, k, v = aligned(q), aligned(k), aligned(v)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -105,8 +130,11 @@ def flash_fwd_sm90(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1)
     if persistent is None:
         persistent = prefers_persistent(traits, k.shape[1], masked)
     if speculative_max is None:
-        speculative_max = takes_speculative_max(traits, k.shape[1], masked, dropout)
+        speculative_max = takes_speculative_max(traits, k.shape[1], masked, dropout, alibi_slopes is not None)
+    if speculative_in_place is None:
+        speculative_in_place = speculative_max and speculates_in_place(traits)
     config = Sm90FwdConfig(traits, persistent=persistent, speculative_max=speculative_max,
+                           speculative_in_place=speculative_in_place,
                            **score_flags(left, right, alibi_slopes, softcap, dropout))
     if sections is None:
         sections = section_heads(q, k, persistent and masked)
