@@ -261,13 +261,15 @@ def test_paged_packed_forwards_take_the_hopper_kernel(recorder, monkeypatch):
     (128, 8192, dict(), 128, True, True),              # no mask: persistent at any length
     (128, 512, dict(), 128, True, True),               # no mask: speculative maxima at any length
     (256, 512, dict(), 128, False, True),              # no room for O's own tile
-], ids=["d64-511-keys-causal", "d64-512-keys-causal", "d64-2047-keys-causal", "d64-2048-keys-causal", "d64-8191-keys-causal", "d64-8192-keys-causal", "d64-1023-keys", "d64-1024-keys", "d64-long",
-        "d64-long-dropout", "d64-long-alibi", "d128-window", "d128-1023-keys-causal", "d128-1024-keys-causal", "d128-64-blocks-causal",
-        "d128-65-blocks-causal", "d128-long", "d128-short", "d256"])
+], ids=["d64-511-keys-causal", "d64-512-keys-causal", "d64-2047-keys-causal", "d64-2048-keys-causal",
+        "d64-8191-keys-causal", "d64-8192-keys-causal", "d64-1023-keys", "d64-1024-keys", "d64-long",
+        "d64-long-dropout", "d64-long-alibi", "d128-window", "d128-1023-keys-causal", "d128-1024-keys-causal",
+        "d128-64-blocks-causal", "d128-65-blocks-causal", "d128-long", "d128-short", "d256"])
 def test_hopper_forward_tiles_and_schedule(recorder, monkeypatch, d, sk, opts, block_m, persistent, speculative):
-    """The tiles, schedule, speculative maxima (and where P goes) and tile order the sm_90 launcher picks (the
-    rules measured in docs/perf.md: longest tiles first only for the persistent kernel under a
-    mask), and the tile counter: one per stream, a fresh one under capture."""
+    """The tiles, schedule, speculative maxima (and where P goes) and tile order the sm_90
+    launcher picks (the rules measured in docs/perf.md: longest tiles first only for the
+    persistent kernel under a mask), and the tile counter: one per stream, a fresh one under
+    capture."""
     from cute_flash.dropout import DropoutArgs
     from cute_flash.launch import flash_fwd
     from cute_flash.launch.hopper import tile_counter

@@ -318,7 +318,8 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
                     continue
                 masked = flags["has_left"] or flags["has_right"]
                 # speculative maxima by key count: a mask's short and long keys differ
-                specs = {takes_speculative_max(t, sk, masked, True if flags["has_dropout"] else None, flags["has_alibi"])
+                dropout = True if flags["has_dropout"] else None
+                specs = {takes_speculative_max(t, sk, masked, dropout, flags["has_alibi"])
                          for edge in (SPECULATIVE_MASKED_MIN_SEQLEN_K, SPECULATIVE_MASKED_MIN_SEQLEN_K_D64,
                                       SPECULATIVE_IN_PLACE_MASKED_MIN_SEQLEN_K)
                          for sk in (edge - 1, edge)}

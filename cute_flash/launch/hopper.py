@@ -63,15 +63,14 @@ SPECULATIVE_IN_PLACE_MASKED_MIN_SEQLEN_K = 8192
 
 def takes_speculative_max(traits, seqlen_k: int, masked: bool, dropout, alibi: bool) -> bool:
     """P from the kept row maxima first (`OnlineSoftmax.update_speculative`), not with dropout
-    (its calls need the registers) nor with ALiBi where P goes over S (ptxas 13.0 spilled 236-1132
-    B there, up to 538 spill instructions in the key-block loop, against 136-380 B without
-    speculation), and under a mask from SPECULATIVE_MASKED_MIN_SEQLEN_K keys
-    (_D64 at d 64 and below, SPECULATIVE_IN_PLACE_MASKED_MIN_SEQLEN_K on tiles that speculate
-    in place). H200, against
-    `update`, best of 3: d 128 non-causal 8k / 16k 1.069 / 1.070, causal 4k / 16k 1.039 /
-    1.055, d 64 512 1.037, causal 1k 1.037 (P beside S); d 64's 192-row tiles non-causal 1k /
-    2k / 8k / 16k 1.011-1.025 / 1.022-1.028 / 1.029-1.040 / 1.036-1.047, causal 16k 1.031-1.032
-    (in place; docs/perf.md, Hopper steps 16 and 17)."""
+    (its calls need the registers) nor with ALiBi where P goes over S (ptxas 13.0 spilled
+    236-1132 B there, up to 538 spill instructions in the key-block loop, against 136-380 B
+    without speculation), and under a mask from SPECULATIVE_MASKED_MIN_SEQLEN_K keys (the _D64
+    edge at d 64 and below, SPECULATIVE_IN_PLACE_MASKED_MIN_SEQLEN_K where P goes over S).
+    H200, against `update`, best of 3: d 128 non-causal 8k / 16k 1.069 / 1.070, causal 4k /
+    16k 1.039 / 1.055, d 64 512 1.037, causal 1k 1.037 (P beside S); d 64's 192-row tiles
+    non-causal 1k / 2k / 8k / 16k 1.011-1.025 / 1.022-1.028 / 1.029-1.040 / 1.036-1.047, causal
+    16k 1.031-1.032 (P over S; docs/perf.md, Hopper steps 16 and 17)."""
     if speculates_in_place(traits):
         min_masked = SPECULATIVE_IN_PLACE_MASKED_MIN_SEQLEN_K
     elif traits.head_dim <= 64:
