@@ -113,11 +113,11 @@ def tile_counter(device: torch.device) -> torch.Tensor:
 
 def flash_fwd_sm90(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                    dropout: DropoutArgs | None = None, traits=None, persistent=None, sections=None,
-                   speculative_max=None, speculative_in_place=None):
+                   speculative_max=None, speculative_in_place=None, stages=2):
     """Dense forward on the Hopper kernel: q (b, sq, h, d), k/v (b, sk, hk, d); returns (out,
-    lse (b, h, sq)) as `flash_fwd` does. `traits` (HopperTileTraits), `persistent` and
-    `sections` (pairs per scheduling section), `speculative_max` and `speculative_in_place`
-    override the kernel's choices (`tune --sm90`)."""
+    lse (b, h, sq)) as `flash_fwd` does. `traits` (HopperTileTraits), `persistent`,
+    `sections` (pairs per scheduling section), `speculative_max`, `speculative_in_place` and
+    `stages` (K / V pipeline depth) override the kernel's choices (`tune --sm90`)."""
     b, sq, h, d = q.shape
     q, k, v = aligned(q), aligned(k), aligned(v)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -132,7 +132,7 @@ def flash_fwd_sm90(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1)
         speculative_max = takes_speculative_max(traits, k.shape[1], masked, dropout, alibi_slopes is not None)
     if speculative_in_place is None:
         speculative_in_place = speculative_max and speculates_in_place(traits)
-    config = Sm90FwdConfig(traits, persistent=persistent, speculative_max=speculative_max,
+    config = Sm90FwdConfig(traits, stages, persistent=persistent, speculative_max=speculative_max,
                            speculative_in_place=speculative_in_place,
                            **score_flags(left, right, alibi_slopes, softcap, dropout))
     if sections is None:
