@@ -821,10 +821,7 @@ class FlashFwdSm90:
         first = use_state(loop.kv_uses, stages, producer=False)
         loop.pipes.k.consumer_wait(first)
         wgmma(mma_qk, loop.acc_s, loop.tSrQ, loop.tSrK[None, None, None, first.index])
-        loop.pipes.k.consumer_release(first)
-        if cutlass.const_expr(self.config.persistent):
-            if count == 1:
-                self.release_q(loop)
+        self.release_qk(loop, first, count == 1)
         self.scores(loop, n_block_max - 1, recipe, True, True)
         if cutlass.const_expr(self.config.clears_v_tail):
             self.clear_v_tail(loop, first, n_block_max - 1)

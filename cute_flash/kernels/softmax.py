@@ -92,6 +92,7 @@ class OnlineSoftmax:
         (`update_speculative`'s fallback).
         """
         lazy = self.lazy and not eager
+        dst = acc_s_mn if cutlass.const_expr(dst_mn is None) else dst_mn
         for r in cutlass.range_constexpr(cute.size(self.row_max)):
             s_row = acc_s_mn[r, None].load()
             row_max_r = quad_allreduce_max(row_max(acc_s_mn, r))
@@ -118,10 +119,7 @@ class OnlineSoftmax:
                 else:
                     scale_to[r] = correction
             self.row_max[r] = row_max_r
-            if cutlass.const_expr(dst_mn is None):
-                acc_s_mn[r, None] = p_row
-            else:
-                dst_mn[r, None] = p_row
+            dst[r, None] = p_row
 
     @cute.jit
     def update_speculative(self, acc_s_mn: cute.Tensor, dst_mn, row_scale: cute.Tensor,
@@ -143,14 +141,12 @@ class OnlineSoftmax:
         when the test fails, so the decision is the warpgroup's (agree(fits): every thread of
         it fits), and a failed one takes S again from rescore() (the warpgroup's Q K^T issued
         again, with the score modifiers)."""
+        dst = acc_s_mn if cutlass.const_expr(dst_mn is None) else dst_mn
         sums = []
         fits = cutlass.Boolean(True)
         for r in cutlass.range_constexpr(cute.size(self.row_max)):
             p_row = exp2_shifted(acc_s_mn[r, None].load(), self.scale_log2, self.row_max[r] * self.scale_log2)
-            if cutlass.const_expr(dst_mn is None):
-                acc_s_mn[r, None] = p_row
-            else:
-                dst_mn[r, None] = p_row
+            dst[r, None] = p_row
             sums.append(p_row.reduce(cute.ReductionOp.ADD, cutlass.Float32.zero, 0))
             fits = fits & (sums[r] <= SPECULATIVE_SUM_MAX)
         row_sum = self.row_sum  # a local: the DSL's run-time `if` cannot carry `self` through
@@ -160,10 +156,8 @@ class OnlineSoftmax:
                 row_sum[r] = row_sum[r] + sums[r]
                 row_scale[r] = cutlass.Float32(1.0)
         else:
-            if cutlass.const_expr(dst_mn is None):
-                self.update(rescore(), row_scale, False, check_inf, eager=True)
-            else:
-                self.update(acc_s_mn, row_scale, False, check_inf, dst_mn=dst_mn, eager=True)
+            s_mn = acc_s_mn if cutlass.const_expr(rescore is None) else rescore()
+            self.update(s_mn, row_scale, False, check_inf, dst_mn=dst_mn, eager=True)
 
     @cute.jit
     def rescale(self, acc_o_mn: cute.Tensor, row_scale: cute.Tensor):

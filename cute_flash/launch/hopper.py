@@ -71,13 +71,14 @@ def takes_speculative_max(traits, seqlen_k: int, masked: bool, dropout, alibi: b
     16k 1.039 / 1.055, d 64 512 1.037, causal 1k 1.037 (P beside S); d 64's 192-row tiles
     non-causal 1k / 2k / 8k / 16k 1.011-1.025 / 1.022-1.028 / 1.029-1.040 / 1.036-1.047, causal
     16k 1.031-1.032 (P over S; docs/perf.md, Hopper steps 16 and 17)."""
-    if speculates_in_place(traits):
+    in_place = speculates_in_place(traits)
+    if in_place:
         min_masked = SPECULATIVE_IN_PLACE_MASKED_MIN_SEQLEN_K
     elif traits.head_dim <= 64:
         min_masked = SPECULATIVE_MASKED_MIN_SEQLEN_K_D64
     else:
         min_masked = SPECULATIVE_MASKED_MIN_SEQLEN_K
-    return dropout is None and not (alibi and speculates_in_place(traits)) and (not masked or seqlen_k >= min_masked)
+    return dropout is None and not (alibi and in_place) and (not masked or seqlen_k >= min_masked)
 
 
 def speculates_in_place(traits) -> bool:
