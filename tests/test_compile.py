@@ -202,7 +202,7 @@ def test_hopper_forward_compiles_to_wgmma(config, tmp_path):
     from split-KV tiles (fp32 partials, merged with plain stores). Packed batches and KV
     caches zero V rows past seqlen_k behind named barrier 7 (`clear_v_tail`); dense calls
     never do. Speculative maxima over S (d 64's 192-row tiles) vote by warpgroup and, where the
-    vote fails, issue Q K^T again."""
+    vote fails, issue Q K^T again; blocks a causal edge crosses take `update` instead."""
     from cute_flash.launch.compiled import compile_fwd_sm90
     from cute_flash.philox import M0
 
@@ -213,10 +213,11 @@ def test_hopper_forward_compiles_to_wgmma(config, tmp_path):
     t = config.traits
     text = ptx.read_text()
     # speculating in place, a failed warpgroup vote (bar.red.and) issues Q K^T again, traced in
-    # the masked and the unmasked softmax
-    rescores = 2 * (t.head_dim // 16) if config.speculative_in_place else 0
-    assert text.count("wgmma.mma_async") == 2 * (t.head_dim // 16 + t.block_n // 16) + rescores
-    assert text.count("bar.red.and.pred") == (2 if config.speculative_in_place else 0)
+    # the unmasked softmax, and in the masked one under a window's left edge (elsewhere masked
+    # blocks take `update`)
+    votes = (2 if config.has_left else 1) if config.speculative_in_place else 0
+    assert text.count("wgmma.mma_async") == 2 * (t.head_dim // 16 + t.block_n // 16) + votes * (t.head_dim // 16)
+    assert text.count("bar.red.and.pred") == votes
     assert "max.NaN.f32" not in text
     assert "vote.sync.any.pred" in text
     assert (f", {M0 - (1 << 32)};" in text) == config.has_dropout  # the immediate, as an int32

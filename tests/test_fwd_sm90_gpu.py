@@ -125,9 +125,9 @@ def test_dropout_matches_reference_with_the_philox_mask(d, sq, sk, opts, persist
 
 SPECULATIVE_CASES = [(64, False, None, 0.0), (64, True, None, 0.0), (64, True, 1.0, 0.0), (64, False, None, 0.05),
                      (32, True, 0.5, 0.02), (32, False, 0.5, 0.02), (64, False, 1.0, 0.05), (128, False, None, 0.0),
-                     (128, True, 0.5, 0.05), (256, True, None, 0.02)]
+                     (128, True, 0.5, 0.05), (256, True, None, 0.02), (64, (250, 0), None, 0.05)]
 SPECULATIVE_IDS = ["d64", "d64-causal", "d64-causal-scale1", "d64-ramp", "d32-causal-ramp", "d32-ramp",
-                   "d64-scale1-ramp", "d128", "d128-causal-scale05-ramp", "d256-causal-ramp"]
+                   "d64-scale1-ramp", "d128", "d128-causal-scale05-ramp", "d256-causal-ramp", "d64-window-ramp"]
 
 
 @pytest.mark.parametrize("d, causal, scale, ramp, in_place, rows", [
@@ -139,10 +139,10 @@ SPECULATIVE_IDS = ["d64", "d64-causal", "d64-causal-scale1", "d64-ramp", "d32-ca
 def test_speculative_maxima_match_reference(d, causal, scale, ramp, in_place, rows):
     """`OnlineSoftmax.update_speculative` (forced on here), with P beside S or over it
     (`speculative_in_place`, where a failed warpgroup vote issues Q K^T again; d 64's 192-row
-    tiles too), where its guess holds
-    and where it fails: keys scaled up by a ramp toward the start (the kernel visits key
-    blocks last to first, so row maxima keep rising), large scales, causal rows that see no
-    key for a while (sq > sk) or few in the first block. Scores stay below about 1000 so that
+    tiles too; in place, blocks a causal edge crosses take `update`, a window's left edge's
+    speculate), where its guess holds and where it fails: keys scaled up by a ramp toward the
+    start (the kernel visits key blocks last to first, so row maxima keep rising), large
+    scales, causal rows that see no key for a while (sq > sk) or few in the first block. Scores stay below about 1000 so that
     the reference's LSE is good to 1e-3 (at scale 3, LSE ~2500, where fp32's spacing is
     2.4e-4, the kernel and the reference differed by 2.2e-3).
 
@@ -156,10 +156,11 @@ def test_speculative_maxima_match_reference(d, causal, scale, ramp, in_place, ro
     q, k, v = _inputs(2, 700, 600, 8, 8, d, torch.bfloat16)
     k = k * (1.0 + ramp * torch.arange(600, 0, -1, device="cuda", dtype=torch.float32)).view(1, -1, 1, 1).to(k.dtype)
     scale = scale or d ** -0.5
+    mask = dict(causal=causal) if isinstance(causal, bool) else dict(window_size=causal)
     traits = HopperTileTraits(d, rows, 128 if d <= 128 else 64, "bf16")
-    outs = [flash_fwd_sm90(q, k, v, softmax_scale=scale, causal=causal, traits=traits, speculative_max=s,
-                           speculative_in_place=s and in_place) for s in (False, True)]
+    outs = [flash_fwd_sm90(q, k, v, softmax_scale=scale, traits=traits, speculative_max=s,
+                           speculative_in_place=s and in_place, **mask) for s in (False, True)]
     (o0, l0), (o1, l1) = outs
-    if not causal and ramp == 0.0 and scale == d ** -0.5:
+    if causal is False and ramp == 0.0 and scale == d ** -0.5:
         assert torch.equal(o0, o1) and torch.equal(l0, l1)
-    assert_matches_reference(o1, l1, q, k, v, softmax_scale=scale, causal=causal)
+    assert_matches_reference(o1, l1, q, k, v, softmax_scale=scale, **mask)

@@ -245,9 +245,10 @@ def test_paged_packed_forwards_take_the_hopper_kernel(recorder, monkeypatch):
     (64, 511, dict(causal=True), 128, True, False),    # masked: speculative maxima from 512 keys at d 64
     (64, 512, dict(causal=True), 128, True, True),
     (64, 2047, dict(causal=True), 128, True, True),    # 16 key blocks: persistent under a mask
-    (64, 2048, dict(causal=True), 192, True, False),   # from 2048 keys d 64's 192-row tiles, always persistent
-    (64, 8191, dict(causal=True), 192, True, False),   # speculating in place under a mask from 8192 keys
-    (64, 8192, dict(causal=True), 192, True, True),
+    (64, 2048, dict(causal=True), 192, True, True),    # from 2048 keys d 64's 192-row tiles, always persistent,
+    #                                                    speculating in place at any length under a causal mask
+    (64, 8191, dict(window_size=(4096, 0)), 192, True, False),  # ... from 8192 keys under a window's left edge
+    (64, 8192, dict(window_size=(4096, 0)), 192, True, True),
     (64, 1023, dict(), 128, True, True),
     (64, 1024, dict(), 192, True, True),               # without a mask from 1024 keys
     (64, 4096, dict(), 192, True, True),
@@ -262,7 +263,7 @@ def test_paged_packed_forwards_take_the_hopper_kernel(recorder, monkeypatch):
     (128, 512, dict(), 128, True, True),               # no mask: speculative maxima at any length
     (256, 512, dict(), 128, False, True),              # no room for O's own tile
 ], ids=["d64-511-keys-causal", "d64-512-keys-causal", "d64-2047-keys-causal", "d64-2048-keys-causal",
-        "d64-8191-keys-causal", "d64-8192-keys-causal", "d64-1023-keys", "d64-1024-keys", "d64-long",
+        "d64-8191-keys-window", "d64-8192-keys-window", "d64-1023-keys", "d64-1024-keys", "d64-long",
         "d64-long-dropout", "d64-long-alibi", "d128-window", "d128-1023-keys-causal", "d128-1024-keys-causal",
         "d128-64-blocks-causal", "d128-65-blocks-causal", "d128-long", "d128-short", "d256"])
 def test_hopper_forward_tiles_and_schedule(recorder, monkeypatch, d, sk, opts, block_m, persistent, speculative):
@@ -295,6 +296,26 @@ def test_hopper_forward_tiles_and_schedule(recorder, monkeypatch, d, sk, opts, b
     assert first["section_heads"] == (2 if longest_first else 1)
     assert first["mTileCounter"].tolist() == [0, 0] and first["mTileCounter"] is second["mTileCounter"]
     assert captured["mTileCounter"] is not first["mTileCounter"]
+
+
+@pytest.mark.parametrize("d, sk, opts, stages", [
+    (64, 512, dict(), 3),              # three K / V stages up to 1024 keys on 128-row persistent tiles
+    (64, 1024, dict(causal=True), 3),
+    (64, 1025, dict(causal=True), 2),
+    (64, 1024, dict(), 2),             # 192-row tiles from 1024 keys without a mask: two
+    (32, 700, dict(window_size=(100, 100)), 3),
+    (96, 1024, dict(), 3),
+    (128, 512, dict(), 2),             # three do not fit beside O's own tile
+], ids=["d64-512", "d64-1024-causal", "d64-1025-causal", "d64-1024-tall", "d32-window", "d96-1024", "d128"])
+def test_hopper_forward_stages(recorder, monkeypatch, d, sk, opts, stages):
+    """The K / V pipeline depth the sm_90 launcher picks (`kv_stages`, measured in docs/perf.md)."""
+    from cute_flash.launch import flash_fwd
+
+    monkeypatch.delenv("CUTE_FLASH_ARCH_PATH")
+    q = torch.randn(1, 3, 2, d, dtype=torch.bfloat16)
+    k = v = torch.randn(1, sk, 2, d, dtype=torch.bfloat16)
+    flash_fwd(q, k, v, softmax_scale=0.5, **opts)
+    assert recorder.launches[0].config.stages == stages
 
 
 def test_dense_backwards_on_sm90_default_to_the_hopper_kernel(recorder, monkeypatch):

@@ -291,21 +291,22 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
     full: every shipped traits (layouts.hopper.shipped_hopper_traits) times every score-flag
     combination, in each schedule `prefers_persistent` can choose for it (dropout not on
     192-row tiles, which the launcher does not give it), with and without speculative maxima
-    where the key count decides (`takes_speculative_max`), the packed-batch entry of every
-    128-row traits with and without seqused_k, paged and not, and the KV-cache entry of every
-    bucket and dtype with every score flag but dropout, split and not, paged and not,
-    GQA-folded and not (the fold without window edges or ALiBi), at one CTA an SM and (up to
-    `TWO_CTAS_MAX_HEAD_DIM`) two. Otherwise the CI subset: every bucket in bf16 with a causal
-    edge (the persistent variant where it fits, so both schedules compile; speculative maxima,
-    as at 1024 keys and more), d 64's 192-row tiles likewise (speculating in place, as from
-    8192 keys), d 128 in fp16, d 128 with every score flag on, dropout at d 64 (causal,
-    one CTA per tile) and d 128 (persistent), packed batches (d 128 causal, d 96 with
-    seqused_k, d 64 fp16 with every flag, d 128 causal over pages) and KV caches (d 128 plain,
-    d 64 split with softcap, d 128 split, paged and GQA-folded, d 256 fp16 with every flag,
-    d 128 GQA-folded at two CTAs an SM)."""
-    from cute_flash.launch.hopper import (SPECULATIVE_IN_PLACE_MASKED_MIN_SEQLEN_K, SPECULATIVE_MASKED_MIN_SEQLEN_K,
-                                          SPECULATIVE_MASKED_MIN_SEQLEN_K_D64, speculates_in_place,
-                                          takes_speculative_max)
+    where the key count decides (`takes_speculative_max`), persistent with three K / V stages
+    where `kv_stages` gives short keys them, the packed-batch entry of every 128-row traits
+    with and without seqused_k, paged and not, and the KV-cache entry of every bucket and dtype
+    with every score flag but dropout, split and not, paged and not, GQA-folded and not (the
+    fold without window edges or ALiBi), at one CTA an SM and (up to `TWO_CTAS_MAX_HEAD_DIM`)
+    two. Otherwise the CI subset: every bucket in bf16 with a causal edge (the persistent
+    variant where it fits, so both schedules compile; speculative maxima, as at 1024 keys and
+    more), d 64's 192-row tiles likewise (speculating in place, as under a causal mask at any
+    length), d 64 causal with three K / V stages (as up to 1024 keys), d 128 in fp16, d 128
+    with every score flag on, dropout at d 64 (causal, one CTA per tile) and d 128
+    (persistent), packed batches (d 128 causal, d 96 with seqused_k, d 64 fp16 with every flag,
+    d 128 causal over pages) and KV caches (d 128 plain, d 64 split with softcap, d 128 split,
+    paged and GQA-folded, d 256 fp16 with every flag, d 128 GQA-folded at two CTAs an SM)."""
+    from cute_flash.launch.hopper import (DEEP_PIPELINE_MAX_SEQLEN_K, SPECULATIVE_IN_PLACE_LEFT_EDGE_MIN_SEQLEN_K,
+                                          SPECULATIVE_MASKED_MIN_SEQLEN_K, SPECULATIVE_MASKED_MIN_SEQLEN_K_D64,
+                                          kv_stages, speculates_in_place, takes_speculative_max)
     from layouts.hopper import (choose_hopper_cache_traits, choose_hopper_traits, shipped_hopper_cache_traits,
                                 shipped_hopper_traits)
 
@@ -316,12 +317,12 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
                 flags = dict(zip(("has_left", "has_right", "has_alibi", "has_softcap", "has_dropout"), bits))
                 if flags["has_dropout"] and t.warpgroups == 3:
                     continue
-                masked = flags["has_left"] or flags["has_right"]
                 # speculative maxima by key count: a mask's short and long keys differ
                 dropout = True if flags["has_dropout"] else None
-                specs = {takes_speculative_max(t, sk, masked, dropout, flags["has_alibi"])
+                specs = {takes_speculative_max(t, sk, flags["has_left"], flags["has_right"], dropout,
+                                               flags["has_alibi"])
                          for edge in (SPECULATIVE_MASKED_MIN_SEQLEN_K, SPECULATIVE_MASKED_MIN_SEQLEN_K_D64,
-                                      SPECULATIVE_IN_PLACE_MASKED_MIN_SEQLEN_K)
+                                      SPECULATIVE_IN_PLACE_LEFT_EDGE_MIN_SEQLEN_K)
                          for sk in (edge - 1, edge)}
                 for spec in sorted(specs):
                     kinds = {"speculative_max": spec, "speculative_in_place": spec and speculates_in_place(t)}
@@ -329,6 +330,8 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
                         out.append(Sm90FwdConfig(t, **kinds, **flags))
                     if Sm90FwdConfig.fits_persistent(t):
                         out.append(Sm90FwdConfig(t, persistent=True, **kinds, **flags))
+                    if kv_stages(t, DEEP_PIPELINE_MAX_SEQLEN_K, True) == 3:  # short keys
+                        out.append(Sm90FwdConfig(t, 3, persistent=True, **kinds, **flags))
                 if t.warpgroups != 3:
                     out += [Sm90FwdConfig(t, varlen=True, has_seqused_k=u, paged=p, **flags)
                             for u in (False, True) for p in (False, True)]
@@ -347,7 +350,9 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
     out = [Sm90FwdConfig(t, persistent=Sm90FwdConfig.fits_persistent(t), has_right=True, speculative_max=True,
                          speculative_in_place=speculates_in_place(t))
            for t in traits + [choose_hopper_traits(64, "bf16", long_keys=True)]]
-    return out + [Sm90FwdConfig(choose_hopper_traits(128, "fp16")),
+    return out + [Sm90FwdConfig(choose_hopper_traits(64, "bf16"), 3, persistent=True, has_right=True,
+                                speculative_max=True),
+                  Sm90FwdConfig(choose_hopper_traits(128, "fp16")),
                   Sm90FwdConfig(choose_hopper_traits(128, "bf16"), has_left=True, has_right=True, has_alibi=True,
                                 has_softcap=True),
                   Sm90FwdConfig(choose_hopper_traits(64, "bf16"), has_right=True, has_dropout=True),

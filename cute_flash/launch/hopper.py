@@ -39,6 +39,22 @@ def prefers_persistent(traits, seqlen_k: int, masked: bool) -> bool:
             or -(-seqlen_k // traits.block_n) <= PERSISTENT_MAX_KEY_BLOCKS)
 
 
+# Three K / V stages up to this many keys (8 key blocks a tile): a third block in flight, likely
+# the next tile's first while this one's last ones and its epilogue run (not profiled)
+DEEP_PIPELINE_MAX_SEQLEN_K = 1024
+
+
+def kv_stages(traits, seqlen_k: int, persistent: bool) -> int:
+    """K / V pipeline depth: 3 stages for the persistent kernel's 128-row tiles up to
+    DEEP_PIPELINE_MAX_SEQLEN_K keys where they fit (d <= 96), 2 otherwise. H200, 3 / 2 stages,
+    best of 3 (docs/perf.md, Hopper step 18): d 64 non-causal 512 1.028 / 1.022, causal 512
+    1.025, causal 1k 1.027 / 1.033; d 32 512 1.008, causal 1k 1.019; d 96 512 1.026, causal 1k
+    1.009; but at 4k-8k keys 0.974-1.001 (d 32 / 96), and on 192-row tiles 0.986-1.031."""
+    deep = (seqlen_k <= DEEP_PIPELINE_MAX_SEQLEN_K and persistent and traits.warpgroups == 2
+            and Sm90FwdConfig.fits_persistent(traits, 3))
+    return 3 if deep else 2
+
+
 def takes_tall_tiles(seqlen_k: int, masked: bool, dropout) -> bool:
     """d 64's 192-row tiles (`choose_hopper_traits`' long_keys): from 2048 keys under a causal
     / local mask, from 1024 without one (1k: 417-420 TFLOP/s against 395-404 non-causal, 288
@@ -54,30 +70,34 @@ SPECULATIVE_MASKED_MIN_SEQLEN_K = 1024
 # ... from this many at d 64 and below, where the softmax is a larger share of a block's work
 # (H200, causal 512, beside / update: d 32 1.014-1.020, d 64 1.008-1.015; 768: 1.033-1.038)
 SPECULATIVE_MASKED_MIN_SEQLEN_K_D64 = 512
-# ... and on 192-row tiles, where P goes over S (`speculates_in_place`), a warpgroup's vote
-# fails where any of its warps' would, and Q and K stay until it has voted, from this many
-# (H200, d 64 causal, in place / update: 2k 0.954-0.968, 4k 0.982-0.991, 8k 1.000-1.035, 16k
-# 1.031-1.032).
-SPECULATIVE_IN_PLACE_MASKED_MIN_SEQLEN_K = 8192
+# ... and on 192-row tiles, where P goes over S (`speculates_in_place`) and a warpgroup's vote
+# fails where any of its warps' would, from this many under a window's left edge, whose blocks
+# speculate too (H200, d 64 causal when every block speculated, in place / update: 2k
+# 0.954-0.968, 4k 0.982-0.991, 8k 1.000-1.035, 16k 1.031-1.032). Under a causal mask the
+# diagonal's blocks take `update` (`FlashFwdSm90.scores`) and the rest speculate at any length.
+SPECULATIVE_IN_PLACE_LEFT_EDGE_MIN_SEQLEN_K = 8192
 
 
-def takes_speculative_max(traits, seqlen_k: int, masked: bool, dropout, alibi: bool) -> bool:
+def takes_speculative_max(traits, seqlen_k: int, has_left: bool, has_right: bool, dropout, alibi: bool) -> bool:
     """P from the kept row maxima first (`OnlineSoftmax.update_speculative`), not with dropout
     (its calls need the registers) nor with ALiBi where P goes over S (ptxas 13.0 spilled
     236-1132 B there, up to 538 spill instructions in the key-block loop, against 136-380 B
     without speculation), and under a mask from SPECULATIVE_MASKED_MIN_SEQLEN_K keys (the _D64
-    edge at d 64 and below, SPECULATIVE_IN_PLACE_MASKED_MIN_SEQLEN_K where P goes over S).
+    edge at d 64 and below; where P goes over S, any length under a causal mask, and
+    SPECULATIVE_IN_PLACE_LEFT_EDGE_MIN_SEQLEN_K under a window's left edge).
     H200, against `update`, best of 3: d 128 non-causal 8k / 16k 1.069 / 1.070, causal 4k /
     16k 1.039 / 1.055, d 64 512 1.037, causal 1k 1.037 (P beside S); d 64's 192-row tiles
     non-causal 1k / 2k / 8k / 16k 1.011-1.025 / 1.022-1.028 / 1.029-1.040 / 1.036-1.047, causal
-    16k 1.031-1.032 (P over S; docs/perf.md, Hopper steps 16 and 17)."""
+    (diagonal blocks eager) 2k / 4k / 8k / 16k 1.017 / 1.028 / 1.045 / 1.044 (P over S;
+    docs/perf.md, Hopper steps 16-18)."""
     in_place = speculates_in_place(traits)
     if in_place:
-        min_masked = SPECULATIVE_IN_PLACE_MASKED_MIN_SEQLEN_K
+        min_masked = SPECULATIVE_IN_PLACE_LEFT_EDGE_MIN_SEQLEN_K if has_left else 0
     elif traits.head_dim <= 64:
         min_masked = SPECULATIVE_MASKED_MIN_SEQLEN_K_D64
     else:
         min_masked = SPECULATIVE_MASKED_MIN_SEQLEN_K
+    masked = has_left or has_right
     return dropout is None and not (alibi and in_place) and (not masked or seqlen_k >= min_masked)
 
 
@@ -114,7 +134,7 @@ def tile_counter(device: torch.device) -> torch.Tensor:
 
 def flash_fwd_sm90(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                    dropout: DropoutArgs | None = None, traits=None, persistent=None, sections=None,
-                   speculative_max=None, speculative_in_place=None, stages=2):
+                   speculative_max=None, speculative_in_place=None, stages=None):
     """Dense forward on the Hopper kernel: q (b, sq, h, d), k/v (b, sk, hk, d); returns (out,
     lse (b, h, sq)) as `flash_fwd` does. `traits` (HopperTileTraits), `persistent`,
     `sections` (pairs per scheduling section), `speculative_max`, `speculative_in_place` and
@@ -130,9 +150,12 @@ def flash_fwd_sm90(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1)
     if persistent is None:
         persistent = prefers_persistent(traits, k.shape[1], masked)
     if speculative_max is None:
-        speculative_max = takes_speculative_max(traits, k.shape[1], masked, dropout, alibi_slopes is not None)
+        speculative_max = takes_speculative_max(traits, k.shape[1], left >= 0, right >= 0, dropout,
+                                                alibi_slopes is not None)
     if speculative_in_place is None:
         speculative_in_place = speculative_max and speculates_in_place(traits)
+    if stages is None:
+        stages = kv_stages(traits, k.shape[1], persistent)
     config = Sm90FwdConfig(traits, stages, persistent=persistent, speculative_max=speculative_max,
                            speculative_in_place=speculative_in_place,
                            **score_flags(left, right, alibi_slopes, softcap, dropout))
