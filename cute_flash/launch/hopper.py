@@ -88,8 +88,8 @@ def takes_speculative_max(traits, seqlen_k: int, has_left: bool, has_right: bool
     H200, against `update`, best of 3: d 128 non-causal 8k / 16k 1.069 / 1.070, causal 4k /
     16k 1.039 / 1.055, d 64 512 1.037, causal 1k 1.037 (P beside S); d 64's 192-row tiles
     non-causal 1k / 2k / 8k / 16k 1.011-1.025 / 1.022-1.028 / 1.029-1.040 / 1.036-1.047, causal
-    (diagonal blocks eager) 2k / 4k / 8k / 16k 1.017 / 1.028 / 1.045 / 1.044 (P over S;
-    docs/perf.md, Hopper steps 16-18)."""
+    (diagonal blocks eager) 2k / 4k / 8k / 16k 1.017-1.019 / 1.028-1.031 / 1.035-1.045 /
+    1.044-1.060 (P over S; docs/perf.md, Hopper steps 16-18)."""
     in_place = speculates_in_place(traits)
     if in_place:
         min_masked = SPECULATIVE_IN_PLACE_LEFT_EDGE_MIN_SEQLEN_K if has_left else 0
