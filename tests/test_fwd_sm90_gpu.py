@@ -130,21 +130,21 @@ SPECULATIVE_IDS = ["d64", "d64-causal", "d64-causal-scale1", "d64-ramp", "d32-ca
                    "d64-scale1-ramp", "d128", "d128-causal-scale05-ramp", "d256-causal-ramp", "d64-window-ramp"]
 
 
-@pytest.mark.parametrize("d, causal, scale, ramp, in_place, rows", [
+@pytest.mark.parametrize("d, mask, scale, ramp, in_place, rows", [
     case + (in_place, rows)
     for in_place, rows in ((False, 128), (True, 128), (True, 192))
     for case in SPECULATIVE_CASES if rows == 128 or case[0] == 64
 ], ids=[f"{i}-{place}" for place, rows in (("beside", 128), ("in-place", 128), ("in-place-192", 192))
         for c, i in zip(SPECULATIVE_CASES, SPECULATIVE_IDS) if rows == 128 or c[0] == 64])
-def test_speculative_maxima_match_reference(d, causal, scale, ramp, in_place, rows):
+def test_speculative_maxima_match_reference(d, mask, scale, ramp, in_place, rows):
     """`OnlineSoftmax.update_speculative` (forced on here), with P beside S or over it
     (`speculative_in_place`, where a failed warpgroup vote issues Q K^T again; d 64's 192-row
     tiles too; in place, blocks a causal edge crosses take `update`, a window's left edge's
     speculate), where its guess holds and where it fails: keys scaled up by a ramp toward the
     start (the kernel visits key blocks last to first, so row maxima keep rising), large
-    scales, causal rows that see no key for a while (sq > sk) or few in the first block. Scores stay below about 1000 so that
-    the reference's LSE is good to 1e-3 (at scale 3, LSE ~2500, where fp32's spacing is
-    2.4e-4, the kernel and the reference differed by 2.2e-3).
+    scales, causal rows that see no key for a while (sq > sk) or few in the first block.
+    Scores stay below about 1000 so that the reference's LSE is good to 1e-3 (at scale 3, LSE
+    ~2500, where fp32's spacing is 2.4e-4, the kernel and the reference differed by 2.2e-3).
 
     Non-causal without a ramp, the first block's maxima are over 88 keys of unit-variance
     scores (about 2.4); a thread's 32 values of a later block sum to about 8 against them, and
@@ -156,11 +156,11 @@ def test_speculative_maxima_match_reference(d, causal, scale, ramp, in_place, ro
     q, k, v = _inputs(2, 700, 600, 8, 8, d, torch.bfloat16)
     k = k * (1.0 + ramp * torch.arange(600, 0, -1, device="cuda", dtype=torch.float32)).view(1, -1, 1, 1).to(k.dtype)
     scale = scale or d ** -0.5
-    mask = dict(causal=causal) if isinstance(causal, bool) else dict(window_size=causal)
+    opts = dict(causal=mask) if isinstance(mask, bool) else dict(window_size=mask)  # causal, or a window
     traits = HopperTileTraits(d, rows, 128 if d <= 128 else 64, "bf16")
     outs = [flash_fwd_sm90(q, k, v, softmax_scale=scale, traits=traits, speculative_max=s,
-                           speculative_in_place=s and in_place, **mask) for s in (False, True)]
+                           speculative_in_place=s and in_place, **opts) for s in (False, True)]
     (o0, l0), (o1, l1) = outs
-    if causal is False and ramp == 0.0 and scale == d ** -0.5:
+    if mask is False and ramp == 0.0 and scale == d ** -0.5:
         assert torch.equal(o0, o1) and torch.equal(l0, l1)
-    assert_matches_reference(o1, l1, q, k, v, softmax_scale=scale, **mask)
+    assert_matches_reference(o1, l1, q, k, v, softmax_scale=scale, **opts)

@@ -905,10 +905,10 @@ class FlashFwdSm90:
         alone) they held 32 more registers and measured 1-9% slower (docs/perf.md, Dropout)."""
         acc_s_mn = loop.mods.apply(recipe.mma_qk, loop.acc_s, loop.m_block, n_block, masked)
         cfg = self.config
-        # In place, blocks a causal edge crosses take `update`: a 192-row tile's diagonal spans
-        # 2-3 key blocks whose rows have seen few keys; with them 3.3% of the warpgroup votes
-        # failed at 4k keys, 0.7% without them (emulated, d 64). A window's left edge keeps
-        # speculating: given `update` it spilled 236 + 296 B (104 + 132 B speculating).
+        # In place, masked blocks take `update`: a causal diagonal spans 2-3 of a 192-row tile's
+        # key blocks, whose rows have seen few keys; with them 3.3% of the warpgroup votes failed
+        # at 4k keys, 0.7% without them (emulated, d 64). Under a window's left edge they keep
+        # speculating: given `update` they spilled 236 + 296 B (104 + 132 B speculating).
         eager = is_first or not cfg.speculative_max or (cfg.speculative_in_place and masked and not cfg.has_left)
         if cutlass.const_expr(eager):
             dst_mn = None if cutlass.const_expr(loop.acc_p is None) else lmma.acc_mn_view(loop.acc_p)
