@@ -318,6 +318,32 @@ def test_hopper_forward_stages(recorder, monkeypatch, d, sk, opts, stages):
     assert recorder.launches[0].config.stages == stages
 
 
+def test_hopper_forward_choices_are_in_the_full_compile_list(recorder, monkeypatch):
+    """Every config the sm_90 launcher picks for a dense forward (tiles, schedule, speculation,
+    stages, over head dims, key counts around each rule's edge, masks, modifiers, dropout and
+    dtypes) is in `sm90_variants(full=True)`, the list `python -m cute_flash compile --full`
+    builds ahead of time."""
+    from cute_flash.dropout import DropoutArgs
+    from cute_flash.launch import flash_fwd
+    from cute_flash.launch.compiled import sm90_variants
+
+    monkeypatch.delenv("CUTE_FLASH_ARCH_PATH")
+    full = set(sm90_variants(full=True))
+    options = [dict(), dict(causal=True), dict(window_size=(100, 0)), dict(window_size=(-1, 50)),
+               dict(window_size=(50, -1)), dict(alibi_slopes=torch.ones(2)), dict(softcap=5.0),
+               dict(dropout=DropoutArgs.seeded(0.1, 1, 2, "cpu"))]
+    for dtype in (torch.bfloat16, torch.float16):
+        for d in (32, 64, 96, 128, 160, 256):
+            q = torch.empty(1, 3, 2, d, dtype=dtype)
+            for sk in (511, 512, 1023, 1024, 1025, 2047, 2048, 8191, 8192, 8193):
+                k = torch.empty(1, sk, 2, d, dtype=dtype)
+                for opts in options:
+                    flash_fwd(q, k, k, softmax_scale=0.5, **opts)
+    configs = {launch.config for launch in recorder.launches}
+    assert len(recorder.launches) == 2 * 6 * 10 * len(options)
+    assert configs <= full, sorted(c.name for c in configs - full)
+
+
 def test_dense_backwards_on_sm90_default_to_the_hopper_kernel(recorder, monkeypatch):
     """Without CUTE_FLASH_ARCH_PATH an sm_90 dense backward launches the preprocess, the Hopper
     kernel and the Hopper dQ convert, with LSE (times log2 e) and D in rows padded to whole
