@@ -714,24 +714,30 @@ def tune(seqlens=(1024, 4096, 16384)):
     return _tune_fwd(TUNE_CANDIDATES, seqlens, variant)
 
 
-# (block_m, block_n, persistent, speculative maxima: beside S on 128-row tiles, in place on 192-row ones)
-SM90_TUNE_CANDIDATES = {64: [(128, 128, True, True), (128, 128, True, False), (128, 128, False, True),
-                             (192, 128, True, True), (192, 128, True, False), (192, 128, False, False)],
-                        128: [(128, 128, True, True), (128, 128, True, False), (128, 128, False, True)]}
+# (block_m, block_n, persistent, speculative maxima: beside S on 128-row tiles, in place on 192-row
+# ones, K / V stages: None for the launcher's `kv_stages`)
+SM90_TUNE_CANDIDATES = {64: [(128, 128, True, True, 2), (128, 128, True, True, 3), (128, 128, True, False, None),
+                             (128, 128, False, True, None), (192, 128, True, True, None),
+                             (192, 128, True, False, None), (192, 128, False, False, None)],
+                        128: [(128, 128, True, True, None), (128, 128, True, False, None),
+                              (128, 128, False, True, None)]}
 
 
 def tune_sm90(seqlens=(512, 2048, 16384)):
     """TFLOP/s of each Hopper forward candidate (block_m, block_n, persistent, speculative
-    maxima) on the forward grid's shapes, bf16: `python -m cute_flash tune --sm90`."""
+    maxima, K / V stages) on the forward grid's shapes, bf16: `python -m cute_flash tune
+    --sm90`."""
     from cute_flash.launch.hopper import flash_fwd_sm90
     from layouts.hopper import HopperTileTraits
 
     def variant(d, cand):
-        m, n, persistent, speculative = cand
+        m, n, persistent, speculative, stages = cand
         t = HopperTileTraits(d, m, n, "bf16")
-        return (t.name + ("_persistent" if persistent else "") + ("_speculative" if speculative else ""),
-                lambda q, k, v, causal: flash_fwd_sm90(q, k, v, softmax_scale=d ** -0.5, causal=causal, traits=t,
-                                                       persistent=persistent, speculative_max=speculative))
+        name = (t.name + ("_persistent" if persistent else "") + ("_speculative" if speculative else "")
+                + (f"_s{stages}" if stages else ""))
+        return name, lambda q, k, v, causal: flash_fwd_sm90(q, k, v, softmax_scale=d ** -0.5, causal=causal, traits=t,
+                                                            persistent=persistent, speculative_max=speculative,
+                                                            stages=stages)
 
     return _tune_fwd(SM90_TUNE_CANDIDATES, seqlens, variant)
 
