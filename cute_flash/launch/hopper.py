@@ -48,10 +48,10 @@ DEEP_PIPELINE_MAX_HEAD_DIM = 96  # measured at 32 / 64 / 96; d 128's do not fit 
 def kv_stages(traits, seqlen_k: int, persistent: bool) -> int:
     """K / V pipeline depth: 3 stages for the persistent kernel's 128-row tiles up to
     DEEP_PIPELINE_MAX_SEQLEN_K keys at d <= DEEP_PIPELINE_MAX_HEAD_DIM (192 KB of shared memory
-    at d 96), 2 otherwise. H200, 3 / 2 stages, best of 3 (docs/perf.md, Hopper step 18): d 64
-    non-causal 512 1.028 / 1.022, causal 512 1.025, causal 1k 1.027 / 1.033; d 32 512 1.008,
-    causal 1k 1.019; d 96 512 1.026, causal 1k 1.009; but at 4k-8k keys 0.974-1.001 (d 32 /
-    96), and on 192-row tiles 0.986-1.031."""
+    at d 96), 2 otherwise. H200, time with 2 stages over time with 3, best of 3 (docs/perf.md,
+    Hopper step 18): d 64 non-causal 512 1.022-1.028, causal 512 1.025, causal 1k 1.027-1.033;
+    d 32 512 1.008, causal 1k 1.019; d 96 512 1.026, causal 1k 1.009; but at 4k-8k keys
+    0.974-1.001 (d 32 and 96), and on 192-row tiles 0.986-1.031."""
     deep = (seqlen_k <= DEEP_PIPELINE_MAX_SEQLEN_K and persistent and traits.warpgroups == 2
             and traits.head_dim <= DEEP_PIPELINE_MAX_HEAD_DIM)
     return 3 if deep else 2
