@@ -159,10 +159,11 @@ def test_kvcache_matches_reference(data, b, ratio, hk, d, sq, dtype, mask, paged
 
 @pytest.mark.parametrize("path", ["sm80", "sm90"])
 @pytest.mark.parametrize("paged", [False, True])
-@pytest.mark.parametrize("num_splits", [0, 1, 32])
+@pytest.mark.parametrize("num_splits", [0, 1, 20, 32])
 def test_long_cache_decode(paged, num_splits, path):
     """32k-token caches, ragged, one query row, GQA 32/8, d 128: the decode shape (pages of
-    256 rows: the Hopper entry's too)."""
+    256 rows: the Hopper entry's too). 20 splits: past the cluster merge's 8, and not a
+    multiple of the global merge's unroll (8), so its loops run a remainder."""
     with arch_path(path):
         run_case(2, 1, 32, 8, 128, torch.bfloat16, 32768, [32767, 5000], 1, num_splits,
                  256 if paged else None, rotary=(128, False))
