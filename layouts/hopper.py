@@ -124,10 +124,14 @@ def row_major_atom(dtype, cols: int):
     return warpgroup.make_smem_layout_atom(sm90.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols), dtype)
 
 
-def tma_load_atom(traits: HopperTileTraits, gmem_tensor, smem_tile, rows: int):
+def tma_load_atom(traits: HopperTileTraits, gmem_tensor, smem_tile, rows: int, multicast: int = 1):
     """(TMA atom, TMA coordinate tensor) loading (rows, head_dim) boxes of `gmem_tensor`, whose
     first two modes are (rows, head dim) with the head dim contiguous (further modes are
-    coordinates), into one (rows, head_dim) tile of layout `smem_tile`."""
+    coordinates), into one (rows, head_dim) tile of layout `smem_tile`; with multicast > 1,
+    each of that many CTAs of a cluster loads its share of the box into all of them."""
+    if multicast > 1:
+        return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SMulticastOp(), gmem_tensor, smem_tile,
+                                           (rows, traits.head_dim), num_multicast=multicast)
     return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), gmem_tensor, smem_tile,
                                        (rows, traits.head_dim))
 

@@ -202,7 +202,9 @@ def test_hopper_forward_compiles_to_wgmma(config, tmp_path):
     from split-KV tiles (fp32 partials, merged with plain stores). Packed batches and KV
     caches zero V rows past seqlen_k behind named barrier 7 (`clear_v_tail`); dense calls
     never do. Speculative maxima over S (d 64's 192-row tiles) vote by warpgroup and, where the
-    vote fails, issue Q K^T again; blocks a causal edge crosses take `update` instead."""
+    vote fails, issue Q K^T again; blocks a causal edge crosses take `update` instead. With K /
+    V multicast, K and V arrive by multicast copies and the persistent schedule strides
+    statically (no tile counter)."""
     from cute_flash.launch.compiled import compile_fwd_sm90
     from cute_flash.philox import M0
 
@@ -229,7 +231,9 @@ def test_hopper_forward_compiles_to_wgmma(config, tmp_path):
     # a cluster-merged split reads the other splits' partials from their shared memory, and
     # touches no arrival counter
     assert ("ld.shared::cluster.f32" in text) == config.cluster_merge
-    assert ("atom.global" in text) == (config.persistent or (config.split and not config.cluster_merge))
+    assert ("atom.global" in text) == ((config.persistent and not config.kv_multicast)
+                                       or (config.split and not config.cluster_merge))
+    assert ("multicast::cluster" in text) == config.kv_multicast
 
 
 @pytest.mark.parametrize("d, split", [(128, True), (64, False)])

@@ -61,6 +61,35 @@ def test_both_schedules(persistent, d, sk, opts):
     assert_matches_reference(out, lse, q, k, v, **opts)
 
 
+@pytest.mark.parametrize("d, sq, sk, h, hk, opts", [
+    (128, 1000, 1500, 12, 4, {}), (128, 256, 4096, 16, 16, dict(softcap=20.0)), (64, 1100, 2000, 8, 8, {}),
+    (160, 500, 900, 4, 2, {}), (96, 700, 333, 6, 3, dict(window_size=(-1, -1))),
+], ids=["d128-gqa", "d128-softcap", "d64-192-rows", "d160-64-key-blocks", "d96"])
+def test_kv_multicast_matches_unicast(d, sq, sk, h, hk, opts):
+    """K / V multicast (`Sm90FwdConfig.kv_multicast`: a cluster's two CTAs take one head's
+    neighbouring query blocks and each loads half of every K / V block into both) computes
+    what each CTA loading its own does, bit for bit, and the reference: an even number of
+    query blocks with a partial last one, keys ending inside a block (TMA zero-fills the half
+    boxes past the end), GQA, 192-row tiles, 64-key blocks (halves of 32 rows), on 3 batches
+    so that each CTA runs several tiles. Pairs that would straddle heads, or a mask, are
+    refused."""
+    from cute_flash.launch.hopper import flash_fwd_sm90
+    from tests.gpu_utils import poison_allocator
+
+    q, k, v = _inputs(3, sq, sk, h, hk, d, torch.bfloat16)
+    poison_allocator()
+    (o0, l0), (o1, l1) = (flash_fwd_sm90(q, k, v, softmax_scale=d ** -0.5, kv_multicast=m, **opts)
+                          for m in (False, True))
+    torch.cuda.synchronize()
+    assert torch.equal(o0, o1) and torch.equal(l0, l1)
+    assert_matches_reference(o1, l1, q, k, v, **opts)
+    for refused in (dict(causal=True), dict(window_size=(100, 0))):
+        with pytest.raises(ValueError, match="kv_multicast"):
+            flash_fwd_sm90(q, k, v, softmax_scale=d ** -0.5, kv_multicast=True, **refused)
+    with pytest.raises(ValueError, match="kv_multicast"):  # one query block: an odd number
+        flash_fwd_sm90(q[:, :100], k, v, softmax_scale=d ** -0.5, kv_multicast=True)
+
+
 @pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "cta-per-tile"])
 @pytest.mark.parametrize("sections", [1, 5, 36, 1000])
 def test_scheduling_sections(persistent, sections):

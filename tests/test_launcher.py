@@ -319,6 +319,31 @@ def test_hopper_forward_stages(recorder, monkeypatch, d, sk, opts, stages):
     assert recorder.launches[0].config.stages == stages
 
 
+def test_kv_multicast_is_opt_in_and_pairs_one_heads_blocks(recorder, monkeypatch):
+    """K / V multicast (`Sm90FwdConfig.kv_multicast`) only where asked for, and only where a
+    cluster's two tiles are one head's neighbouring query blocks with the same key blocks:
+    persistent, no causal / local mask, an even number of query blocks."""
+    from cute_flash.launch import flash_fwd
+    from cute_flash.launch.hopper import flash_fwd_sm90
+
+    monkeypatch.delenv("CUTE_FLASH_ARCH_PATH")
+    k = torch.randn(1, 4096, 2, 128, dtype=torch.bfloat16)
+    flash_fwd(torch.randn(1, 4096, 2, 128, dtype=torch.bfloat16), k, k, softmax_scale=0.5)
+    assert not recorder.launches[-1].config.kv_multicast
+    for sq, ok in ((256, True), (1000, True), (129, True), (384, False), (100, False)):  # 2, 8, 2, 3, 1 blocks
+        q = torch.randn(1, sq, 2, 128, dtype=torch.bfloat16)
+        if ok:
+            flash_fwd_sm90(q, k, k, softmax_scale=0.5, kv_multicast=True)
+            assert recorder.launches[-1].config.kv_multicast
+        else:
+            with pytest.raises(ValueError, match="kv_multicast"):
+                flash_fwd_sm90(q, k, k, softmax_scale=0.5, kv_multicast=True)
+    q = torch.randn(1, 256, 2, 128, dtype=torch.bfloat16)
+    for refused in (dict(causal=True), dict(window_size=(100, -1)), dict(persistent=False)):
+        with pytest.raises(ValueError, match="kv_multicast"):
+            flash_fwd_sm90(q, k, k, softmax_scale=0.5, kv_multicast=True, **refused)
+
+
 def test_hopper_forward_choices_are_in_the_full_compile_list(recorder, monkeypatch):
     """Every config the sm_90 launcher picks for a dense forward (tiles, schedule, speculation,
     stages, over head dims, key counts around each rule's edge, masks, modifiers, dropout and

@@ -16,18 +16,22 @@ consume, 64 query rows each (FlashAttention-3's design, written here):
             wait for O += ...; rescale O
         O += P V[last]; O /= rowsum; O via shared memory and a TMA store, LSE from registers
 
-A persistent variant runs one CTA per SM: each takes the tile of its block index first, then
-the next unclaimed one from a global counter (a dynamic scheduler, so tiles of unequal length
-under a causal mask balance themselves; the host may number them longest first, `tile`). Q's
-tile is released by a barrier once the consumers' last wgmma is done, O has a tile of its own,
-so the next tile's Q and K / V load during this one's last P V and epilogue. Otherwise one CTA
-per tile, O staged in Q's tile. Either way the producer announces each tile's index and
-coordinates to the consumers in shared memory, published by Q's full barrier. With two
-consumer warpgroups (d <= 128) a pair of named barriers makes them take turns at issuing their
-GEMMs, so one's softmax runs while the other's GEMMs occupy the tensor cores (ping-pong). TMA
-zero-fills what lies past a tensor's end (rows past seqlen, columns past a padded head dim), so
-no load needs a predicate; the first block processed (the last one) and blocks a window edge
-crosses run the mask.
+A persistent variant runs one CTA per SM: each takes the tile of its block index first, then the
+next unclaimed one from a global counter (a dynamic scheduler, so tiles of unequal length under
+a causal mask balance themselves; the host may number them longest first, `tile`). Q's tile is
+released by a barrier once the consumers' last wgmma is done, O has a tile of its own, so the
+next tile's Q and K / V load during this one's last P V and epilogue. Otherwise one CTA per
+tile, O staged in Q's tile. Either way the producer announces each tile's index and coordinates
+to the consumers in shared memory, published by Q's full barrier. With `kv_multicast`
+(persistent, no mask) a cluster of two CTAs takes a head's query blocks two at a time in a
+static stride, and each CTA loads half of every K / V block into both (TMA multicast); a stage
+is free once both CTAs' consumer warps have released it, so each warp arrives on both CTAs'
+empty barriers. Half the L2 reads: at the H200's power limit the clock rises and d 128 runs 2-4%
+faster. With two consumer warpgroups (d <= 128) a pair of named barriers makes them take turns
+at issuing their GEMMs, so one's softmax runs while the other's GEMMs occupy the tensor cores
+(ping-pong). TMA zero-fills what lies past a tensor's end (rows past seqlen, columns past a
+padded head dim), so no load needs a predicate; the first block processed (the last one) and
+blocks a window edge crosses run the mask.
 
 Packed batches (`call_varlen`, one CTA per tile over max_seqlen_q's blocks; key lengths from the
 prefix sums or seqused_k): the TMA boxes of a tile start at its sequence's first row, so loads
@@ -82,6 +86,7 @@ EPILOGUE_BARRIER = 4   # named barriers 4..6: consumer warpgroup 0's..2's O tile
 CLEAR_V_BARRIER = 7    # packed batches: every consumer warpgroup's V rows past seqlen_k zeroed
 SPLIT_BARRIER = 8      # split-KV: the consumer threads' arrival count and merge (SplitKV.sync)
 VOTE_BARRIER = 9       # named barriers 9..11: consumer warpgroup 0's..2's vote on speculative P in place
+KV_MULTICAST_CTAS = 2  # Sm90FwdConfig.kv_multicast: CTAs of a cluster sharing every K / V block
 
 
 @dataclass(frozen=True)
@@ -105,6 +110,9 @@ class Sm90FwdConfig:
     cluster_merge: bool = False  # split-KV: a tile's splits are one cluster, merged in shared memory (ClusterMerge)
     speculative_max: bool = False  # P from the kept row maxima first (OnlineSoftmax.update_speculative)
     speculative_in_place: bool = False  # ... written over S; a failed warpgroup vote issues Q K^T again
+    kv_multicast: bool = False  # persistent, no mask: a cluster of two CTAs takes two query blocks of one head
+                                # at a time, each loading half of every K / V block into both (TMA multicast;
+                                # launch/hopper.py:kv_multicast_fits)
 
     def __post_init__(self):
         if (self.varlen or self.kvcache) and self.persistent:
@@ -125,6 +133,8 @@ class Sm90FwdConfig:
             raise ValueError("split-KV and the GQA fold belong to KV caches (kvcache)")
         if self.paged and not (self.kvcache or self.varlen):
             raise ValueError("paged keys belong to KV caches (kvcache) or packed batches (varlen)")
+        if self.kv_multicast and not (self.persistent and not (self.has_left or self.has_right)):
+            raise ValueError("K / V multicast pairs the equal tiles of the persistent schedule without a mask")
         if self.ctas_per_sm not in (1, 2):
             raise ValueError("ctas_per_sm is 1 or 2")
         if self.ctas_per_sm == 2 and not (self.kvcache and self.traits.warpgroups == 1
@@ -171,6 +181,7 @@ class Sm90FwdConfig:
         schedule += "2" if self.ctas_per_sm == 2 else ""
         schedule += "s" if self.speculative_max else ""
         schedule += "i" if self.speculative_in_place else ""
+        schedule += "k" if self.kv_multicast else ""
         return f"{self.traits.name}_s{self.stages}{schedule}-{score_letters(self)}"
 
 
@@ -402,8 +413,9 @@ class FlashFwdSm90:
         sKV_layout = hopper.smem_layout_staged(t, t.block_n, stages)
         sKV_stage = cute.slice_(sKV_layout, (None, None, 0))
         tma_q, tma_mQ = hopper.tma_load_atom(t, seq_first(mQ), sQ_layout, t.block_m)
-        tma_k, tma_mK = hopper.tma_load_atom(t, seq_first(mK), sKV_stage, t.block_n)
-        tma_v, tma_mV = hopper.tma_load_atom(t, seq_first(mV), sKV_stage, t.block_n)
+        kv_ctas = KV_MULTICAST_CTAS if self.config.kv_multicast else 1
+        tma_k, tma_mK = hopper.tma_load_atom(t, seq_first(mK), sKV_stage, t.block_n, kv_ctas)
+        tma_v, tma_mV = hopper.tma_load_atom(t, seq_first(mV), sKV_stage, t.block_n, kv_ctas)
         tma_o, tma_mO = None, None
         if cutlass.const_expr(varlen is None):
             tma_o, tma_mO = hopper.tma_store_atom(t, seq_first(mO), hopper.smem_layout(t, hopper.WGMMA_M),
@@ -422,6 +434,8 @@ class FlashFwdSm90:
         args = Sm90Tensors(tma_mQ, tma_mK, tma_mV, tma_mO, mLSE, mAlibi, mRng, mTileCounter, varlen, cache)
         tiles = self.num_tiles(args)
         ctas = cutlass.min(tiles, max_ctas) if cutlass.const_expr(self.config.persistent) else tiles
+        if cutlass.const_expr(self.config.kv_multicast):  # whole clusters; the host gives an even tile count
+            ctas = ctas // KV_MULTICAST_CTAS * KV_MULTICAST_CTAS
         grid = (ctas, 1, 1)
         if cutlass.const_expr(self.config.kvcache):  # (splits x query blocks, heads, batch): `cache_tile`
             heads, batch = args.tma_mQ.shape[2], self.batch(args)
@@ -432,6 +446,8 @@ class FlashFwdSm90:
         cluster = None
         if cutlass.const_expr(self.config.cluster_merge):  # a tile's splits: neighbours along x
             cluster = [args.cache.split.num_splits, 1, 1]
+        if cutlass.const_expr(self.config.kv_multicast):  # tiles 2c and 2c + 1 (+ k ctas): one head's
+            cluster = [KV_MULTICAST_CTAS, 1, 1]
         self.kernel(args, scalars, recipe, SharedStorage).launch(
             grid=grid, block=[self.config.num_threads, 1, 1], cluster=cluster, smem=SharedStorage.size_in_bytes(),
             stream=stream, min_blocks_per_mp=self.config.ctas_per_sm, preferred_smem_carveout=carveout)
@@ -451,14 +467,25 @@ class FlashFwdSm90:
             cute.arch.mbarrier_init(q_full, 1)
             cute.arch.mbarrier_init(q_empty, t.num_threads)
         stage_bytes = cute.size_in_bytes(self.dtype, cute.slice_(recipe.sKV_layout, (None, None, 0)))
-        consumer_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, t.num_threads // 32)
+        if cutlass.const_expr(cfg.kv_multicast):
+            # A stage is free once both CTAs' consumer warps are done with it (either CTA's
+            # producer writes it in both): lanes 0 and 1 of each warp arrive at rank 0 and 1.
+            multicast = dict(cta_layout_vmnk=cute.make_layout((1, KV_MULTICAST_CTAS, 1, 1)), mcast_mode_mn=(0, 1),
+                             enable_multicast_signaling=True)
+            consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, t.num_threads)
+        else:
+            multicast = {}
+            consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, t.num_threads // 32)  # lane 0 of each warp
         k_pipe, v_pipe = (pipeline.PipelineTmaAsync.create(
             barrier_storage=barriers, num_stages=cfg.stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread), consumer_group=consumer_warps,
-            tx_count=stage_bytes, defer_sync=True) for barriers in (storage.k_barriers.data_ptr(),
-                                                                    storage.v_barriers.data_ptr()))
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread), consumer_group=consumers,
+            tx_count=stage_bytes, defer_sync=True, **multicast) for barriers in (storage.k_barriers.data_ptr(),
+                                                                                 storage.v_barriers.data_ptr()))
         cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
+        if cutlass.const_expr(cfg.kv_multicast):
+            cluster_sync()  # the other CTA's barriers are initialised before its copies or arrivals reach them
+        else:
+            cute.arch.sync_threads()
         pipes = Pipes(q_full, q_empty, k_pipe, v_pipe, storage.tile_slot.get_tensor(cute.make_layout(4)))
         sQ = storage.sQ.get_tensor(recipe.sQ_layout.outer, swizzle=recipe.sQ_layout.inner)    # (bm, d)
         sK = storage.sK.get_tensor(recipe.sKV_layout.outer, swizzle=recipe.sKV_layout.inner)  # (bn, d, stages)
@@ -482,6 +509,8 @@ class FlashFwdSm90:
         else:
             cute.arch.setmaxregister_increase(consumer_regs)
             self.consume(args, scalars, recipe, pipes, sQ, sK, sV, sO, tidx - 128, merge)
+        if cutlass.const_expr(cfg.kv_multicast):
+            cluster_sync()  # no CTA leaves while the other may still arrive on its empty barriers
 
     def num_tiles(self, args: Sm90Tensors):
         tiles = cute.ceil_div(self.rows_q(args), self.t.block_m) * args.tma_mQ.shape[2] * self.batch(args)
@@ -574,7 +603,8 @@ class FlashFwdSm90:
         arrival also announces the tile (`announce`). Persistent: the next tile is claimed from
         the counter as this one starts (the atomic's latency hides behind the loads); past the
         last tile, the index `tiles` tells the consumers to stop, and the CTA that finishes last
-        zeroes the counter for the next launch."""
+        zeroes the counter for the next launch. With kv_multicast the tiles go in a static
+        stride instead, which keeps a cluster's two CTAs on one head (the counter untouched)."""
         bidx, _, _ = cute.arch.block_idx()
         ctas, _, _ = cute.arch.grid_dim()
         heads = args.tma_mQ.shape[2]
@@ -589,15 +619,23 @@ class FlashFwdSm90:
             tile_idx = cutlass.Int32(bidx)
             while tile_idx < tiles:
                 claimed = cutlass.Int32(0)  # one claim per CTA: lane 0's, shuffled to the warp once needed
-                if cute.arch.lane_idx() == 0:
-                    claimed = cute.arch.atomic_add(args.mTileCounter.iterator, cutlass.Int32(1), sem="relaxed",
-                                                   scope="gpu")
+                if cutlass.const_expr(not self.config.kv_multicast):
+                    if cute.arch.lane_idx() == 0:
+                        claimed = cute.arch.atomic_add(args.mTileCounter.iterator, cutlass.Int32(1), sem="relaxed",
+                                                       scope="gpu")
                 tile = self.tile(args, scalars, tile_idx)
                 self.produce_tile(args, recipe, pipes, sQ, sK, sV, tile, tile_idx, heads, q_loads, kv_uses)
                 q_loads = q_loads + 1
                 kv_uses = kv_uses + tile.count
-                tile_idx = ctas + cute.arch.shuffle_sync(claimed, 0)
+                if cutlass.const_expr(self.config.kv_multicast):
+                    # a static stride keeps the cluster's two CTAs on one head's neighbouring
+                    # query blocks (ctas even, tiles of one length: nothing to balance)
+                    tile_idx = tile_idx + ctas
+                else:
+                    tile_idx = ctas + cute.arch.shuffle_sync(claimed, 0)
             self.announce(pipes, tiles, None, 0, q_loads)  # every CTA ran at least one tile: ctas <= tiles
+            if cutlass.const_expr(self.config.kv_multicast):
+                return
             with cute.arch.elect_one():
                 finished = cute.arch.atomic_add(args.mTileCounter.iterator + 1, cutlass.Int32(1), sem="acq_rel",
                                                 scope="gpu")
@@ -646,9 +684,14 @@ class FlashFwdSm90:
         one = cute.make_layout(1)
         tQsQ, tQgQ = cpasync.tma_partition(recipe.tma_q, 0, one, cute.group_modes(sQ, 0, 2),
                                            cute.group_modes(gQ, 0, 2))  # (TMA,), (TMA,)
-        tKsK, tKgK = cpasync.tma_partition(recipe.tma_k, 0, one, cute.group_modes(sK, 0, 2),
+        kv_rank, kv_ctas, kv_mask = 0, one, None
+        if cutlass.const_expr(self.config.kv_multicast):  # this CTA's half of each block, into both CTAs
+            kv_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+            kv_ctas = cute.make_layout(KV_MULTICAST_CTAS)
+            kv_mask = cutlass.Int16((1 << KV_MULTICAST_CTAS) - 1)  # a DSL integer, as the copy asks
+        tKsK, tKgK = cpasync.tma_partition(recipe.tma_k, kv_rank, kv_ctas, cute.group_modes(sK, 0, 2),
                                            cute.group_modes(gK, 0, 2))  # (TMA, stages), (TMA, n_blocks)
-        tVsV, tVgV = cpasync.tma_partition(recipe.tma_v, 0, one, cute.group_modes(sV, 0, 2),
+        tVsV, tVgV = cpasync.tma_partition(recipe.tma_v, kv_rank, kv_ctas, cute.group_modes(sV, 0, 2),
                                            cute.group_modes(gV, 0, 2))  # (TMA, stages), (TMA, n_blocks)
         if tile.count == 0:
             self.load_q(recipe, pipes, tQgQ, tQsQ, tile, tile_idx, q_loads)
@@ -661,11 +704,13 @@ class FlashFwdSm90:
             else:
                 k_src, v_src = tKgK[None, n_block], tVgV[None, n_block]  # (TMA,)
             pipes.k.producer_acquire(write)
-            cute.copy(recipe.tma_k, k_src, tKsK[None, write.index], tma_bar_ptr=pipes.k.producer_get_barrier(write))
+            cute.copy(recipe.tma_k, k_src, tKsK[None, write.index], tma_bar_ptr=pipes.k.producer_get_barrier(write),
+                      mcast_mask=kv_mask)
             if i == 0:
                 self.load_q(recipe, pipes, tQgQ, tQsQ, tile, tile_idx, q_loads)
             pipes.v.producer_acquire(write)
-            cute.copy(recipe.tma_v, v_src, tVsV[None, write.index], tma_bar_ptr=pipes.v.producer_get_barrier(write))
+            cute.copy(recipe.tma_v, v_src, tVsV[None, write.index], tma_bar_ptr=pipes.v.producer_get_barrier(write),
+                      mcast_mask=kv_mask)
 
     @cute.jit
     def page_source(self, args: Sm90Tensors, tma_atom, tma_mX: cute.Tensor, sX: cute.Tensor, bidh_kv, bidb,

@@ -303,7 +303,8 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
     with every score flag on, dropout at d 64 (causal, one CTA per tile) and d 128
     (persistent), packed batches (d 128 causal, d 96 with seqused_k, d 64 fp16 with every flag,
     d 128 causal over pages) and KV caches (d 128 plain, d 64 split with softcap, d 128 split,
-    paged and GQA-folded, d 256 fp16 with every flag, d 128 GQA-folded at two CTAs an SM)."""
+    paged and GQA-folded, d 256 fp16 with every flag, d 128 GQA-folded at two CTAs an SM), and
+    d 128 with K / V multicast, which only `flash_fwd_sm90(kv_multicast=True)` chooses yet."""
     from cute_flash.launch.hopper import (DEEP_PIPELINE_MAX_SEQLEN_K, SPECULATIVE_IN_PLACE_LEFT_EDGE_MIN_SEQLEN_K,
                                           SPECULATIVE_MASKED_MIN_SEQLEN_K, SPECULATIVE_MASKED_MIN_SEQLEN_K_D64,
                                           kv_stages, speculates_in_place, takes_speculative_max)
@@ -357,6 +358,8 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
                                 has_softcap=True),
                   Sm90FwdConfig(choose_hopper_traits(64, "bf16"), has_right=True, has_dropout=True),
                   Sm90FwdConfig(choose_hopper_traits(128, "bf16"), persistent=True, has_dropout=True),
+                  Sm90FwdConfig(choose_hopper_traits(128, "bf16"), persistent=True, speculative_max=True,
+                                kv_multicast=True),
                   Sm90FwdConfig(choose_hopper_traits(128, "bf16"), has_right=True, varlen=True),
                   Sm90FwdConfig(choose_hopper_traits(96, "bf16"), varlen=True, has_seqused_k=True),
                   Sm90FwdConfig(choose_hopper_traits(128, "bf16"), has_right=True, varlen=True, paged=True),
