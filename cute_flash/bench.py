@@ -715,29 +715,31 @@ def tune(seqlens=(1024, 4096, 16384)):
 
 
 # (block_m, block_n, persistent, speculative maxima: beside S on 128-row tiles, in place on 192-row
-# ones, K / V stages: None for the launcher's `kv_stages`)
-SM90_TUNE_CANDIDATES = {64: [(128, 128, True, True, 2), (128, 128, True, True, 3), (128, 128, True, False, None),
-                             (128, 128, False, True, None), (192, 128, True, True, None),
-                             (192, 128, True, False, None), (192, 128, False, False, None)],
-                        128: [(128, 128, True, True, None), (128, 128, True, False, None),
-                              (128, 128, False, True, None)]}
+# ones, K / V stages: None for the launcher's `kv_stages`, K / V multicast: None for the launcher's
+# `takes_kv_multicast`, False for none)
+SM90_TUNE_CANDIDATES = {64: [(128, 128, True, True, 2, None), (128, 128, True, True, 3, None),
+                             (128, 128, True, False, None, None), (128, 128, False, True, None, None),
+                             (192, 128, True, True, None, None), (192, 128, True, False, None, None),
+                             (192, 128, False, False, None, None)],
+                        128: [(128, 128, True, True, None, None), (128, 128, True, True, None, False),
+                              (128, 128, True, False, None, None), (128, 128, False, True, None, None)]}
 
 
 def tune_sm90(seqlens=(512, 2048, 16384)):
     """TFLOP/s of each Hopper forward candidate (block_m, block_n, persistent, speculative
-    maxima, K / V stages) on the forward grid's shapes, bf16: `python -m cute_flash tune
-    --sm90`."""
+    maxima, K / V stages, K / V multicast) on the forward grid's shapes, bf16: `python -m
+    cute_flash tune --sm90`."""
     from cute_flash.launch.hopper import flash_fwd_sm90
     from layouts.hopper import HopperTileTraits
 
     def variant(d, cand):
-        m, n, persistent, speculative, stages = cand
+        m, n, persistent, speculative, stages, multicast = cand
         t = HopperTileTraits(d, m, n, "bf16")
         name = (t.name + ("_persistent" if persistent else "") + ("_speculative" if speculative else "")
-                + (f"_s{stages}" if stages else ""))
+                + (f"_s{stages}" if stages else "") + {None: "", False: "_unicast"}[multicast])
         return name, lambda q, k, v, causal: flash_fwd_sm90(q, k, v, softmax_scale=d ** -0.5, causal=causal, traits=t,
                                                             persistent=persistent, speculative_max=speculative,
-                                                            stages=stages)
+                                                            stages=stages, kv_multicast=multicast)
 
     return _tune_fwd(SM90_TUNE_CANDIDATES, seqlens, variant)
 

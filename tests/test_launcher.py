@@ -319,25 +319,61 @@ def test_hopper_forward_stages(recorder, monkeypatch, d, sk, opts, stages):
     assert recorder.launches[0].config.stages == stages
 
 
-def test_kv_multicast_is_opt_in_and_pairs_one_heads_blocks(recorder, monkeypatch):
-    """K / V multicast (`Sm90FwdConfig.kv_multicast`) only where asked for, and only where a
+@pytest.mark.parametrize("d, sq, sk, opts, multicast", [
+    (128, 4096, 4096, dict(), True),
+    (128, 4096, 2047, dict(), False),              # from 2048 keys
+    (128, 4096, 2048, dict(), True),
+    (120, 256, 8192, dict(), True),                # the d 128 bucket; two query blocks
+    (128, 4096, 4096, dict(dtype=torch.float16), True),
+    (128, 4096, 4096, dict(alibi=True, softcap=5.0), True),
+    (128, 384, 4096, dict(), False),               # three query blocks: a cluster would straddle heads
+    (128, 4096, 4096, dict(causal=True), False),
+    (128, 4096, 4096, dict(window_size=(-1, 100)), False),
+    (128, 4096, 4096, dict(dropout_p=0.1), False),  # not measured with dropout
+    (64, 4096, 4096, dict(), False),               # 0.96-0.995x at d 64
+    (256, 4096, 4096, dict(), False),
+], ids=["d128", "d128-2047-keys", "d128-2048-keys", "d120-two-blocks", "d128-fp16", "d128-alibi-softcap",
+        "d128-three-blocks", "d128-causal", "d128-window", "d128-dropout", "d64", "d256"])
+def test_kv_multicast_by_default(recorder, monkeypatch, d, sq, sk, opts, multicast):
+    """Dense forwards take K / V multicast (`takes_kv_multicast`) at d 128 without a mask from
+    2048 keys, where a cluster's two tiles are one head's neighbouring query blocks."""
+    from cute_flash.dropout import DropoutArgs
+    from cute_flash.launch import flash_fwd
+
+    monkeypatch.delenv("CUTE_FLASH_ARCH_PATH")
+    opts = dict(opts)
+    dtype = opts.pop("dtype", torch.bfloat16)
+    if opts.pop("dropout_p", None):
+        opts["dropout"] = DropoutArgs.seeded(0.1, 1, 2, "cpu")
+    if opts.pop("alibi", None):
+        opts["alibi_slopes"] = torch.ones(2)
+    q = torch.randn(1, sq, 2, d, dtype=dtype)
+    k = torch.randn(1, sk, 2, d, dtype=dtype)
+    flash_fwd(q, k, k, softmax_scale=0.5, **opts)
+    config = recorder.launches[-1].config
+    assert config.kv_multicast == multicast
+    assert not multicast or config.persistent
+
+
+def test_kv_multicast_can_be_forced_where_it_pairs_one_heads_blocks(recorder, monkeypatch):
+    """`flash_fwd_sm90(kv_multicast=...)` overrides the default: off anywhere, on only where a
     cluster's two tiles are one head's neighbouring query blocks with the same key blocks:
     persistent, no causal / local mask, an even number of query blocks."""
-    from cute_flash.launch import flash_fwd
     from cute_flash.launch.hopper import flash_fwd_sm90
 
     monkeypatch.delenv("CUTE_FLASH_ARCH_PATH")
     k = torch.randn(1, 4096, 2, 128, dtype=torch.bfloat16)
-    flash_fwd(torch.randn(1, 4096, 2, 128, dtype=torch.bfloat16), k, k, softmax_scale=0.5)
+    flash_fwd_sm90(torch.randn(1, 4096, 2, 128, dtype=torch.bfloat16), k, k, softmax_scale=0.5, kv_multicast=False)
     assert not recorder.launches[-1].config.kv_multicast
+    short = torch.randn(1, 1024, 2, 128, dtype=torch.bfloat16)
     for sq, ok in ((256, True), (1000, True), (129, True), (384, False), (100, False)):  # 2, 8, 2, 3, 1 blocks
         q = torch.randn(1, sq, 2, 128, dtype=torch.bfloat16)
         if ok:
-            flash_fwd_sm90(q, k, k, softmax_scale=0.5, kv_multicast=True)
+            flash_fwd_sm90(q, short, short, softmax_scale=0.5, kv_multicast=True)
             assert recorder.launches[-1].config.kv_multicast
         else:
             with pytest.raises(ValueError, match="kv_multicast"):
-                flash_fwd_sm90(q, k, k, softmax_scale=0.5, kv_multicast=True)
+                flash_fwd_sm90(q, short, short, softmax_scale=0.5, kv_multicast=True)
     q = torch.randn(1, 256, 2, 128, dtype=torch.bfloat16)
     for refused in (dict(causal=True), dict(window_size=(100, -1)), dict(persistent=False)):
         with pytest.raises(ValueError, match="kv_multicast"):
@@ -360,13 +396,15 @@ def test_hopper_forward_choices_are_in_the_full_compile_list(recorder, monkeypat
                dict(dropout=DropoutArgs.seeded(0.1, 1, 2, "cpu"))]
     for dtype in (torch.bfloat16, torch.float16):
         for d in (32, 64, 96, 128, 160, 256):
-            q = torch.empty(1, 3, 2, d, dtype=dtype)
-            for sk in (511, 512, 1023, 1024, 1025, 2047, 2048, 8191, 8192, 8193):
-                k = torch.empty(1, sk, 2, d, dtype=dtype)
-                for opts in options:
-                    flash_fwd(q, k, k, softmax_scale=0.5, **opts)
+            for sq in (3, 256):  # one query block or two (K / V multicast where it takes them)
+                q = torch.empty(1, sq, 2, d, dtype=dtype)
+                for sk in (511, 512, 1023, 1024, 1025, 2047, 2048, 8191, 8192, 8193):
+                    k = torch.empty(1, sk, 2, d, dtype=dtype)
+                    for opts in options:
+                        flash_fwd(q, k, k, softmax_scale=0.5, **opts)
     configs = {launch.config for launch in recorder.launches}
-    assert len(recorder.launches) == 2 * 6 * 10 * len(options)
+    assert len(recorder.launches) == 2 * 6 * 2 * 10 * len(options)
+    assert any(c.kv_multicast for c in configs)
     assert configs <= full, sorted(c.name for c in configs - full)
 
 

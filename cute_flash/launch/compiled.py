@@ -304,10 +304,11 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
     (persistent), packed batches (d 128 causal, d 96 with seqused_k, d 64 fp16 with every flag,
     d 128 causal over pages) and KV caches (d 128 plain, d 64 split with softcap, d 128 split,
     paged and GQA-folded, d 256 fp16 with every flag, d 128 GQA-folded at two CTAs an SM), and
-    d 128 with K / V multicast, which only `flash_fwd_sm90(kv_multicast=True)` chooses yet."""
-    from cute_flash.launch.hopper import (DEEP_PIPELINE_MAX_SEQLEN_K, SPECULATIVE_IN_PLACE_LEFT_EDGE_MIN_SEQLEN_K,
-                                          SPECULATIVE_MASKED_MIN_SEQLEN_K, SPECULATIVE_MASKED_MIN_SEQLEN_K_D64,
-                                          kv_stages, speculates_in_place, takes_speculative_max)
+    d 128 with K / V multicast (as without a mask from 2048 keys)."""
+    from cute_flash.launch.hopper import (DEEP_PIPELINE_MAX_SEQLEN_K, KV_MULTICAST_MIN_SEQLEN_K,
+                                          SPECULATIVE_IN_PLACE_LEFT_EDGE_MIN_SEQLEN_K, SPECULATIVE_MASKED_MIN_SEQLEN_K,
+                                          SPECULATIVE_MASKED_MIN_SEQLEN_K_D64, kv_stages, speculates_in_place,
+                                          takes_kv_multicast, takes_speculative_max)
     from layouts.hopper import (choose_hopper_cache_traits, choose_hopper_traits, shipped_hopper_cache_traits,
                                 shipped_hopper_traits)
 
@@ -333,6 +334,10 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
                         out.append(Sm90FwdConfig(t, persistent=True, **kinds, **flags))
                     if kv_stages(t, DEEP_PIPELINE_MAX_SEQLEN_K, True) == 3:  # short keys
                         out.append(Sm90FwdConfig(t, 3, persistent=True, **kinds, **flags))
+                    masked = flags["has_left"] or flags["has_right"]  # long keys, two query blocks:
+                    if Sm90FwdConfig.fits_persistent(t) and takes_kv_multicast(t, 2 * t.block_m, KV_MULTICAST_MIN_SEQLEN_K,
+                                                                               masked, True, dropout):
+                        out.append(Sm90FwdConfig(t, persistent=True, kv_multicast=True, **kinds, **flags))
                 if t.warpgroups != 3:
                     out += [Sm90FwdConfig(t, varlen=True, has_seqused_k=u, paged=p, **flags)
                             for u in (False, True) for p in (False, True)]

@@ -112,16 +112,26 @@ def speculates_in_place(traits) -> bool:
     return traits.warpgroups == 3
 
 
+# K / V multicast from this many keys, at d 128 (`takes_kv_multicast`)
+KV_MULTICAST_MIN_SEQLEN_K = 2048
+KV_MULTICAST_HEAD_DIM = 128
+
+
 def kv_multicast_fits(traits, seqlen_q: int, masked: bool, persistent: bool) -> bool:
     """Where `Sm90FwdConfig.kv_multicast` can pair tiles: the persistent schedule without a
     causal / local mask (every tile of a head sees the same key blocks) and an even number of
-    query blocks a head, so that tiles 2c and 2c + 1, a cluster's, are one head's. Opt-in
-    (`flash_fwd_sm90(kv_multicast=True)`): H200, d 128 non-causal, against the same kernel
-    unicast, 1k 1.004, 2k 1.025, 4k 1.022, 8k 1.041, 16k 1.016 (best of 3), 16k held for
-    3.5 s 679 -> 699 TFLOP/s at the same 689-690 W (the clock 1584-1591 -> 1625-1626 MHz);
-    d 64 0.962-0.995 (docs/perf.md, Hopper step 20). Not the default until the GPU suite has
-    run with it."""
+    query blocks a head, so that tiles 2c and 2c + 1, a cluster's, are one head's."""
     return persistent and not masked and -(-seqlen_q // traits.block_m) % 2 == 0
+
+
+def takes_kv_multicast(traits, seqlen_q: int, seqlen_k: int, masked: bool, persistent: bool, dropout) -> bool:
+    """K / V multicast by default where it fits, at d 128 from KV_MULTICAST_MIN_SEQLEN_K keys,
+    without dropout (not measured with it). H200, d 128 non-causal, against the same kernel
+    unicast, best of 3: 1k 1.004, 2k 1.025, 4k 1.022, 8k 1.041, 16k 1.016; 16k held for 3.5 s
+    679 -> 699 TFLOP/s at the same 689-690 W (the clock 1584-1591 -> 1625-1626 MHz: half the
+    K / V bytes from L2 a tile); d 64 0.962-0.995, so not there (docs/perf.md, Hopper step 20)."""
+    return (traits.head_dim == KV_MULTICAST_HEAD_DIM and seqlen_k >= KV_MULTICAST_MIN_SEQLEN_K
+            and dropout is None and kv_multicast_fits(traits, seqlen_q, masked, persistent))
 
 
 def section_heads(q, k, longest_first: bool) -> int:
@@ -148,13 +158,13 @@ def tile_counter(device: torch.device) -> torch.Tensor:
 
 def flash_fwd_sm90(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                    dropout: DropoutArgs | None = None, traits=None, persistent=None, sections=None,
-                   speculative_max=None, speculative_in_place=None, stages=None, kv_multicast=False):
+                   speculative_max=None, speculative_in_place=None, stages=None, kv_multicast=None):
     """Dense forward on the Hopper kernel: q (b, sq, h, d), k/v (b, sk, hk, d); returns (out,
     lse (b, h, sq)) as `flash_fwd` does. `traits` (HopperTileTraits), `persistent`,
     `sections` (pairs per scheduling section), `speculative_max`, `speculative_in_place` and
     `stages` (K / V pipeline depth) override the kernel's choices (`tune --sm90`);
-    `kv_multicast` shares each K / V block between a cluster's two tiles (opt-in where
-    `kv_multicast_fits`)."""
+    `kv_multicast` (sharing each K / V block between a cluster's two tiles) too, where
+    `kv_multicast_fits`."""
     b, sq, h, d = q.shape
     q, k, v = aligned(q), aligned(k), aligned(v)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -172,7 +182,9 @@ def flash_fwd_sm90(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1)
         speculative_in_place = speculative_max and speculates_in_place(traits)
     if stages is None:
         stages = kv_stages(traits, k.shape[1], persistent)
-    if kv_multicast and not kv_multicast_fits(traits, sq, masked, persistent):
+    if kv_multicast is None:
+        kv_multicast = takes_kv_multicast(traits, sq, k.shape[1], masked, persistent, dropout)
+    elif kv_multicast and not kv_multicast_fits(traits, sq, masked, persistent):
         raise ValueError("kv_multicast pairs one head's query blocks: the persistent schedule, no causal / local "
                          "mask, an even number of query blocks")
     config = Sm90FwdConfig(traits, stages, persistent=persistent, speculative_max=speculative_max,
