@@ -156,7 +156,7 @@ class Sm90FwdConfig:
         memory. H200, d 128, 32 / 8 heads, CUDA graphs, two rounds against the same kernels
         without it (docs/perf.md, Decode): back to back b8 / 1k 9.74-9.85 -> 9.61-9.67 us, b32 /
         1k 33.9-34.2 -> 33.3, b1 / 1k 6.80-6.88 -> 6.80-6.90; each call after a GEMM, b1 / 1k
-        8.0 -> 7.1-7.5 us, b8 / 1k 19.4 -> 18.2-18.4, b8 / 8k 71.0 -> 69.7-69.9; but the
+        8.0 -> 6.8-7.5 us, b8 / 1k 19.4 -> 18.2-18.4, b8 / 8k 71.0 -> 69.7-70.0; but the
         global merge's b1 / 8k 12.3-12.7 -> 12.8-13.2 and b1 / 32k 38.1-38.2 -> 38.6-39.0."""
         return self.kvcache and not (self.split and not self.cluster_merge)
 
