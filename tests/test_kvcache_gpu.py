@@ -307,3 +307,52 @@ def test_hopper_two_ctas_per_sm_split(d, hopper_cache_entry):
                                  num_splits=4, hopper_variant=variant)
     torch.cuda.synchronize()
     assert_matches_reference(out, lse, q, *clean, ref_fn=_ref_with(None, None), cache_seqlens=seqlens)
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+@pytest.mark.parametrize("b, capacity, num_splits", [(1, 1024, 0), (8, 1024, 0), (40, 1024, 1), (1, 8192, 0)],
+                         ids=["b1-cluster-merge", "b8-cluster-merge", "b40-two-ctas", "b1-global-merge"])
+def test_calls_read_what_the_kernel_before_them_wrote(b, capacity, num_splits, graph, hopper_cache_entry):
+    """Decode calls whose inputs the kernel just before them wrote: V negated in place by a
+    torch kernel, then two calls, the second one's q the first one's output; three times,
+    eagerly or replayed from one CUDA graph. The Hopper entry launches as a programmatic
+    dependent (`Sm90FwdConfig.dependent_launch`): a read issued before its wait for the
+    previous grid would see V's old sign, or q still poisoned. The heuristic's 8 and 2 splits
+    merge in a cluster, 40 sequences take two CTAs an SM, 16 splits merge through global
+    memory (a plain launch)."""
+    from cute_flash import flash_attn_with_kvcache
+
+    h, hk, d = 32, 8, 128
+    k_cache, v_cache = (torch.randn(b, capacity, hk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    v0 = v_cache.clone()
+    seqlens = torch.full((b,), capacity, dtype=torch.int32, device="cuda")
+    q = torch.randn(b, 1, h, d, device="cuda", dtype=torch.bfloat16)
+
+    def steps():
+        calls, x = [], q
+        for _ in range(3):
+            v_cache.neg_()
+            for _ in range(2):
+                out, lse = flash_attn_with_kvcache(x, k_cache, v_cache, cache_seqlens=seqlens, num_splits=num_splits,
+                                                   return_softmax_lse=True)
+                calls.append((x, out, lse))
+                x = out
+        return calls
+
+    poison_allocator()
+    if graph:
+        steps()  # compiles and workspaces outside the capture
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            calls = steps()
+        for _, out, lse in calls:
+            out.fill_(float("nan"))
+            lse.fill_(float("nan"))
+        v_cache.copy_(v0)
+        g.replay()
+    else:
+        calls = steps()
+    torch.cuda.synchronize()
+    for i, (x, out, lse) in enumerate(calls):
+        v_then = -v0 if (i // 2) % 2 == 0 else v0
+        assert_matches_reference(out, lse, x, k_cache, v_then, ref_fn=_ref_with(None, None), cache_seqlens=seqlens)
