@@ -334,7 +334,8 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
                         out.append(Sm90FwdConfig(t, persistent=True, **kinds, **flags))
                     if kv_stages(t, DEEP_PIPELINE_MAX_SEQLEN_K, True) == 3:  # short keys
                         out.append(Sm90FwdConfig(t, 3, persistent=True, **kinds, **flags))
-                    masked = flags["has_left"] or flags["has_right"]  # long keys, two query blocks:
+                    masked = flags["has_left"] or flags["has_right"]
+                    # multicast as the launcher takes it: two query blocks, long keys, persistent
                     if Sm90FwdConfig.fits_persistent(t) and takes_kv_multicast(t, 2 * t.block_m, KV_MULTICAST_MIN_SEQLEN_K,
                                                                                masked, True, dropout):
                         out.append(Sm90FwdConfig(t, persistent=True, kv_multicast=True, **kinds, **flags))
