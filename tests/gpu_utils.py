@@ -2,10 +2,14 @@
 criterion of docs/semantics.md."""
 import os
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
 UNDER_MEMCHECK = os.environ.get("CUTE_FLASH_MEMCHECK") == "1"  # set by `python -m cute_flash memcheck`
+# A CUDA graph's capture needs torch's caching allocator, which the memcheck run switches off
+# (each tensor its own cudaMalloc, not permitted while a stream captures).
+captures_graph = pytest.mark.skipif(UNDER_MEMCHECK, reason="captures a CUDA graph: needs the caching allocator")
 
 
 def gpu_settings(max_examples: int):
@@ -72,3 +76,28 @@ def varlen_attention(q, k, v, cu_q, cu_k, lq, lk, **opts):
     out, lse, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lq), max(lk), return_attn_probs=True, **opts)
     torch.cuda.synchronize()
     return out, lse
+
+
+
+def captured_nodes(fn) -> list[int]:
+    """The node types (CUgraphNodeType: 0 kernel, 2 memset, ...) of a CUDA graph that captures
+    one call of fn (run once eagerly before, as graph users warm up), read with the driver's
+    cuGraphGetNodes / cuGraphNodeGetType."""
+    import ctypes
+
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph(keep_graph=True)
+    with torch.cuda.graph(graph):
+        fn()
+    libcuda = ctypes.CDLL("libcuda.so.1")
+    handle, count = ctypes.c_void_p(graph.raw_cuda_graph()), ctypes.c_size_t(0)
+    assert libcuda.cuGraphGetNodes(handle, None, ctypes.byref(count)) == 0
+    nodes = (ctypes.c_void_p * count.value)()
+    assert libcuda.cuGraphGetNodes(handle, nodes, ctypes.byref(count)) == 0
+    types = []
+    for node in nodes:
+        kind = ctypes.c_int(-1)
+        assert libcuda.cuGraphNodeGetType(ctypes.c_void_p(node), ctypes.byref(kind)) == 0
+        types.append(kind.value)
+    return types

@@ -13,7 +13,7 @@ import cute_flash
 from cute_flash import flash_attn_interface as fai
 from cute_flash import philox
 from cute_flash.reference import attention_ref
-from tests.gpu_utils import assert_matches_reference, poison_allocator
+from tests.gpu_utils import assert_matches_reference, captures_graph, poison_allocator
 
 pytestmark = pytest.mark.gpu
 
@@ -243,6 +243,7 @@ def test_same_seed_bitwise_identical_and_successive_calls_differ():
     assert not torch.equal(first[0], second[0])
 
 
+@captures_graph
 def test_cuda_graph_replays_draw_fresh_masks():
     """A captured forward draws its state on the device: each replay gets a new rng_state, and
     the output of each replay matches the reference with that state's mask."""

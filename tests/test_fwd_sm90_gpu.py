@@ -6,7 +6,7 @@ kernel ran: a silent fall back to the SM80 kernel would pass the comparison."""
 import pytest
 import torch
 
-from tests.gpu_utils import assert_matches_reference
+from tests.gpu_utils import assert_matches_reference, captures_graph
 # The SM80 forward's shape tests, collected here again under this module's fixture (Hopper path on).
 from tests.test_fwd_gpu import _inputs, _run, test_dense_matches_reference, test_every_head_dim_bucket  # noqa: F401
 
@@ -105,6 +105,26 @@ def test_scheduling_sections(persistent, sections):
     torch.cuda.synchronize()
     assert_matches_reference(out, lse, q, k, v, causal=True)
     assert tile_counter(q.device).tolist() == [0, 0]
+
+
+@captures_graph
+def test_a_captured_persistent_forward_is_one_graph_node(monkeypatch):
+    """The persistent kernel captured into a CUDA graph: one kernel node. Its tile counter
+    comes from the reserve zeroed before the capture (`per_stream.zeroed_counters`); without a
+    reserve it is zeroed in the graph, a node more."""
+    from cute_flash.launch import per_stream
+    from cute_flash.launch.hopper import flash_fwd_sm90
+    from tests.gpu_utils import captured_nodes
+
+    q, k, v = _inputs(2, 1024, 1024, 8, 8, 128, torch.bfloat16)
+
+    def call():
+        return flash_fwd_sm90(q, k, v, softmax_scale=0.125, causal=True, persistent=True)
+
+    assert captured_nodes(call) == [0]  # one kernel
+    monkeypatch.setattr(per_stream, "_reserves", {})  # as if no eager call had made one
+    nodes = captured_nodes(call)
+    assert len(nodes) == 2 and 0 in nodes, nodes  # the kernel, and the zeroing before it
 
 
 @pytest.mark.parametrize("opts", [dict(), dict(causal=True), dict(window_size=(700, 20), softcap=10.0)],

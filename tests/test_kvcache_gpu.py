@@ -19,7 +19,12 @@ from hypothesis import strategies as st
 
 from cute_flash.bench import arch_path
 from cute_flash.reference import attention_kvcache_ref
-from tests.gpu_utils import assert_matches_reference, gpu_settings, poison_allocator
+from tests.gpu_utils import (
+    assert_matches_reference,
+    captures_graph,
+    gpu_settings,
+    poison_allocator,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -309,7 +314,29 @@ def test_hopper_two_ctas_per_sm_split(d, hopper_cache_entry):
     assert_matches_reference(out, lse, q, *clean, ref_fn=_ref_with(None, None), cache_seqlens=seqlens)
 
 
-@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+@captures_graph
+def test_a_captured_split_call_is_one_graph_node(hopper_cache_entry, monkeypatch):
+    """b1 / 8k decode (16 splits, merged through global memory) captured into a CUDA graph: one
+    kernel node. Its arrival counters come from the reserve zeroed before the capture
+    (`per_stream.zeroed_counters`); without a reserve they are zeroed in the graph, a node more."""
+    from cute_flash import flash_attn_with_kvcache
+    from cute_flash.launch import per_stream
+    from tests.gpu_utils import captured_nodes
+
+    k_cache, v_cache = (torch.randn(1, 8192, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    seqlens = torch.full((1,), 8192, dtype=torch.int32, device="cuda")
+    q = torch.randn(1, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
+
+    def call():
+        return flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens)
+
+    assert captured_nodes(call) == [0]  # one kernel
+    monkeypatch.setattr(per_stream, "_reserves", {})  # as if no eager call had made one
+    nodes = captured_nodes(call)
+    assert len(nodes) == 2 and 0 in nodes, nodes  # the kernel, and the zeroing before it
+
+
+@pytest.mark.parametrize("graph", [False, pytest.param(True, marks=captures_graph)], ids=["eager", "graph"])
 @pytest.mark.parametrize("b, capacity, num_splits", [(1, 1024, 0), (8, 1024, 0), (40, 1024, 1), (1, 8192, 0)],
                          ids=["b1-cluster-merge", "b8-cluster-merge", "b40-two-ctas", "b1-global-merge"])
 def test_calls_read_what_the_kernel_before_them_wrote(b, capacity, num_splits, graph, hopper_cache_entry):
@@ -319,7 +346,7 @@ def test_calls_read_what_the_kernel_before_them_wrote(b, capacity, num_splits, g
     dependent (`Sm90FwdConfig.dependent_launch`): a read issued before its wait for the
     previous grid would see V's old sign, or q still poisoned. The heuristic's 8 and 2 splits
     merge in a cluster, 40 sequences take two CTAs an SM, 16 splits merge through global
-    memory (a plain launch)."""
+    memory (their counters, under capture, from the zeroed reserve)."""
     from cute_flash import flash_attn_with_kvcache
 
     h, hk, d = 32, 8, 128

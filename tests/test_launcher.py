@@ -109,7 +109,7 @@ class Recorder:
 
 @pytest.fixture
 def recorder(monkeypatch):
-    from cute_flash.launch import compiled, dense, kvcache
+    from cute_flash.launch import compiled, dense, kvcache, per_stream
 
     rec = Recorder()
     monkeypatch.setattr(compiled, "kernel_for", rec.kernel_for)
@@ -123,6 +123,7 @@ def recorder(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: rec.capturing)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: rec.stream, raising=False)
     monkeypatch.setattr(kvcache, "_calls", {})
+    monkeypatch.setattr(per_stream, "_reserves", {})
     dense.fwd_kernel.cache_clear()
     kvcache._workspace.cache_clear()
     yield rec
@@ -839,8 +840,43 @@ def test_split_workspace_is_kept_per_stream_and_fresh_under_capture(recorder):
     assert not any(a is b for a, b in zip(other, first))
     recorder.capturing = True
     captured = workspace()
-    assert not any(a is b for a, b in zip(workspace(), captured))  # each captured launch: its own
-    assert not captured[3].any()  # fresh counters start at zero
+    again = workspace()
+    assert not any(a is b for a, b in zip(again, captured))  # each captured launch: its own
+    assert not captured[3].any() and not again[3].any()  # fresh counters start at zero
+    spans = sorted((c.data_ptr(), c.data_ptr() + 4 * c.numel()) for c in (first[3], other[3], captured[3], again[3]))
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))  # no counter shared
+
+
+def test_captured_counters_come_from_a_reserve_zeroed_before_the_capture(monkeypatch):
+    """`per_stream.zeroed_counters`: a launch being captured takes unused counters of the
+    device's reserve, which the first call outside a capture zeroed, rather than zeroing
+    some in the graph; with no reserve made, or none left, it zeroes them in the capture."""
+    from cute_flash.launch import per_stream
+
+    monkeypatch.setattr(per_stream, "_reserves", {})
+    monkeypatch.setattr(per_stream, "RESERVE_COUNTERS", 8)
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    zeroings = []  # for each torch.zeros: was a capture on?
+    real_zeros = torch.zeros
+    monkeypatch.setattr(torch, "zeros", lambda *a, **kw: zeroings.append(capturing[0]) or real_zeros(*a, **kw))
+    cpu = torch.device("cpu")
+
+    capturing[0] = True
+    early = per_stream.zeroed_counters((2,), cpu)  # no reserve yet
+    assert zeroings == [True] and early.tolist() == [0, 0]
+    capturing[0] = False
+    eager = per_stream.zeroed_counters((3,), cpu)
+    assert zeroings == [True, False, False]  # the reserve, then this call's own
+    capturing[0] = True
+    first = per_stream.zeroed_counters((2,), cpu)
+    second = per_stream.zeroed_counters((3, 2), cpu)  # 2 + 6: all 8 of the reserve
+    assert zeroings == [True, False, False]  # nothing zeroed while capturing
+    assert first.shape == (2,) and second.shape == (3, 2) and not first.any() and not second.any()
+    first.fill_(1)
+    assert not second.any() and not eager.any()  # disjoint
+    third = per_stream.zeroed_counters((1,), cpu)  # none left
+    assert zeroings == [True, False, False, True] and third.tolist() == [0]
 
 
 def test_heuristic_split_count_and_unsplit_path(recorder):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cute_flash import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
-from gpu_utils import cu_seqlens
+from gpu_utils import captures_graph, cu_seqlens
 
 pytestmark = pytest.mark.gpu
 
@@ -190,6 +190,7 @@ def _captured(step):
 
 
 @pytest.mark.parametrize("warm", [True, False], ids=["warm", "first-call-in-capture"])
+@captures_graph
 def test_graph_replay_of_prefill_equals_eager(warm):
     """Captured once, replayed on new contents of the static inputs. `first-call-in-capture`
     uses a signature no other test of this process uses (d 72, softcap), so its kernel is
@@ -214,6 +215,7 @@ def test_graph_replay_of_prefill_equals_eager(warm):
 
 @pytest.mark.parametrize("warm", [True, False], ids=["warm", "first-call-in-capture"])
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@captures_graph
 def test_graph_replay_of_decode_equals_eager(warm, paged):
     """A decode step (append one token at `cache_seqlens`, attend, split-KV by the heuristic)
     captured once and replayed with growing lengths, against the same steps run eagerly on a

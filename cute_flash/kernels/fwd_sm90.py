@@ -152,13 +152,12 @@ class Sm90FwdConfig:
     def dependent_launch(self) -> bool:
         """A programmatic dependent launch (PDL): the CTAs start and run their prologue while
         the previous kernel in the stream finishes, and let the next one do the same. For KV
-        caches, whose calls last a few microseconds, except split-KV merged through global
-        memory. H200, d 128, 32 / 8 heads, CUDA graphs, two rounds against the same kernels
-        without it (docs/perf.md, Decode): back to back b8 / 1k 9.74-9.85 -> 9.61-9.67 us, b32 /
-        1k 33.9-34.2 -> 33.3, b1 / 1k 6.80-6.88 -> 6.80-6.90; each call after a GEMM, b1 / 1k
-        8.0 -> 6.8-7.5 us, b8 / 1k 19.4 -> 18.2-18.4, b8 / 8k 71.0 -> 69.7-70.0; but the
-        global merge's b1 / 8k 12.3-12.7 -> 12.8-13.2 and b1 / 32k 38.1-38.2 -> 38.6-39.0."""
-        return self.kvcache and not (self.split and not self.cluster_merge)
+        caches, whose calls last a few microseconds. H200, d 128, 32 / 8 heads, CUDA graphs,
+        against the same kernels without it (docs/perf.md, Decode): back to back b8 / 1k
+        9.74-9.85 -> 9.61-9.67 us, b32 / 1k 33.9-34.2 -> 33.3, b1 / 8k (global merge) 11.25-11.30
+        -> 10.98-11.01; each call after a GEMM, b1 / 1k 8.0 -> 6.8-7.5 us, b8 / 1k 19.4 ->
+        18.2-18.4, b1 / 8k 20.0-20.3 -> 19.0-19.3, b1 / 128k 127.8-127.9 -> 127.0-127.2."""
+        return self.kvcache
 
     @property
     def num_threads(self) -> int:

@@ -18,7 +18,7 @@ from cute_flash.kernels.fwd_sm90 import Sm90FwdConfig
 from cute_flash.launch import compiled
 from cute_flash.launch.align import aligned
 from cute_flash.launch.dense import alibi_2d, device_index, scales, score_flags, window_edges
-from cute_flash.launch.per_stream import per_stream
+from cute_flash.launch.per_stream import per_stream, zeroed_counters
 from layouts.hopper import TALL_D64_MIN_SEQLEN_K, TALL_D64_UNMASKED_MIN_SEQLEN_K, choose_hopper_traits
 
 
@@ -153,7 +153,7 @@ def section_heads(q, k, longest_first: bool) -> int:
 def tile_counter(device: torch.device) -> torch.Tensor:
     """The persistent kernel's (2,) int32 tile counter, zero between launches (the kernel leaves
     it so); kept per (device, stream)."""
-    return torch.zeros(2, dtype=torch.int32, device=device)
+    return zeroed_counters((2,), device)
 
 
 def flash_fwd_sm90(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,

@@ -22,7 +22,7 @@ from cute_flash.launch.batch_chunks import batch_chunks, chunked, rows_of, slope
 from cute_flash.launch import compiled
 from cute_flash.launch.dense import (PAGE_ROWS, alibi_2d, device_index, positive_scale, scales, score_flags,
                                      takes_hopper_path, window_edges)
-from cute_flash.launch.per_stream import per_stream
+from cute_flash.launch.per_stream import per_stream, zeroed_counters
 from layouts.hopper import TWO_CTAS_MAX_HEAD_DIM, choose_hopper_cache_traits
 from layouts.traits import ALIGN, choose_decode_traits, tile_arch
 
@@ -257,5 +257,5 @@ def _workspace(plan: KVCachePlan, device: torch.device):
                                                          plan.traits.head_dim, plan.m_blocks)
     o_acc = torch.empty(o_shape, dtype=torch.float32, device=device)
     lse_acc = torch.empty(lse_shape, dtype=torch.float32, device=device)
-    counters = torch.zeros(counter_shape, dtype=torch.int32, device=device)
+    counters = zeroed_counters(counter_shape, device)
     return o_acc, lse_acc, counters, lse

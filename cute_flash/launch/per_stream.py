@@ -3,12 +3,22 @@
 Some kernels leave a buffer ready for their next launch (split-KV arrival counters and the
 Hopper forward's tile counter back at zero; partials that each launch overwrites), so a call
 can reuse it instead of allocating and zeroing one.
+
+A launch captured into a CUDA graph takes buffers of its own, and its zeroed counters come from
+a reserve zeroed before any capture (`zeroed_counters`): zeroing them in the graph would add a
+node before the kernel on every replay.
 """
 from __future__ import annotations
 
 import functools
+import math
+import threading
 
 import torch
+
+RESERVE_COUNTERS = 1 << 16  # int32 counters a device keeps zeroed for captured launches (256 KB)
+_reserves: dict[torch.device, list] = {}  # device -> [reserve, counters handed out]
+_reserve_lock = threading.Lock()
 
 
 def per_stream(make):
@@ -26,3 +36,28 @@ def per_stream(make):
 
     get.cache_clear = cached.cache_clear
     return get
+
+
+def zeroed_counters(shape, device: torch.device) -> torch.Tensor:
+    """int32 zeros of `shape`, for counters the kernel leaves at zero. Outside a graph capture
+    a new tensor; the first such call on a device also zeroes its reserve (and waits for it, so
+    that any stream may replay a graph that uses it). A launch being captured takes the next
+    unused counters of that reserve, never handed out again, so the graph holds no zeroing node
+    (a fill kernel before ours): b1 / 8k decode (16 splits, global merge) went from 12.50-12.65
+    to 11.25-11.30 us a call under graphs, H200 (docs/perf.md, Decode). With no reserve left,
+    or none made, the zeros are captured."""
+    count = math.prod(shape)
+    if not torch.cuda.is_current_stream_capturing():
+        if device not in _reserves:
+            reserve = torch.zeros(RESERVE_COUNTERS, dtype=torch.int32, device=device)
+            if reserve.is_cuda:
+                torch.cuda.synchronize(device)
+            _reserves[device] = [reserve, 0]
+        return torch.zeros(shape, dtype=torch.int32, device=device)
+    with _reserve_lock:
+        reserve = _reserves.get(device)
+        if reserve is None or reserve[1] + count > RESERVE_COUNTERS:
+            return torch.zeros(shape, dtype=torch.int32, device=device)
+        start = reserve[1]
+        reserve[1] += count
+    return reserve[0][start:start + count].view(shape)
