@@ -43,9 +43,9 @@ def zeroed_counters(shape, device: torch.device) -> torch.Tensor:
     a new tensor; the first such call on a device also zeroes its reserve (and waits for it, so
     that any stream may replay a graph that uses it). A launch being captured takes the next
     unused counters of that reserve, never handed out again, so the graph holds no zeroing node
-    (a fill kernel before ours): b1 / 8k decode (16 splits, global merge) went from 12.50-12.65
-    to 11.25-11.30 us a call under graphs, H200 (docs/perf.md, Decode). With no reserve left,
-    or none made, the zeros are captured."""
+    (torch.zeros, run before our kernel on every replay): b1 / 8k decode (16 splits, global
+    merge) went from 12.50-12.65 to 11.25-11.30 us a call under graphs, H200 (docs/perf.md,
+    Decode). With no reserve left, or none made, the zeros are captured."""
     count = math.prod(shape)
     if not torch.cuda.is_current_stream_capturing():
         if device not in _reserves:
