@@ -49,10 +49,12 @@ def zeroed_counters(shape, device: torch.device) -> torch.Tensor:
     count = math.prod(shape)
     if not torch.cuda.is_current_stream_capturing():
         if device not in _reserves:
-            reserve = torch.zeros(RESERVE_COUNTERS, dtype=torch.int32, device=device)
-            if reserve.is_cuda:
-                torch.cuda.synchronize(device)
-            _reserves[device] = [reserve, 0]
+            with _reserve_lock:  # one reserve a device: a replaced one could be freed under a graph
+                if device not in _reserves:
+                    reserve = torch.zeros(RESERVE_COUNTERS, dtype=torch.int32, device=device)
+                    if reserve.is_cuda:
+                        torch.cuda.synchronize(device)
+                    _reserves[device] = [reserve, 0]
         return torch.zeros(shape, dtype=torch.int32, device=device)
     with _reserve_lock:
         reserve = _reserves.get(device)
