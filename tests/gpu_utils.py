@@ -78,7 +78,6 @@ def varlen_attention(q, k, v, cu_q, cu_k, lq, lk, **opts):
     return out, lse
 
 
-
 def captured_nodes(fn) -> list[int]:
     """The node types (CUgraphNodeType: 0 kernel, 2 memset, ...) of a CUDA graph that captures
     one call of fn (run once eagerly before, as graph users warm up), read with the driver's
