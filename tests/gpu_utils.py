@@ -100,3 +100,15 @@ def captured_nodes(fn) -> list[int]:
         assert libcuda.cuGraphNodeGetType(ctypes.c_void_p(node), ctypes.byref(kind)) == 0
         types.append(kind.value)
     return types
+
+
+def assert_counters_zeroed_before_capture(call, monkeypatch):
+    """A launch whose counters come from `per_stream.zeroed_counters`, captured into a CUDA
+    graph: one kernel node while the reserve (zeroed by an eager call before the capture) has
+    counters left; without a reserve the zeroing is captured too, a node more."""
+    from cute_flash.launch import per_stream
+
+    assert captured_nodes(call) == [0]  # one kernel
+    monkeypatch.setattr(per_stream, "_reserves", {})  # as if no eager call had made one
+    nodes = captured_nodes(call)
+    assert len(nodes) == 2 and 0 in nodes, nodes  # the kernel, and the zeroing before it

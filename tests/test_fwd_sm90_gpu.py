@@ -112,19 +112,15 @@ def test_a_captured_persistent_forward_is_one_graph_node(monkeypatch):
     """The persistent kernel captured into a CUDA graph: one kernel node. Its tile counter
     comes from the reserve zeroed before the capture (`per_stream.zeroed_counters`); without a
     reserve it is zeroed in the graph, a node more."""
-    from cute_flash.launch import per_stream
     from cute_flash.launch.hopper import flash_fwd_sm90
-    from tests.gpu_utils import captured_nodes
+    from tests.gpu_utils import assert_counters_zeroed_before_capture
 
     q, k, v = _inputs(2, 1024, 1024, 8, 8, 128, torch.bfloat16)
 
     def call():
         return flash_fwd_sm90(q, k, v, softmax_scale=0.125, causal=True, persistent=True)
 
-    assert captured_nodes(call) == [0]  # one kernel
-    monkeypatch.setattr(per_stream, "_reserves", {})  # as if no eager call had made one
-    nodes = captured_nodes(call)
-    assert len(nodes) == 2 and 0 in nodes, nodes  # the kernel, and the zeroing before it
+    assert_counters_zeroed_before_capture(call, monkeypatch)
 
 
 @pytest.mark.parametrize("opts", [dict(), dict(causal=True), dict(window_size=(700, 20), softcap=10.0)],

@@ -320,8 +320,7 @@ def test_a_captured_split_call_is_one_graph_node(hopper_cache_entry, monkeypatch
     kernel node. Its arrival counters come from the reserve zeroed before the capture
     (`per_stream.zeroed_counters`); without a reserve they are zeroed in the graph, a node more."""
     from cute_flash import flash_attn_with_kvcache
-    from cute_flash.launch import per_stream
-    from tests.gpu_utils import captured_nodes
+    from tests.gpu_utils import assert_counters_zeroed_before_capture
 
     k_cache, v_cache = (torch.randn(1, 8192, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     seqlens = torch.full((1,), 8192, dtype=torch.int32, device="cuda")
@@ -330,10 +329,7 @@ def test_a_captured_split_call_is_one_graph_node(hopper_cache_entry, monkeypatch
     def call():
         return flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens)
 
-    assert captured_nodes(call) == [0]  # one kernel
-    monkeypatch.setattr(per_stream, "_reserves", {})  # as if no eager call had made one
-    nodes = captured_nodes(call)
-    assert len(nodes) == 2 and 0 in nodes, nodes  # the kernel, and the zeroing before it
+    assert_counters_zeroed_before_capture(call, monkeypatch)
 
 
 @pytest.mark.parametrize("graph", [False, pytest.param(True, marks=captures_graph)], ids=["eager", "graph"])
