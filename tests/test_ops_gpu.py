@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cute_flash import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
-from gpu_utils import captures_graph, cu_seqlens
+from tests.gpu_utils import captures_graph, cu_seqlens
 
 pytestmark = pytest.mark.gpu
 
