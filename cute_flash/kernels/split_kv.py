@@ -145,12 +145,13 @@ class SplitKV:
     @cute.jit
     def merge(self, mO_s: cute.Tensor, mLSE_s: cute.Tensor, sQ: cute.Tensor, m_block, rows_q, tidx):
         """The split CTA of this tile that arrives last merges every split's partials into O and
-        LSE; the others just leave. Each thread publishes its partials with a device-scope fence
-        before one thread counts the CTA's arrival, and the merging CTA fences again before
-        reading them. The last arrival also re-arms the counter for the next launch. tidx: the
-        thread's index among num_threads."""
+        LSE; the others just leave. One thread counts the CTA's arrival with an acquire-release
+        atomic after a CTA barrier: the barrier orders the CTA's partial stores before that
+        release, which carries them to the GPU (the release is cumulative), and in the last
+        CTA it orders the acquire before every thread's loads of the others' partials. The
+        last arrival also re-arms the counter for the next launch. tidx: the thread's index
+        among num_threads."""
         bm = self.block_m
-        cute.arch.fence_acq_rel_gpu()
         self.sync()  # also: every warp is done with sQ, which now holds the arrival rank
         sRank = cute.make_tensor(cute.recast_ptr(sQ.iterator, dtype=cutlass.Int32), cute.make_layout(1))
         if tidx == 0:
@@ -159,7 +160,6 @@ class SplitKV:
         if sRank[0] == self.num_splits - 1:
             if tidx == 0:
                 cute.make_tensor(self.counter, cute.make_layout(1))[0] = cutlass.Int32(0)
-            cute.arch.fence_acq_rel_gpu()
             row0 = m_block * bm
             self.combine_tile(cute.domain_offset((0, row0, 0), self.mOaccum_bh),
                               cute.domain_offset((0, row0), self.mLSEaccum_bh), cute.domain_offset((row0, 0), mO_s),
@@ -233,25 +233,29 @@ class SplitPartials:
 
     @cute.jit
     def merge_row(self, num_splits, i, chunk, mO: cute.Tensor, mLSE: cute.Tensor):
-        """Row i, this thread's columns chunk * VEC..: the max of the splits' LSEs, then
-        sum_s w_s O_s and sum_s w_s with w_s = exp2(LSE_s log2(e) - max log2(e)), in one pass;
-        `write_merged_row` divides."""
-        lse_max = -cutlass.Float32.inf
-        for s in cutlass.range(num_splits, unroll=UNROLL):
-            lse_max = cute.arch.fmax(lse_max, self.lse(s, i))
-        # All splits empty: every weight is exp2(-inf) = 0, the sum stays 0 and LSE is +inf.
-        max_log2 = 0.0 if lse_max == -cutlass.Float32.inf else lse_max * LOG2E
+        """Row i, this thread's columns chunk * VEC..: sum_s w_s O_s and sum_s w_s with w_s =
+        exp2(LSE_s log2(e) - ref), in one pass over the splits: ref is the running max of the
+        LSEs seen (0 while all are -inf: every weight is then exp2(-inf) = 0, and a row no
+        split saw keeps sum 0 and gets LSE +inf), and the sums are rescaled when it grows, as
+        the softmax's are. One pass issues each split's LSE and O loads together; a first pass
+        for the max waited for the LSEs before any O load. `write_merged_row` divides."""
+        max_log2 = -cutlass.Float32.inf
         total = cutlass.Float32(0.0)
         acc = cute.make_rmem_tensor((VEC,), cutlass.Float32)
         acc.fill(0.0)
         part = cute.make_rmem_tensor((VEC,), cutlass.Float32)
         for s in cutlass.range(num_splits, unroll=UNROLL):
-            weight = cute.math.exp2(self.lse(s, i) * LOG2E - max_log2, fastmath=True)
-            total = total + weight
+            lse_log2 = self.lse(s, i) * LOG2E
             self.load_o(s, i, chunk, part)
+            seen_log2 = max_log2
+            max_log2 = cute.arch.fmax(max_log2, lse_log2)
+            ref = 0.0 if max_log2 == -cutlass.Float32.inf else max_log2
+            rescale = cute.math.exp2(seen_log2 - ref, fastmath=True)  # <= 1; 0 before any split
+            weight = cute.math.exp2(lse_log2 - ref, fastmath=True)
+            total = total * rescale + weight
             for v in cutlass.range_constexpr(VEC):
-                acc[v] = acc[v] + weight * part[v]
-        write_merged_row(mO, mLSE, i, chunk, acc, total, max_log2)
+                acc[v] = acc[v] * rescale + weight * part[v]
+        write_merged_row(mO, mLSE, i, chunk, acc, total, 0.0 if max_log2 == -cutlass.Float32.inf else max_log2)
 
 
 @dataclass(frozen=True)
@@ -285,9 +289,11 @@ class ClusterPartials(SplitPartials):
 
     @cute.jit
     def load_o(self, s, i, chunk, part: cute.Tensor):
-        o_at = self.sOpart.iterator + i * self.sOpart.shape[1] + chunk * VEC
+        """part (VEC,) <- split s's columns chunk * VEC.. of row i, one 128-bit load (16-byte
+        aligned: rows of kHeadDim fp32 from the start of K's stages)."""
+        values = remote_f32x4(self.sOpart.iterator + i * self.sOpart.shape[1] + chunk * VEC, s)
         for v in cutlass.range_constexpr(VEC):
-            part[v] = remote_f32(o_at + v, s)
+            part[v] = values[v]
 
 
 @cute.jit
@@ -316,6 +322,18 @@ def remote_f32(ptr, rank, *, loc=None, ip=None) -> cutlass.Float32:
     return cutlass.Float32(llvm.inline_asm(T.f32(), [addr], "ld.shared::cluster.f32 $0, [$1];", "=f,r",
                                            has_side_effects=True, is_align_stack=False,
                                            asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@dsl_user_op
+def remote_f32x4(ptr, rank, *, loc=None, ip=None) -> tuple:
+    """The 4 fp32 at `ptr` (16-byte aligned, this CTA's shared memory) in cluster CTA `rank`'s
+    shared memory, one `ld.shared::cluster.v4.f32` (as `remote_f32`)."""
+    remote = cute.arch.map_dsmem_ptr(ptr, rank, loc=loc, ip=ip)
+    addr = llvm.ptrtoint(T.i32(), remote.to_llvm_ptr(loc=loc, ip=ip), loc=loc, ip=ip)
+    quad = llvm.inline_asm(llvm.StructType.get_literal([T.f32()] * VEC), [addr],
+                           "ld.shared::cluster.v4.f32 {$0, $1, $2, $3}, [$4];", "=f,=f,=f,=f,r",
+                           has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+    return tuple(cutlass.Float32(llvm.extractvalue(T.f32(), quad, [v], loc=loc, ip=ip)) for v in range(VEC))
 
 
 @cute.jit
