@@ -242,6 +242,7 @@ class SplitPartials:
         the softmax's are. One pass issues each split's LSE and O loads together; a first pass
         for the max waited for the LSEs before any O load. `write_merged_row` divides."""
         max_log2 = -cutlass.Float32.inf
+        ref = cutlass.Float32(0.0)
         total = cutlass.Float32(0.0)
         acc = cute.make_rmem_tensor((VEC,), cutlass.Float32)
         acc.fill(0.0)
@@ -257,7 +258,7 @@ class SplitPartials:
             total = total * rescale + weight
             for v in cutlass.range_constexpr(VEC):
                 acc[v] = acc[v] * rescale + weight * part[v]
-        write_merged_row(mO, mLSE, i, chunk, acc, total, 0.0 if max_log2 == -cutlass.Float32.inf else max_log2)
+        write_merged_row(mO, mLSE, i, chunk, acc, total, ref)
 
 
 @dataclass(frozen=True)
