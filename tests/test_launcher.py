@@ -299,6 +299,26 @@ def test_hopper_forward_tiles_and_schedule(recorder, monkeypatch, d, sk, opts, b
     assert captured["mTileCounter"] is not first["mTileCounter"]
 
 
+@pytest.mark.parametrize("b, sq, h, hk, expected", [
+    (32, 512, 16, 16, 33),      # 4 query blocks a pair: the 33 pairs whose 132 tiles fill 132 SMs
+    (16, 1024, 16, 16, 16),     # 8 blocks: 16 pairs, 128 tiles
+    (16, 1025, 16, 16, 63),     # 9 blocks: 63 heads' K / V (2 * 1025 * 128 * 2 bytes each) in 32 MB
+    (4, 4096, 16, 16, 16),      # 2 MB of K / V a head: 16 in 32 MB
+    (4, 4096, 32, 8, 64),       # GQA 4: a K / V head counts once for its 4 query heads
+    (1, 512, 8, 8, 8),          # never more than the pairs there are
+])
+def test_scheduling_sections_fill_one_wave_or_32_mb_of_l2(b, sq, h, hk, expected):
+    """section_heads: short pairs (up to ONE_WAVE_MAX_M_BLOCKS query blocks of 128 rows) get
+    sections of one wave of tiles on 132 SMs, longer ones as many heads as keep 32 MB of K / V
+    (d 128, bf16); without longest-first scheduling a section is one pair."""
+    from cute_flash.launch.hopper import section_heads
+
+    q = torch.empty(b, sq, h, 128, dtype=torch.bfloat16, device="meta")
+    k = torch.empty(b, sq, hk, 128, dtype=torch.bfloat16, device="meta")
+    assert section_heads(q, k, True, 128, 132) == expected
+    assert section_heads(q, k, False, 128, 132) == 1
+
+
 @pytest.mark.parametrize("d, sk, opts, stages", [
     (64, 512, dict(), 3),              # three K / V stages up to 1024 keys on 128-row persistent tiles
     (64, 1024, dict(causal=True), 3),

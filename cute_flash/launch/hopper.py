@@ -24,6 +24,7 @@ from layouts.hopper import TALL_D64_MIN_SEQLEN_K, TALL_D64_UNMASKED_MIN_SEQLEN_K
 
 PERSISTENT_MAX_KEY_BLOCKS = 64
 L2_SECTION_BYTES = 32 << 20  # K / V bytes a scheduling section's heads may span: ~2/3 of the H200's 50 MB L2
+ONE_WAVE_MAX_M_BLOCKS = 8  # up to this many query blocks a pair, a section is one wave's pairs (section_heads)
 
 
 def prefers_persistent(traits, seqlen_k: int, masked: bool) -> bool:
@@ -134,18 +135,28 @@ def takes_kv_multicast(traits, seqlen_q: int, seqlen_k: int, masked: bool, persi
             and dropout is None and kv_multicast_fits(traits, seqlen_q, masked, persistent))
 
 
-def section_heads(q, k, longest_first: bool) -> int:
+def section_heads(q, k, longest_first: bool, block_m: int, num_sms: int) -> int:
     """(batch, head) pairs per scheduling section (`FlashFwdSm90.tile`). longest_first (the
-    persistent kernel under a causal or local mask): tiles go longest first across as many
-    heads as keep the K / V being read within L2_SECTION_BYTES (a group of query heads sharing
-    a K / V head counts once). Otherwise a section is one pair: its tiles are equal, or the
-    hardware hands out one CTA per tile in order, which balances them itself (one CTA per tile,
-    d 128 causal 512 / 2k / 16k: 242 / 416 / 565 TFLOP/s in per-pair order, 236 / 437 / 560
-    longest first)."""
+    persistent kernel under a causal or local mask): tiles go longest first across a section's
+    pairs. Where a pair has at most ONE_WAVE_MAX_M_BLOCKS query blocks, a section is the pairs
+    whose tiles fill one wave of the SMs, so that a K / V head is read by all its tiles while it
+    is in L2; with more, as many pairs as keep the K / V being read within L2_SECTION_BYTES (a
+    group of query heads sharing a K / V head counts once). H200 causal, TFLOP/s, 3 rounds,
+    sections of 32 / 16 pairs (one wave: 33 / 16) against 32 MB: d 64 512 265-267 / 260-262,
+    1k 350-354 / 342-348; d 128 512 353-355 / 333-336, 1k 460-464 / 441-460; smaller sections
+    lost beyond 1k (d 128 4k: 2 pairs 573-600, 8 pairs 597-603, 16 pairs (32 MB) 602-624). The
+    grid with this rule, 3 runs: d 64 512 261-264, d 128 512 353-356 (CUDNN 260-261, 334-337;
+    docs/perf.md, "Latest forward benchmark"). Otherwise a section is one pair:
+    its tiles are equal, or the hardware hands out one CTA per tile in order, which balances
+    them itself (one CTA per tile, d 128 causal 512 / 2k / 16k: 242 / 416 / 565 TFLOP/s in
+    per-pair order, 236 / 437 / 560 longest first)."""
     if not longest_first:
         return 1
-    kv_head_bytes = 2 * k.shape[1] * k.shape[3] * k.element_size()
     pairs = q.shape[0] * q.shape[2]  # the cap keeps section_heads * query blocks within int32
+    m_blocks = -(-q.shape[1] // block_m)
+    if m_blocks <= ONE_WAVE_MAX_M_BLOCKS:
+        return min(pairs, max(1, num_sms // m_blocks))
+    kv_head_bytes = 2 * k.shape[1] * k.shape[3] * k.element_size()
     return min(pairs, max(1, L2_SECTION_BYTES // kv_head_bytes) * (q.shape[2] // k.shape[2]))
 
 
@@ -190,11 +201,12 @@ def flash_fwd_sm90(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1)
     config = Sm90FwdConfig(traits, stages, persistent=persistent, speculative_max=speculative_max,
                            speculative_in_place=speculative_in_place, kv_multicast=kv_multicast,
                            **score_flags(left, right, alibi_slopes, softcap, dropout))
+    num_sms = compiled.num_sms(device_index(q.device))
     if sections is None:
-        sections = section_heads(q, k, persistent and masked)
+        sections = section_heads(q, k, persistent and masked, traits.block_m, num_sms)
     compiled.sm90_kernel_for(config)(q, k, v, out, lse, alibi_2d(alibi_slopes, b, h), rng_of(dropout, q.device),
                                      tile_counter(q.device), *scales(softmax_scale, softcap), left, right,
-                                     sections, compiled.num_sms(device_index(q.device)))
+                                     sections, num_sms)
     return (out if out.shape[-1] == d else out[..., :d]), lse
 
 
