@@ -326,6 +326,9 @@ def main(argv=None):
     t.add_argument("--sm90", action="store_true", help="the Hopper forward's tile candidates (sm_90 GPUs)")
     t.add_argument("--decode", action="store_true",
                    help="the Hopper KV-cache entry's candidates on decode cells, GB/s (sm_90 GPUs)")
+    t.add_argument("--splits", action="store_true",
+                   help="every split count of decode calls at 64-128 (batch, kv head) tiles, GB/s under "
+                        "CUDA graphs, beside the heuristic's count and CUDNN")
     sub.add_parser("traincheck", help="a 2-block transformer trained 200 steps with cute-flash and with SDPA: "
                                       "the two loss curves compared (GPU, about a minute)")
     m = sub.add_parser("memcheck", help="the GPU suite under compute-sanitizer memcheck (GPU); "
@@ -386,9 +389,11 @@ def main(argv=None):
 
         traincheck()
     elif cmd == "tune":
-        from cute_flash.bench import tune, tune_bwd, tune_decode, tune_sm90
+        from cute_flash import bench as tuners
 
-        tune_bwd() if args.bwd else tune_sm90() if args.sm90 else tune_decode() if args.decode else tune()
+        tuner = (tuners.tune_bwd if args.bwd else tuners.tune_sm90 if args.sm90 else tuners.tune_decode if args.decode
+                 else tuners.tune_decode_splits if args.splits else tuners.tune)
+        tuner()
     return 0
 
 

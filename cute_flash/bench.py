@@ -10,6 +10,7 @@ normal data, larger than L2 in every grid cell.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import json
 import math
@@ -783,6 +784,47 @@ def tune_decode(cells=DECODE_TUNE_CELLS):
             r = rows[-1]
             print(f"b{b:3} cache {cache:6} n{block_n:3} ctas/SM {ctas} eager {r['gbs']:6.0f} graph "
                   f"{r['graph_gbs'] or 0:6.0f} GB/s  max diff {r['max_diff']:.2e}", flush=True)
+    return rows
+
+
+DECODE_SPLIT_BATCHES = (8, 9, 11, 13, 16)  # 64-128 (batch, kv head) tiles: 9-13 fill 55-79% of 132 SMs
+DECODE_SPLIT_COUNTS = (1, 2, 3, 4, 5, 6, 8, 12, 16)
+
+
+def tune_decode_splits(batches=DECODE_SPLIT_BATCHES, caches=(8192, 32768, 131072), counts=DECODE_SPLIT_COUNTS):
+    """GB/s under CUDA graphs of every split count in `counts` on decode cells (`DECODE_HEADS`,
+    full bf16 caches, the default path), beside the count `num_splits_heuristic` picks and CUDNN:
+    `python -m cute_flash tune --splits`. The default batches put 64-128 tiles on the GPU,
+    where one wave of splits does not fill the SMs (68 tiles, 128k keys: unsplit 2726 GB/s,
+    3 splits 4318, CUDNN 3672; docs/perf.md, Decode)."""
+    import torch
+    from torch.nn.attention import SDPBackend
+
+    from cute_flash import flash_attn_with_kvcache
+
+    h, hk, d = DECODE_HEADS
+    rows = []
+    for b in batches:
+        for cache in caches:
+            q = torch.randn(b, 1, h, d, device="cuda", dtype=torch.bfloat16)
+            kc, vc = (torch.randn(b, cache, hk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+            seqlens = torch.full((b,), cache, dtype=torch.int32, device="cuda")
+            nbytes = 2 * b * cache * hk * d * 2
+            row = {"batch": b, "cache": cache, "gbs": {}}
+            for s in (0, *counts):  # 0: the heuristic's count
+                ms = _graph_time_ms(functools.partial(flash_attn_with_kvcache, q, kc, vc, cache_seqlens=seqlens,
+                                                      num_splits=s))
+                row["gbs"][s] = nbytes / ms / 1e6 if ms else None
+            cudnn = _sdpa(q, kc, vc, SDPBackend.CUDNN_ATTENTION, False, enable_gqa=True)
+            cudnn_ms = _graph_time_ms(cudnn) if cudnn else None
+            row["cudnn_gbs"] = nbytes / cudnn_ms / 1e6 if cudnn_ms else None
+            rows.append(row)
+            best = max(counts, key=lambda s: row["gbs"][s] or 0)
+            print(f"b{b:3} cache {cache:6} heuristic {row['gbs'][0] or 0:5.0f}  best {best:2} splits "
+                  f"{row['gbs'][best] or 0:5.0f}  CUDNN {row['cudnn_gbs'] or 0:5.0f} |  "
+                  + "  ".join(f"{s}: {row['gbs'][s] or 0:.0f}" for s in counts), flush=True)
+            del kc, vc
+            torch.cuda.empty_cache()
     return rows
 
 
