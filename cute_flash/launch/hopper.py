@@ -138,18 +138,17 @@ def takes_kv_multicast(traits, seqlen_q: int, seqlen_k: int, masked: bool, persi
 def section_heads(q, k, longest_first: bool, block_m: int, num_sms: int) -> int:
     """(batch, head) pairs per scheduling section (`FlashFwdSm90.tile`). longest_first (the
     persistent kernel under a causal or local mask): tiles go longest first across a section's
-    pairs. Where a pair has at most ONE_WAVE_MAX_M_BLOCKS query blocks, a section is the pairs
-    whose tiles fill one wave of the SMs, so that a K / V head is read by all its tiles while it
-    is in L2; with more, as many pairs as keep the K / V being read within L2_SECTION_BYTES (a
-    group of query heads sharing a K / V head counts once). H200 causal, TFLOP/s, 3 rounds,
-    sections of 32 / 16 pairs (one wave: 33 / 16) against 32 MB: d 64 512 265-267 / 260-262,
-    1k 350-354 / 342-348; d 128 512 353-355 / 333-336, 1k 460-464 / 441-460; smaller sections
-    lost beyond 1k (d 128 4k: 2 pairs 573-600, 8 pairs 597-603, 16 pairs (32 MB) 602-624). The
-    grid with this rule, 3 runs: d 64 512 261-264, d 128 512 353-356 (CUDNN 260-261, 334-337;
-    docs/perf.md, "Latest forward benchmark"). Otherwise a section is one pair:
-    its tiles are equal, or the hardware hands out one CTA per tile in order, which balances
-    them itself (one CTA per tile, d 128 causal 512 / 2k / 16k: 242 / 416 / 565 TFLOP/s in
-    per-pair order, 236 / 437 / 560 longest first)."""
+    pairs. Over many pairs of at most ONE_WAVE_MAX_M_BLOCKS query blocks, a pair's tiles land
+    in different waves, so a section is the pairs whose tiles fill one wave (a K / V head read
+    by all its tiles while in L2); a longer pair has tiles in flight together, and a section is
+    as many pairs as keep the K / V read within L2_SECTION_BYTES (a K / V head shared by a
+    group of query heads counting once). H200 causal, TFLOP/s, 32 MB sections against 32 / 16
+    pairs (one wave: 33 / 16): d 64 512 260-262 / 265-267, 1k 342-348 / 350-354; d 128 512
+    333-336 / 353-355, 1k 441-460 / 460-464; smaller sections lost from 16 blocks (d 128 4k: 16
+    pairs (32 MB) 602-624, 8 pairs 597-603, 2 pairs 573-600; docs/perf.md, Hopper step 22).
+    Otherwise a section is one pair: its tiles are equal, or the hardware hands out one CTA per
+    tile in order, which balances them itself (one CTA per tile, d 128 causal 512 / 2k / 16k:
+    242 / 416 / 565 TFLOP/s in per-pair order, 236 / 437 / 560 longest first)."""
     if not longest_first:
         return 1
     pairs = q.shape[0] * q.shape[2]  # the cap keeps section_heads * query blocks within int32
