@@ -1,7 +1,8 @@
 """The decode bench's tables (`bench.format_decode`) on hand-made rows: ours over each peer and
 over the better of CUDNN and flash-attn-4 (the issue's bar), a missing peer as "-", and the SM80
 table only when the rows carry it; the dropout table (`bench.format_dropout`): overheads and
-ours at p over the better peer at p. No GPU: the rows are written here."""
+ours at p over the better peer at p; the split-count sweep's bookkeeping with its timer faked.
+No GPU: the rows are written here."""
 from cute_flash.bench import format_decode, format_dropout
 
 
@@ -50,3 +51,25 @@ def test_dropout_overheads_and_ours_over_the_better_peer():
         in lines
     assert "cells <= 15%: 0/2; backward max +20.0%, cells <= 20%: 2/2" in text
     assert "fwd at p, ours / better peer at p: geometric mean 1.265; min 0.800; cells >= 1.0: 1/2" in text
+
+
+def test_split_sweep_times_each_count_on_its_own_call(monkeypatch, capsys):
+    """`tune --splits` (`bench.tune_decode_splits`) on the CPU with the timer faked: each count
+    is timed on a call that asks for that count (0: the heuristic's), GB/s is the K / V bytes
+    over the time, and the printed best is the fastest count."""
+    import torch
+
+    from cute_flash import bench
+
+    randn, full = torch.randn, torch.full
+    monkeypatch.setattr(torch, "randn", lambda *shape, device=None, **kw: randn(*shape, **kw))
+    monkeypatch.setattr(torch, "full", lambda *args, device=None, **kw: full(*args, **kw))
+    ms_of_count = {0: 4.0, 1: 4.0, 2: 2.0, 3: 1.0, 5: 8.0}
+    monkeypatch.setattr(bench, "_graph_time_ms", lambda fn: ms_of_count[fn.keywords["num_splits"]])
+    monkeypatch.setattr(bench, "_sdpa", lambda *args, **kw: None)
+    rows = bench.tune_decode_splits(batches=(9,), caches=(256,), counts=(1, 2, 3, 5))
+    _, hk, d = bench.DECODE_HEADS
+    nbytes = 2 * 9 * 256 * hk * d * 2
+    gbs = {s: nbytes / ms / 1e6 for s, ms in ms_of_count.items()}
+    assert rows == [{"batch": 9, "cache": 256, "gbs": gbs, "cudnn_gbs": None}]
+    assert "best  3 splits" in capsys.readouterr().out
