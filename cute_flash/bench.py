@@ -16,6 +16,7 @@ import json
 import math
 import statistics
 import time
+from dataclasses import dataclass
 
 SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
 HEAD_DIMS = (64, 128)
@@ -465,18 +466,16 @@ def run_paged(d=128, nheads=16, seqlen=4096, batch=8, decode_cells=PAGED_DECODE_
                              ratio=flat / paged))
             del kp, vp
     del q, k, v
-    h, hk, d = DECODE_HEADS
     for b, cache in decode_cells:
-        q = torch.randn(b, 1, h, d, device="cuda", dtype=torch.bfloat16)
-        kc, vc = (torch.randn(b, cache, hk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-        seqlens = torch.full((b,), cache, dtype=torch.int32, device="cuda")
-        nbytes = 2 * b * cache * hk * d * 2
-        flat = _time_ms(lambda: flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens))
+        call = DecodeCall.make(b, cache)
+        nbytes = call.nbytes
+        flat = _time_ms(lambda: flash_attn_with_kvcache(call.q, call.k_cache, call.v_cache,
+                                                        cache_seqlens=call.cache_seqlens))
         for ps in PAGE_SIZES:
-            kp, vp, table = shuffled_pages(kc, vc, ps)
+            kp, vp, table = shuffled_pages(call.k_cache, call.v_cache, ps)
 
             def paged():
-                return flash_attn_with_kvcache(q, kp, vp, cache_seqlens=seqlens, block_table=table)
+                return flash_attn_with_kvcache(call.q, kp, vp, cache_seqlens=call.cache_seqlens, block_table=table)
 
             t_paged = _time_ms(paged)
             with host_check_off():
@@ -486,7 +485,7 @@ def run_paged(d=128, nheads=16, seqlen=4096, batch=8, decode_cells=PAGED_DECODE_
                              host_check_us=1e3 * (t_paged - t_unchecked), unchecked_ratio=flat / t_unchecked))
             print(rows[-1], flush=True)
             del kp, vp
-        del kc, vc
+        del call
         torch.cuda.empty_cache()
     return rows
 
@@ -541,6 +540,28 @@ DECODE_CACHES = (1024, 8192, 32768, 131072)
 DECODE_HEADS = (32, 8, 128)  # nheads, nheads_k, d
 
 
+@dataclass(frozen=True)
+class DecodeCall:
+    """One decode cell's inputs (`DECODE_HEADS`, bf16): q (b, 1, h, d), full caches k_cache /
+    v_cache (b, cache, hk, d) with cache_seqlens (b,) int32 all `cache`, and nbytes, the K / V
+    bytes a call reads (2 * b * cache * hk * d * 2), over which GB/s is counted."""
+    q: object
+    k_cache: object
+    v_cache: object
+    cache_seqlens: object
+    nbytes: int
+
+    @classmethod
+    def make(cls, b: int, cache: int) -> DecodeCall:
+        import torch
+
+        h, hk, d = DECODE_HEADS
+        q = torch.randn(b, 1, h, d, device="cuda", dtype=torch.bfloat16)
+        k_cache, v_cache = (torch.randn(b, cache, hk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        seqlens = torch.full((b,), cache, dtype=torch.int32, device="cuda")
+        return cls(q, k_cache, v_cache, seqlens, 2 * b * cache * hk * d * 2)
+
+
 def copy_bandwidth_gbs(nbytes=4 << 30):
     """Device copy bandwidth (bytes read + written per second), the decode ceiling."""
     import torch
@@ -567,14 +588,12 @@ def run_decode(batches=DECODE_BATCHES, caches=DECODE_CACHES):
     rows = []
     for b in batches:
         for cache in caches:
-            q = torch.randn(b, 1, h, d, device="cuda", dtype=torch.bfloat16)
-            kc, vc = (torch.randn(b, cache, hk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-            seqlens = torch.full((b,), cache, dtype=torch.int32, device="cuda")
-            nbytes = 2 * b * cache * hk * d * 2
+            call = DecodeCall.make(b, cache)
+            q, kc, vc, nbytes = call.q, call.k_cache, call.v_cache, call.nbytes
             row = dict(batch=b, cache=cache, nheads=h, nheads_k=hk, d=d, bytes=nbytes)
 
             def ours():
-                return flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens)
+                return flash_attn_with_kvcache(q, kc, vc, cache_seqlens=call.cache_seqlens)
 
             def timed(name, fn):
                 row[f"{name}_gbs"] = nbytes / _time_ms(fn) / 1e6 if fn else None
@@ -590,7 +609,7 @@ def run_decode(batches=DECODE_BATCHES, caches=DECODE_CACHES):
             timed("fa4", _fa4_decode(fa4, q, kc, vc))
             rows.append(row)
             print(row, flush=True)
-            del kc, vc
+            del call, kc, vc
             torch.cuda.empty_cache()
     return rows
 
@@ -754,26 +773,23 @@ def tune_decode(cells=DECODE_TUNE_CELLS):
     decode cells (`DECODE_HEADS`, full bf16 caches, the split heuristic for that many CTAs an
     SM), with each candidate's max |out - shipped candidate's out|: `python -m cute_flash tune
     --decode` (sm_90 GPUs)."""
-    import torch
-
     from cute_flash.launch.kvcache import flash_fwd_kvcache
     from layouts.hopper import HopperTileTraits
 
-    h, hk, d = DECODE_HEADS
+    d = DECODE_HEADS[2]
     rows = []
     for b, cache in cells:
-        q = torch.randn(b, 1, h, d, device="cuda", dtype=torch.bfloat16)
-        kc, vc = (torch.randn(b, cache, hk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-        seqlens = torch.full((b,), cache, dtype=torch.int32, device="cuda")
-        nbytes = 2 * b * cache * hk * d * 2
+        call = DecodeCall.make(b, cache)
+        nbytes = call.nbytes
         shipped = None
         for block_n, ctas in DECODE_TUNE_CANDIDATES:
             variant = dict(traits=HopperTileTraits(d, 64, block_n, "bf16"), ctas_per_sm=ctas)
             key = ("tune_decode", b, cache, block_n, ctas)  # the call's setup is kept under it, as a decode loop's
 
             def run():
-                return flash_fwd_kvcache(q, kc, vc, cache_seqlens=seqlens, softmax_scale=d ** -0.5, return_lse=False,
-                                         signature=key, hopper_variant=variant)[0]
+                return flash_fwd_kvcache(call.q, call.k_cache, call.v_cache, cache_seqlens=call.cache_seqlens,
+                                         softmax_scale=d ** -0.5, return_lse=False, signature=key,
+                                         hopper_variant=variant)[0]
 
             out = run()
             shipped = out if shipped is None else shipped
@@ -802,28 +818,24 @@ def tune_decode_splits(batches=DECODE_SPLIT_BATCHES, caches=(8192, 32768, 131072
 
     from cute_flash import flash_attn_with_kvcache
 
-    h, hk, d = DECODE_HEADS
     rows = []
     for b in batches:
         for cache in caches:
-            q = torch.randn(b, 1, h, d, device="cuda", dtype=torch.bfloat16)
-            kc, vc = (torch.randn(b, cache, hk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-            seqlens = torch.full((b,), cache, dtype=torch.int32, device="cuda")
-            nbytes = 2 * b * cache * hk * d * 2
+            call = DecodeCall.make(b, cache)
             row = {"batch": b, "cache": cache, "gbs": {}}
             for s in (0, *counts):  # 0: the heuristic's count
-                ms = _graph_time_ms(functools.partial(flash_attn_with_kvcache, q, kc, vc, cache_seqlens=seqlens,
-                                                      num_splits=s))
-                row["gbs"][s] = nbytes / ms / 1e6 if ms else None
-            cudnn = _sdpa(q, kc, vc, SDPBackend.CUDNN_ATTENTION, False, enable_gqa=True)
+                ms = _graph_time_ms(functools.partial(flash_attn_with_kvcache, call.q, call.k_cache, call.v_cache,
+                                                      cache_seqlens=call.cache_seqlens, num_splits=s))
+                row["gbs"][s] = call.nbytes / ms / 1e6 if ms else None
+            cudnn = _sdpa(call.q, call.k_cache, call.v_cache, SDPBackend.CUDNN_ATTENTION, False, enable_gqa=True)
             cudnn_ms = _graph_time_ms(cudnn) if cudnn else None
-            row["cudnn_gbs"] = nbytes / cudnn_ms / 1e6 if cudnn_ms else None
+            row["cudnn_gbs"] = call.nbytes / cudnn_ms / 1e6 if cudnn_ms else None
             rows.append(row)
             best = max(counts, key=lambda s: row["gbs"][s] or 0)
             print(f"b{b:3} cache {cache:6} heuristic {row['gbs'][0] or 0:5.0f}  best {best:2} splits "
                   f"{row['gbs'][best] or 0:5.0f}  CUDNN {row['cudnn_gbs'] or 0:5.0f} |  "
                   + "  ".join(f"{s}: {row['gbs'][s] or 0:.0f}" for s in counts), flush=True)
-            del kc, vc
+            del call, cudnn
             torch.cuda.empty_cache()
     return rows
 
