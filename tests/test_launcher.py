@@ -762,24 +762,24 @@ def test_the_grid_cap_leaves_one_split(recorder, monkeypatch):
 
 def test_hopper_variant_overrides_the_cache_tiles(recorder, monkeypatch):
     """`tune --decode`'s override: the given tiles and CTAs an SM reach the config, and the split
-    count is the one for that many CTAs an SM: 10 sequences of 8 kv heads (80 tiles) over 1000
-    keys in 16 blocks of 64 split 3 ways in 264 slots, not at all in 132."""
+    count is the one for that many CTAs an SM: 6 sequences of 8 kv heads (48 tiles) over 2000
+    keys in 32 blocks of 64 split 5 ways in 264 slots (240 CTAs), 2 ways in 132."""
     from cute_flash.kernels.split_kv import num_splits_heuristic
     from cute_flash.launch import flash_fwd_kvcache
     from layouts.hopper import HopperTileTraits
 
-    q = torch.randn(10, 1, 32, 64, dtype=torch.bfloat16)
-    cache = torch.randn(10, 1000, 8, 64, dtype=torch.bfloat16)
+    q = torch.randn(6, 1, 32, 64, dtype=torch.bfloat16)
+    cache = torch.randn(6, 2000, 8, 64, dtype=torch.bfloat16)
     monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", "sm90")
     traits = HopperTileTraits(64, 64, 64, "bf16")
     for ctas in (2, 1):
-        flash_fwd_kvcache(q, cache, cache, cache_seqlens=1000, softmax_scale=0.125, num_splits=0,
+        flash_fwd_kvcache(q, cache, cache, cache_seqlens=2000, softmax_scale=0.125, num_splits=0,
                           hopper_variant=dict(traits=traits, ctas_per_sm=ctas))
     two, one = recorder.launches
     assert two.config.traits == traits and two.config.ctas_per_sm == 2 and two.config.pack_gqa
     assert one.config.traits == traits and one.config.ctas_per_sm == 1
-    assert two["num_splits"] == num_splits_heuristic(80, 132, 16, ctas_per_sm=2) == 3
-    assert one["num_splits"] == num_splits_heuristic(80, 132, 16, ctas_per_sm=1) == 1
+    assert two["num_splits"] == num_splits_heuristic(48, 132, 32, ctas_per_sm=2) == 5
+    assert one["num_splits"] == num_splits_heuristic(48, 132, 32, ctas_per_sm=1) == 2
 
 
 @pytest.mark.parametrize("b, capacity, d, num_splits, two", [

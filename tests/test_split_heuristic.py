@@ -1,7 +1,8 @@
 """The split-count heuristic (cute_flash.kernels.split_kv.num_splits_heuristic) on cases worked by hand from
 its rule: no split once the CTAs fill 80% of the slots (SMs x 2); otherwise, among counts whose CTAs
-fit the slots at once and that change the blocks per split, the smallest with the least busiest-SM
-time, k (ceil(n / s) + 0.5 [s > 1]) / (0.95 if k == 1 else 1) with k = ceil(work * s / SMs)."""
+fit the slots at once (two waves where none but 1 does and SMs would idle unsplit) and that change
+the blocks per split, the smallest with the least busiest-SM time, k (ceil(n / s) + 0.5 [s > 1]) /
+(0.95 if k == 1 and two CTAs share an SM else 1) with k = ceil(work * s / SMs)."""
 import math
 
 import pytest
@@ -33,6 +34,12 @@ def test_worked_cases(work, n_blocks, expected, why):
     (64, 256, 2, "132 slots hold 2 splits of 64 CTAs: 128.5 / 0.95 against 256 / 0.95"),
     (8, 1024, 16, "16 x 8 = 128 CTAs, one wave: the most splits, 64.5 / 0.95 (s=32 would need 256)"),
     (8, 8, 8, "one block per split: 1.5 / 0.95 against s=4's 2.5 / 0.95"),
+    (68, 1024, 3, "no split fits 132 slots; two waves: s=3, 204 CTAs, 2 x 341.8 = 683.5 against 1024 unsplit "
+                  "and s=2's 136 CTAs, 2 x 512.5 = 1025"),
+    (88, 1024, 3, "s=3: 264 CTAs, two a SM, 2 x 341.8 = 683.5"),
+    (104, 1024, 1, "two waves hold at most 2 splits: 208 CTAs, 2 x 512.5 = 1025 against 1024 unsplit"),
+    (90, 1024, 1, "s=3 would need 270 CTAs, more than two waves; s=2: 2 x 512.5 = 1025"),
+    (60, 1024, 2, "one wave holds 2 splits: 512.5 against s=4's 240 CTAs, 2 x 256.5 = 513, not a candidate"),
 ])
 def test_worked_cases_one_cta_per_sm(work, n_blocks, expected, why):
     """The Hopper KV-cache entry's CTAs fill an SM's shared memory (ctas_per_sm=1): 132 slots."""
@@ -46,3 +53,12 @@ def test_choice_is_eligible_and_bounded(work, n_blocks):
     if s > 1:
         assert math.ceil(n_blocks / s) != math.ceil(n_blocks / (s - 1))  # no empty-split padding
         assert work < 0.8 * SLOTS and work * s <= SLOTS  # one wave
+
+
+@given(work=st.integers(1, 200), n_blocks=st.integers(1, 2000))
+def test_one_cta_per_sm_takes_a_second_wave_only_where_none_but_1_fits_one(work, n_blocks):
+    s = num_splits_heuristic(work, 132, n_blocks, ctas_per_sm=1)
+    assert 1 <= s <= min(128, n_blocks)
+    if s > 1:
+        assert math.ceil(n_blocks / s) != math.ceil(n_blocks / (s - 1))
+        assert work < 0.8 * 132 and work * s <= (132 if 2 * work <= 132 else 2 * 132)

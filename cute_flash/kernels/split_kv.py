@@ -68,11 +68,15 @@ def num_splits_heuristic(work_ctas: int, num_sms: int, num_n_blocks: int, max_sp
     one CTA or two (ctas_per_sm, the most that fit: 2 for the SM80 kernel, 255 registers x 128
     threads; 1 for the Hopper KV-cache entry, by its shared memory). With s splits the busiest
     SM runs k = ceil(work_ctas * s / num_sms) CTAs of ceil(n / s) key blocks each, about
-    k (ceil(n / s) + SPLIT_COST [s > 1]) / (LONE_CTA_RATE if k == 1 else 1) blocks' time.
+    k (ceil(n / s) + SPLIT_COST [s > 1]) / (LONE_CTA_RATE if k == 1 < ctas_per_sm else 1)
+    blocks' time (at one CTA an SM, k CTAs run one after another: no pair to be slower than).
     Candidates: no split once work_ctas fill 80% of the ctas_per_sm x num_sms slots; otherwise
     the counts whose CTAs all fit in those slots at once (a second wave ran 17% slower at one
     sequence, 128k keys, 48 splits against 32) and that change ceil(n / s) (the others add empty
-    splits).
+    splits). Where no split fits one wave and the unsplit CTAs leave SMs idle (one CTA an SM,
+    more than half the SMs taken), counts of two waves: 68 tiles at one CTA an SM streamed 128k
+    keys at 2726 GB/s unsplit (68 SMs busy) and at 4318 in 3 splits (204 CTAs; docs/perf.md,
+    Decode).
     The smallest count at the least time wins. The constants are fitted to a sweep of every
     count over the decode bench's 16 cells (H200, CUDA graphs, docs/perf.md, Decode): there
     flash-attn's rule (the smallest count within 85% of the best wave efficiency, which this
@@ -82,13 +86,14 @@ def num_splits_heuristic(work_ctas: int, num_sms: int, num_n_blocks: int, max_sp
     slots = ctas_per_sm * num_sms
     if work_ctas >= 0.8 * slots:
         return 1
+    waves = 2 if 2 * work_ctas > slots and work_ctas < num_sms else 1
 
     def cost(s):
         k = -(-work_ctas * s // num_sms)
         blocks = -(-num_n_blocks // s) + (SPLIT_COST if s > 1 else 0.0)
-        return k * blocks / (LONE_CTA_RATE if k == 1 else 1.0)
+        return k * blocks / (LONE_CTA_RATE if k == 1 < ctas_per_sm else 1.0)
 
-    top = max(1, min(max_splits, num_n_blocks, slots // work_ctas))
+    top = max(1, min(max_splits, num_n_blocks, waves * slots // work_ctas))
     counts = [s for s in range(1, top + 1) if s == 1 or -(-num_n_blocks // s) != -(-num_n_blocks // (s - 1))]
     return min(counts, key=lambda s: (cost(s), s))
 
