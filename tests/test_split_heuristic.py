@@ -34,8 +34,8 @@ def test_worked_cases(work, n_blocks, expected, why):
     (64, 256, 2, "132 slots hold 2 splits of 64 CTAs: 128.5 / 0.95 against 256 / 0.95"),
     (8, 1024, 16, "16 x 8 = 128 CTAs, one wave: the most splits, 64.5 / 0.95 (s=32 would need 256)"),
     (8, 8, 8, "one block per split: 1.5 / 0.95 against s=4's 2.5 / 0.95"),
-    (68, 1024, 3, "no split fits 132 slots; two waves: s=3, 204 CTAs, 2 x 341.8 = 683.5 against 1024 unsplit "
-                  "and s=2's 136 CTAs, 2 x 512.5 = 1025"),
+    (68, 1024, 3, ("no split fits 132 slots; two waves: s=3, 204 CTAs, 2 x 341.8 = 683.5 against 1024 "
+                   "unsplit and s=2's 136 CTAs, 2 x 512.5 = 1025")),
     (88, 1024, 3, "s=3: 264 CTAs, two a SM, 2 x 341.8 = 683.5"),
     (104, 1024, 1, "two waves hold at most 2 splits: 208 CTAs, 2 x 512.5 = 1025 against 1024 unsplit"),
     (90, 1024, 1, "s=3 would need 270 CTAs, more than two waves; s=2: 2 x 512.5 = 1025"),
