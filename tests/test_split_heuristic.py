@@ -2,7 +2,9 @@
 its rule: no split once the CTAs fill 80% of the slots (SMs x 2); otherwise, among counts whose CTAs
 fit the slots at once (two waves where none but 1 does and SMs would idle unsplit) and that change
 the blocks per split, the smallest with the least busiest-SM time, k (ceil(n / s) + 0.5 [s > 1]) /
-(0.95 if k == 1 and two CTAs share an SM else 1) with k = ceil(work * s / SMs)."""
+(0.95 if k == 1 and two CTAs share an SM else 1) with k = ceil(work * s / SMs); at one CTA an SM,
+12 splits instead where the winner's CTAs fill less than 80% of the SM slots over its waves and 12
+are not slower by that time."""
 import math
 
 import pytest
@@ -34,12 +36,16 @@ def test_worked_cases(work, n_blocks, expected, why):
     (64, 256, 2, "132 slots hold 2 splits of 64 CTAs: 128.5 / 0.95 against 256 / 0.95"),
     (8, 1024, 16, "16 x 8 = 128 CTAs, one wave: the most splits, 64.5 / 0.95 (s=32 would need 256)"),
     (8, 8, 8, "one block per split: 1.5 / 0.95 against s=4's 2.5 / 0.95"),
-    (68, 1024, 3, ("no split fits 132 slots; two waves: s=3, 204 CTAs, 2 x 341.8 = 683.5 against 1024 "
-                   "unsplit and s=2's 136 CTAs, 2 x 512.5 = 1025")),
+    (72, 1024, 3, "no split fits 132 slots; two waves: s=3, 216 CTAs (82% of 264), 2 x 341.8 = 683.5"),
     (88, 1024, 3, "s=3: 264 CTAs, two a SM, 2 x 341.8 = 683.5"),
-    (104, 1024, 1, "two waves hold at most 2 splits: 208 CTAs, 2 x 512.5 = 1025 against 1024 unsplit"),
-    (90, 1024, 1, "s=3 would need 270 CTAs, more than two waves; s=2: 2 x 512.5 = 1025"),
-    (60, 1024, 2, "one wave holds 2 splits: 512.5 against s=4's 240 CTAs, 2 x 256.5 = 513, not a candidate"),
+    (68, 1024, 12, ("s=3's 204 CTAs fill 77% of two waves; s=12: 816 CTAs, 7 x 85.8 = 600.5 against "
+                    "683.5")),
+    (104, 1024, 12, "unsplit fills 79% of the SMs, 1024; s=12: 1248 CTAs, 10 x 85.8 = 858"),
+    (104, 64, 1, "8k keys: s=12 takes 10 x 6.5 = 65 against 64 unsplit"),
+    (48, 1024, 12, "s=2's 96 CTAs fill 73%, 512.5; s=12: 576 CTAs, 5 x 85.8 = 429"),
+    (48, 64, 2, "s=12 ties s=2 at 32.5 (5 x 6.5): not slower by the model is not enough"),
+    (60, 1024, 2, "s=2 fills 91% of one wave"),
+    (48, 11, 2, "11 key blocks, fewer than 12 splits: s=2 stays at 73%"),
 ])
 def test_worked_cases_one_cta_per_sm(work, n_blocks, expected, why):
     """The Hopper KV-cache entry's CTAs fill an SM's shared memory (ctas_per_sm=1): 132 slots."""
@@ -56,9 +62,14 @@ def test_choice_is_eligible_and_bounded(work, n_blocks):
 
 
 @given(work=st.integers(1, 200), n_blocks=st.integers(1, 2000))
-def test_one_cta_per_sm_takes_a_second_wave_only_where_none_but_1_fits_one(work, n_blocks):
+def test_one_cta_per_sm_takes_more_waves_only_where_sms_would_idle(work, n_blocks):
     s = num_splits_heuristic(work, 132, n_blocks, ctas_per_sm=1)
     assert 1 <= s <= min(128, n_blocks)
     if s > 1:
         assert math.ceil(n_blocks / s) != math.ceil(n_blocks / (s - 1))
-        assert work < 0.8 * 132 and work * s <= (132 if 2 * work <= 132 else 2 * 132)
+        assert work < 0.8 * 132
+    if s == 12 and work * s > 132:  # the many-wave count: its one- or two-wave rival leaves SMs idle
+        rival = num_splits_heuristic(work, 132, n_blocks, max_splits=11, ctas_per_sm=1)  # >= 12 tiles: top <= 11
+        assert work * rival < 0.8 * 132 * math.ceil(work * rival / 132)
+    elif s > 1:
+        assert work * s <= (132 if 2 * work <= 132 else 2 * 132)

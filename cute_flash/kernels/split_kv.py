@@ -57,6 +57,8 @@ def workspace_shapes(num_splits: int, batch: int, heads: int, rows: int, head_di
 
 LONE_CTA_RATE = 0.95  # a decode CTA alone on its SM streams keys at 0.95 x what each of a pair does
 SPLIT_COST = 0.5      # a split's partial O and its share of the merge, in key blocks' time
+MANY_WAVE_SPLITS = 12  # at one CTA an SM, where the best count of one or two waves idles SMs
+BUSY_FLOOR = 0.8       # ... more than 1 - BUSY_FLOOR of the SM slots over its waves
 
 
 @functools.lru_cache(maxsize=4096)
@@ -73,16 +75,21 @@ def num_splits_heuristic(work_ctas: int, num_sms: int, num_n_blocks: int, max_sp
     Candidates: no split once work_ctas fill 80% of the ctas_per_sm x num_sms slots; otherwise
     the counts whose CTAs all fit in those slots at once (a second wave ran 17% slower at one
     sequence, 128k keys, 48 splits against 32) and that change ceil(n / s) (the others add empty
-    splits). Where no split fits one wave and the unsplit CTAs leave SMs idle (one CTA an SM,
-    more than half the SMs taken), counts of two waves: 68 tiles at one CTA an SM streamed 128k
-    keys at 2726 GB/s unsplit (68 SMs busy) and at 4318 in 3 splits (204 CTAs; docs/perf.md,
-    Decode).
-    The smallest count at the least time wins. The constants are fitted to a sweep of every
-    count over the decode bench's 16 cells (H200, CUDA graphs, docs/perf.md, Decode): there
-    flash-attn's rule (the smallest count within 85% of the best wave efficiency, which this
-    replaced) chose 28-32 splits for one sequence of 8 kv heads, and at 8k-32k keys ran 5-7%
-    slower than this rule's 16 or 32.
-    """
+    splits); where no split fits one wave and the unsplit CTAs leave SMs idle (one CTA an SM,
+    more than half the SMs taken), counts of two waves too. The smallest count at the least
+    time wins. The constants are fitted to a sweep of every count over the decode bench's 16
+    cells (H200, CUDA graphs, docs/perf.md, Decode): there flash-attn's rule (the smallest
+    count within 85% of the best wave efficiency, which this replaced) chose 28-32 splits for
+    one sequence of 8 kv heads, and at 8k-32k keys ran 5-7% slower than this rule's 16 or 32.
+
+    At one CTA an SM, a winner whose CTAs fill less than BUSY_FLOOR of the SM slots over its
+    waves gives way to MANY_WAVE_SPLITS (merged through the workspace, 4-10 waves that the
+    SMs share out as they free up) where the model does not call that slower. A sweep of 1-16
+    splits at 6-16 sequences of 32 / 8 heads, 8k-128k keys (`tune --splits`, docs/perf.md,
+    Decode): 12 splits were within 3.5% of the best count in the 7 cells where this applies
+    (6 sequences of 32k-128k keys, 12 of 8k-128k, 13 of 32k-128k), where the count of one wave
+    ran at 0.85-0.95 of the best; at 9 sequences the two waves' 3 splits were the best count (3929-4427 GB/s,
+    unsplit 2701-2834)."""
     slots = ctas_per_sm * num_sms
     if work_ctas >= 0.8 * slots:
         return 1
@@ -95,7 +102,12 @@ def num_splits_heuristic(work_ctas: int, num_sms: int, num_n_blocks: int, max_sp
 
     top = max(1, min(max_splits, num_n_blocks, waves * slots // work_ctas))
     counts = [s for s in range(1, top + 1) if s == 1 or -(-num_n_blocks // s) != -(-num_n_blocks // (s - 1))]
-    return min(counts, key=lambda s: (cost(s), s))
+    best = min(counts, key=lambda s: (cost(s), s))
+    busy = work_ctas * best / (num_sms * -(-work_ctas * best // num_sms))
+    many = MANY_WAVE_SPLITS
+    if ctas_per_sm == 1 and busy < BUSY_FLOOR and many <= min(max_splits, num_n_blocks) and cost(many) < cost(best):
+        return many
+    return best
 
 
 @dataclass(frozen=True)
