@@ -327,7 +327,7 @@ def main(argv=None):
     t.add_argument("--decode", action="store_true",
                    help="the Hopper KV-cache entry's candidates on decode cells, GB/s (sm_90 GPUs)")
     t.add_argument("--splits", action="store_true",
-                   help="every split count of decode calls at 64-128 (batch, kv head) tiles, GB/s under "
+                   help="every split count of decode calls at 48-128 (batch, kv head) tiles, GB/s under "
                         "CUDA graphs, beside the heuristic's count and CUDNN")
     sub.add_parser("traincheck", help="a 2-block transformer trained 200 steps with cute-flash and with SDPA: "
                                       "the two loss curves compared (GPU, about a minute)")

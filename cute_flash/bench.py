@@ -803,16 +803,16 @@ def tune_decode(cells=DECODE_TUNE_CELLS):
     return rows
 
 
-DECODE_SPLIT_BATCHES = (8, 9, 11, 13, 16)  # 64-128 (batch, kv head) tiles: 9-13 fill 55-79% of 132 SMs
+DECODE_SPLIT_BATCHES = (6, 8, 9, 11, 12, 13, 16)  # 48-128 (batch, kv head) tiles: 6 and 9-13 fill 36-79% of 132 SMs
 DECODE_SPLIT_COUNTS = (1, 2, 3, 4, 5, 6, 8, 12, 16)
 
 
 def tune_decode_splits(batches=DECODE_SPLIT_BATCHES, caches=(8192, 32768, 131072), counts=DECODE_SPLIT_COUNTS):
     """GB/s under CUDA graphs of every split count in `counts` on decode cells (`DECODE_HEADS`,
     full bf16 caches, the default path), beside the count `num_splits_heuristic` picks and CUDNN:
-    `python -m cute_flash tune --splits`. The default batches put 64-128 tiles on the GPU,
-    where one wave of splits does not fill the SMs (68 tiles, 128k keys: unsplit 2726 GB/s,
-    3 splits 4318, CUDNN 3672; docs/perf.md, Decode)."""
+    `python -m cute_flash tune --splits`. The default batches put 48-128 tiles on the GPU,
+    where one wave of splits does not fill the SMs (72 tiles, 128k keys: unsplit 2834 GB/s,
+    3 splits 4427, CUDNN 3800; docs/perf.md, "Split counts where one wave leaves SMs idle")."""
     import torch
     from torch.nn.attention import SDPBackend
 
