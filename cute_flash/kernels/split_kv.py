@@ -57,8 +57,8 @@ def workspace_shapes(num_splits: int, batch: int, heads: int, rows: int, head_di
 
 LONE_CTA_RATE = 0.95  # a decode CTA alone on its SM streams keys at 0.95 x what each of a pair does
 SPLIT_COST = 0.5      # a split's partial O and its share of the merge, in key blocks' time
-MANY_WAVE_SPLITS = 12  # at one CTA an SM, where the best count of one or two waves idles SMs
-BUSY_FLOOR = 0.8       # ... more than 1 - BUSY_FLOOR of the SM slots over its waves
+MANY_WAVE_SPLITS = 12  # at one CTA an SM, the count of many waves that replaces one ...
+BUSY_FLOOR = 0.8       # ... whose CTAs fill less than this share of the SM slots over its waves
 
 
 @functools.lru_cache(maxsize=4096)
@@ -88,8 +88,8 @@ def num_splits_heuristic(work_ctas: int, num_sms: int, num_n_blocks: int, max_sp
     splits at 6-16 sequences of 32 / 8 heads, 8k-128k keys (`tune --splits`, docs/perf.md,
     Decode): 12 splits were within 3.5% of the best count in the 7 cells where this applies
     (6 sequences of 32k-128k keys, 12 of 8k-128k, 13 of 32k-128k), where the count of one wave
-    ran at 0.85-0.95 of the best; at 9 sequences the two waves' 3 splits were the best count (3929-4427 GB/s,
-    unsplit 2701-2834)."""
+    ran at 0.85-0.95 of the best; at 9 sequences the two waves' 3 splits were the best count
+    (3929-4427 GB/s, unsplit 2701-2834)."""
     slots = ctas_per_sm * num_sms
     if work_ctas >= 0.8 * slots:
         return 1
