@@ -41,11 +41,13 @@ def test_worked_cases(work, n_blocks, expected, why):
     (68, 1024, 12, ("s=3's 204 CTAs fill 77% of two waves; s=12: 816 CTAs, 7 x 86.5 = 605.5 against "
                     "685")),
     (104, 1024, 12, "unsplit fills 79% of the SMs, 1024; s=12: 1248 CTAs, 10 x 86.5 = 865"),
-    (104, 64, 1, "8k keys: s=12 takes 10 x 6.5 = 65 against 64 unsplit"),
+    (104, 64, 11, ("8k keys: 12 splits of 6 blocks would leave the last empty; 11: 1144 CTAs, 9 x 6.5 = 58.5 "
+                   "against 64 unsplit")),
+    (104, 40, 1, "40 key blocks, under 4 a split at 12 splits: unsplit stays at 79%"),
     (48, 1024, 12, "s=2's 96 CTAs fill 73%, 512.5; s=12: 576 CTAs, 5 x 86.5 = 432.5"),
-    (48, 64, 2, "s=12 ties s=2 at 32.5 (5 x 6.5): not slower by the model is not enough"),
+    (48, 64, 11, "11 splits of 6 blocks: 528 CTAs, 4 x 6.5 = 26 against s=2's 32.5"),
     (60, 1024, 2, "s=2 fills 91% of one wave"),
-    (48, 11, 2, "11 key blocks, fewer than 12 splits: s=2 stays at 73%"),
+    (48, 11, 2, "11 key blocks: s=2 stays at 73%"),
 ])
 def test_worked_cases_one_cta_per_sm(work, n_blocks, expected, why):
     """The Hopper KV-cache entry's CTAs fill an SM's shared memory (ctas_per_sm=1): 132 slots."""
@@ -68,8 +70,8 @@ def test_one_cta_per_sm_takes_more_waves_only_where_sms_would_idle(work, n_block
     if s > 1:
         assert math.ceil(n_blocks / s) != math.ceil(n_blocks / (s - 1))
         assert work < 0.8 * 132
-    if s == 12 and work * s > 132:  # the many-wave count: its one- or two-wave rival leaves SMs idle
-        rival = num_splits_heuristic(work, 132, n_blocks, max_splits=11, ctas_per_sm=1)  # >= 12 tiles: top <= 11
+    waves = 2 if 66 < work < 132 else 1
+    if 1 < s > waves * 132 // work:  # more waves: 10-12 splits where their rival leaves SMs idle
+        assert s in (10, 11, 12) and n_blocks >= 48 and math.ceil(n_blocks / s) == math.ceil(n_blocks / 12)
+        rival = num_splits_heuristic(work, 132, n_blocks, max_splits=waves * 132 // work, ctas_per_sm=1)
         assert work * rival < 0.8 * 132 * math.ceil(work * rival / 132)
-    elif s > 1:
-        assert work * s <= (132 if 2 * work <= 132 else 2 * 132)
