@@ -90,8 +90,12 @@ def _inputs(b, sq, sk, h, hk, d, dtype=torch.bfloat16, layout="bshd"):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("causal", [False, True])
 @gpu_settings(8)
-@given(b=st.integers(1, 2), sq=lengths, sk=lengths, hh=heads, d=head_dims, layout=st.sampled_from(["bshd", "bhsd"]))
-def test_dense_grads_match_reference(b, sq, sk, hh, d, causal, dtype, layout):
+@given(b=st.integers(1, 2), sq=lengths, sk=lengths, hh=heads, d=head_dims, layout=st.sampled_from(["bshd", "bhsd"]),
+       seed=st.integers(0, 2**31 - 1))
+def test_dense_grads_match_reference(b, sq, sk, hh, d, causal, dtype, layout, seed):
+    """The inputs come from a drawn seed, so that a failure replays with the same numbers (a miss
+    at 63 x 385, 8 / 1 heads, d 13 passed on hypothesis's retry with fresh draws; docs/perf.md)."""
+    torch.manual_seed(seed)
     q, k, v, dout = _inputs(b, sq, sk, *hh, d, dtype, layout)
     out, grads = ours(flash_attn_func, dout, q, k, v, causal=causal)
     assert_grads_match(grads, q, k, v, dout, out=out, causal=causal)
