@@ -3,8 +3,9 @@ its rule: no split once the CTAs fill 80% of the slots (SMs x 2); otherwise, amo
 fit the slots at once (two waves where none but 1 does and SMs would idle unsplit) and that change
 the blocks per split, the smallest with the least busiest-SM time, k (ceil(n / s) + 0.5 [s > 1]) /
 (0.95 if k == 1 and two CTAs share an SM else 1) with k = ceil(work * s / SMs); at one CTA an SM,
-12 splits instead where the winner's CTAs fill less than 80% of the SM slots over its waves and 12
-are not slower by that time."""
+12 splits instead (the fewest at ceil(n / 12) blocks a split: 10-12) where the winner's CTAs fill
+less than 80% of the SM slots over its waves, the keys make at least 48 blocks and those splits are
+not slower by that time."""
 import math
 
 import pytest

@@ -86,9 +86,8 @@ def num_splits_heuristic(work_ctas: int, num_sms: int, num_n_blocks: int, max_sp
     waves gives way to MANY_WAVE_SPLITS (10-12: the fewest at as many key blocks a split, so
     that none is empty; merged through the workspace, 4-10 waves that the SMs share out as
     they free up) where the key blocks are at least 4 a split and the model does not call
-    that slower. A sweep of 1-16
-    splits at 6-16 sequences of 32 / 8 heads, 8k-128k keys (`tune --splits`, docs/perf.md,
-    Decode): 12 splits were within 3.5% of the best count in the 9 cells where this applies
+    that slower. A sweep of 1-16 splits at 6-16 sequences of 32 / 8 heads, 8k-128k keys
+    (`tune --splits`, docs/perf.md, Decode): 12 splits were within 3.5% of the best count in the 9 cells where this applies
     (6, 12 and 13 sequences; at 8k keys the twelfth split had no key, the 11 taken now), where
     the count of one wave ran at 0.85-1.0 of the best; at 9 sequences the two waves' 3 splits
     were the best count (3929-4427 GB/s, unsplit 2701-2834)."""
@@ -97,15 +96,18 @@ def num_splits_heuristic(work_ctas: int, num_sms: int, num_n_blocks: int, max_sp
         return 1
     waves = 2 if 2 * work_ctas > slots and work_ctas < num_sms else 1
 
+    def busiest(s):  # CTAs on the busiest SM
+        return -(-work_ctas * s // num_sms)
+
     def cost(s):
-        k = -(-work_ctas * s // num_sms)
+        k = busiest(s)
         blocks = -(-num_n_blocks // s) + (SPLIT_COST if s > 1 else 0.0)
         return k * blocks / (LONE_CTA_RATE if k == 1 < ctas_per_sm else 1.0)
 
     top = max(1, min(max_splits, num_n_blocks, waves * slots // work_ctas))
     counts = [s for s in range(1, top + 1) if s == 1 or -(-num_n_blocks // s) != -(-num_n_blocks // (s - 1))]
     best = min(counts, key=lambda s: (cost(s), s))
-    busy = work_ctas * best / (num_sms * -(-work_ctas * best // num_sms))
+    busy = work_ctas * best / (num_sms * busiest(best))
     many = -(-num_n_blocks // -(-num_n_blocks // MANY_WAVE_SPLITS))  # the fewest at that many blocks: none empty
     if (ctas_per_sm == 1 and busy < BUSY_FLOOR and num_n_blocks >= 4 * MANY_WAVE_SPLITS and many <= max_splits
             and cost(many) < cost(best)):
