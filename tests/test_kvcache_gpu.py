@@ -379,3 +379,22 @@ def test_calls_read_what_the_kernel_before_them_wrote(b, capacity, num_splits, g
     for i, (x, out, lse) in enumerate(calls):
         v_then = -v0 if (i // 2) % 2 == 0 else v0
         assert_matches_reference(out, lse, x, k_cache, v_then, ref_fn=_ref_with(None, None), cache_seqlens=seqlens)
+
+
+def test_resident_clusters_agree_with_the_dsl_query():
+    """`launch.clusters` (an empty PTX kernel, an SM's share of shared memory) against the DSL's
+    own query (`cutlass.utils.HardwareInfo`, a compiled empty kernel at the most shared memory a
+    CTA can take: one CTA an SM), for clusters of 1-8; at two CTAs an SM, clusters of one CTA
+    fill every SM twice."""
+    from cutlass.utils import HardwareInfo
+
+    from cute_flash.launch.clusters import resident_clusters
+
+    index = torch.cuda.current_device()
+    hw = HardwareInfo(index)
+    one = resident_clusters(index, 1, 8)
+    assert one == tuple(hw.get_max_active_clusters(s) for s in range(1, 9))
+    two = resident_clusters(index, 2, 8)
+    sms = torch.cuda.get_device_properties(index).multi_processor_count
+    assert one[0] == sms and two[0] == 2 * sms
+    assert all(a <= b for a, b in zip(one, two))

@@ -107,6 +107,11 @@ class Recorder:
         return lambda *args: self.launches.append(Launch(config, kernel, args))
 
 
+# Clusters of 1..8 CTAs an H200 runs at once, at one and two CTAs an SM (the driver's
+# occupancy query on the GPU, 2026-12-03; `launch.clusters`)
+H200_CLUSTERS = {1: (132, 66, 39, 30, 22, 17, 15, 15), 2: (264, 132, 79, 62, 47, 39, 32, 30)}
+
+
 @pytest.fixture
 def recorder(monkeypatch):
     from cute_flash.launch import compiled, dense, kvcache, per_stream
@@ -118,6 +123,7 @@ def recorder(monkeypatch):
     monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", "sm80")  # the SM80 launches; the Hopper default has its own test
     monkeypatch.setattr(compiled, "num_sms", lambda index: 132)
     monkeypatch.setattr(kvcache, "append_for", rec.append_for)
+    monkeypatch.setattr(kvcache, "resident_clusters", lambda index, ctas, size: H200_CLUSTERS[ctas][:size])
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     rec.stream, rec.capturing = 7, False
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: rec.capturing)
@@ -732,6 +738,27 @@ def test_hopper_entry_splits_for_one_cta_per_sm(recorder, monkeypatch):
     assert launch["num_splits"] == num_splits_heuristic(2, 132, 8, ctas_per_sm=1) == 8
 
 
+def test_hopper_entry_splits_count_the_clusters_the_gpu_holds(recorder, monkeypatch):
+    """The Hopper entry's splits (up to 8) merge in one cluster, and an H200 holds 15 clusters of
+    8 at once, not 16: 2 sequences of 8 kv heads (16 tiles) over 1000 keys (8 blocks of 128)
+    split 4 ways (16 clusters of 4, 30 at once), where counting every SM would give 8. The SM80
+    kernel merges through global memory: its count reads no clusters (8 splits, where the
+    two-CTAs-an-SM table would give 4)."""
+    from cute_flash.kernels.split_kv import num_splits_heuristic
+    from cute_flash.launch import flash_fwd_kvcache
+
+    q = torch.randn(2, 1, 32, 128, dtype=torch.bfloat16)
+    cache = torch.randn(2, 1000, 8, 128, dtype=torch.bfloat16)
+    monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", "sm90")
+    flash_fwd_kvcache(q, cache, cache, cache_seqlens=1000, softmax_scale=0.125, num_splits=0)
+    assert recorder.launches[-1]["num_splits"] == 4
+    assert num_splits_heuristic(16, 132, 8, ctas_per_sm=1) == 8
+    monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", "sm80")
+    flash_fwd_kvcache(q, cache, cache, cache_seqlens=1000, softmax_scale=0.125, num_splits=0)
+    sm80 = recorder.launches[-1]
+    assert sm80.config.traits.block_n == 128 and sm80["num_splits"] == 8
+
+
 def test_only_the_sm80_kernel_caps_splits_by_its_grid(recorder, monkeypatch):
     """The SM80 KV-cache kernel puts splits x heads on grid z (at most 65535), so 600 heads
     take at most 109 splits there; the Hopper entry puts the splits on grid x and keeps the 128
@@ -762,8 +789,9 @@ def test_the_grid_cap_leaves_one_split(recorder, monkeypatch):
 
 def test_hopper_variant_overrides_the_cache_tiles(recorder, monkeypatch):
     """`tune --decode`'s override: the given tiles and CTAs an SM reach the config, and the split
-    count is the one for that many CTAs an SM: 6 sequences of 8 kv heads (48 tiles) over 2000
-    keys in 32 blocks of 64 split 5 ways in 264 slots (240 CTAs), 2 ways in 132."""
+    count is the one for that many CTAs an SM and its clusters: 6 sequences of 8 kv heads (48
+    tiles) over 2000 keys in 32 blocks of 64 split 4 ways at two CTAs an SM (48 clusters of 4,
+    62 at once; 5 ways would need 48 clusters of 5, 47 at once), 2 ways at one."""
     from cute_flash.kernels.split_kv import num_splits_heuristic
     from cute_flash.launch import flash_fwd_kvcache
     from layouts.hopper import HopperTileTraits
@@ -778,8 +806,9 @@ def test_hopper_variant_overrides_the_cache_tiles(recorder, monkeypatch):
     two, one = recorder.launches
     assert two.config.traits == traits and two.config.ctas_per_sm == 2 and two.config.pack_gqa
     assert one.config.traits == traits and one.config.ctas_per_sm == 1
-    assert two["num_splits"] == num_splits_heuristic(48, 132, 32, ctas_per_sm=2) == 5
-    assert one["num_splits"] == num_splits_heuristic(48, 132, 32, ctas_per_sm=1) == 2
+    assert two["num_splits"] == num_splits_heuristic(48, 132, 32, ctas_per_sm=2, clusters=H200_CLUSTERS[2]) == 4
+    assert one["num_splits"] == num_splits_heuristic(48, 132, 32, ctas_per_sm=1, clusters=H200_CLUSTERS[1]) == 2
+    assert num_splits_heuristic(48, 132, 32, ctas_per_sm=2) == 5  # every SM taking part: 240 CTAs in 264 slots
 
 
 @pytest.mark.parametrize("b, capacity, d, num_splits, two", [

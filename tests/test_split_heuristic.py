@@ -5,7 +5,8 @@ the blocks per split, the smallest with the least busiest-SM time, k (ceil(n / s
 (0.95 if k == 1 and two CTAs share an SM else 1) with k = ceil(work * s / SMs); at one CTA an SM,
 12 splits instead (the fewest at ceil(n / 12) blocks a split: 10-12) where the winner's CTAs fill
 less than 80% of the SM slots over its waves, the keys make at least 48 blocks and those splits are
-not slower by that time."""
+not slower by that time. Where s splits merge in one thread-block cluster, k counts the clusters
+the GPU holds at once instead (k = ceil(work * ctas_per_sm / clusters[s - 1]))."""
 import math
 
 import pytest
@@ -53,6 +54,27 @@ def test_worked_cases(work, n_blocks, expected, why):
 def test_worked_cases_one_cta_per_sm(work, n_blocks, expected, why):
     """The Hopper KV-cache entry's CTAs fill an SM's shared memory (ctas_per_sm=1): 132 slots."""
     assert num_splits_heuristic(work, 132, n_blocks, ctas_per_sm=1) == expected, why
+
+
+# Clusters of 1..8 CTAs an H200 runs at once at one CTA an SM (the driver's occupancy query,
+# 2026-12-03): the GPCs do not divide into clusters of 3 or of 5-8
+H200_CLUSTERS = (132, 66, 39, 30, 22, 17, 15, 15)
+
+
+@pytest.mark.parametrize("work, n_blocks, expected, why", [
+    (88, 1024, 12, ("s=3: 88 clusters of 3, 39 at once: k = 3, 3 x 342.5 = 1027.5, 67% of three waves; "
+                    "s=12 (merged in global memory, no cluster): 1056 CTAs, 8 x 86.5 = 692")),
+    (16, 1024, 6, ("s=8: 16 clusters of 8, 15 at once: 2 x 128.5 = 257; s=7 too (15); s=6: 16 of 17, "
+                   "171.5; s=12: 2 x 86.5 = 173")),
+    (16, 8, 4, "8 blocks: s=8 takes two waves of clusters, 2 x 1.5 = 3; s=4: 16 clusters of 30, 2.5"),
+    (24, 256, 4, "s=5: 24 clusters of 5, 22 at once: 2 x 52 = 104; s=4: 24 of 30, 64.5"),
+    (72, 1024, 3, "72 clusters of 3 still take the two waves counted without clusters: 2 x 342.5"),
+    (64, 256, 2, "64 clusters of 2, 66 at once: one wave, as without clusters"),
+])
+def test_worked_cases_counting_clusters(work, n_blocks, expected, why):
+    """Splits of 2-8 merged in one cluster each (the Hopper entry): the busiest SM runs
+    ceil(work / clusters[s - 1]) of them at one CTA an SM."""
+    assert num_splits_heuristic(work, 132, n_blocks, ctas_per_sm=1, clusters=H200_CLUSTERS) == expected, why
 
 
 @given(work=st.integers(1, 400), n_blocks=st.integers(1, 2000))

@@ -63,7 +63,7 @@ BUSY_FLOOR = 0.8       # ... whose CTAs fill less than this share of the SM slot
 
 @functools.lru_cache(maxsize=4096)
 def num_splits_heuristic(work_ctas: int, num_sms: int, num_n_blocks: int, max_splits: int = 128,
-                         ctas_per_sm: int = 2) -> int:
+                         ctas_per_sm: int = 2, clusters: tuple[int, ...] | None = None) -> int:
     """How many splits of the key range: the count whose busiest SM finishes first.
 
     Decode is bandwidth-bound, and an SM streams keys at about the same rate whether it holds
@@ -90,13 +90,22 @@ def num_splits_heuristic(work_ctas: int, num_sms: int, num_n_blocks: int, max_sp
     (`tune --splits`, docs/perf.md, Decode): 12 splits were within 3.5% of the best count in the 9 cells where this applies
     (6, 12 and 13 sequences; at 8k keys the twelfth split had no key, the 11 taken now), where
     the count of one wave ran at 0.85-1.0 of the best; at 9 sequences the two waves' 3 splits
-    were the best count (3929-4427 GB/s, unsplit 2701-2834)."""
+    were the best count (3929-4427 GB/s, unsplit 2701-2834).
+
+    clusters: where s splits merge in one thread-block cluster (the Hopper entry, s up to
+    len(clusters)), clusters[s - 1] of them run at once (`launch.clusters`), on fewer SMs than
+    all where the GPCs do not divide into clusters of s: the busiest SM then runs
+    ceil(work_ctas * ctas_per_sm / clusters[s - 1]) CTAs. At 88 tiles on an H200 (39 clusters of
+    3 at once, not 44) 3 splits take three waves, the last a quarter full, and ran 0.89-0.92x the
+    sweep's best count; with the clusters counted the rule takes 11-12 splits, 0.96-0.98x it."""
     slots = ctas_per_sm * num_sms
     if work_ctas >= 0.8 * slots:
         return 1
     waves = 2 if 2 * work_ctas > slots and work_ctas < num_sms else 1
 
     def busiest(s):  # CTAs on the busiest SM
+        if clusters and 1 < s <= len(clusters):
+            return -(-work_ctas * ctas_per_sm // clusters[s - 1])
         return -(-work_ctas * s // num_sms)
 
     def cost(s):

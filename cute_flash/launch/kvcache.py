@@ -20,6 +20,7 @@ from cute_flash.kernels.split_kv import num_splits_heuristic, workspace_shapes
 from cute_flash.launch.align import aligned, is_aligned
 from cute_flash.launch.batch_chunks import batch_chunks, chunked, rows_of, slopes_of, splits_within_grid
 from cute_flash.launch import compiled
+from cute_flash.launch.clusters import resident_clusters
 from cute_flash.launch.dense import (PAGE_ROWS, alibi_2d, device_index, positive_scale, scales, score_flags,
                                      takes_hopper_path, window_edges)
 from cute_flash.launch.per_stream import per_stream, zeroed_counters
@@ -200,8 +201,9 @@ def _kvcache_call(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, 
     if hopper and not variant and num_splits <= 1 and takes_two_ctas_per_sm(work_ctas, num_sms, capacity, d):
         traits, ctas_per_sm = choose_hopper_cache_traits(d, compiled.DTYPE_NAMES[q.dtype], ctas_per_sm=2), 2
     n_blocks = -(-capacity // traits.block_n)
-    if num_splits == 0:
-        num_splits = num_splits_heuristic(work_ctas, num_sms, n_blocks, ctas_per_sm=ctas_per_sm)
+    if num_splits == 0:  # the Hopper entry's splits of up to CLUSTER_MAX_SPLITS merge in a cluster
+        clusters = resident_clusters(index, ctas_per_sm, CLUSTER_MAX_SPLITS) if hopper else None
+        num_splits = num_splits_heuristic(work_ctas, num_sms, n_blocks, ctas_per_sm=ctas_per_sm, clusters=clusters)
     cap = min(n_blocks, 128)
     if not hopper:  # the SM80 kernel's grid z holds splits x heads; the Hopper entry's x holds the splits
         cap = min(cap, splits_within_grid(heads))
