@@ -7,8 +7,6 @@ from hypothesis import strategies as st
 
 from tests.gpu_utils import assert_matches_reference, one_step
 
-BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16}
-
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @settings(max_examples=200, deadline=None)
@@ -16,7 +14,7 @@ BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16}
 def test_one_step_is_the_gap_to_the_next_value(dtype, x, negative):
     """Against the next representable magnitude, found by adding one to the bit pattern."""
     a = torch.tensor([x], dtype=dtype)
-    above = (a.view(BITS[dtype]) + 1).view(dtype)
+    above = (a.view(torch.int16) + 1).view(dtype)
     want = above.float() - a.float()
     assert torch.equal(one_step(-a if negative else a), want)
 

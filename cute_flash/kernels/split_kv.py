@@ -97,7 +97,9 @@ def num_splits_heuristic(work_ctas: int, num_sms: int, num_n_blocks: int, max_sp
     all where the GPCs do not divide into clusters of s: the busiest SM then runs
     ceil(work_ctas * ctas_per_sm / clusters[s - 1]) CTAs. At 88 tiles on an H200 (39 clusters of
     3 at once, not 44) 3 splits take three waves, the last a quarter full, and ran 0.89-0.92x the
-    sweep's best count; with the clusters counted the rule takes 11-12 splits, 0.96-0.98x it."""
+    sweep's best count; with the clusters counted the rule takes 11-12 splits, 0.96-0.98x it.
+    At 16-80 tiles the counts that change ran 1.13-1.48x the ones they replace (docs/perf.md,
+    "Clusters the GPU holds at once")."""
     slots = ctas_per_sm * num_sms
     if work_ctas >= 0.8 * slots:
         return 1

@@ -16,7 +16,7 @@ from __future__ import annotations
 from cuda.bindings import driver
 
 _PTX = b".version 8.0\n.target sm_90\n.address_size 64\n.visible .entry cluster_probe()\n{\n ret;\n}\n\0"
-_known: dict[tuple[int, int], tuple[int, ...]] = {}
+_known: dict[tuple[int, int, int], tuple[int, ...]] = {}  # (device, CTAs an SM, max size): counts
 
 
 def _value(result):
@@ -30,8 +30,8 @@ def _value(result):
 def resident_clusters(index: int, ctas_per_sm: int, max_size: int) -> tuple[int, ...] | None:
     """Clusters of 1..max_size CTAs resident at once on device `index` (entry s - 1) for a
     kernel of `ctas_per_sm` CTAs an SM; None where the driver cannot say (no cluster support,
-    or a call refused, e.g. during a graph capture), and the split count then assumes every SM
-    takes part. Kept once known."""
+    or a call refused), and the split count then assumes every SM takes part. Kept once known;
+    a refusal is asked again on the next new call signature."""
     key = (index, ctas_per_sm, max_size)
     if key not in _known:
         try:
