@@ -13,6 +13,7 @@ import torch
 pytest.importorskip("cutlass")
 
 from cute_flash.launch.align import aligned as _aligned  # noqa: E402
+from tests.test_split_heuristic import H200_CLUSTERS
 
 
 def _ok(x):
@@ -105,11 +106,6 @@ class Recorder:
 
         kernel = AppendKV(config)
         return lambda *args: self.launches.append(Launch(config, kernel, args))
-
-
-# Clusters of 1..8 CTAs an H200 runs at once, at one and two CTAs an SM (the driver's
-# occupancy query on the GPU, 2026-12-03; `launch.clusters`)
-H200_CLUSTERS = {1: (132, 66, 39, 30, 22, 17, 15, 15), 2: (264, 132, 79, 62, 47, 39, 32, 30)}
 
 
 @pytest.fixture

@@ -56,9 +56,10 @@ def test_worked_cases_one_cta_per_sm(work, n_blocks, expected, why):
     assert num_splits_heuristic(work, 132, n_blocks, ctas_per_sm=1) == expected, why
 
 
-# Clusters of 1..8 CTAs an H200 runs at once at one CTA an SM (the driver's occupancy query,
-# 2026-12-03): the GPCs do not divide into clusters of 3 or of 5-8
-H200_CLUSTERS = (132, 66, 39, 30, 22, 17, 15, 15)
+# Clusters of 1..8 CTAs an H200 runs at once, at one and two CTAs an SM (the driver's occupancy
+# query, 2026-12-03; `launch.clusters`): the GPCs do not divide into clusters of 3 or of 5-8.
+# Also the launcher tests' GPU.
+H200_CLUSTERS = {1: (132, 66, 39, 30, 22, 17, 15, 15), 2: (264, 132, 79, 62, 47, 39, 32, 30)}
 
 
 @pytest.mark.parametrize("work, n_blocks, expected, why", [
@@ -74,7 +75,7 @@ H200_CLUSTERS = (132, 66, 39, 30, 22, 17, 15, 15)
 def test_worked_cases_counting_clusters(work, n_blocks, expected, why):
     """Splits of 2-8 merged in one cluster each (the Hopper entry): the busiest SM runs
     ceil(work / clusters[s - 1]) of them at one CTA an SM."""
-    assert num_splits_heuristic(work, 132, n_blocks, ctas_per_sm=1, clusters=H200_CLUSTERS) == expected, why
+    assert num_splits_heuristic(work, 132, n_blocks, ctas_per_sm=1, clusters=H200_CLUSTERS[1]) == expected, why
 
 
 @given(work=st.integers(1, 400), n_blocks=st.integers(1, 2000))
