@@ -809,15 +809,20 @@ DECODE_SPLIT_COUNTS = (1, 2, 3, 4, 5, 6, 8, 12, 16)
 
 def tune_decode_splits(batches=DECODE_SPLIT_BATCHES, caches=(8192, 32768, 131072), counts=DECODE_SPLIT_COUNTS):
     """GB/s under CUDA graphs of every split count in `counts` on decode cells (`DECODE_HEADS`,
-    full bf16 caches, the default path), beside the count `num_splits_heuristic` picks and CUDNN:
-    `python -m cute_flash tune --splits`. The default batches put 48-128 tiles on the GPU,
+    full bf16 caches, the default path), beside the count `num_splits_heuristic` picks, CUDNN and,
+    on sm_90, the Hopper entry's stream-K split over every SM ("K", with its max |out - unsplit
+    out|): `python -m cute_flash tune --splits`. The default batches put 48-128 tiles on the GPU,
     where one wave of splits does not fill the SMs (72 tiles, 128k keys: unsplit 2834 GB/s,
     3 splits 4427, CUDNN 3800; docs/perf.md, "Split counts where one wave leaves SMs idle")."""
     import torch
     from torch.nn.attention import SDPBackend
 
     from cute_flash import flash_attn_with_kvcache
+    from cute_flash.launch import compiled
+    from cute_flash.launch.kvcache import flash_fwd_kvcache
 
+    index = torch.cuda.current_device() if torch.cuda.is_available() else None
+    hopper = index is not None and compiled.device_arch(index) == 90
     rows = []
     for b in batches:
         for cache in caches:
@@ -827,15 +832,27 @@ def tune_decode_splits(batches=DECODE_SPLIT_BATCHES, caches=(8192, 32768, 131072
                 ms = _graph_time_ms(functools.partial(flash_attn_with_kvcache, call.q, call.k_cache, call.v_cache,
                                                       cache_seqlens=call.cache_seqlens, num_splits=s))
                 row["gbs"][s] = call.nbytes / ms / 1e6 if ms else None
+            stream = None
+            if hopper:
+                stream = functools.partial(flash_fwd_kvcache, call.q, call.k_cache, call.v_cache,
+                                           cache_seqlens=call.cache_seqlens, softmax_scale=DECODE_HEADS[2] ** -0.5,
+                                           return_lse=False, signature=("tune_stream", b, cache),
+                                           hopper_variant=dict(stream_ctas=compiled.num_sms(index)))
+                unsplit = flash_attn_with_kvcache(call.q, call.k_cache, call.v_cache, cache_seqlens=call.cache_seqlens,
+                                                  num_splits=1)
+                row["stream_max_diff"] = (stream()[0].float() - unsplit.float()).abs().max().item()
+                ms = _graph_time_ms(lambda stream=stream: stream()[0])
+                row["gbs"]["K"] = call.nbytes / ms / 1e6 if ms else None
             cudnn = _sdpa(call.q, call.k_cache, call.v_cache, SDPBackend.CUDNN_ATTENTION, False, enable_gqa=True)
             cudnn_ms = _graph_time_ms(cudnn) if cudnn else None
             row["cudnn_gbs"] = call.nbytes / cudnn_ms / 1e6 if cudnn_ms else None
             rows.append(row)
             best = max(counts, key=lambda s: row["gbs"][s] or 0)
+            k_col = f"  K: {row['gbs']['K'] or 0:.0f} (diff {row['stream_max_diff']:.1e})" if hopper else ""
             print(f"b{b:3} cache {cache:6} heuristic {row['gbs'][0] or 0:5.0f}  best {best:2} splits "
                   f"{row['gbs'][best] or 0:5.0f}  CUDNN {row['cudnn_gbs'] or 0:5.0f} |  "
-                  + "  ".join(f"{s}: {row['gbs'][s] or 0:.0f}" for s in counts), flush=True)
-            del call, cudnn
+                  + "  ".join(f"{s}: {row['gbs'][s] or 0:.0f}" for s in counts) + k_col, flush=True)
+            del call, cudnn, stream
             torch.cuda.empty_cache()
     return rows
 

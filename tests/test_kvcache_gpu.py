@@ -314,6 +314,50 @@ def test_hopper_two_ctas_per_sm_split(d, hopper_cache_entry):
     assert_matches_reference(out, lse, q, *clean, ref_fn=_ref_with(None, None), cache_seqlens=seqlens)
 
 
+@pytest.mark.parametrize("ctas", [1, 5, 13, 132, 300])
+@pytest.mark.parametrize("case", [
+    dict(b=3, sq=1, h=8, hk=2, d=128, seqlens=[700, 0, 1024]),  # GQA fold, ragged, an empty cache
+    dict(b=2, sq=1, h=32, hk=8, d=128, seqlens=[1024, 1], page_size=128),  # paged; 1 key: 16 empty shares
+    dict(b=2, sq=70, h=4, hk=2, d=64, seqlens=[600, 900], causal=True),  # chunked prefill: two query blocks
+    dict(b=1, sq=1, h=6, hk=3, d=256, seqlens=[1000], window=(300, -1), softcap=10.0),
+], ids=["fold", "paged", "prefill", "window"])
+def test_hopper_stream_k(case, ctas, hopper_cache_entry):
+    """Stream-K split-KV on the Hopper entry (`Sm90FwdConfig.stream_k`): `ctas` CTAs share
+    every tile's key blocks, from fewer CTAs than tiles (a CTA runs several tiles in turn) to
+    more CTAs than key blocks (empty shares), against the reference; unused cache rows hold
+    NaN; a second call (the counters re-armed) gives the same bits."""
+    from cute_flash.launch import compiled, kvcache
+    from cute_flash.launch.kvcache import flash_fwd_kvcache
+
+    case = dict(case)
+    b, sq, h, hk, d = (case.pop(k) for k in ("b", "sq", "h", "hk", "d"))
+    seqlens = torch.tensor(case.pop("seqlens"), dtype=torch.int32, device="cuda")
+    page_size = case.pop("page_size", None)
+    causal, window, softcap = case.pop("causal", False), case.pop("window", (-1, -1)), case.pop("softcap", 0.0)
+    capacity = 1024
+    rows = b * capacity // page_size if page_size else b
+    k_cache, v_cache = (torch.randn(rows, page_size or capacity, hk, d, device="cuda", dtype=torch.bfloat16)
+                        for _ in range(2))
+    opts = dict(cache_seqlens=seqlens, causal=causal, window_size=window, softcap=softcap)
+    if page_size:
+        opts["block_table"] = torch.randperm(rows, device="cuda").view(b, capacity // page_size).int()
+    clean = k_cache.clone(), v_cache.clone()
+    if not page_size:
+        for i, n in enumerate(seqlens.tolist()):
+            k_cache[i, n:], v_cache[i, n:] = float("nan"), float("nan")
+            clean[0][i, n:], clean[1][i, n:] = 0.0, 0.0
+    q = torch.randn(b, sq, h, d, device="cuda", dtype=torch.bfloat16)
+    poison_allocator()
+    signature = ("stream-K test", b, sq, h, hk, d, page_size, causal, window, softcap, ctas)  # keeps the plan
+    outs = [flash_fwd_kvcache(q, k_cache, v_cache, softmax_scale=d ** -0.5, hopper_variant=dict(stream_ctas=ctas),
+                              signature=signature, **opts) for _ in range(2)]
+    torch.cuda.synchronize()
+    if compiled.device_arch(torch.cuda.current_device()) == 90:
+        assert kvcache._calls[signature].plan.config.stream_k
+    assert_matches_reference(*outs[0], q, *clean, ref_fn=_ref_with(None, None), **opts)
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
 @captures_graph
 def test_a_captured_split_call_is_one_graph_node(hopper_cache_entry, monkeypatch):
     """b1 / 8k decode (16 splits, merged through global memory) captured into a CUDA graph: one

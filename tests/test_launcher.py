@@ -755,6 +755,29 @@ def test_hopper_entry_splits_count_the_clusters_the_gpu_holds(recorder, monkeypa
     assert sm80.config.traits.block_n == 128 and sm80["num_splits"] == 8
 
 
+def test_hopper_entry_streams_where_the_rule_takes_many_waves(recorder, monkeypatch):
+    """Where the split rule takes many waves of equal splits (11 sequences of 8 kv heads, 88
+    tiles, over 8192 keys: 64 blocks of 128, 11 splits, `split_choice`), the Hopper entry
+    launches stream-K instead: one CTA on each of the 132 SMs (the kernel's num_splits), and a
+    workspace of 2 partials a tile (a tile is 132 units and a CTA 88; a tile starts 0 or 44
+    units into a CTA's, so it meets two). The SM80 kernel keeps its equal splits."""
+    from cute_flash.kernels.split_kv import SplitChoice, split_choice
+    from cute_flash.launch import flash_fwd_kvcache
+
+    assert split_choice(88, 132, 64, ctas_per_sm=1, clusters=H200_CLUSTERS[1]) == SplitChoice(11, stream_k=True)
+    q = torch.randn(11, 1, 32, 128, dtype=torch.bfloat16)
+    cache = torch.randn(11, 8192, 8, 128, dtype=torch.bfloat16)
+    monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", "sm90")
+    flash_fwd_kvcache(q, cache, cache, cache_seqlens=8192, softmax_scale=0.125, num_splits=0)
+    stream = recorder.launches[-1]
+    assert stream.config.stream_k and stream.config.split and not stream.config.cluster_merge
+    assert stream["num_splits"] == 132
+    assert stream["mOaccum"].shape == (2, 11, 8, 4, 128) and stream["mCounters"].shape == (88,)
+    monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", "sm80")
+    flash_fwd_kvcache(q, cache, cache, cache_seqlens=8192, softmax_scale=0.125, num_splits=0)
+    assert not getattr(recorder.launches[-1].config, "stream_k", False)
+
+
 def test_only_the_sm80_kernel_caps_splits_by_its_grid(recorder, monkeypatch):
     """The SM80 KV-cache kernel puts splits x heads on grid z (at most 65535), so 600 heads
     take at most 109 splits there; the Hopper entry puts the splits on grid x and keeps the 128

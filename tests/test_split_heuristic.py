@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cute_flash.kernels.split_kv import num_splits_heuristic
+from cute_flash.kernels.split_kv import num_splits_heuristic, split_choice
 
 SLOTS = 2 * 132
 
@@ -99,3 +99,18 @@ def test_one_cta_per_sm_takes_more_waves_only_where_sms_would_idle(work, n_block
         assert s in (10, 11, 12) and n_blocks >= 48 and math.ceil(n_blocks / s) == math.ceil(n_blocks / 12)
         rival = num_splits_heuristic(work, 132, n_blocks, max_splits=waves * 132 // work, ctas_per_sm=1)
         assert work * rival < 0.8 * 132 * math.ceil(work * rival / 132)
+
+
+@given(work=st.integers(1, 200), n_blocks=st.integers(1, 2000), ctas_per_sm=st.sampled_from([1, 2]))
+def test_stream_k_replaces_exactly_the_many_wave_splits(work, n_blocks, ctas_per_sm):
+    """`split_choice` asks for stream-K where, and only where, the equal splits would be the
+    many-wave count (more waves than the one- or two-wave candidates allow, at one CTA an SM);
+    its count is the one a kernel without stream-K takes."""
+    choice = split_choice(work, 132, n_blocks, ctas_per_sm=ctas_per_sm)
+    assert choice.num_splits == num_splits_heuristic(work, 132, n_blocks, ctas_per_sm=ctas_per_sm)
+    slots = ctas_per_sm * 132
+    waves = 2 if slots / 2 < work < 132 else 1
+    many_waves = choice.num_splits > max(1, waves * slots // work)
+    assert choice.stream_k == many_waves
+    assert not (choice.stream_k and ctas_per_sm == 2)
+

@@ -46,7 +46,10 @@ KV caches (`call_kvcache`, one CTA per tile, 64-row tiles): key lengths from cac
 the appended rows, V rows past them zeroed as for packed batches (a cache's unused rows may hold
 NaN); pages of a multiple of block_n rows through a block table, a TMA box per key block inside
 its page (`page_source`); split-KV merged inside a thread-block cluster up to 8 splits
-(`store_cluster`), past that with the SM80 kernel's partials and merge (`store_split`).
+(`store_cluster`), past that with the SM80 kernel's partials and merge (`store_split`). Stream-K
+(`stream_k`): a grid of any CTA count shares all tiles' key blocks evenly (`split_kv.StreamSplit`),
+each CTA running its shares of one or more tiles in turn as the persistent loop runs its tiles,
+each share merged through the workspace.
 """
 from __future__ import annotations
 
@@ -67,7 +70,7 @@ from cute_flash.kernels.philox import Dropout, wgmma_groups
 from cute_flash.kernels.score_mods import Mask, ScoreMods
 from cute_flash.kernels.seq_info import SeqInfo, clamp, head_rows
 from cute_flash.kernels.softmax import OnlineSoftmax
-from cute_flash.kernels.split_kv import ClusterMerge, SplitKV, cluster_sync
+from cute_flash.kernels.split_kv import ClusterMerge, SplitKV, StreamSplit, cluster_sync
 from layouts import hopper
 from layouts import mma as lmma
 from layouts import smem as lsmem
@@ -108,6 +111,7 @@ class Sm90FwdConfig:
     pack_gqa: bool = False     # KV caches, one query row: the GQA group folded into rows (kernels/gqa_fold.py)
     ctas_per_sm: int = 1       # KV caches: 2 fits two CTAs an SM (64-key blocks, d <= 128; launch/kvcache.py)
     cluster_merge: bool = False  # split-KV: a tile's splits are one cluster, merged in shared memory (ClusterMerge)
+    stream_k: bool = False     # split-KV: the grid's CTAs share all tiles' key blocks evenly (split_kv.StreamSplit)
     speculative_max: bool = False  # P from the kept row maxima first (OnlineSoftmax.update_speculative)
     speculative_in_place: bool = False  # ... written over S; a failed warpgroup vote issues Q K^T again
     kv_multicast: bool = False  # persistent, no mask: a cluster of two CTAs takes two query blocks of one head
@@ -129,6 +133,8 @@ class Sm90FwdConfig:
             raise ValueError("speculative maxima hold P beside S: no registers left for dropout's calls")
         if self.cluster_merge and not self.split:
             raise ValueError("the cluster merge is split-KV's (split)")
+        if self.stream_k and not (self.split and not self.cluster_merge):
+            raise ValueError("stream-K is split-KV's (split), merged through the workspace (not cluster_merge)")
         if (self.split or self.pack_gqa) and not self.kvcache:
             raise ValueError("split-KV and the GQA fold belong to KV caches (kvcache)")
         if self.paged and not (self.kvcache or self.varlen):
@@ -187,7 +193,8 @@ class Sm90FwdConfig:
     @property
     def name(self) -> str:
         schedule = "p" if self.persistent else "v" if self.varlen else "c" if self.kvcache else ""
-        schedule += ("x" if self.split else "") + ("m" if self.cluster_merge else "") + ("g" if self.paged else "")
+        schedule += ("x" if self.split else "") + ("m" if self.cluster_merge else "") + ("w" if self.stream_k else "")
+        schedule += "g" if self.paged else ""
         schedule += "f" if self.pack_gqa else ""
         schedule += "2" if self.ctas_per_sm == 2 else ""
         schedule += "s" if self.speculative_max else ""
@@ -240,7 +247,7 @@ class Sm90Split:
     mOaccum: cute.Tensor    # (num_splits, batch, heads, seqlen_q, d) fp32
     mLSEaccum: cute.Tensor  # (num_splits, batch, heads, seqlen_q) fp32
     mCounters: cute.Tensor  # (m_blocks * batch * heads,) int32, zero at launch and at exit
-    num_splits: object      # Int32
+    num_splits: object      # Int32: CTAs a tile; with `stream_k` the grid's CTAs
     mO: cute.Tensor         # (batch, seqlen_q, heads, d)
 
 
@@ -279,6 +286,7 @@ class Tile:
     n_block_max: object
     count: object       # key blocks to visit (>= 0): n_block_max - 1 down to n_block_max - count
     split_idx: object   # split-KV: this tile's share of the key blocks (0 unsplit)
+    splits: object      # split-KV: the CTAs sharing the tile's key blocks (1 unsplit)
 
 
 @dataclass(frozen=True)
@@ -386,7 +394,8 @@ class FlashFwdSm90:
         seqlen_q) fp32 (heads and rows as folded) and counting itself on mCounters (m_blocks *
         batch * heads,) int32, zero at launch and left zero; the last to arrive merges (the
         three are None unsplit, and with `Sm90FwdConfig.cluster_merge`, whose splits merge in
-        shared memory)."""
+        shared memory). With `Sm90FwdConfig.stream_k`, num_splits CTAs share every tile's key
+        blocks (`split_kv.StreamSplit`) and mOaccum's first extent is the most a tile has."""
         if cutlass.const_expr(mLeftpadK is not None or mBatchIdx is not None):
             raise ValueError("cache_leftpad and cache_batch_idx are not built on the Hopper KV-cache entry")
         if cutlass.const_expr(self.config.pack_gqa):
@@ -448,7 +457,9 @@ class FlashFwdSm90:
         if cutlass.const_expr(self.config.kv_multicast):  # whole clusters; the host gives an even tile count
             ctas = ctas // KV_MULTICAST_CTAS * KV_MULTICAST_CTAS
         grid = (ctas, 1, 1)
-        if cutlass.const_expr(self.config.kvcache):  # (splits x query blocks, heads, batch): `cache_tile`
+        if cutlass.const_expr(self.config.stream_k):  # the CTAs that share the tiles: `stream_tiles`
+            grid = (args.cache.split.num_splits, 1, 1)
+        elif cutlass.const_expr(self.config.kvcache):  # (splits x query blocks, heads, batch): `cache_tile`
             heads, batch = args.tma_mQ.shape[2], self.batch(args)
             grid = (tiles // (heads * batch), heads, batch)
         # Two CTAs an SM: the carveout given, the DSL does not ask the device for its shared memory
@@ -530,8 +541,10 @@ class FlashFwdSm90:
             cluster_sync()  # no CTA leaves while the other may still arrive on its empty barriers
 
     def num_tiles(self, args: Sm90Tensors):
+        """Work tiles: (batch, head, query block) tiles, times the splits of a split launch (a
+        stream-K launch counts tiles alone: its CTAs are `Sm90Split.num_splits`)."""
         tiles = cute.ceil_div(self.rows_q(args), self.t.block_m) * args.tma_mQ.shape[2] * self.batch(args)
-        if cutlass.const_expr(self.config.split):
+        if cutlass.const_expr(self.config.split and not self.config.stream_k):
             tiles = tiles * args.cache.split.num_splits
         return tiles
 
@@ -576,10 +589,27 @@ class FlashFwdSm90:
             split_idx = bx - m_block * args.cache.split.num_splits
         return self.tile_at(args, scalars, m_block, bidh, bidb, split_idx)
 
+    def stream_tiles(self, args: Sm90Tensors) -> StreamSplit:
+        """Stream-K: the launch's tiles and the CTAs sharing them."""
+        return StreamSplit(self.num_tiles(args), args.cache.split.num_splits)
+
     @cute.jit
-    def tile_at(self, args: Sm90Tensors, scalars: Sm90Scalars, m_block, bidh, bidb, split_idx=0) -> Tile:
+    def stream_tile(self, args: Sm90Tensors, scalars: Sm90Scalars, stream: StreamSplit, cta, tile_idx) -> Tile:
+        """Stream-K: CTA cta's share of tile tile_idx, the tiles numbered as the arrival counters
+        are (query block fastest, then head, then batch; `SplitKV.make`)."""
+        m_blocks = cute.ceil_div(self.rows_q(args), self.t.block_m)
+        heads = args.tma_mQ.shape[2]
+        pair = tile_idx // m_blocks
+        first, splits = stream.splits_of(tile_idx)
+        return self.tile_at(args, scalars, tile_idx - pair * m_blocks, pair % heads, pair // heads, cta - first,
+                            (stream, cta, tile_idx, splits))
+
+    @cute.jit
+    def tile_at(self, args: Sm90Tensors, scalars: Sm90Scalars, m_block, bidh, bidb, split_idx=0,
+                stream_share=None) -> Tile:
         """The tile of query block m_block of (bidb, bidh): its key blocks (none past a packed
-        sequence's end; a split's share of them)."""
+        sequence's end; a split's share of them). stream_share: (StreamSplit, cta, tile index,
+        CTAs sharing the tile) of a stream-K CTA, else None."""
         cfg, t = self.config, self.t
         rows_k = args.tma_mK.shape[0]  # the keys, packed keys or a cache row's capacity
         if cutlass.const_expr(cfg.paged):
@@ -594,15 +624,20 @@ class FlashFwdSm90:
                                args.varlen.mSeqUsedK, paged=cfg.paged)
         window = Window(scalars.window_left, scalars.window_right, cfg.has_left, cfg.has_right)
         num_splits = 1
-        if cutlass.const_expr(cfg.split):
+        if cutlass.const_expr(cfg.split and not cfg.stream_k):
             num_splits = args.cache.split.num_splits
-        blocks = BlockRange.make(seq, m_block, t.block_m, t.block_n, window, split_idx, num_splits, cfg.split)
+        blocks = BlockRange.make(seq, m_block, t.block_m, t.block_n, window, split_idx, num_splits,
+                                 cfg.split and not cfg.stream_k)
+        n_block_min, n_block_max = blocks.n_block_min, blocks.n_block_max
+        if cutlass.const_expr(stream_share is not None):
+            stream, cta, tile_idx, num_splits = stream_share
+            n_block_min, n_block_max = stream.share(cta, tile_idx, n_block_min, n_block_max)
         # a window can end before it starts (n_block_min > n_block_max): no key block then
-        count = cutlass.max(blocks.n_block_max - blocks.n_block_min, 0)
+        count = cutlass.max(n_block_max - n_block_min, 0)
         if cutlass.const_expr(args.varlen is not None):
             if m_block * t.block_m >= seq.seqlen_q:
                 count = cutlass.Int32(0)
-        return Tile(m_block, bidh, bidb, seq, blocks.n_block_max, count, split_idx)
+        return Tile(m_block, bidh, bidb, seq, n_block_max, count, split_idx, num_splits)
 
     @cute.jit
     def announced(self, args: Sm90Tensors, scalars: Sm90Scalars, pipes: Pipes) -> Tile:
@@ -625,7 +660,17 @@ class FlashFwdSm90:
         bidx, _, _ = cute.arch.block_idx()
         ctas, _, _ = cute.arch.grid_dim()
         heads = args.tma_mQ.shape[2]
-        if cutlass.const_expr(self.config.kvcache):
+        if cutlass.const_expr(self.config.stream_k):
+            stream = self.stream_tiles(args)
+            first, end = stream.tiles_of(bidx)
+            q_loads = cutlass.Int32(0)
+            kv_uses = cutlass.Int32(0)
+            for tile_idx in cutlass.range(first, end, unroll=1):
+                tile = self.stream_tile(args, scalars, stream, bidx, tile_idx)
+                self.produce_tile(args, recipe, pipes, sQ, sK, sV, tile, tile_idx, heads, q_loads, kv_uses)
+                q_loads = q_loads + 1
+                kv_uses = kv_uses + tile.count
+        elif cutlass.const_expr(self.config.kvcache):
             self.produce_tile(args, recipe, pipes, sQ, sK, sV, self.cache_tile(args, scalars), bidx, heads, 0, 0)
         elif cutlass.const_expr(not self.config.persistent):
             self.produce_tile(args, recipe, pipes, sQ, sK, sV, self.tile(args, scalars, bidx), bidx, heads, 0, 0)
@@ -793,7 +838,19 @@ class FlashFwdSm90:
 
         consume = functools.partial(self.consume_tile, args, scalars, recipe, pipes, tSrQ, tSrK, tOrV, acc_s, tOrP,
                                     acc_o, row_scale, sO, sV, consumer_wg, merge, acc_p)
-        if cutlass.const_expr(self.config.kvcache):
+        if cutlass.const_expr(self.config.stream_k):  # this CTA's shares, one tile after another
+            bidx, _, _ = cute.arch.block_idx()
+            stream = self.stream_tiles(args)
+            first, end = stream.tiles_of(bidx)
+            q_loads = cutlass.Int32(0)
+            kv_uses = cutlass.Int32(0)
+            for tile_idx in cutlass.range(first, end, unroll=1):
+                tile = self.stream_tile(args, scalars, stream, bidx, tile_idx)
+                cute.arch.mbarrier_wait(pipes.q_full, q_loads % 2)
+                consume(tile, mma_tidx, kv_uses)
+                q_loads = q_loads + 1
+                kv_uses = kv_uses + tile.count
+        elif cutlass.const_expr(self.config.kvcache):
             # The tile from the block index before Q's wait: the length load and the division
             # leave the path from Q's arrival to the first wgmma
             tile = self.cache_tile(args, scalars)
@@ -866,7 +923,7 @@ class FlashFwdSm90:
         if cutlass.const_expr(cfg.cluster_merge):
             self.store_cluster(acc_o_mn, lse, merge, args, recipe, tile, mma_tidx)
         elif cutlass.const_expr(cfg.split):
-            self.store_split(acc_o_mn, lse, sO, args, recipe, tile, mma_tidx)
+            self.store_split(acc_o_mn, lse, pipes.tile_slot, args, recipe, tile, mma_tidx)
         else:
             self.store(acc_o, lse, sO, args, recipe, tile, mma_tidx)
 
@@ -1059,21 +1116,22 @@ class FlashFwdSm90:
                     args.mLSE[tile.bidh, tile.seq.sum_s_q + tile.m_block * bm + row] = lse[r]
 
     @cute.jit
-    def store_split(self, acc_o_mn: cute.Tensor, lse: cute.Tensor, sQ: cute.Tensor, args: Sm90Tensors,
+    def store_split(self, acc_o_mn: cute.Tensor, lse: cute.Tensor, tile_slot: cute.Tensor, args: Sm90Tensors,
                     recipe: Sm90Recipe, tile: Tile, mma_tidx):
         """Split-KV: this split's normalised fp32 O and its LSE straight from the accumulators (a
         decode tile has few real rows), then the tile's last split CTA to arrive merges every
         split's partials into O and LSE (`split_kv.SplitKV`, the SM80 kernel's code; its consumer
         threads synchronise on named barrier SPLIT_BARRIER, which the producer warps, done after
-        their one tile, never reach). sQ holds the arrival rank: its Q is no longer read."""
+        their tiles, never reach). tile_slot (4,) int32, which no KV-cache launch announces in,
+        holds the arrival rank: a stream-K CTA's next Q may already be loading into sQ."""
         t = self.t
         split = args.cache.split
         m_blocks = cute.ceil_div(self.rows_q(args), t.block_m)
-        kv = SplitKV.make(split.mOaccum, split.mLSEaccum, split.mCounters, tile.split_idx, split.num_splits,
+        kv = SplitKV.make(split.mOaccum, split.mLSEaccum, split.mCounters, tile.split_idx, tile.splits,
                           (tile.m_block, tile.bidb, tile.bidh, args.tma_mQ.shape[2]), t, m_blocks, SPLIT_BARRIER)
         rows = self.merge_rows(args, recipe, tile, mma_tidx)
         kv.store_partial(acc_o_mn, lse, rows.tOcO_mn, tile.m_block, rows.rows_q)
-        kv.merge(rows.mO, rows.mLSE, sQ, tile.m_block, rows.rows_q, mma_tidx)
+        kv.merge(rows.mO, rows.mLSE, tile_slot, tile.m_block, rows.rows_q, mma_tidx)
 
     @cute.jit
     def store_cluster(self, acc_o_mn: cute.Tensor, lse: cute.Tensor, merge: ClusterMerge, args: Sm90Tensors,

@@ -61,9 +61,22 @@ MANY_WAVE_SPLITS = 12  # at one CTA an SM, the count of many waves that replaces
 BUSY_FLOOR = 0.8       # ... whose CTAs fill less than this share of the SM slots over its waves
 
 
-@functools.lru_cache(maxsize=4096)
+@dataclass(frozen=True)
+class SplitChoice:
+    """How a split-KV launch shares out the key blocks (`split_choice`)."""
+    num_splits: int  # equal splits of every tile (1: none)
+    stream_k: bool   # the many-wave case: a kernel with stream-K (StreamSplit) takes it over every SM slot instead
+
+
 def num_splits_heuristic(work_ctas: int, num_sms: int, num_n_blocks: int, max_splits: int = 128,
                          ctas_per_sm: int = 2, clusters: tuple[int, ...] | None = None) -> int:
+    """How many equal splits of the key range (`split_choice`)."""
+    return split_choice(work_ctas, num_sms, num_n_blocks, max_splits, ctas_per_sm, clusters).num_splits
+
+
+@functools.lru_cache(maxsize=4096)
+def split_choice(work_ctas: int, num_sms: int, num_n_blocks: int, max_splits: int = 128,
+                 ctas_per_sm: int = 2, clusters: tuple[int, ...] | None = None) -> SplitChoice:
     """How many splits of the key range: the count whose busiest SM finishes first.
 
     Decode is bandwidth-bound, and an SM streams keys at about the same rate whether it holds
@@ -90,7 +103,10 @@ def num_splits_heuristic(work_ctas: int, num_sms: int, num_n_blocks: int, max_sp
     (`tune --splits`, docs/perf.md, Decode): 12 splits were within 3.5% of the best count in the 9 cells where this applies
     (6, 12 and 13 sequences; at 8k keys the twelfth split had no key, the 11 taken now), where
     the count of one wave ran at 0.85-1.0 of the best; at 9 sequences the two waves' 3 splits
-    were the best count (3929-4427 GB/s, unsplit 2701-2834).
+    were the best count (3929-4427 GB/s, unsplit 2701-2834). A kernel with stream-K (the Hopper
+    entry) takes stream-K over every SM instead (`SplitChoice.stream_k`): where this applied
+    in a sweep of 3-6 and 11-13 sequences at 8k-128k keys it ran 0.99-1.12x the many-wave
+    splits (docs/perf.md, "Stream-K").
 
     clusters: where s splits merge in one thread-block cluster (the Hopper entry, s up to
     len(clusters)), clusters[s - 1] of them run at once (`launch.clusters`), on fewer SMs than
@@ -102,7 +118,7 @@ def num_splits_heuristic(work_ctas: int, num_sms: int, num_n_blocks: int, max_sp
     "Clusters the GPU holds at once")."""
     slots = ctas_per_sm * num_sms
     if work_ctas >= 0.8 * slots:
-        return 1
+        return SplitChoice(1, stream_k=False)
     waves = 2 if 2 * work_ctas > slots and work_ctas < num_sms else 1
 
     def busiest(s):  # CTAs on the busiest SM
@@ -122,8 +138,45 @@ def num_splits_heuristic(work_ctas: int, num_sms: int, num_n_blocks: int, max_sp
     many = -(-num_n_blocks // -(-num_n_blocks // MANY_WAVE_SPLITS))  # the fewest at that many blocks: none empty
     if (ctas_per_sm == 1 and busy < BUSY_FLOOR and num_n_blocks >= 4 * MANY_WAVE_SPLITS and many <= max_splits
             and cost(many) < cost(best)):
-        return many
-    return best
+        return SplitChoice(many, stream_k=True)
+    return SplitChoice(best, stream_k=False)
+
+
+@dataclass(frozen=True)
+class StreamSplit:
+    """Stream-K split-KV: `ctas` CTAs share the key blocks of `tiles` tiles evenly, as if the
+    tiles lay end to end, so a CTA may finish one tile's blocks and start the next tile's. Where
+    equal splits of each tile leave SMs idle (64 tiles in 2 splits: 128 CTAs on 132 SMs) every
+    SM then streams keys to the end. Each tile is `ctas` units long and each CTA takes `tiles`
+    units: CTA c covers units [c tiles, (c + 1) tiles) of tiles x ctas, and its share of tile t
+    is the part of [t ctas, (t + 1) ctas) inside them, cut into key blocks in proportion (so
+    tiles of unequal key counts split as the equal splits do). A tile's CTAs are numbered
+    within it (split_idx) and merge through the workspace as `SplitKV`'s equal splits do.
+    Integer arithmetic only: the host (workspace size, tests) runs the same methods on ints."""
+    tiles: object  # Int32 (batch, head, m-block) tiles
+    ctas: object   # Int32 CTAs the grid launches
+
+    def tiles_of(self, cta):
+        """[first, end): the tiles CTA `cta` has a share of."""
+        return cta * self.tiles // self.ctas, ((cta + 1) * self.tiles - 1) // self.ctas + 1
+
+    def splits_of(self, tile):
+        """(first CTA, CTAs) sharing tile `tile`."""
+        first = tile * self.ctas // self.tiles
+        return first, ((tile + 1) * self.ctas - 1) // self.tiles - first + 1
+
+    def share(self, cta, tile, n_block_min, n_block_max):
+        """[lo, hi): CTA `cta`'s key blocks of tile `tile`, whose blocks are [n_block_min,
+        n_block_max); empty where the tile has fewer blocks than CTAs."""
+        start = tile * self.ctas
+        lo_unit = cutlass.max(cta * self.tiles, start) - start  # in [0, ctas]
+        hi_unit = cutlass.min((cta + 1) * self.tiles, start + self.ctas) - start
+        blocks = cutlass.max(n_block_max - n_block_min, 0)
+        return n_block_min + lo_unit * blocks // self.ctas, n_block_min + hi_unit * blocks // self.ctas
+
+    def max_splits(self) -> int:
+        """The most CTAs any tile has (host ints): the workspace's split dimension."""
+        return max(self.splits_of(t)[1] for t in range(self.tiles))
 
 
 @dataclass(frozen=True)
@@ -178,17 +231,17 @@ class SplitKV:
                     self.mLSEpart[row0 + row] = lse[r]
 
     @cute.jit
-    def merge(self, mO_s: cute.Tensor, mLSE_s: cute.Tensor, sQ: cute.Tensor, m_block, rows_q, tidx):
+    def merge(self, mO_s: cute.Tensor, mLSE_s: cute.Tensor, sRank: cute.Tensor, m_block, rows_q, tidx):
         """The split CTA of this tile that arrives last merges every split's partials into O and
         LSE; the others just leave. One thread counts the CTA's arrival with an acquire-release
         atomic after a CTA barrier: the barrier orders the CTA's partial stores before that
         release, which carries them to the GPU (the release is cumulative), and in the last
         CTA it orders the acquire before every thread's loads of the others' partials. The
         last arrival also re-arms the counter for the next launch. tidx: the thread's index
-        among num_threads."""
+        among num_threads; sRank: an int32 of shared memory no thread reads meanwhile (the
+        first element of a tensor), where the rank goes to every thread."""
         bm = self.block_m
-        self.sync()  # also: every warp is done with sQ, which now holds the arrival rank
-        sRank = cute.make_tensor(cute.recast_ptr(sQ.iterator, dtype=cutlass.Int32), cute.make_layout(1))
+        self.sync()  # also: every thread is done with sRank's memory (the SM80 kernel's sQ)
         if tidx == 0:
             sRank[0] = cute.arch.atomic_add(self.counter, cutlass.Int32(1), sem="acq_rel", scope="gpu")
         self.sync()
@@ -203,12 +256,13 @@ class SplitKV:
     @cute.jit
     def combine_tile(self, mOaccum: cute.Tensor, mLSEaccum: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
                      rows, tidx):
-        """Merge `rows` rows. mOaccum (num_splits, rows, kHeadDim) and mLSEaccum (num_splits,
-        rows) fp32 partials; mO (rows, d <= kHeadDim) and mLSE (rows,) fp32, any strides."""
+        """Merge `rows` rows. mOaccum (splits, rows, kHeadDim) and mLSEaccum (splits, rows) fp32
+        partials, of which the tile's num_splits are read (a stream-K workspace holds as many
+        as the tile with the most); mO (rows, d <= kHeadDim) and mLSE (rows,) fp32, any strides."""
         tpr = self.head_dim // VEC  # threads per row
         partials = GlobalPartials(mOaccum, mLSEaccum)
         for i in cutlass.range(tidx // tpr, rows, self.num_threads // tpr, unroll=1):
-            partials.merge_row(mLSEaccum.shape[0], i, tidx % tpr, mO, mLSE)
+            partials.merge_row(self.num_splits, i, tidx % tpr, mO, mLSE)
 
 
 @dataclass(frozen=True)

@@ -348,10 +348,11 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
                     flags = dict(zip(("has_left", "has_right", "has_alibi", "has_softcap"), bits))
                     # the GQA fold only without window edges or ALiBi (launch/kvcache.py)
                     folds = (False,) if flags["has_left"] or flags["has_right"] or flags["has_alibi"] else (False, True)
-                    out += [Sm90FwdConfig(t, kvcache=True, split=s, cluster_merge=m, paged=p, pack_gqa=f,
-                                          ctas_per_sm=ctas, **flags)
-                            for s, m in ((False, False), (True, False), (True, True)) for p in (False, True)
-                            for f in folds]
+                    out += [Sm90FwdConfig(t, kvcache=True, split=s, cluster_merge=m, stream_k=w, paged=p,
+                                          pack_gqa=f, ctas_per_sm=ctas, **flags)
+                            for s, m, w in ((False, False, False), (True, False, False), (True, True, False),
+                                            (True, False, True))
+                            for p in (False, True) for f in folds]
         return out
     traits = [choose_hopper_traits(d, "bf16") for d in HEAD_DIM_BUCKETS]
     out = [Sm90FwdConfig(t, persistent=Sm90FwdConfig.fits_persistent(t), has_right=True, speculative_max=True,
@@ -377,6 +378,10 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
                                 pack_gqa=True),
                   Sm90FwdConfig(choose_hopper_cache_traits(128, "bf16"), kvcache=True, split=True, cluster_merge=True,
                                 pack_gqa=True),
+                  Sm90FwdConfig(choose_hopper_cache_traits(128, "bf16"), kvcache=True, split=True, stream_k=True,
+                                pack_gqa=True),
+                  Sm90FwdConfig(choose_hopper_cache_traits(64, "bf16"), has_right=True, kvcache=True, split=True,
+                                stream_k=True, paged=True),
                   Sm90FwdConfig(choose_hopper_cache_traits(256, "fp16"), has_left=True, has_right=True,
                                 has_alibi=True, has_softcap=True, kvcache=True),
                   Sm90FwdConfig(choose_hopper_cache_traits(128, "bf16", ctas_per_sm=2), kvcache=True, pack_gqa=True,

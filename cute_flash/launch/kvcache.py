@@ -16,7 +16,7 @@ import torch
 from cute_flash.kernels.append import AppendConfig
 from cute_flash.kernels.config import FwdConfig
 from cute_flash.kernels.fwd_sm90 import Sm90FwdConfig
-from cute_flash.kernels.split_kv import num_splits_heuristic, workspace_shapes
+from cute_flash.kernels.split_kv import StreamSplit, split_choice, workspace_shapes
 from cute_flash.launch.align import aligned, is_aligned
 from cute_flash.launch.batch_chunks import batch_chunks, chunked, rows_of, slopes_of, splits_within_grid
 from cute_flash.launch import compiled
@@ -34,7 +34,7 @@ class KVCachePlan:
     by identity: it keys the workspace cache on every call, and calls of one signature share
     one plan."""
     config: object   # FwdConfig, or Sm90FwdConfig (the Hopper KV-cache entry)
-    num_splits: int
+    num_splits: int  # CTAs a tile (stream-K: the most any tile has, the workspace's split extent)
     launch: object   # the compiled kernel's TVM-FFI function (either kernel's call_kvcache), called positionally
     batch: int
     nheads: int      # (heads, seqlen_q) as the caller has them
@@ -51,7 +51,7 @@ class KVCachePlan:
     @property
     def global_partials(self) -> bool:
         """Splits that merge through global memory: not the Hopper entry's cluster merge."""
-        return self.num_splits > 1 and not (isinstance(self.config, Sm90FwdConfig) and self.config.cluster_merge)
+        return self.config.split and not (isinstance(self.config, Sm90FwdConfig) and self.config.cluster_merge)
 
 
 @dataclass(frozen=True)
@@ -80,8 +80,9 @@ def flash_fwd_kvcache(q, k_cache, v_cache, *, k=None, v=None, rotary_cos=None, r
     place, then split-KV attention over them, merged in the same launch. Returns (out, lse (b, h,
     sq)), lse None unless return_lse. `signature`: the interface's summary of every argument's
     metadata and options (`_validate.signature`); calls that share one share their setup.
-    `hopper_variant` (tuning, `python -m cute_flash tune --decode`): dict(traits=HopperTileTraits,
-    ctas_per_sm=1 or 2) for the Hopper entry in place of its own choice, on a call it takes."""
+    `hopper_variant` (tuning, `python -m cute_flash tune --decode` / `--splits`): dict(traits=
+    HopperTileTraits, ctas_per_sm=1 or 2, stream_ctas=CTAs of a stream-K launch) for the Hopper
+    entry in place of its own choice, on a call it takes."""
     b, sq, h, d = q.shape
     if chunked(b):  # launch/batch_chunks.py
         return _by_batch_chunks(q, k_cache, v_cache, k=k, v=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
@@ -201,17 +202,25 @@ def _kvcache_call(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, 
     if hopper and not variant and num_splits <= 1 and takes_two_ctas_per_sm(work_ctas, num_sms, capacity, d):
         traits, ctas_per_sm = choose_hopper_cache_traits(d, compiled.DTYPE_NAMES[q.dtype], ctas_per_sm=2), 2
     n_blocks = -(-capacity // traits.block_n)
-    if num_splits == 0:  # the Hopper entry's splits of up to CLUSTER_MAX_SPLITS merge in a cluster
+    stream_ctas = variant.get("stream_ctas", 0) if hopper else 0
+    if num_splits == 0 and not stream_ctas:  # the Hopper entry's splits of up to CLUSTER_MAX_SPLITS merge in a cluster
         clusters = resident_clusters(index, ctas_per_sm, CLUSTER_MAX_SPLITS) if hopper else None
-        num_splits = num_splits_heuristic(work_ctas, num_sms, n_blocks, ctas_per_sm=ctas_per_sm, clusters=clusters)
+        choice = split_choice(work_ctas, num_sms, n_blocks, ctas_per_sm=ctas_per_sm, clusters=clusters)
+        num_splits = choice.num_splits
+        if hopper and choice.stream_k:  # stream-K over every SM slot in place of the many-wave splits
+            stream_ctas = ctas_per_sm * num_sms
+    if stream_ctas:
+        num_splits = StreamSplit(work_ctas, stream_ctas).max_splits()
     cap = min(n_blocks, 128)
     if not hopper:  # the SM80 kernel's grid z holds splits x heads; the Hopper entry's x holds the splits
         cap = min(cap, splits_within_grid(heads))
-    num_splits = max(1, min(num_splits, cap))
+    if not stream_ctas:
+        num_splits = max(1, min(num_splits, cap))
     flags = score_flags(left, right, alibi_slopes, softcap)
     if hopper:
-        config = Sm90FwdConfig(traits, kvcache=True, split=num_splits > 1, paged=paged, pack_gqa=pack_gqa,
-                               ctas_per_sm=ctas_per_sm, cluster_merge=1 < num_splits <= CLUSTER_MAX_SPLITS, **flags)
+        config = Sm90FwdConfig(traits, kvcache=True, split=num_splits > 1 or bool(stream_ctas), paged=paged,
+                               pack_gqa=pack_gqa, ctas_per_sm=ctas_per_sm, stream_k=bool(stream_ctas),
+                               cluster_merge=not stream_ctas and 1 < num_splits <= CLUSTER_MAX_SPLITS, **flags)
         launch = compiled.sm90_kernel_for(config)
     else:
         config = FwdConfig(traits, **flags, even_k=d == traits.head_dim, paged=paged,
@@ -223,7 +232,7 @@ def _kvcache_call(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, 
     append = k is not None and (k.shape[1] > 0 or rotary_cos is not None)  # an empty grid cannot launch
     k_extra = 0 if k is None else k.shape[1]
     return KVCacheCall(plan, device, index, not is_aligned(q), seqlens, append, causal or left >= 0 or right >= 0,
-                       (k_extra, num_splits, *scales(softmax_scale, softcap), left, right))
+                       (k_extra, stream_ctas or num_splits, *scales(softmax_scale, softcap), left, right))
 
 
 def _append(q, k, v, k_cache, v_cache, seqlens, cache_batch_idx, block_table, rotary_cos, rotary_sin,
