@@ -114,3 +114,21 @@ def test_stream_k_replaces_exactly_the_many_wave_splits(work, n_blocks, ctas_per
     assert choice.stream_k == many_waves
     assert not (choice.stream_k and ctas_per_sm == 2)
 
+
+def test_no_cluster_query_while_a_graph_is_captured(monkeypatch):
+    """`launch.clusters.resident_clusters` loads and unloads a module, which invalidates a CUDA
+    graph capture: while the stream captures it answers None (the count then assumes every SM)
+    without asking the driver or remembering the answer, and asks once the capture is over."""
+    import torch
+
+    from cute_flash.launch import clusters
+
+    asked = []
+    monkeypatch.setattr(clusters, "_known", {})
+    monkeypatch.setattr(clusters, "_query", lambda *key: asked.append(key) or H200_CLUSTERS[key[1]][:key[2]])
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert clusters.resident_clusters(0, 1, 8) is None and asked == []
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert clusters.resident_clusters(0, 1, 8) == H200_CLUSTERS[1] and asked == [(0, 1, 8)]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert clusters.resident_clusters(0, 1, 8) == H200_CLUSTERS[1] and len(asked) == 1

@@ -10,9 +10,13 @@ of the Hopper KV-cache entry, whose splits merge inside one cluster, reads these
 
 The stand-in is an empty kernel loaded from PTX (a few milliseconds of driver JIT, once per
 device and CTAs an SM); what bounds CTAs an SM is its dynamic shared memory, an SM's share.
+Not while the stream captures a CUDA graph: loading and unloading the module there invalidated
+the capture (cudaErrorStreamCaptureInvalidated at the next launch, a decode whose first call
+was captured, 2026-12-03).
 """
 from __future__ import annotations
 
+import torch
 from cuda.bindings import driver
 
 _PTX = b".version 8.0\n.target sm_90\n.address_size 64\n.visible .entry cluster_probe()\n{\n ret;\n}\n\0"
@@ -30,10 +34,13 @@ def _value(result):
 def resident_clusters(index: int, ctas_per_sm: int, max_size: int) -> tuple[int, ...] | None:
     """Clusters of 1..max_size CTAs resident at once on device `index` (entry s - 1) for a
     kernel of `ctas_per_sm` CTAs an SM; None where the driver cannot say (no cluster support,
-    or a call refused), and the split count then assumes every SM takes part. Kept once known;
-    a refusal is asked again on the next new call signature."""
+    or a call refused, or not yet known while the current stream captures a graph), and the
+    split count then assumes every SM takes part. Kept once known; a refusal is asked again on
+    the next new call signature."""
     key = (index, ctas_per_sm, max_size)
     if key not in _known:
+        if torch.cuda.is_current_stream_capturing():
+            return None
         try:
             _known[key] = _query(*key)
         except RuntimeError:
