@@ -375,7 +375,8 @@ class FlashFwd:
             acc_o.store(acc_o.load() * dropout.scale())
         if cutlass.const_expr(cfg.split):
             split.store_partial(acc_o_mn, lse, tOcO_mn, m_block, rows_q)
-            sRank = cute.make_tensor(cute.recast_ptr(sQ.iterator, dtype=cutlass.Int32), cute.make_layout(1))  # Q is read
+            # the arrival rank in sQ's first word: the merge's barrier comes after every read of Q
+            sRank = cute.make_tensor(cute.recast_ptr(sQ.iterator, dtype=cutlass.Int32), cute.make_layout(1))
             split.merge(views.mO_s, views.mLSE_s, sRank, m_block, rows_q, cute.arch.thread_idx()[0])
         else:
             self.store(acc_o, lse, tOcO_mn, sQ, views, (m_block, rows_q, cQ), recipe)

@@ -106,6 +106,7 @@ class Sm90FwdConfig:
     varlen: bool = False       # packed batches (call_varlen); one CTA per tile
     has_seqused_k: bool = False  # packed batches whose key lengths come from seqused_k
     kvcache: bool = False      # KV caches (call_kvcache): key lengths from cache_seqlens; one CTA per tile
+                               # (or stream-K's CTAs, `stream_k`)
     split: bool = False        # KV caches: split-KV, fp32 partials merged by each tile's last split CTA
     paged: bool = False        # KV caches or packed batches: keys in pages of a multiple of block_n rows
     pack_gqa: bool = False     # KV caches, one query row: the GQA group folded into rows (kernels/gqa_fold.py)

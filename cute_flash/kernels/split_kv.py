@@ -12,9 +12,11 @@ It runs inside the split-KV kernel, not as a kernel of its own: the CTA that fin
 the splits of a tile (`SplitKV.merge`) merges that tile's rows while the others exit. The Hopper
 KV-cache entry, at most 8 splits, launches a tile's splits as one thread-block cluster instead
 (`ClusterMerge`): partials stay in each CTA's shared memory and rank 0 merges them through
-distributed shared memory, with no workspace, fence or counter in global memory.
-That saves a launch per decode step, which at small batches costs more host time than the whole
-GPU work.
+distributed shared memory, with no workspace, fence or counter in global memory. Stream-K
+(`StreamSplit`, the Hopper entry) gives each tile as many CTAs as its share of the grid, one CTA
+an SM taking the end of one tile and the start of the next, merged as `SplitKV` merges.
+Merging in the kernel saves a launch per decode step, which at small batches costs more host
+time than the whole GPU work.
 
 Tile: kHeadDim / 4 threads per row, each owning 4 columns (one 128-bit load per split), so a
 128-thread CTA merges 128 / (kHeadDim / 4) rows per pass. Every thread of a row accumulates
@@ -106,7 +108,7 @@ def split_choice(work_ctas: int, num_sms: int, num_n_blocks: int, max_splits: in
     were the best count (3929-4427 GB/s, unsplit 2701-2834). A kernel with stream-K (the Hopper
     entry) takes stream-K over every SM instead (`SplitChoice.stream_k`): where this applied
     in a sweep of 3-6 and 11-13 sequences at 8k-128k keys it ran 0.99-1.12x the many-wave
-    splits (docs/perf.md, "Stream-K").
+    splits (docs/perf.md, "Stream-K in place of many waves of splits").
 
     clusters: where s splits merge in one thread-block cluster (the Hopper entry, s up to
     len(clusters)), clusters[s - 1] of them run at once (`launch.clusters`), on fewer SMs than
@@ -145,9 +147,11 @@ def split_choice(work_ctas: int, num_sms: int, num_n_blocks: int, max_splits: in
 @dataclass(frozen=True)
 class StreamSplit:
     """Stream-K split-KV: `ctas` CTAs share the key blocks of `tiles` tiles evenly, as if the
-    tiles lay end to end, so a CTA may finish one tile's blocks and start the next tile's. Where
-    equal splits of each tile leave SMs idle (64 tiles in 2 splits: 128 CTAs on 132 SMs) every
-    SM then streams keys to the end. Each tile is `ctas` units long and each CTA takes `tiles`
+    tiles lay end to end, so a CTA may finish one tile's blocks and start the next tile's. Equal
+    splits come in steps of the tile count (88 tiles: 88 or 176 CTAs for 132 SMs, where the
+    split rule took 11-12 splits over many waves); one CTA an SM sharing everything keeps every
+    SM streaming keys to the end (1.01-1.14x those splits, H200, docs/perf.md, "Stream-K in
+    place of many waves of splits"). Each tile is `ctas` units long and each CTA takes `tiles`
     units: CTA c covers units [c tiles, (c + 1) tiles) of tiles x ctas, and its share of tile t
     is the part of [t ctas, (t + 1) ctas) inside them, cut into key blocks in proportion (so
     tiles of unequal key counts split as the equal splits do). A tile's CTAs are numbered
