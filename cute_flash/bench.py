@@ -809,9 +809,9 @@ DECODE_SPLIT_COUNTS = (1, 2, 3, 4, 5, 6, 8, 12, 16)
 
 def tune_decode_splits(batches=DECODE_SPLIT_BATCHES, caches=(8192, 32768, 131072), counts=DECODE_SPLIT_COUNTS):
     """GB/s under CUDA graphs of every split count in `counts` on decode cells (`DECODE_HEADS`,
-    full bf16 caches, the default path), beside the count `num_splits_heuristic` picks, CUDNN and,
-    on sm_90, the Hopper entry's stream-K split over every SM ("K", with its max |out - unsplit
-    out|): `python -m cute_flash tune --splits`. The default batches put 48-128 tiles on the GPU,
+    full bf16 caches, the default path), beside the default call's (`split_choice`: equal splits
+    or, on the Hopper entry, stream-K), CUDNN and, on sm_90, stream-K over every SM forced ("K",
+    with its max |out - unsplit out|): `python -m cute_flash tune --splits`. The default batches put 48-128 tiles on the GPU,
     where one wave of splits does not fill the SMs (72 tiles, 128k keys: unsplit 2834 GB/s,
     3 splits 4427, CUDNN 3800; docs/perf.md, "Split counts where one wave leaves SMs idle")."""
     import torch

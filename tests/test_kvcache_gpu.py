@@ -317,15 +317,15 @@ def test_hopper_two_ctas_per_sm_split(d, hopper_cache_entry):
 @pytest.mark.parametrize("ctas", [1, 5, 13, 132, 300])
 @pytest.mark.parametrize("case", [
     dict(b=3, sq=1, h=8, hk=2, d=128, seqlens=[700, 0, 1024]),  # GQA fold, ragged, an empty cache
-    dict(b=2, sq=1, h=32, hk=8, d=128, seqlens=[1024, 1], page_size=128),  # paged; 1 key: 16 empty shares
+    dict(b=2, sq=1, h=32, hk=8, d=128, seqlens=[1024, 1], page_size=128),  # paged; 1 key: one share holds it
     dict(b=2, sq=70, h=4, hk=2, d=64, seqlens=[600, 900], causal=True),  # chunked prefill: two query blocks
     dict(b=1, sq=1, h=6, hk=3, d=256, seqlens=[1000], window=(300, -1), softcap=10.0),
 ], ids=["fold", "paged", "prefill", "window"])
 def test_hopper_stream_k(case, ctas, hopper_cache_entry):
     """Stream-K split-KV on the Hopper entry (`Sm90FwdConfig.stream_k`): `ctas` CTAs share
     every tile's key blocks, from fewer CTAs than tiles (a CTA runs several tiles in turn) to
-    more CTAs than key blocks (empty shares), against the reference; unused cache rows hold
-    NaN; a second call (the counters re-armed) gives the same bits."""
+    more CTAs than key blocks (empty shares), against the reference; unused rows of the unpaged
+    caches hold NaN; a second call (the counters re-armed) gives the same bits."""
     from cute_flash.launch import compiled, kvcache
     from cute_flash.launch.kvcache import flash_fwd_kvcache
 
