@@ -566,7 +566,7 @@ class FlashFwdSm90:
         decreasing length under a causal mask, while the K / V the CTAs in flight read stay
         those of one section (the host sizes it for L2). section_heads 1: one pair's blocks,
         last first, then the next pair's. (KV caches take theirs from the block index:
-        `cache_tile`.)"""
+        `cache_tile`, or stream-K's `stream_tile`.)"""
         t = self.t
         heads = args.tma_mQ.shape[2]
         pairs = heads * self.batch(args)
@@ -645,7 +645,7 @@ class FlashFwdSm90:
         """The tile whose coordinates the producer published with Q (`announce`): the integer
         divisions of `tile` are the producer's alone (d 64 causal: 180 instructions before a
         tile's first wgmma, SASS). KV caches (split-KV's only users) take theirs from the block
-        index (`cache_tile`)."""
+        index (`cache_tile`, `stream_tile`)."""
         return self.tile_at(args, scalars, pipes.tile_slot[1], pipes.tile_slot[2], pipes.tile_slot[3])
 
     @cute.jit
@@ -710,7 +710,8 @@ class FlashFwdSm90:
     def announce(self, pipes: Pipes, tile_idx, tile, q_bytes: cutlass.Constexpr, q_loads):
         """Once the consumers are done with the previous tile's Q, write the tile's index and
         coordinates (tile None: only the index, past the last tile) where the consumers read
-        them (KV caches: nowhere, their consumers take the tile from the block index), and
+        them (KV caches: nowhere, their consumers take the tile from the block index and, under
+        stream-K, the tile's index in its loop), and
         arrive on Q's full barrier, expecting q_bytes of Q's TMA (0: no load follows, the
         arrival alone completes the phase)."""
         if q_loads > 0:
