@@ -606,6 +606,22 @@ class FlashFwdSm90:
                             (stream, cta, tile_idx, splits))
 
     @cute.jit
+    def for_each_share(self, args: Sm90Tensors, scalars: Sm90Scalars, run_share):
+        """Stream-K: run_share(tile, tile index, Q loads before it, K / V stage uses before it)
+        for each of this CTA's shares in order, the producer's and the consumers' loop alike,
+        so both count Q's phases and the pipelines' positions the same way."""
+        bidx, _, _ = cute.arch.block_idx()
+        stream = self.stream_tiles(args)
+        first, end = stream.tiles_of(bidx)
+        q_loads = cutlass.Int32(0)
+        kv_uses = cutlass.Int32(0)
+        for tile_idx in cutlass.range(first, end, unroll=1):
+            tile = self.stream_tile(args, scalars, stream, bidx, tile_idx)
+            run_share(tile, tile_idx, q_loads, kv_uses)
+            q_loads = q_loads + 1
+            kv_uses = kv_uses + tile.count
+
+    @cute.jit
     def tile_at(self, args: Sm90Tensors, scalars: Sm90Scalars, m_block, bidh, bidb, split_idx=0,
                 stream_share=None) -> Tile:
         """The tile of query block m_block of (bidb, bidh): its key blocks (none past a packed
@@ -662,15 +678,8 @@ class FlashFwdSm90:
         ctas, _, _ = cute.arch.grid_dim()
         heads = args.tma_mQ.shape[2]
         if cutlass.const_expr(self.config.stream_k):
-            stream = self.stream_tiles(args)
-            first, end = stream.tiles_of(bidx)
-            q_loads = cutlass.Int32(0)
-            kv_uses = cutlass.Int32(0)
-            for tile_idx in cutlass.range(first, end, unroll=1):
-                tile = self.stream_tile(args, scalars, stream, bidx, tile_idx)
-                self.produce_tile(args, recipe, pipes, sQ, sK, sV, tile, tile_idx, heads, q_loads, kv_uses)
-                q_loads = q_loads + 1
-                kv_uses = kv_uses + tile.count
+            self.for_each_share(args, scalars, lambda tile, tile_idx, q_loads, kv_uses: self.produce_tile(
+                args, recipe, pipes, sQ, sK, sV, tile, tile_idx, heads, q_loads, kv_uses))
         elif cutlass.const_expr(self.config.kvcache):
             self.produce_tile(args, recipe, pipes, sQ, sK, sV, self.cache_tile(args, scalars), bidx, heads, 0, 0)
         elif cutlass.const_expr(not self.config.persistent):
@@ -840,18 +849,13 @@ class FlashFwdSm90:
 
         consume = functools.partial(self.consume_tile, args, scalars, recipe, pipes, tSrQ, tSrK, tOrV, acc_s, tOrP,
                                     acc_o, row_scale, sO, sV, consumer_wg, merge, acc_p)
-        if cutlass.const_expr(self.config.stream_k):  # this CTA's shares, one tile after another
-            bidx, _, _ = cute.arch.block_idx()
-            stream = self.stream_tiles(args)
-            first, end = stream.tiles_of(bidx)
-            q_loads = cutlass.Int32(0)
-            kv_uses = cutlass.Int32(0)
-            for tile_idx in cutlass.range(first, end, unroll=1):
-                tile = self.stream_tile(args, scalars, stream, bidx, tile_idx)
+        if cutlass.const_expr(self.config.stream_k):
+
+            def consume_share(tile, tile_idx, q_loads, kv_uses):
                 cute.arch.mbarrier_wait(pipes.q_full, q_loads % 2)
                 consume(tile, mma_tidx, kv_uses)
-                q_loads = q_loads + 1
-                kv_uses = kv_uses + tile.count
+
+            self.for_each_share(args, scalars, consume_share)
         elif cutlass.const_expr(self.config.kvcache):
             # The tile from the block index before Q's wait: the length load and the division
             # leave the path from Q's arrival to the first wgmma
