@@ -97,9 +97,10 @@ def arch_path(path):
 
 
 def hopper_gpu() -> bool:
+    """The current GPU is sm_90 (False without one: `tune --splits` runs on the CPU in tests)."""
     import torch
 
-    return torch.cuda.get_device_capability()[0] == 9
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
 def fa4_func():
@@ -811,9 +812,10 @@ def tune_decode_splits(batches=DECODE_SPLIT_BATCHES, caches=(8192, 32768, 131072
     """GB/s under CUDA graphs of every split count in `counts` on decode cells (`DECODE_HEADS`,
     full bf16 caches, the default path), beside the default call's (`split_choice`: equal splits
     or, on the Hopper entry, stream-K), CUDNN and, on sm_90, stream-K over every SM forced ("K",
-    with its max |out - unsplit out|): `python -m cute_flash tune --splits`. The default batches put 48-128 tiles on the GPU,
-    where one wave of splits does not fill the SMs (72 tiles, 128k keys: unsplit 2834 GB/s,
-    3 splits 4427, CUDNN 3800; docs/perf.md, "Split counts where one wave leaves SMs idle")."""
+    with its max |out - unsplit out|): `python -m cute_flash tune --splits`. The default
+    batches put 48-128 tiles on the GPU, where one wave of splits does not fill the SMs (72
+    tiles, 128k keys: unsplit 2834 GB/s, 3 splits 4427, CUDNN 3800; docs/perf.md, "Split counts
+    where one wave leaves SMs idle")."""
     import torch
     from torch.nn.attention import SDPBackend
 
@@ -821,8 +823,8 @@ def tune_decode_splits(batches=DECODE_SPLIT_BATCHES, caches=(8192, 32768, 131072
     from cute_flash.launch import compiled
     from cute_flash.launch.kvcache import flash_fwd_kvcache
 
-    index = torch.cuda.current_device() if torch.cuda.is_available() else None
-    hopper = index is not None and compiled.device_arch(index) == 90
+    hopper = hopper_gpu()
+    sms = compiled.num_sms(torch.cuda.current_device()) if hopper else 0
     rows = []
     for b in batches:
         for cache in caches:
@@ -837,7 +839,7 @@ def tune_decode_splits(batches=DECODE_SPLIT_BATCHES, caches=(8192, 32768, 131072
                 stream = functools.partial(flash_fwd_kvcache, call.q, call.k_cache, call.v_cache,
                                            cache_seqlens=call.cache_seqlens, softmax_scale=DECODE_HEADS[2] ** -0.5,
                                            return_lse=False, signature=("tune_stream", b, cache),
-                                           hopper_variant=dict(stream_ctas=compiled.num_sms(index)))
+                                           hopper_variant=dict(stream_ctas=sms))
                 unsplit = flash_attn_with_kvcache(call.q, call.k_cache, call.v_cache, cache_seqlens=call.cache_seqlens,
                                                   num_splits=1)
                 row["stream_max_diff"] = (stream()[0].float() - unsplit.float()).abs().max().item()
