@@ -204,8 +204,8 @@ def test_hopper_forward_compiles_to_wgmma(config, tmp_path):
     never do. Speculative maxima over S (d 64's 192-row tiles) vote by warpgroup and, where the
     vote fails, issue Q K^T again; blocks a causal edge crosses take `update` instead. With K /
     V multicast, K and V arrive by multicast copies and the persistent schedule strides
-    statically (no tile counter). KV caches wait for the previous grid before touching global
-    memory (`Sm90FwdConfig.dependent_launch`)."""
+    statically (no tile counter). KV caches launched as programmatic dependents wait for the
+    previous grid before touching global memory (`Sm90FwdConfig.dependent_launch`)."""
     from cute_flash.launch.compiled import compile_fwd_sm90
     from cute_flash.philox import M0
 
@@ -235,9 +235,9 @@ def test_hopper_forward_compiles_to_wgmma(config, tmp_path):
     assert ("atom.global" in text) == ((config.persistent and not config.kv_multicast)
                                        or (config.split and not config.cluster_merge))
     assert ("multicast::cluster" in text) == config.kv_multicast
-    # KV caches launch as programmatic dependents
+    # KV caches launched as programmatic dependents
     assert text.count("griddepcontrol.wait") == text.count("griddepcontrol.launch_dependents") == (
-        1 if config.kvcache else 0)
+        1 if config.dependent_launch else 0)
 
 
 @pytest.mark.parametrize("d, split", [(128, True), (64, False)])

@@ -778,6 +778,35 @@ def test_hopper_entry_streams_where_the_rule_takes_many_waves(recorder, monkeypa
     assert not getattr(recorder.launches[-1].config, "stream_k", False)
 
 
+@pytest.mark.parametrize("b, capacity, pdl", [
+    (8, 32768, False),   # 64 tiles x 2 splits: 128 CTAs on 132 SMs, 16k keys each
+    (8, 131072, False),  # 64k keys each
+    (16, 16384, False),  # 128 tiles unsplit, 16k keys each
+    (8, 8192, True),     # 4096 keys each
+    (1, 131072, True),   # 8 tiles x 16 splits of 8192 keys: at the limit
+    (32, 131072, True),  # 256 tiles: more CTAs than SMs
+    (11, 131072, True),  # stream-K: one CTA on every SM
+    (40, 1024, True),    # 320 tiles at two CTAs an SM
+])
+def test_hopper_entry_launches_as_a_dependent_where_it_pays(recorder, monkeypatch, b, capacity, pdl):
+    """The Hopper entry launches as a programmatic dependent (`takes_dependent_launch`) unless
+    its CTAs fit in one wave that leaves SMs idle and each streams more than 8192 keys (32 / 8
+    heads, d 128, the default split count; the recorder's GPU has 132 SMs). The tuning override
+    sets it either way."""
+    from cute_flash.launch import flash_fwd_kvcache
+
+    q = torch.randn(b, 1, 32, 128, dtype=torch.bfloat16)
+    cache = torch.empty(b, capacity, 8, 128, dtype=torch.bfloat16)  # never read on the host
+    monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", "sm90")
+    flash_fwd_kvcache(q, cache, cache, cache_seqlens=capacity, softmax_scale=0.125, num_splits=0)
+    launch = recorder.launches[-1]
+    assert launch.config.dependent_launch == pdl
+    assert launch.config.stream_k == (b == 11) and launch.config.ctas_per_sm == (2 if b == 40 else 1)
+    flash_fwd_kvcache(q, cache, cache, cache_seqlens=capacity, softmax_scale=0.125, num_splits=0,
+                      hopper_variant=dict(dependent_launch=not pdl))
+    assert recorder.launches[-1].config.dependent_launch == (not pdl)
+
+
 def test_only_the_sm80_kernel_caps_splits_by_its_grid(recorder, monkeypatch):
     """The SM80 KV-cache kernel puts splits x heads on grid z (at most 65535), so 600 heads
     take at most 109 splits there; the Hopper entry puts the splits on grid x and keeps the 128

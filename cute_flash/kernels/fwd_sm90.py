@@ -118,6 +118,8 @@ class Sm90FwdConfig:
     kv_multicast: bool = False  # persistent, no mask: a cluster of two CTAs takes two query blocks of one head
                                 # at a time, each loading half of every K / V block into both (TMA multicast;
                                 # launch/hopper.py:kv_multicast_fits)
+    dependent_launch: bool = False  # KV caches: a programmatic dependent launch (PDL), where a CTA's keys are
+                                    # few (launch/kvcache.py:takes_dependent_launch)
 
     def __post_init__(self):
         if (self.varlen or self.kvcache) and self.persistent:
@@ -142,6 +144,8 @@ class Sm90FwdConfig:
             raise ValueError("paged keys belong to KV caches (kvcache) or packed batches (varlen)")
         if self.kv_multicast and not (self.persistent and not (self.has_left or self.has_right)):
             raise ValueError("K / V multicast pairs the equal tiles of the persistent schedule without a mask")
+        if self.dependent_launch and not self.kvcache:
+            raise ValueError("the programmatic dependent launch is the KV-cache entry's (kvcache)")
         if self.ctas_per_sm not in (1, 2):
             raise ValueError("ctas_per_sm is 1 or 2")
         if self.ctas_per_sm == 2 and not (self.kvcache and self.traits.warpgroups == 1
@@ -154,17 +158,6 @@ class Sm90FwdConfig:
         batches) or a cache's unused rows (KV caches), which may hold NaN: P = 0 times NaN in
         P V is NaN, so their V rows are zeroed in shared memory (`clear_v_tail`)."""
         return self.varlen or self.kvcache
-
-    @property
-    def dependent_launch(self) -> bool:
-        """A programmatic dependent launch (PDL): the CTAs start and run their prologue while
-        the previous kernel in the stream finishes, and let the next one do the same. For KV
-        caches, whose calls last a few microseconds. H200, d 128, 32 / 8 heads, CUDA graphs,
-        against the same kernels without it (docs/perf.md, Decode): back to back b8 / 1k
-        9.74-9.85 -> 9.61-9.67 us, b32 / 1k 33.9-34.2 -> 33.3, b1 / 8k (global merge) 11.25-11.30
-        -> 10.98-11.01; each call after a GEMM, b1 / 1k 8.0 -> 6.8-7.5 us, b8 / 1k 19.4 ->
-        18.2-18.4, b1 / 8k 20.0-20.3 -> 19.0-19.3, b1 / 128k 127.8-127.9 -> 127.0-127.2."""
-        return self.kvcache
 
     @property
     def num_threads(self) -> int:
@@ -201,6 +194,7 @@ class Sm90FwdConfig:
         schedule += "s" if self.speculative_max else ""
         schedule += "i" if self.speculative_in_place else ""
         schedule += "k" if self.kv_multicast else ""
+        schedule += "d" if self.dependent_launch else ""
         return f"{self.traits.name}_s{self.stages}{schedule}-{score_letters(self)}"
 
 

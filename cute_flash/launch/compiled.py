@@ -349,10 +349,12 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
                     # the GQA fold only without window edges or ALiBi (launch/kvcache.py)
                     folds = (False,) if flags["has_left"] or flags["has_right"] or flags["has_alibi"] else (False, True)
                     out += [Sm90FwdConfig(t, kvcache=True, split=s, cluster_merge=m, stream_k=w, paged=p,
-                                          pack_gqa=f, ctas_per_sm=ctas, **flags)
+                                          pack_gqa=f, ctas_per_sm=ctas, dependent_launch=pdl, **flags)
                             for s, m, w in ((False, False, False), (True, False, False), (True, True, False),
                                             (True, False, True))
-                            for p in (False, True) for f in folds]
+                            for p in (False, True) for f in folds
+                            # stream-K fills every slot; two CTAs an SM stream at most 4096 keys each
+                            for pdl in ((False, True) if ctas == 1 and not w else (True,))]
         return out
     traits = [choose_hopper_traits(d, "bf16") for d in HEAD_DIM_BUCKETS]
     out = [Sm90FwdConfig(t, persistent=Sm90FwdConfig.fits_persistent(t), has_right=True, speculative_max=True,
@@ -372,20 +374,21 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
                   Sm90FwdConfig(choose_hopper_traits(128, "bf16"), has_right=True, varlen=True, paged=True),
                   Sm90FwdConfig(choose_hopper_traits(64, "fp16"), has_left=True, has_alibi=True, has_softcap=True,
                                 has_dropout=True, varlen=True),
-                  Sm90FwdConfig(choose_hopper_cache_traits(128, "bf16"), kvcache=True),
-                  Sm90FwdConfig(choose_hopper_cache_traits(64, "bf16"), has_softcap=True, kvcache=True, split=True),
+                  Sm90FwdConfig(choose_hopper_cache_traits(128, "bf16"), kvcache=True, dependent_launch=True),
+                  Sm90FwdConfig(choose_hopper_cache_traits(64, "bf16"), has_softcap=True, kvcache=True, split=True,
+                                dependent_launch=True),
                   Sm90FwdConfig(choose_hopper_cache_traits(128, "bf16"), kvcache=True, split=True, paged=True,
                                 pack_gqa=True),
                   Sm90FwdConfig(choose_hopper_cache_traits(128, "bf16"), kvcache=True, split=True, cluster_merge=True,
                                 pack_gqa=True),
                   Sm90FwdConfig(choose_hopper_cache_traits(128, "bf16"), kvcache=True, split=True, stream_k=True,
-                                pack_gqa=True),
+                                pack_gqa=True, dependent_launch=True),
                   Sm90FwdConfig(choose_hopper_cache_traits(64, "bf16"), has_right=True, kvcache=True, split=True,
                                 stream_k=True, paged=True),
                   Sm90FwdConfig(choose_hopper_cache_traits(256, "fp16"), has_left=True, has_right=True,
                                 has_alibi=True, has_softcap=True, kvcache=True),
                   Sm90FwdConfig(choose_hopper_cache_traits(128, "bf16", ctas_per_sm=2), kvcache=True, pack_gqa=True,
-                                ctas_per_sm=2)]
+                                ctas_per_sm=2, dependent_launch=True)]
 
 
 def bwd_variants(arch: int, full: bool = False) -> list:

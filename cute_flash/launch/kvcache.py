@@ -81,8 +81,8 @@ def flash_fwd_kvcache(q, k_cache, v_cache, *, k=None, v=None, rotary_cos=None, r
     sq)), lse None unless return_lse. `signature`: the interface's summary of every argument's
     metadata and options (`_validate.signature`); calls that share one share their setup.
     `hopper_variant` (tuning, `python -m cute_flash tune --decode` / `--splits`): dict(traits=
-    HopperTileTraits, ctas_per_sm=1 or 2, stream_ctas=CTAs of a stream-K launch) for the Hopper
-    entry in place of its own choice, on a call it takes."""
+    HopperTileTraits, ctas_per_sm=1 or 2, stream_ctas=CTAs of a stream-K launch, dependent_launch=
+    bool) for the Hopper entry in place of its own choice, on a call it takes."""
     b, sq, h, d = q.shape
     if chunked(b):  # launch/batch_chunks.py
         return _by_batch_chunks(q, k_cache, v_cache, k=k, v=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
@@ -169,6 +169,23 @@ def takes_two_ctas_per_sm(work_ctas: int, num_sms: int, capacity: int, head_dim:
     return work_ctas > num_sms and capacity <= TWO_CTAS_MAX_KEYS and head_dim <= TWO_CTAS_MAX_HEAD_DIM
 
 
+DEPENDENT_LAUNCH_MAX_KEYS = 8192
+
+
+def takes_dependent_launch(ctas: int, slots: int, keys_per_cta: int) -> bool:
+    """The Hopper entry launches as a programmatic dependent (`Sm90FwdConfig.dependent_launch`)
+    unless its CTAs fit in one wave that leaves SM slots idle and each streams more than
+    `DEPENDENT_LAUNCH_MAX_KEYS` keys. PDL saves a fixed 0.1-1.3 us a call (launch and prologue
+    under the previous kernel) but slowed such launches by 1-2% of their time. H200, d 128, 32 /
+    8 heads, CUDA graphs, calls back to back, without PDL against with it (docs/perf.md, "PDL
+    only where it pays"), on two machines, in one process and in separate ones: 8 sequences of
+    128k keys (128 CTAs on 132 SMs, 2 splits) 922 / 943 us and 944 / 964, of 32k 235 / 239 and
+    242 / 245; 16 sequences of 128k (128 CTAs unsplit) 1881 / 1922. A third machine measured
+    0.2-0.4% the other way. Kept at one sequence of 128k (8k keys a CTA, 16 splits) for its gain
+    after a GEMM (127.9 -> 127.1 us); more CTAs than SMs (32 and 64 sequences) within 0.3%."""
+    return ctas >= slots or keys_per_cta <= DEPENDENT_LAUNCH_MAX_KEYS
+
+
 def _kvcache_call(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, softmax_scale,
                   causal, window_size, softcap, alibi_slopes, rotary_cos, num_splits, hopper_variant=None):
     b, sq, h, d = q.shape
@@ -218,9 +235,13 @@ def _kvcache_call(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, 
         num_splits = max(1, min(num_splits, cap))
     flags = score_flags(left, right, alibi_slopes, softcap)
     if hopper:
+        ctas = stream_ctas or work_ctas * num_splits
+        keys_per_cta = -(-n_blocks * work_ctas // ctas) * traits.block_n  # a split's keys, or a stream-K share's
+        pdl = takes_dependent_launch(ctas, ctas_per_sm * num_sms, keys_per_cta)
         config = Sm90FwdConfig(traits, kvcache=True, split=num_splits > 1 or bool(stream_ctas), paged=paged,
                                pack_gqa=pack_gqa, ctas_per_sm=ctas_per_sm, stream_k=bool(stream_ctas),
-                               cluster_merge=not stream_ctas and 1 < num_splits <= CLUSTER_MAX_SPLITS, **flags)
+                               cluster_merge=not stream_ctas and 1 < num_splits <= CLUSTER_MAX_SPLITS,
+                               dependent_launch=variant.get("dependent_launch", pdl), **flags)
         launch = compiled.sm90_kernel_for(config)
     else:
         config = FwdConfig(traits, **flags, even_k=d == traits.head_dim, paged=paged,
