@@ -118,8 +118,8 @@ class Sm90FwdConfig:
     kv_multicast: bool = False  # persistent, no mask: a cluster of two CTAs takes two query blocks of one head
                                 # at a time, each loading half of every K / V block into both (TMA multicast;
                                 # launch/hopper.py:kv_multicast_fits)
-    dependent_launch: bool = False  # KV caches: a programmatic dependent launch (PDL), where a CTA's keys are
-                                    # few (launch/kvcache.py:takes_dependent_launch)
+    dependent_launch: bool = False  # KV caches: a programmatic dependent launch (PDL), unless one wave leaves
+                                    # SMs idle and a CTA's keys are many (launch/kvcache.py:takes_dependent_launch)
 
     def __post_init__(self):
         if (self.varlen or self.kvcache) and self.persistent:
