@@ -16,7 +16,13 @@ import threading
 
 import torch
 
-RESERVE_COUNTERS = 1 << 16  # int32 counters a device keeps zeroed for captured launches (256 KB)
+# int32 counters a device keeps zeroed for captured launches (4 MB). A benchmark's graph holds
+# thousands of calls (`do_bench_cudagraph`: as many as fill 100 ms), each taking its tiles'
+# counters for good. At 1 << 16, one sequence of 32k keys (8 counters a call, about 2700 calls a
+# graph) ran at 35.0-35.6 us a call in the first three graphs of a process and 37.4-37.9 after,
+# when by that count the reserve had run out and each call's zeros were a node of their own
+# (H200, PDL; docs/perf.md, "The decode bench with the PDL rule"). This size is not yet measured.
+RESERVE_COUNTERS = 1 << 20
 _reserves: dict[torch.device, list] = {}  # device -> [reserve, counters handed out]
 _reserve_lock = threading.Lock()
 
