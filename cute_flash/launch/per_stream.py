@@ -22,7 +22,7 @@ import torch
 # graph) ran at 35.0-35.6 us a call in the first three graphs of a process and 37.4-37.9 after,
 # when by that count the reserve had run out and each call's zeros were a node of their own;
 # the decode bench put it at 0.99 or 1.07x CUDNN by run. At 1 << 20, 1.055-1.063x in four runs
-# on three machines (H200; docs/perf.md, "The decode bench with the larger counter reserve").
+# (H200; docs/perf.md, "The decode bench with the larger counter reserve").
 RESERVE_COUNTERS = 1 << 20
 _reserves: dict[torch.device, list] = {}  # device -> [reserve, counters handed out]
 _reserve_lock = threading.Lock()
