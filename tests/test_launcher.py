@@ -807,6 +807,26 @@ def test_hopper_entry_launches_as_a_dependent_where_it_pays(recorder, monkeypatc
     assert recorder.launches[-1].config.dependent_launch == (not pdl)
 
 
+def test_hopper_variant_sets_the_cache_stages(recorder, monkeypatch):
+    """`hopper_variant`'s stages reach the KV-cache config (2 by default); stages that do not fit
+    an SM's shared memory raise before any compile."""
+    from cute_flash.launch import flash_fwd_kvcache
+
+    q = torch.randn(8, 1, 32, 64, dtype=torch.bfloat16)
+    cache = torch.empty(8, 32768, 8, 64, dtype=torch.bfloat16)  # never read on the host
+    monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", "sm90")
+    for stages in (None, 3, 4):
+        variant = {} if stages is None else dict(stages=stages)
+        flash_fwd_kvcache(q, cache, cache, cache_seqlens=32768, softmax_scale=0.125, num_splits=0,
+                          hopper_variant=variant)
+        assert recorder.launches[-1].config.stages == (stages or 2)
+    launches = len(recorder.launches)
+    with pytest.raises(ValueError, match="bytes of shared memory"):
+        flash_fwd_kvcache(q, cache, cache, cache_seqlens=32768, softmax_scale=0.125, num_splits=0,
+                          hopper_variant=dict(stages=8))
+    assert len(recorder.launches) == launches
+
+
 def test_only_the_sm80_kernel_caps_splits_by_its_grid(recorder, monkeypatch):
     """The SM80 KV-cache kernel puts splits x heads on grid z (at most 65535), so 600 heads
     take at most 109 splits there; the Hopper entry puts the splits on grid x and keeps the 128

@@ -25,7 +25,7 @@ from cute_flash.launch.dense import (PAGE_ROWS, alibi_2d, device_index, positive
                                      takes_hopper_path, window_edges)
 from cute_flash.launch.per_stream import per_stream, zeroed_counters
 from layouts.hopper import TWO_CTAS_MAX_HEAD_DIM, choose_hopper_cache_traits
-from layouts.traits import ALIGN, choose_decode_traits, tile_arch
+from layouts.traits import ALIGN, SMEM_LIMIT, choose_decode_traits, tile_arch
 
 
 @dataclass(frozen=True, eq=False)
@@ -82,7 +82,8 @@ def flash_fwd_kvcache(q, k_cache, v_cache, *, k=None, v=None, rotary_cos=None, r
     metadata and options (`_validate.signature`); calls that share one share their setup.
     `hopper_variant` (tuning, `python -m cute_flash tune --decode` / `--splits`): dict(traits=
     HopperTileTraits, ctas_per_sm=1 or 2, stream_ctas=CTAs of a stream-K launch, dependent_launch=
-    bool) for the Hopper entry in place of its own choice, on a call it takes."""
+    bool, stages=K / V pipeline depth) for the Hopper entry in place of its own choice, on a call
+    it takes."""
     b, sq, h, d = q.shape
     if chunked(b):  # launch/batch_chunks.py
         return _by_batch_chunks(q, k_cache, v_cache, k=k, v=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
@@ -238,10 +239,14 @@ def _kvcache_call(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, 
         ctas = stream_ctas or work_ctas * num_splits
         keys_per_cta = -(-n_blocks * work_ctas // ctas) * traits.block_n  # a split's keys, or a stream-K share's
         pdl = takes_dependent_launch(ctas, ctas_per_sm * num_sms, keys_per_cta)
-        config = Sm90FwdConfig(traits, kvcache=True, split=num_splits > 1 or bool(stream_ctas), paged=paged,
+        config = Sm90FwdConfig(traits, variant.get("stages", 2), kvcache=True,
+                               split=num_splits > 1 or bool(stream_ctas), paged=paged,
                                pack_gqa=pack_gqa, ctas_per_sm=ctas_per_sm, stream_k=bool(stream_ctas),
                                cluster_merge=not stream_ctas and 1 < num_splits <= CLUSTER_MAX_SPLITS,
                                dependent_launch=variant.get("dependent_launch", pdl), **flags)
+        if config.smem_bytes * ctas_per_sm > SMEM_LIMIT[90]:  # only an override's stages can get here
+            raise ValueError(f"{config.stages} K / V stages of {traits.name} at {ctas_per_sm} CTAs an SM take "
+                             f"{config.smem_bytes * ctas_per_sm} bytes of shared memory; an SM has {SMEM_LIMIT[90]}")
         launch = compiled.sm90_kernel_for(config)
     else:
         config = FwdConfig(traits, **flags, even_k=d == traits.head_dim, paged=paged,
