@@ -827,6 +827,20 @@ def test_hopper_variant_sets_the_cache_stages(recorder, monkeypatch):
     assert len(recorder.launches) == launches
 
 
+def test_hopper_configs_that_overflow_shared_memory_are_refused(recorder, monkeypatch):
+    """The check lives in `Sm90FwdConfig`, so the dense entry's `stages` override meets it too:
+    8 K / V stages of d 128 tiles do not fit an SM, and nothing launches."""
+    from cute_flash.launch.hopper import flash_fwd_sm90
+
+    monkeypatch.delenv("CUTE_FLASH_ARCH_PATH")
+    q = torch.randn(1, 1024, 2, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="bytes of shared memory"):
+        flash_fwd_sm90(q, q, q, softmax_scale=0.5, stages=8)
+    assert not recorder.launches
+    flash_fwd_sm90(q, q, q, softmax_scale=0.5, stages=2)
+    assert recorder.launches[-1].config.stages == 2
+
+
 def test_only_the_sm80_kernel_caps_splits_by_its_grid(recorder, monkeypatch):
     """The SM80 KV-cache kernel puts splits x heads on grid z (at most 65535), so 600 heads
     take at most 109 splits there; the Hopper entry puts the splits on grid x and keeps the 128

@@ -151,6 +151,9 @@ class Sm90FwdConfig:
         if self.ctas_per_sm == 2 and not (self.kvcache and self.traits.warpgroups == 1
                                           and 2 * (self.smem_bytes + 1024) <= SMEM_PER_SM):
             raise ValueError("two CTAs an SM: KV caches, one consumer warpgroup, and half an SM's shared memory")
+        if self.smem_bytes > SMEM_LIMIT[90]:  # e.g. a tuning override's stages
+            raise ValueError(f"{self.stages} K / V stages of {self.traits.name} take {self.smem_bytes} bytes of "
+                             f"shared memory; a CTA has at most {SMEM_LIMIT[90]}")
 
     @property
     def clears_v_tail(self) -> bool:
@@ -175,14 +178,18 @@ class Sm90FwdConfig:
         """Persistent: one CTA per SM looping over tiles, O in a tile of its own in shared
         memory (room for it in all but d 256), so the next tile's Q and K / V load while this
         one's last P V and epilogue run. Otherwise one CTA per tile, O staged in Q's tile."""
-        return Sm90FwdConfig(traits, stages, persistent=True).smem_bytes <= SMEM_LIMIT[90]
+        return Sm90FwdConfig.smem_for(traits, stages, persistent=True) <= SMEM_LIMIT[90]
+
+    @staticmethod
+    def smem_for(traits: HopperTileTraits, stages: int, persistent: bool) -> int:
+        """The tiles (O's own when persistent), the mbarriers (8 bytes each: Q's full and empty
+        ones, a full and an empty one per stage of K and of V) and the tile slot (4 int32)."""
+        o_tile = ELEMENT_BYTES * traits.block_m * traits.head_dim if persistent else 0
+        return traits.smem_bytes(stages) + o_tile + 8 * (2 + 4 * stages) + 16
 
     @property
     def smem_bytes(self) -> int:
-        """The tiles (O's own when persistent), the mbarriers (8 bytes each: Q's full and empty
-        ones, a full and an empty one per stage of K and of V) and the tile slot (4 int32)."""
-        o_tile = ELEMENT_BYTES * self.traits.block_m * self.traits.head_dim if self.persistent else 0
-        return self.traits.smem_bytes(self.stages) + o_tile + 8 * (2 + 4 * self.stages) + 16
+        return self.smem_for(self.traits, self.stages, self.persistent)
 
     @property
     def name(self) -> str:

@@ -25,7 +25,7 @@ from cute_flash.launch.dense import (PAGE_ROWS, alibi_2d, device_index, positive
                                      takes_hopper_path, window_edges)
 from cute_flash.launch.per_stream import per_stream, zeroed_counters
 from layouts.hopper import TWO_CTAS_MAX_HEAD_DIM, choose_hopper_cache_traits
-from layouts.traits import ALIGN, SMEM_LIMIT, choose_decode_traits, tile_arch
+from layouts.traits import ALIGN, choose_decode_traits, tile_arch
 
 
 @dataclass(frozen=True, eq=False)
@@ -244,9 +244,6 @@ def _kvcache_call(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, 
                                pack_gqa=pack_gqa, ctas_per_sm=ctas_per_sm, stream_k=bool(stream_ctas),
                                cluster_merge=not stream_ctas and 1 < num_splits <= CLUSTER_MAX_SPLITS,
                                dependent_launch=variant.get("dependent_launch", pdl), **flags)
-        if config.smem_bytes * ctas_per_sm > SMEM_LIMIT[90]:  # only an override's stages can get here
-            raise ValueError(f"{config.stages} K / V stages of {traits.name} at {ctas_per_sm} CTAs an SM take "
-                             f"{config.smem_bytes * ctas_per_sm} bytes of shared memory; an SM has {SMEM_LIMIT[90]}")
         launch = compiled.sm90_kernel_for(config)
     else:
         config = FwdConfig(traits, **flags, even_k=d == traits.head_dim, paged=paged,
