@@ -808,8 +808,8 @@ def test_hopper_entry_launches_as_a_dependent_where_it_pays(recorder, monkeypatc
 
 
 def test_hopper_variant_sets_the_cache_stages(recorder, monkeypatch):
-    """`hopper_variant`'s stages reach the KV-cache config (2 by default); stages that do not fit
-    an SM's shared memory raise before any compile."""
+    """`hopper_variant`'s stages reach the KV-cache config (d 64 at one CTA an SM: 3 by default,
+    `cache_stages`); stages that do not fit an SM's shared memory raise before any compile."""
     from cute_flash.launch import flash_fwd_kvcache
 
     q = torch.randn(8, 1, 32, 64, dtype=torch.bfloat16)
@@ -819,12 +819,32 @@ def test_hopper_variant_sets_the_cache_stages(recorder, monkeypatch):
         variant = {} if stages is None else dict(stages=stages)
         flash_fwd_kvcache(q, cache, cache, cache_seqlens=32768, softmax_scale=0.125, num_splits=0,
                           hopper_variant=variant)
-        assert recorder.launches[-1].config.stages == (stages or 2)
+        assert recorder.launches[-1].config.stages == (stages or 3)
     launches = len(recorder.launches)
     with pytest.raises(ValueError, match="bytes of shared memory"):
         flash_fwd_kvcache(q, cache, cache, cache_seqlens=32768, softmax_scale=0.125, num_splits=0,
                           hopper_variant=dict(stages=8))
     assert len(recorder.launches) == launches
+
+
+@pytest.mark.parametrize("d, b, cache, stages", [
+    (64, 8, 32768, 3),   # one CTA an SM, split: three stages
+    (64, 32, 8192, 3),   # one CTA an SM, unsplit
+    (32, 1, 131072, 3),
+    (64, 40, 1024, 2),   # two CTAs an SM (`takes_two_ctas_per_sm`): not measured deeper
+    (128, 8, 32768, 2),  # d 128: three stages gained nothing
+])
+def test_cache_stages_by_head_dim(recorder, monkeypatch, d, b, cache, stages):
+    """The KV-cache entry's K / V pipeline depth (`kvcache.cache_stages`, measured in
+    docs/perf.md): three stages at d <= 64 and one CTA an SM, else two."""
+    from cute_flash.launch import flash_fwd_kvcache
+
+    q = torch.randn(b, 1, 32, d, dtype=torch.bfloat16)
+    k = torch.empty(b, cache, 8, d, dtype=torch.bfloat16)  # never read on the host
+    monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", "sm90")
+    flash_fwd_kvcache(q, k, k, cache_seqlens=cache, softmax_scale=0.125, num_splits=0)
+    config = recorder.launches[-1].config
+    assert config.stages == stages and config.ctas_per_sm == (2 if b == 40 else 1)
 
 
 def test_hopper_configs_that_overflow_shared_memory_are_refused(recorder, monkeypatch):

@@ -296,19 +296,21 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
     with and without seqused_k, paged and not, and the KV-cache entry of every bucket and dtype
     with every score flag but dropout, split and not, paged and not, GQA-folded and not (the
     fold without window edges or ALiBi), at one CTA an SM and (up to `TWO_CTAS_MAX_HEAD_DIM`)
-    two. Otherwise the CI subset: every bucket in bf16 with a causal edge (the persistent
-    variant where it fits, so both schedules compile; speculative maxima, as at 1024 keys and
-    more), d 64's 192-row tiles likewise (speculating in place, as under a causal mask at any
-    length), d 64 causal with three K / V stages (as up to 1024 keys), d 128 in fp16, d 128
-    with every score flag on, dropout at d 64 (causal, one CTA per tile) and d 128
-    (persistent), packed batches (d 128 causal, d 96 with seqused_k, d 64 fp16 with every flag,
-    d 128 causal over pages) and KV caches (d 128 plain, d 64 split with softcap, d 128 split,
-    paged and GQA-folded, d 256 fp16 with every flag, d 128 GQA-folded at two CTAs an SM), and
-    d 128 with K / V multicast (as without a mask from 2048 keys)."""
+    two, at the K / V stages `kvcache.cache_stages` gives each. Otherwise the CI subset: every
+    bucket in bf16 with a causal edge (the persistent variant where it fits, so both schedules
+    compile; speculative maxima, as at 1024 keys and more), d 64's 192-row tiles likewise
+    (speculating in place, as under a causal mask at any length), d 64 causal with three K / V
+    stages (as up to 1024 keys), d 128 in fp16, d 128 with every score flag on, dropout at d 64
+    (causal, one CTA per tile) and d 128 (persistent), packed batches (d 128 causal, d 96 with
+    seqused_k, d 64 fp16 with every flag, d 128 causal over pages) and KV caches (d 128 plain, d
+    64 split with softcap at its three stages, d 128 split, paged and GQA-folded, d 256 fp16
+    with every flag, d 128 GQA-folded at two CTAs an SM), and d 128 with K / V multicast (as
+    without a mask from 2048 keys)."""
     from cute_flash.launch.hopper import (DEEP_PIPELINE_MAX_SEQLEN_K, KV_MULTICAST_MIN_SEQLEN_K,
                                           SPECULATIVE_IN_PLACE_LEFT_EDGE_MIN_SEQLEN_K, SPECULATIVE_MASKED_MIN_SEQLEN_K,
                                           SPECULATIVE_MASKED_MIN_SEQLEN_K_D64, kv_stages, speculates_in_place,
                                           takes_kv_multicast, takes_speculative_max)
+    from cute_flash.launch.kvcache import cache_stages
     from layouts.hopper import (choose_hopper_cache_traits, choose_hopper_traits, shipped_hopper_cache_traits,
                                 shipped_hopper_traits)
 
@@ -348,8 +350,9 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
                     flags = dict(zip(("has_left", "has_right", "has_alibi", "has_softcap"), bits))
                     # the GQA fold only without window edges or ALiBi (launch/kvcache.py)
                     folds = (False,) if flags["has_left"] or flags["has_right"] or flags["has_alibi"] else (False, True)
-                    out += [Sm90FwdConfig(t, kvcache=True, split=s, cluster_merge=m, stream_k=w, paged=p,
-                                          pack_gqa=f, ctas_per_sm=ctas, dependent_launch=pdl, **flags)
+                    out += [Sm90FwdConfig(t, cache_stages(t, ctas), kvcache=True, split=s, cluster_merge=m,
+                                          stream_k=w, paged=p, pack_gqa=f, ctas_per_sm=ctas, dependent_launch=pdl,
+                                          **flags)
                             for s, m, w in ((False, False, False), (True, False, False), (True, True, False),
                                             (True, False, True))
                             for p in (False, True) for f in folds
@@ -375,16 +378,16 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
                   Sm90FwdConfig(choose_hopper_traits(64, "fp16"), has_left=True, has_alibi=True, has_softcap=True,
                                 has_dropout=True, varlen=True),
                   Sm90FwdConfig(choose_hopper_cache_traits(128, "bf16"), kvcache=True, dependent_launch=True),
-                  Sm90FwdConfig(choose_hopper_cache_traits(64, "bf16"), has_softcap=True, kvcache=True, split=True,
-                                dependent_launch=True),
+                  Sm90FwdConfig(choose_hopper_cache_traits(64, "bf16"), 3, has_softcap=True, kvcache=True,
+                                split=True, dependent_launch=True),
                   Sm90FwdConfig(choose_hopper_cache_traits(128, "bf16"), kvcache=True, split=True, paged=True,
                                 pack_gqa=True),
                   Sm90FwdConfig(choose_hopper_cache_traits(128, "bf16"), kvcache=True, split=True, cluster_merge=True,
                                 pack_gqa=True),
                   Sm90FwdConfig(choose_hopper_cache_traits(128, "bf16"), kvcache=True, split=True, stream_k=True,
                                 pack_gqa=True, dependent_launch=True),
-                  Sm90FwdConfig(choose_hopper_cache_traits(64, "bf16"), has_right=True, kvcache=True, split=True,
-                                stream_k=True, paged=True),
+                  Sm90FwdConfig(choose_hopper_cache_traits(64, "bf16"), 3, has_right=True, kvcache=True,
+                                split=True, stream_k=True, paged=True),
                   Sm90FwdConfig(choose_hopper_cache_traits(256, "fp16"), has_left=True, has_right=True,
                                 has_alibi=True, has_softcap=True, kvcache=True),
                   Sm90FwdConfig(choose_hopper_cache_traits(128, "bf16", ctas_per_sm=2), kvcache=True, pack_gqa=True,

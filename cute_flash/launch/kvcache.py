@@ -170,6 +170,21 @@ def takes_two_ctas_per_sm(work_ctas: int, num_sms: int, capacity: int, head_dim:
     return work_ctas > num_sms and capacity <= TWO_CTAS_MAX_KEYS and head_dim <= TWO_CTAS_MAX_HEAD_DIM
 
 
+DEEP_CACHE_MAX_HEAD_DIM = 64
+
+
+def cache_stages(traits, ctas_per_sm: int) -> int:
+    """K / V pipeline depth of the Hopper entry: 3 stages at d <= `DEEP_CACHE_MAX_HEAD_DIM` and
+    one CTA an SM, 2 otherwise. A d 64 stage is 16 KB of K and 16 of V, so two stages leave
+    too few bytes in flight to stream the cache. H200, 32 / 8 heads, CUDA graphs, us a call,
+    2 stages / 3 / 4 / CUDNN (docs/perf.md, "d 64 decode: three K / V stages"): 8 sequences of
+    32k 128-130 / 120-123 / 121-123 / 122; 8 of 128k 496-503 / 475-489 / 476-489 / 468; 1 of
+    128k 66.8 / 64.2 / 65.4 / 66.2; 32 of 8k 127-129 / 122-124 / 123-124 / 119. d 128 gained
+    nothing (8 of 32k 235-236 against 236, and 4 stages do not fit). d 32, half a d 64 stage,
+    takes 3 by the same reasoning, not measured; two CTAs an SM, not measured, keep 2."""
+    return 3 if traits.head_dim <= DEEP_CACHE_MAX_HEAD_DIM and ctas_per_sm == 1 else 2
+
+
 DEPENDENT_LAUNCH_MAX_KEYS = 8192
 
 
@@ -239,7 +254,8 @@ def _kvcache_call(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, 
         ctas = stream_ctas or work_ctas * num_splits
         keys_per_cta = -(-n_blocks * work_ctas // ctas) * traits.block_n  # a split's keys, or a stream-K share's
         pdl = takes_dependent_launch(ctas, ctas_per_sm * num_sms, keys_per_cta)
-        config = Sm90FwdConfig(traits, variant.get("stages", 2), kvcache=True,
+        stages = variant.get("stages", cache_stages(traits, ctas_per_sm))
+        config = Sm90FwdConfig(traits, stages, kvcache=True,
                                split=num_splits > 1 or bool(stream_ctas), paged=paged,
                                pack_gqa=pack_gqa, ctas_per_sm=ctas_per_sm, stream_k=bool(stream_ctas),
                                cluster_merge=not stream_ctas and 1 < num_splits <= CLUSTER_MAX_SPLITS,
