@@ -177,11 +177,11 @@ def cache_stages(traits, ctas_per_sm: int) -> int:
     """K / V pipeline depth of the Hopper entry: 3 stages at d <= `DEEP_CACHE_MAX_HEAD_DIM` and
     one CTA an SM, 2 otherwise. A d 64 stage is 16 KB of K and 16 of V, so two stages leave
     too few bytes in flight to stream the cache. H200, 32 / 8 heads, CUDA graphs, us a call,
-    2 stages / 3 / 4 / CUDNN (docs/perf.md, "d 64 decode: three K / V stages"): 8 sequences of
-    32k 128-130 / 120-123 / 121-123 / 122; 8 of 128k 496-503 / 475-489 / 476-489 / 468; 1 of
-    128k 66.8 / 64.2 / 65.4 / 66.2; 32 of 8k 127-129 / 122-124 / 123-124 / 119. d 128 gained
-    nothing (8 of 32k 235-236 against 236, and 4 stages do not fit). d 32, half a d 64 stage,
-    takes 3 by the same reasoning, not measured; two CTAs an SM, not measured, keep 2."""
+    2 stages / 3 / 4 / CUDNN (docs/perf.md, "Dense stream-K, d 64 decode stages, ..."): 8
+    sequences of 32k 128-130 / 120-123 / 121-123 / 122; 8 of 128k 496-503 / 475-489 / 476-489
+    / 468; 1 of 128k 66.8 / 64.2 / 65.4 / 66.2; 32 of 8k 127-129 / 122-124 / 123-124 / 119. d
+    128 gained nothing (8 of 32k 235-236 against 236, and 4 stages do not fit). d 32, half a d
+    64 stage, takes 3 by the same reasoning, not measured; two CTAs an SM, not measured, keep 2."""
     return 3 if traits.head_dim <= DEEP_CACHE_MAX_HEAD_DIM and ctas_per_sm == 1 else 2
 
 
