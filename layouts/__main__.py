@@ -14,7 +14,8 @@ dV += P^T dO and dK += dS^T Q; ldsmdS/ldsmKt those of dQ = dS K; stdKV/lddKV the
 staging through smem. `cover` counts each element once per copy and once per warp that reads
 it in an MMA warp grid.
 
-On sm90 a third table checks the Hopper traits (layouts.verify_hopper): the GMMA smem tiles
+On sm90 a third table checks the Hopper traits (layouts.verify_hopper), each at every K / V
+stage count a shipped variant gives it (the row's `_sN`): the GMMA smem tiles
 are bijections (sQ, sKV, and K/V staged), every stage starts 1024-byte aligned, `P->A` says
 for how many threads the S accumulator re-viewed as the A operand of P V holds the element the
 wgmma expects at each position, `acc cover` that the threads' S and O accumulators hold
@@ -30,7 +31,7 @@ import sys
 from pathlib import Path
 
 from layouts import verify, verify_bwd, verify_hopper
-from layouts.hopper import shipped_hopper_bwd_traits, shipped_hopper_cache_traits, shipped_hopper_traits
+from layouts.hopper import shipped_hopper_bwd_traits
 from layouts.traits import ELEMENT_BYTES, SMEM_LIMIT, shipped_bwd_traits, shipped_fwd_traits
 
 BANK_COLUMNS = {"ldsm_q": "ldsmQ", "ldsm_k": "ldsmK", "ldsm_vt": "ldsmVt", "cpasync_q": "cpQ",
@@ -116,13 +117,16 @@ def print_bwd_report(arch: int) -> bool:
 
 
 def print_hopper_report() -> bool:
-    """The Hopper forward's traits (sm_90, the KV-cache entry's too), one row each."""
+    """The Hopper forward's traits (sm_90, the KV-cache entry's too), one row for each K / V
+    stage count a shipped variant gives it (`compiled.sm90_traits_stages`)."""
+    from cute_flash.launch.compiled import sm90_traits_stages
+
     header = ["hopper traits", "smem B", "fits", "bij", "stage align", "P->A", "acc cover", "O boxes"]
     widths = [30, WIDTHS["smem"], WIDTHS["fits"], WIDTHS["bij"], 12, 12, 10, 8]
     print(_row(header, widths), flush=True)
     rows = []
-    for t in shipped_hopper_traits() + shipped_hopper_cache_traits() + shipped_hopper_cache_traits(2):
-        r = verify_hopper.report(t)
+    for t, stages in sm90_traits_stages():
+        r = verify_hopper.report(t, stages)
         rows.append(r)
         smem, p = r["smem"], r["p_operand"]
         bij = _failed_names({k: smem[k] for k in ("sQ", "sKV", "staged_bijection")})

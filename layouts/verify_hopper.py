@@ -177,8 +177,8 @@ def bwd_checks(traits: BwdTraits) -> dict:
     return out
 
 
-def verify_hopper(traits: HopperTileTraits) -> dict:
-    smem = smem_checks(traits)
+def verify_hopper(traits: HopperTileTraits, stages: int = 2) -> dict:
+    smem = smem_checks(traits, stages)
     p = p_operand_checks(traits)
     cover = accumulator_coverage(traits)
     o_staging = o_staging_checks(traits)
@@ -193,7 +193,7 @@ def report(traits: HopperTileTraits, stages: int = 2) -> dict:
     """The row of `python -m layouts report` for a Hopper traits (sm_90 only)."""
     from layouts.traits import SMEM_LIMIT
 
-    checks = verify_hopper(traits)
+    checks = verify_hopper(traits, stages)
     smem_bytes = traits.smem_bytes(stages)
     fits = smem_bytes <= SMEM_LIMIT[90]
     return {"name": f"{traits.name}_s{stages}", "smem_bytes": smem_bytes, "fits": fits, **checks,

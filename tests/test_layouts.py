@@ -17,7 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from layouts import copy, smem, verify, verify_bwd
-from layouts.hopper import shipped_hopper_bwd_traits, shipped_hopper_cache_traits, shipped_hopper_traits
+from cute_flash.launch.compiled import sm90_traits_stages
+from layouts.hopper import (choose_hopper_cache_traits, choose_hopper_traits, shipped_hopper_bwd_traits,
+                            shipped_hopper_cache_traits, shipped_hopper_traits)
 from layouts.traits import (DTYPES, ELEMENT_BYTES, HEAD_DIM_BUCKETS, SMEM_LIMIT, FwdTraits, choose_bwd_traits,
                             choose_fwd_traits, head_dim_bucket, shipped_bwd_traits)
 
@@ -373,17 +375,29 @@ def _swapped_operand_view(acc):
                                                            stride=((1, 4, 2), 4 * n8, 8)))
 
 
-@pytest.mark.parametrize("traits", [*shipped_hopper_traits(), *shipped_hopper_cache_traits(),
-                                    *shipped_hopper_cache_traits(2)], ids=lambda t: t.name)
-def test_hopper_traits_verify(traits):
-    """layouts.verify_hopper on every Hopper forward traits (the KV-cache entry's too): GMMA
-    tiles are bijections, stages 1024-byte aligned, the S accumulator serves as P V's A operand
-    in place, the accumulators cover S and O once, each warpgroup's TMA store boxes read its own
-    rows of O's tile, and packed batches' O copy covers a warpgroup's rows once."""
+@pytest.mark.parametrize("traits, stages", sm90_traits_stages(), ids=lambda p: getattr(p, "name", f"s{p}"))
+def test_hopper_traits_verify(traits, stages):
+    """layouts.verify_hopper on every Hopper forward traits (the KV-cache entry's too) at each
+    K / V stage count a shipped variant gives it: GMMA tiles are bijections, stages 1024-byte
+    aligned, the S accumulator serves as P V's A operand in place, the accumulators cover S and
+    O once, each warpgroup's TMA store boxes read its own rows of O's tile, and packed batches'
+    O copy covers a warpgroup's rows once."""
     from layouts.verify_hopper import verify_hopper
 
-    result = verify_hopper(traits)
+    result = verify_hopper(traits, stages)
     assert result["ok"], result
+
+
+def test_hopper_report_covers_every_shipped_traits():
+    """The report's (traits, stages) pairs hold every shipped Hopper forward traits, and the
+    three-stage ones the launchers choose: d <= 96 on 128-row tiles (`kv_stages`) and the
+    KV-cache entry's d <= 64 at one CTA an SM (`cache_stages`)."""
+    pairs = sm90_traits_stages()
+    shipped = {*shipped_hopper_traits(), *shipped_hopper_cache_traits(), *shipped_hopper_cache_traits(2)}
+    assert {t for t, _ in pairs} == shipped
+    deep = {t for t, s in pairs if s == 3}
+    assert choose_hopper_traits(96, "fp16") in deep and choose_hopper_cache_traits(64, "bf16") in deep
+    assert choose_hopper_traits(128) not in deep and choose_hopper_cache_traits(128) not in deep
 
 
 def test_hopper_p_operand_check_catches_a_wrong_view(monkeypatch):
