@@ -16,8 +16,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from layouts import copy, smem, verify, verify_bwd
 from cute_flash.launch.compiled import sm90_traits_stages
+from layouts import copy, smem, verify, verify_bwd
 from layouts.hopper import (choose_hopper_cache_traits, choose_hopper_traits, shipped_hopper_bwd_traits,
                             shipped_hopper_cache_traits, shipped_hopper_traits)
 from layouts.traits import (DTYPES, ELEMENT_BYTES, HEAD_DIM_BUCKETS, SMEM_LIMIT, FwdTraits, choose_bwd_traits,
