@@ -360,11 +360,12 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
                             for pdl in ((False, True) if ctas == 1 and not w else (True,))]
         return out
     traits = [choose_hopper_traits(d, "bf16") for d in HEAD_DIM_BUCKETS]
+    d64, cache64 = choose_hopper_traits(64, "bf16"), choose_hopper_cache_traits(64, "bf16")
     out = [Sm90FwdConfig(t, persistent=Sm90FwdConfig.fits_persistent(t), has_right=True, speculative_max=True,
                          speculative_in_place=speculates_in_place(t))
            for t in traits + [choose_hopper_traits(64, "bf16", long_keys=True)]]
-    return out + [Sm90FwdConfig(choose_hopper_traits(64, "bf16"), 3, persistent=True, has_right=True,
-                                speculative_max=True),
+    return out + [Sm90FwdConfig(d64, kv_stages(d64, DEEP_PIPELINE_MAX_SEQLEN_K, persistent=True), persistent=True,
+                                has_right=True, speculative_max=True),
                   Sm90FwdConfig(choose_hopper_traits(128, "fp16")),
                   Sm90FwdConfig(choose_hopper_traits(128, "bf16"), has_left=True, has_right=True, has_alibi=True,
                                 has_softcap=True),
@@ -378,16 +379,16 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
                   Sm90FwdConfig(choose_hopper_traits(64, "fp16"), has_left=True, has_alibi=True, has_softcap=True,
                                 has_dropout=True, varlen=True),
                   Sm90FwdConfig(choose_hopper_cache_traits(128, "bf16"), kvcache=True, dependent_launch=True),
-                  Sm90FwdConfig(choose_hopper_cache_traits(64, "bf16"), 3, has_softcap=True, kvcache=True,
-                                split=True, dependent_launch=True),
+                  Sm90FwdConfig(cache64, cache_stages(cache64, 1), has_softcap=True, kvcache=True, split=True,
+                                dependent_launch=True),
                   Sm90FwdConfig(choose_hopper_cache_traits(128, "bf16"), kvcache=True, split=True, paged=True,
                                 pack_gqa=True),
                   Sm90FwdConfig(choose_hopper_cache_traits(128, "bf16"), kvcache=True, split=True, cluster_merge=True,
                                 pack_gqa=True),
                   Sm90FwdConfig(choose_hopper_cache_traits(128, "bf16"), kvcache=True, split=True, stream_k=True,
                                 pack_gqa=True, dependent_launch=True),
-                  Sm90FwdConfig(choose_hopper_cache_traits(64, "bf16"), 3, has_right=True, kvcache=True,
-                                split=True, stream_k=True, paged=True),
+                  Sm90FwdConfig(cache64, cache_stages(cache64, 1), has_right=True, kvcache=True, split=True,
+                                stream_k=True, paged=True),
                   Sm90FwdConfig(choose_hopper_cache_traits(256, "fp16"), has_left=True, has_right=True,
                                 has_alibi=True, has_softcap=True, kvcache=True),
                   Sm90FwdConfig(choose_hopper_cache_traits(128, "bf16", ctas_per_sm=2), kvcache=True, pack_gqa=True,
