@@ -315,10 +315,11 @@ def main(argv=None):
     b = sub.add_parser("bench", help="TFLOP/s against torch SDPA FLASH and CUDNN (GPU)")
     b.add_argument("--quick", action="store_true")
     b.add_argument("--out", default=None, help="directory for bench.json, bench.md, bench.png")
-    b.add_argument("--sections", default="grid,extra,varlen,paged,decode,unaligned,bwd,dropout",
+    b.add_argument("--sections", default="grid,extra,varlen,paged,decode,unaligned,bwd,dropout,held",
                    help="comma-separated: grid (the forward grid), extra (window/softcap), varlen, paged, "
                         "decode, unaligned (caches served through aligned copies), bwd (backward alone and "
-                        "forward + backward)")
+                        "forward + backward), dropout, held (d 128 8k / 16k and a cuBLAS GEMM held for "
+                        "seconds at the board's power cap)")
     sub.add_parser("overhead", help="host cost of a cached call vs SDPA (GPU)")
     sub.add_parser("coldstart", help="first calls of a fresh process, empty vs warm compile cache (GPU)")
     t = sub.add_parser("tune", help="TFLOP/s of each tile candidate per head dim (GPU)")

@@ -994,7 +994,7 @@ def plot(rows, path):
     return path
 
 
-SECTIONS = ("grid", "extra", "varlen", "paged", "decode", "unaligned", "bwd", "dropout")
+SECTIONS = ("grid", "extra", "varlen", "paged", "decode", "unaligned", "bwd", "dropout", "held")
 
 
 def main(out_dir=None, quick=False, sections=SECTIONS):
@@ -1029,6 +1029,11 @@ def main(out_dir=None, quick=False, sections=SECTIONS):
     if "dropout" in sections:
         result["dropout"] = run_dropout((1024, 4096) if quick else SEQLENS)
         text += "\n" + format_dropout(result["dropout"]) + "\n"
+    if "held" in sections:
+        from cute_flash.held import HOLD_S, format_held, run_held
+
+        result["held"] = run_held(2.0 if quick else HOLD_S)
+        text += "\n" + format_held(result["held"]) + "\n"
     meta = dict(date=time.strftime("%Y-%m-%d"), gpu=torch.cuda.get_device_name(),
                 torch=torch.__version__, seconds=round(time.time() - t0, 1))
     text = f"{meta}\n\n{text}"
