@@ -91,6 +91,7 @@ class SmiLog:
         if self._proc is not None:
             self._proc.terminate()
             self._proc.wait()
+            self._file.close()
         return False
 
     def samples(self) -> list[SmiSample]:
@@ -150,23 +151,27 @@ def run_held(seconds=HOLD_S):
     from torch.nn.attention import SDPBackend
 
     from cute_flash import flash_attn_func
-    from cute_flash.bench import _sdpa, fa4_func
+    from cute_flash.bench import _sdpa, fa4_func, visible_pairs
 
     def qkv(batch, seqlen):
         return tuple(torch.randn(batch, seqlen, 16, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
 
+    def attention(name, fn, q):
+        """A kernel row over (b, s, h, d) inputs: its shape's label and FLOPs as the grid counts them."""
+        b, s, h, d = q.shape
+        return name, f"d {d}, {s // 1024}k, {b} x {h}", fn, 4 * b * h * d * visible_pairs(s, s, False)
+
     q, k, v = qkv(2, 8192)
     q16, k16, v16 = qkv(1, 16384)
     a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    attn8k, attn16k = 4 * 2 * 16 * 128 * 8192 ** 2, 4 * 16 * 128 * 16384 ** 2
-    kernels = [("ours", "d 128, 8k, 2 x 16", lambda: flash_attn_func(q, k, v), attn8k),
-               ("ours", "d 128, 16k, 1 x 16", lambda: flash_attn_func(q16, k16, v16), attn16k)]
+    kernels = [attention("ours", lambda: flash_attn_func(q, k, v), q),
+               attention("ours", lambda: flash_attn_func(q16, k16, v16), q16)]
     cudnn = _sdpa(q, k, v, SDPBackend.CUDNN_ATTENTION, False)
     if cudnn is not None:
-        kernels.append(("CUDNN", "d 128, 8k, 2 x 16", cudnn, attn8k))
+        kernels.append(attention("CUDNN", cudnn, q))
     fa4 = fa4_func()
     if fa4 is not None:
-        kernels.append(("FA4", "d 128, 8k, 2 x 16", lambda: fa4(q, k, v, False), attn8k))
+        kernels.append(attention("FA4", lambda: fa4(q, k, v, False), q))
     kernels.append(("cuBLAS GEMM", "8192 x 8192 x 8192", lambda: torch.mm(a, b), 2 * 8192 ** 3))
     for _, _, fn, _ in kernels:
         fn()
