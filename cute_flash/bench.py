@@ -1032,8 +1032,9 @@ def main(out_dir=None, quick=False, sections=SECTIONS):
     if "held" in sections:
         from cute_flash.held import HOLD_S, format_held, run_held
 
-        result["held"] = run_held(2.0 if quick else HOLD_S)
-        text += "\n" + format_held(result["held"]) + "\n"
+        seconds = 2.0 if quick else HOLD_S
+        result["held"] = run_held(seconds)
+        text += "\n" + format_held(result["held"], seconds) + "\n"
     meta = dict(date=time.strftime("%Y-%m-%d"), gpu=torch.cuda.get_device_name(),
                 torch=torch.__version__, seconds=round(time.time() - t0, 1))
     text = f"{meta}\n\n{text}"

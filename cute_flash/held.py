@@ -186,10 +186,11 @@ def run_held(seconds=HOLD_S):
     return rows
 
 
-def format_held(rows) -> str:
-    """The table, then each attention row's held TFLOP/s over the GEMM's and over the best peer's
-    at the same shape (what the grid's ratios are, with the power controller settled)."""
-    out = [f"Held {HOLD_S:.0f} s after {IDLE_S:.0f} s idle ({CHUNK}-call chunks; held: median chunk from "
+def format_held(rows, seconds=HOLD_S) -> str:
+    """The table (each kernel held `seconds`, as `run_held` was given), then each attention row's
+    held TFLOP/s over the GEMM's and over the best peer's at the same shape (what the grid's
+    ratios are, with the power controller settled)."""
+    out = [f"Held {seconds:g} s after {IDLE_S:.0f} s idle ({CHUNK}-call chunks; held: median chunk from "
            f"{SETTLE_S} s on)", "",
            "| kernel | shape | first chunk | held | held chunks | SM clock (MHz) | power (W) |",
            "|---|---|---|---|---|---|---|"]

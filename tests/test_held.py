@@ -46,6 +46,11 @@ def test_format_held_ratios():
     assert "ours 16k held / cuBLAS GEMM held 1.120" in lines  # no peer at 16k
 
 
+def test_format_held_names_the_hold_it_was_given():
+    assert format_held([_row("ours", "8k", 680.0)], 2.0).startswith("Held 2 s after 1 s idle")
+    assert format_held([_row("ours", "8k", 680.0)]).startswith("Held 4 s after 1 s idle")
+
+
 def test_format_held_without_gemm_or_peers():
     lines = format_held([_row("ours", "8k", 680.0)]).splitlines()
     assert not any(line.startswith("ours 8k held") for line in lines)
