@@ -1,4 +1,4 @@
-"""`python -m cute_flash [compile|check|bench|overhead|coldstart|traincheck|tune|memcheck|occupancy]`.
+"""`python -m cute_flash [compile|check|bench|overhead|coldstart|traincheck|tune|memcheck|racecheck|occupancy]`.
 
 With no command: on a machine with a GPU, `check` then `bench`; without one, compile-only mode:
 `compile` (the CI set of kernel variants for sm_80 and sm_90a, into the compile cache, with
@@ -28,7 +28,11 @@ def cmd_compile(archs, full, workers=1, keys_file=None):
     from layouts.traits import SMEM_LIMIT, sm_name
 
     if keys_file is not None:
-        recorded = compile_cache.read_keys(keys_file)
+        try:
+            recorded = compile_cache.read_keys(keys_file)
+        except compile_cache.KeysFileError as exc:
+            print(f"python -m cute_flash compile: {exc}", file=sys.stderr)
+            return 2
         jobs = [(arch, config, compiler_of(config)) for config, arch in recorded]
         archs = sorted({arch for _, arch in recorded})
         what = f"the {len(jobs)} recorded in {keys_file}"
@@ -224,80 +228,6 @@ def cmd_coldstart():
             print(f"{label:12}: {run.stdout.strip() or run.stderr[-2000:]}", flush=True)
 
 
-def cmd_memcheck(pytest_args, jobs=1):
-    """The GPU suite (or the pytest arguments given) under compute-sanitizer memcheck, with
-    torch's caching allocator off so that each tensor is its own allocation and a read just past
-    it is caught. Host API errors are not counted (the DSL probes the driver on purpose).
-    CUTE_FLASH_MEMCHECK=1 tells the tests they are sanitized (hypothesis draws fewer shapes).
-    Prints the sum of every process's ERROR SUMMARY; fails on any error or a failed test.
-
-    `jobs` > 1 collects the tests and deals them round-robin to that many sanitized pytest
-    processes, spread over the visible GPUs (run it where pytest's rootdir is, the repository
-    root: the collected ids are relative to it). Never pytest-xdist's `-n`: with 15 xdist workers
-    under one sanitizer no test finished in 570 s on the H200 machine, while one process ran 17
-    tests in 160 s (compiles dominate, so separate processes scale with the cores)."""
-    import os
-    import re
-    import shutil
-    import subprocess
-    import threading
-
-    sanitizer = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
-    env = dict(os.environ, CUTE_FLASH_MEMCHECK="1", PYTORCH_NO_CUDA_MEMORY_CACHING="1")
-    pytest_args = pytest_args or ["tests"]
-    shards = [pytest_args]
-    if jobs > 1:
-        options = [a for a in pytest_args if not os.path.exists(a.split("::")[0])]
-        quiet = [a for a in pytest_args if a not in ("-q", "-v")]  # ids one per line needs exactly one -q
-        listed = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "--collect-only", "-q", *quiet],
-                                capture_output=True, text=True, env=env)
-        ids = [line for line in listed.stdout.splitlines() if "::" in line]
-        if not ids:
-            print(listed.stdout[-4000:] + listed.stderr[-4000:])
-        shards = [options + ids[i::jobs] for i in range(min(jobs, len(ids)))]
-        print(f"memcheck: {len(ids)} tests in {len(shards)} sanitized processes", flush=True)
-    gpus = _visible_gpus() if len(shards) > 1 else None  # one process: the caller's environment as it is
-    summaries, lock, procs = [], threading.Lock(), []
-
-    def pump(i, proc):
-        for line in proc.stdout:
-            with lock:
-                print(f"[{i}] {line}" if len(shards) > 1 else line, end="", flush=True)
-                found = re.search(r"ERROR SUMMARY: (\d+) error", line)
-                if found:
-                    summaries.append(int(found.group(1)))
-
-    threads = []
-    for i, shard in enumerate(shards):
-        cmd = [sanitizer, "--tool", "memcheck", "--report-api-errors", "no", "--error-exitcode", "86",
-               sys.executable, "-m", "pytest", "-m", "gpu", *shard]
-        shard_env = dict(env, CUDA_VISIBLE_DEVICES=gpus[i % len(gpus)]) if gpus else env
-        print(f"[{i}] " + " ".join(cmd[:9]) + f" ... ({len(shard)} arguments)", flush=True)
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=shard_env)
-        procs.append(proc)
-        threads.append(threading.Thread(target=pump, args=(i, proc)))
-        threads[-1].start()
-    for t in threads:
-        t.join()
-    codes = [proc.wait() for proc in procs]
-    errors = sum(summaries)
-    print(f"memcheck: {len(summaries)} sanitized processes, {errors} errors; pytest/sanitizer exits {codes}")
-    return 1 if errors or any(codes) or not summaries else 0
-
-
-def _visible_gpus():
-    """The GPU ids to spread sanitized processes over: CUDA_VISIBLE_DEVICES, else every GPU
-    nvidia-smi lists (without initialising CUDA in this process)."""
-    import os
-    import subprocess
-
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible:
-        return visible.split(",")
-    listed = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"],
-                            capture_output=True, text=True)
-    return listed.stdout.split() or ["0"]
-
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m cute_flash", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -332,14 +262,16 @@ def main(argv=None):
                         "CUDA graphs, beside the heuristic's count and CUDNN")
     sub.add_parser("traincheck", help="a 2-block transformer trained 200 steps with cute-flash and with SDPA: "
                                       "the two loss curves compared (GPU, about a minute)")
-    m = sub.add_parser("memcheck", help="the GPU suite under compute-sanitizer memcheck (GPU); "
-                                        "other arguments go to pytest (default: tests)")
-    m.add_argument("--jobs", type=int, default=1, help="sanitized pytest processes, spread over the GPUs")
+    for tool, finds in (("memcheck", "out-of-bounds and misaligned accesses"),
+                        ("racecheck", "shared-memory hazards between a CTA's threads")):
+        m = sub.add_parser(tool, help=f"the GPU suite under compute-sanitizer {tool}: {finds} (GPU); "
+                                      "other arguments go to pytest (default: tests)")
+        m.add_argument("--jobs", type=int, default=1, help="sanitized pytest processes, spread over the GPUs")
     o = sub.add_parser("occupancy", help="achieved occupancy, registers, time and throughput of representative "
                                          "calls' kernels under Nsight Compute (GPU, ncu)")
     o.add_argument("--case", default=None, help=argparse.SUPPRESS)  # the child ncu profiles
     args, extra = p.parse_known_args(argv)
-    if extra and args.cmd != "memcheck":
+    if extra and args.cmd not in ("memcheck", "racecheck"):
         p.error(f"unrecognized arguments: {' '.join(extra)}")
 
     cmd = args.cmd
@@ -365,7 +297,7 @@ def main(argv=None):
 
         return layouts_main(["report", "--arch", "all"])
     if cmd == "compile":
-        cmd_compile(args.arch, args.full, args.jobs, args.keys)
+        return cmd_compile(args.arch, args.full, args.jobs, args.keys)
     elif cmd == "check":
         return int(cmd_check() > 0)
     elif cmd == "bench":
@@ -376,8 +308,10 @@ def main(argv=None):
         cmd_overhead()
     elif cmd == "coldstart":
         cmd_coldstart()
-    elif cmd == "memcheck":
-        return cmd_memcheck(extra, args.jobs)
+    elif cmd in ("memcheck", "racecheck"):
+        from cute_flash import sanitize
+
+        return sanitize.run(cmd, extra, args.jobs)
     elif cmd == "occupancy":
         from cute_flash import occupancy
 

@@ -1,12 +1,13 @@
-"""`python -m cute_flash memcheck --jobs N` on CPU, with stand-ins for compute-sanitizer (runs
-its command, prints a clean summary) and nvidia-smi (two GPUs): every collected test runs in
-exactly one shard, shards alternate GPUs, and a failing test fails the command."""
+"""`python -m cute_flash memcheck|racecheck --jobs N` on CPU, with stand-ins for
+compute-sanitizer (runs its command, prints the tool's summary) and nvidia-smi (two GPUs): every
+collected test runs in exactly one shard, shards alternate GPUs, and a failing test, a finding
+or a process without a summary fails the command."""
 import os
 import stat
 
 import pytest
 
-from cute_flash.__main__ import cmd_memcheck
+from cute_flash import sanitize
 
 TESTS = '''
 import os
@@ -33,9 +34,12 @@ def fake_machine(tmp_path, monkeypatch):
     bin_dir, record = tmp_path / "bin", tmp_path / "record"
     bin_dir.mkdir()
     record.mkdir()
-    # Drop the six sanitizer options, run the command, report like compute-sanitizer.
+    # Drop the six sanitizer options, run the command, report like compute-sanitizer: the tool's
+    # summary with FINDINGS (default 0) findings, none where NO_SUMMARY is set.
     _script(bin_dir / "compute-sanitizer",
-            'shift 6; "$@"; rc=$?; echo "========= ERROR SUMMARY: 0 errors"; exit $rc\n')
+            'tool=$2; shift 6; "$@"; rc=$?; n=${FINDINGS:-0}; [ -n "$NO_SUMMARY" ] && exit $rc\n'
+            'if [ "$tool" = racecheck ]; then echo "========= RACECHECK SUMMARY: $n hazards displayed ($n errors, 0 warnings)"\n'
+            'else echo "========= ERROR SUMMARY: $n errors"; fi; exit $rc\n')
     _script(bin_dir / "nvidia-smi", "echo 0; echo 1\n")
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setenv("RECORD_DIR", str(record))
@@ -45,18 +49,35 @@ def fake_machine(tmp_path, monkeypatch):
     return "test_cases.py", record
 
 
-def test_jobs_run_each_test_once_over_both_gpus(fake_machine, capsys):
+@pytest.mark.parametrize("tool, noun", [("memcheck", "errors"), ("racecheck", "hazards")])
+def test_jobs_run_each_test_once_over_both_gpus(fake_machine, capsys, tool, noun):
     tests, record = fake_machine
-    assert cmd_memcheck(["-q", "-p", "no:cacheprovider", tests], jobs=3) == 0
+    assert sanitize.run(tool, ["-q", "-p", "no:cacheprovider", tests], jobs=3) == 0
     out = capsys.readouterr().out
-    assert "5 tests in 3 sanitized processes" in out
-    assert "3 sanitized processes, 0 errors" in out
+    assert f"{tool}: 5 tests in 3 sanitized processes" in out
+    assert f"--tool {tool}" in out
+    assert f"3 sanitized processes, 0 {noun}" in out
     # round-robin: cases 0 and 3 in shard 0 (GPU 0), 1 and 4 in shard 1 (GPU 1), 2 in shard 2 (GPU 0)
     assert {p.name: p.read_text() for p in record.iterdir()} == {"0": "0", "1": "1", "2": "0", "3": "0", "4": "1"}
 
 
-def test_a_failing_test_fails_the_command(fake_machine, monkeypatch, capsys):
+@pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
+def test_a_failing_test_fails_the_command(fake_machine, monkeypatch, capsys, tool):
     tests, _ = fake_machine
     monkeypatch.setenv("FAIL_CASE", "4")
-    assert cmd_memcheck(["-q", "-p", "no:cacheprovider", tests], jobs=2) == 1
+    assert sanitize.run(tool, ["-q", "-p", "no:cacheprovider", tests], jobs=2) == 1
     assert "1 failed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("tool, noun", [("memcheck", "errors"), ("racecheck", "hazards")])
+def test_a_finding_fails_the_command(fake_machine, monkeypatch, capsys, tool, noun):
+    tests, _ = fake_machine
+    monkeypatch.setenv("FINDINGS", "2")
+    assert sanitize.run(tool, ["-q", "-p", "no:cacheprovider", tests], jobs=2) == 1
+    assert f"2 sanitized processes, 4 {noun}" in capsys.readouterr().out
+
+
+def test_a_process_without_a_summary_fails_the_command(fake_machine, monkeypatch):
+    tests, _ = fake_machine
+    monkeypatch.setenv("NO_SUMMARY", "1")
+    assert sanitize.run("racecheck", ["-q", "-p", "no:cacheprovider", tests], jobs=2) == 1
