@@ -18,18 +18,21 @@ Every compile logs one INFO line on the `cute_flash` logger (variant, arch, seco
 loads and hits log at DEBUG. `CUTE_FLASH_LOG_LEVEL` sets the level (default INFO).
 
 A workload's own variants: with `CUTE_FLASH_RECORD=FILE`, every key a process uses is added
-to FILE (a pickled list, shared by concurrent processes under a file lock), and
-`python -m cute_flash compile --keys FILE` compiles exactly those, for instance on a CPU build
+to FILE (a JSON list, shared by concurrent processes under a file lock: data, never code, so
+reading a file from elsewhere runs nothing), and `python -m cute_flash compile --keys FILE`
+compiles exactly those, for instance on a CPU build
 box for a new release of this package (a new fingerprint). The CI set that `compile` fills by
 default is a small part of what a test suite or a model uses (docs/perf.md).
 """
 from __future__ import annotations
 
 import functools
+import dataclasses
 import hashlib
+import importlib
+import json
 import logging
 import os
-import pickle
 import sys
 import threading
 import time
@@ -114,21 +117,65 @@ def _record(key):
     from filelock import FileLock
 
     with FileLock(f"{path}.lock"):
-        keys = read_keys(path)
+        keys = read_keys(path) if os.path.exists(path) else []
         if key not in keys:
             tmp = f"{path}.{os.getpid()}.tmp"
-            with open(tmp, "wb") as f:
-                pickle.dump(keys + [key], f)
+            with open(tmp, "w") as f:
+                json.dump([_encode(k) for k in keys + [key]], f, indent=1)
             os.replace(tmp, path)
 
 
+class KeysFileError(ValueError):
+    """A keys file that is missing, unreadable or not one this package wrote."""
+
+
 def read_keys(path) -> list:
-    """The (config, arch) keys recorded in `path` (a file this package wrote: it is a pickle)."""
+    """The (config, arch) keys recorded in `path`; KeysFileError names what is wrong with it."""
     try:
-        with open(path, "rb") as f:
-            return pickle.load(f)
-    except FileNotFoundError:
-        return []
+        with open(path) as f:
+            keys = [_decode(k) for k in json.load(f)]
+        for key in keys:
+            if not (isinstance(key, tuple) and len(key) == 2 and dataclasses.is_dataclass(key[0])
+                    and isinstance(key[1], int)):
+                raise ValueError(f"{key!r} is not a (config, arch) pair")
+        return keys
+    except OSError as exc:
+        raise KeysFileError(f"cannot read keys file {path}: {exc.strerror or exc}") from None
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise KeysFileError(f"{path} is not a keys file written with CUTE_FLASH_RECORD ({exc})") from None
+
+
+# The packages whose frozen dataclasses a key may hold: a keys file names classes only there.
+_KEY_PACKAGES = ("cute_flash.", "layouts.")
+
+
+def _encode(value):
+    """A key as JSON: dataclasses by module, name and fields; tuples as lists marked as such."""
+    if dataclasses.is_dataclass(value):
+        cls = type(value)
+        return {"dataclass": f"{cls.__module__}:{cls.__qualname__}",
+                "fields": {f.name: _encode(getattr(value, f.name)) for f in dataclasses.fields(value)}}
+    if isinstance(value, tuple):
+        return {"tuple": [_encode(v) for v in value]}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise TypeError(f"a compile key holds a {type(value).__name__}, which a keys file cannot store")
+
+
+def _decode(value):
+    if isinstance(value, dict) and "tuple" in value:
+        return tuple(_decode(v) for v in value["tuple"])
+    if isinstance(value, dict):
+        module, name = value["dataclass"].split(":")
+        if not module.startswith(_KEY_PACKAGES):
+            raise ValueError(f"{value['dataclass']} is not a cute_flash config")
+        cls = getattr(importlib.import_module(module), name)
+        if not dataclasses.is_dataclass(cls):
+            raise ValueError(f"{value['dataclass']} is not a config dataclass")
+        return cls(**{k: _decode(v) for k, v in value["fields"].items()})
+    if isinstance(value, list):
+        raise ValueError("a bare list")
+    return value
 
 
 def _load_or_build(key, build):

@@ -9,11 +9,9 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("cutlass")
-
-from cute_flash import compile_cache  # noqa: E402
-from cute_flash.kernels.append import AppendConfig  # noqa: E402
-from cute_flash.launch.compiled import cached_append  # noqa: E402
+from cute_flash import compile_cache
+from cute_flash.kernels.append import AppendConfig
+from cute_flash.launch.compiled import cached_append
 
 PLAIN = AppendConfig("fp16", False, False, False, False, False)
 ROTARY = AppendConfig("bf16", True, False, True, False, True)
@@ -74,6 +72,52 @@ def test_keys_and_fingerprint_name_their_inputs(cache_dir):
     assert len(compile_cache.fingerprint()) == 16
 
 
+FINGERPRINT = "from cute_flash import compile_cache; print(compile_cache.fingerprint())"
+
+
+def _fingerprint_of(tree: Path, **env) -> str:
+    """The fingerprint a fresh process computes for a copy of the package at `tree`."""
+    run = subprocess.run([sys.executable, "-c", FINGERPRINT], cwd=tree, capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONPATH=str(tree), **env), check=True)
+    return run.stdout.strip()
+
+
+def test_the_fingerprint_changes_with_a_source_file_and_a_version(tmp_path):
+    """Any edit of a kernel's source, or another DSL version, starts a fresh cache directory."""
+    import shutil
+    from importlib import metadata
+
+    tree = tmp_path / "tree"
+    for package in ("cute_flash", "layouts"):
+        shutil.copytree(ROOT / package, tree / package, ignore=shutil.ignore_patterns("__pycache__"))
+    before = _fingerprint_of(tree)
+    assert before == _fingerprint_of(tree)  # stable across processes
+    smem = tree / "layouts" / "smem.py"
+    smem.write_text(smem.read_text() + "\n# an edit\n")
+    edited = _fingerprint_of(tree)
+    assert edited != before
+
+    # another DSL version: a stand-in distribution metadata shadowing the installed one
+    real = metadata.version("nvidia-cutlass-dsl")
+    dist = tree / f"nvidia_cutlass_dsl-{real}.post999.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: nvidia-cutlass-dsl\nVersion: {real}.post999\n")
+    assert _fingerprint_of(tree) not in (before, edited)
+
+
+def test_a_missing_or_foreign_keys_file_is_a_one_line_error(tmp_path, capsys):
+    from cute_flash.__main__ import main
+
+    assert main(["compile", "--keys", str(tmp_path / "nonexistent.json")]) == 2
+    assert capsys.readouterr().err.strip().endswith("No such file or directory")
+    for text in ("not json", '[{"dataclass": "os:system", "fields": {"command": "true"}}]', "[1]"):
+        bad = tmp_path / "bad.json"
+        bad.write_text(text)
+        assert main(["compile", "--keys", str(bad)]) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and "is not a keys file written with CUTE_FLASH_RECORD" in err
+
+
 WORKER = textwrap.dedent("""
     import sys
     from cute_flash import compile_cache
@@ -108,13 +152,14 @@ def test_recorded_keys_are_what_compile_keys_builds(cache_dir, monkeypatch, tmp_
     those into a fresh cache (a build box warming a new release for a workload)."""
     from cute_flash.__main__ import cmd_compile
 
-    record = tmp_path / "keys.pkl"
+    record = tmp_path / "keys.json"
     monkeypatch.setenv("CUTE_FLASH_RECORD", str(record))
     for config in (PLAIN, ROTARY, PLAIN):
         cached_append(config, 90)
     compile_cache.clear_memory()
     cached_append(ROTARY, 90)  # a second process using a recorded variant adds nothing
     assert compile_cache.read_keys(record) == [(PLAIN, 90), (ROTARY, 90)]
+    assert '"dataclass": "cute_flash.kernels.append:AppendConfig"' in record.read_text()  # data, not a pickle
 
     fresh = tmp_path / "fresh"
     monkeypatch.setenv("CUTE_FLASH_CACHE_DIR", str(fresh))
