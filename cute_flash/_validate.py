@@ -92,7 +92,8 @@ def check_dtypes(named, optional=()):
 
 
 def check_cuda(named):
-    """All tensors on one CUDA device. Called last so the other rules are testable on CPU."""
+    """All tensors on one CUDA device, or all on the meta device (shape inference: the caller
+    answers without a launch). Called last so the other rules are testable on CPU."""
     named = [(name, t) for name, t in _given(named) if isinstance(t, torch.Tensor)]
     ref_name, ref = named[0]
     for name, t in named[1:]:
@@ -100,7 +101,7 @@ def check_cuda(named):
             raise TypeError(
                 f"{name} must be on the same device as {ref_name} ({ref.device}), got {t.device}"
             )
-    if ref.device.type != "cuda":
+    if ref.device.type not in ("cuda", "meta"):
         names = ", ".join(dict.fromkeys(name for name, _ in named))
         raise TypeError(f"{names} must be CUDA tensors, got device {ref.device}")
 
@@ -205,20 +206,6 @@ def needs_grad(tensors) -> bool:
     return False
 
 
-def check_no_grad(named, fn_name, why="it is inference-only and has no backward pass (as in flash-attn)"):
-    """No silently missing gradients: with grad mode on, an input that requires grad is refused
-    where no backward exists (flash_attn_with_kvcache, a paged varlen cache), saying `why`."""
-    named = tuple(named)
-    if not needs_grad(t for _, t in named):
-        return
-    wanting = list(dict.fromkeys(name for name, t in named if isinstance(t, torch.Tensor) and t.requires_grad))
-    raise NotImplementedError(
-        f"{fn_name} cannot compute gradients: {why}, and {', '.join(wanting)} "
-        f"require{'s' if len(wanting) == 1 else ''} grad with grad mode on. Call it under "
-        "torch.no_grad() or torch.inference_mode(), or pass detached tensors."
-    )
-
-
 # --- options --------------------------------------------------------------------------------
 
 
@@ -316,6 +303,27 @@ def check_int32_vector(t, name, length):
         raise ValueError(f"{name} must have shape ({length},), got {tuple(t.shape)}")
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous, got strides {tuple(t.stride())}")
+
+
+def check_leftpad_k(leftpad_k, batch, paged):
+    """flash-attn's leftpad_k of the varlen forward: int32 (batch,), not over a paged cache."""
+    if paged:
+        raise ValueError("leftpad_k with a paged KV cache (block_table) is not supported, as in flash-attn")
+    check_int32_vector(leftpad_k, "leftpad_k", batch)
+
+
+class UnsupportedOption(ValueError, RuntimeError):
+    """An option flash-attn refuses with a RuntimeError: a ValueError here, as every bad option
+    is, and a RuntimeError for code written against flash-attn's."""
+
+
+def check_varlen_num_splits(num_splits, paged):
+    """The newest flash-attn's num_splits of the varlen forward: an int >= 0, at most 1 over a
+    paged cache (its message)."""
+    if not _is_int(num_splits) or num_splits < 0:
+        raise ValueError(f"num_splits must be an int >= 0, got {num_splits!r}")
+    if paged and num_splits > 1:
+        raise UnsupportedOption(f"num_splits > 1 is not supported for varlen paged KV, got {num_splits}")
 
 
 def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, names):

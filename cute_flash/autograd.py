@@ -91,7 +91,7 @@ class FlashAttnFunction(torch.autograd.Function):
         *inputs, out, lse = ctx.saved_tensors
         q, k, v = o.packing.unpack(inputs)
         grads, (dq, dk, dv) = o.packing.grad_buffers(inputs)
-        if q.numel() == 0 or k.numel() == 0:  # no query rows or no keys: nothing flows back
+        if q.numel() == 0 or k.numel() == 0 or q.is_meta:  # no query rows or no keys (or shapes only)
             grads = tuple(torch.zeros_like(x) for x in inputs)
         else:
             common = dict(softmax_scale=o.softmax_scale, causal=o.causal, window_size=o.window, softcap=o.softcap,
@@ -109,3 +109,31 @@ class FlashAttnFunction(torch.autograd.Function):
         needs = ctx.needs_input_grad[3:]
         return (None, None, None) + tuple(g if need else None for g, need in zip(grads, needs))
 
+
+class NoBackward(torch.autograd.Function):
+    """forward(message, out, *inputs): `out` as it is, joined to inputs that require grad for
+    a call that has no backward (flash_attn_with_kvcache, a paged KV cache), as in flash-attn:
+    the forward runs with grad mode on, and asking for the gradient raises at backward() with
+    `message`, so no gradient is dropped in silence."""
+
+    @staticmethod
+    def forward(ctx, message: str, out: Tensor, *inputs: Tensor):
+        ctx.message = message
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise NotImplementedError(ctx.message)
+
+
+def no_backward(fn_name: str, why: str, out: Tensor, named) -> Tensor:
+    """`out`, whose backward raises naming `fn_name`, `why` and the inputs that require grad
+    (`named`: (name, tensor or None) pairs); `out` itself where none requires grad."""
+    wanting = [(name, t) for name, t in named if isinstance(t, Tensor) and t.requires_grad]
+    if not torch.is_grad_enabled() or not wanting:
+        return out
+    names = list(dict.fromkeys(name for name, _ in wanting))
+    message = (f"{fn_name} has no gradient: {why}, and {', '.join(names)} require{'s' if len(names) == 1 else ''} "
+               "grad. The forward ran; call it under torch.no_grad() or pass detached tensors where no gradient "
+               "is wanted.")
+    return NoBackward.apply(message, out, *(t for _, t in wanting))

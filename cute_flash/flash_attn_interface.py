@@ -5,7 +5,7 @@ build on, works by changing that one import.
 `_flash_attn_forward` and `_flash_attn_varlen_forward` keep flash-attn 2.8.3's argument names,
 order and defaults and return `(out, softmax_lse, S_dmask, rng_state)`;
 `_flash_attn_backward` and `_flash_attn_varlen_backward` likewise write the gradients into the
-given dq, dk, dv and return `softmax_d` (D = rowsum(dO * O), fp32, shaped like softmax_lse, where
+given dq, dk, dv (on `meta` tensors: nothing, only softmax_d's shape) and return `softmax_d` (D = rowsum(dO * O), fp32, shaped like softmax_lse, where
 flash-attn's rounds seqlen_q up to 128). In the forwards, `rng_state` is the call's dropout
 state, (seed, offset) int64 on the device (two zeros without dropout: nothing drawn), and
 `S_dmask` with `return_softmax` and dropout the probabilities with dropped entries negated
@@ -14,8 +14,11 @@ forward's `rng_state` to regenerate its mask. Like flash-attn's,
 they have no autograd (their callers wrap them in their own `torch.autograd.Function`), so
 they do not refuse inputs that require grad; the output is not differentiable. Unlike
 flash-attn's they take any head dim up to 256 and any strides with a unit last dim (no caller
-padding needed). Not supported yet: `leftpad_k` (NotImplementedError); `zero_tensors` is
-accepted and has no effect, since every output row is written.
+padding needed). `_flash_attn_varlen_forward` also takes the newest flash-attn's `num_splits`
+(0 or 1: this forward picks its own schedule; above 1 refused over a paged cache, as
+flash-attn refuses it) and `leftpad_k` (batch,) int32: sequence b's keys start `leftpad_k[b]`
+rows after `cu_seqlens_k[b]`, and that many fewer are used (not with a block table, as in
+flash-attn). `zero_tensors` is accepted and has no effect, since every output row is written.
 """
 from typing import Optional, Tuple
 
@@ -76,16 +79,16 @@ def _flash_attn_varlen_forward(
     leftpad_k: Optional[torch.Tensor] = None,
     seqused_k: Optional[torch.Tensor] = None,
     zero_tensors: bool = False,
+    num_splits: int = 0,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """q (total_q, nheads, d), k, v (total_k, nheads_k, d) or pages with block_table ->
     (out, softmax_lse (nheads, total_q), S_dmask, rng_state)."""
-    if leftpad_k is not None:
-        raise NotImplementedError("leftpad_k is not implemented for the variable-length forward yet")
+    _validate.check_varlen_num_splits(num_splits, block_table is not None)
     names = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
     out, lse, probs, dropout = _flash_attn_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, names, dropout_p, softmax_scale, causal,
         (window_size_left, window_size_right), softcap, alibi_slopes, block_table, seqused_k,
-        return_probs=return_softmax)
+        return_probs=return_softmax, leftpad_k=leftpad_k)
     return out, lse, probs, _rng_state(q, dropout)
 
 
@@ -122,6 +125,8 @@ def _flash_attn_backward(
     returns softmax_d (batch, nheads, seqlen_q)."""
     dropout = _check_backward(dropout_p, rng_state, [("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out),
                                                      ("softmax_lse", softmax_lse)])
+    if q.is_meta:
+        return softmax_lse.new_empty(softmax_lse.shape)
     causal, window = _mask(causal, (window_size_left, window_size_right), q.shape[1], k.shape[1])
     *_, softmax_d = _kernels().flash_bwd(dout, q, k, v, out, softmax_lse, softmax_scale=softmax_scale,
                                          causal=causal, window_size=window, softcap=float(softcap),
@@ -160,6 +165,8 @@ def _flash_attn_varlen_backward(
     dropout = _check_backward(dropout_p, rng_state, [
         ("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("softmax_lse", softmax_lse),
         ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)])
+    if q.is_meta:
+        return softmax_lse.new_empty(softmax_lse.shape)
     causal, window = _mask(causal, (window_size_left, window_size_right), max_seqlen_q, max_seqlen_k)
     *_, softmax_d = _kernels().flash_bwd_varlen(
         dout, q, k, v, out, softmax_lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,

@@ -6,9 +6,12 @@ and hands the tensors, never copied (packed inputs become views), to `cute_flash
 With grad mode on and an input requiring grad, the six attention functions are differentiable
 (`cute_flash.autograd`; packed inputs get one packed gradient); `deterministic=True` makes
 their backward bitwise repeatable. `flash_attn_with_kvcache` and paged varlen calls have no
-backward (as in flash-attn) and refuse inputs that require grad. `dropout_p > 0` drops
+backward (as in flash-attn): they run with inputs that require grad, and asking for that
+gradient raises at backward(), naming the call and the inputs. `dropout_p > 0` drops
 attention probabilities with a mask drawn from torch's CUDA generator (`cute_flash.dropout`);
-the backward regenerates it. `return_attn_probs=True` returns `(out, softmax_lse, S_dmask)`:
+the backward regenerates it. On `meta` tensors every function returns `meta` outputs of the
+shapes and dtypes a CUDA call would (shape inference, FLOP counters, models built on the meta
+device), launching nothing. `return_attn_probs=True` returns `(out, softmax_lse, S_dmask)`:
 with dropout the probabilities with dropped entries negated, without it an empty tensor, as
 flash-attn's. flash-attn's private forwards and backwards live in
 `cute_flash.flash_attn_interface`.
@@ -24,7 +27,7 @@ from torch import Tensor
 
 from cute_flash import _validate
 from cute_flash.dropout import DropoutArgs, s_dmask, s_dmask_varlen
-from cute_flash.autograd import AttnOptions, FlashAttnFunction, Packing, Varlen
+from cute_flash.autograd import AttnOptions, FlashAttnFunction, Packing, Varlen, no_backward
 from cute_flash import ops  # noqa: F401  (registers torch.ops.cute_flash.*, used while compiling)
 
 __all__ = [
@@ -120,7 +123,7 @@ def _s_dmask(q, p, return_probs, dropout, shape, build):
     of `shape` when nothing was drawn (no rows or keys), else `build(dropout)`."""
     if not (return_probs and p > 0):
         return _no_probs(q)
-    return q.new_zeros(shape) if dropout is None else build(dropout)
+    return q.new_zeros(shape) if dropout is None or q.is_meta else build(dropout)
 
 
 def _draw(p, q, has_work):
@@ -155,7 +158,7 @@ def _flash_attn(q, k, v, names, dropout_p, softmax_scale, causal, window_size, s
     dropout = _draw(p, q, batch and seqlen_q and seqlen_k)
 
     def run(q, k, v):
-        if batch == 0 or seqlen_q == 0:
+        if batch == 0 or seqlen_q == 0 or q.is_meta:
             return _empty(q, lse_shape)
         if seqlen_k == 0:
             return _no_keys(q, lse_shape)
@@ -184,32 +187,34 @@ def _op_dropout(dropout):
 
 def _flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, names,
                        dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                       block_table, seqused_k, caller=None, deterministic=False, packed=None, return_probs=False):
+                       block_table, seqused_k, caller=None, deterministic=False, packed=None, return_probs=False,
+                       leftpad_k=None):
     """Shared body of the variable-length functions: (out, lse, S_dmask, dropout) as
     _flash_attn's. `names` name q, k, v, the two cu_seqlens and the two max_seqlen as the caller
     spelled them; `caller` and autograd as in _flash_attn. A paged cache (block_table) has no
-    gradient, as in flash-attn."""
+    gradient, as in flash-attn. `leftpad_k`: the private forward's (`_skip_left_pad`)."""
     paged = block_table is not None
     kv_dims = _PAGED_KV_DIMS if paged else _VARLEN_KV_DIMS
     named = _check_qkv(q, k, v, names[:3], _VARLEN_Q_DIMS, kv_dims)
     packing, inputs = _grad_inputs(q, k, v, packed)
     wants_grad = caller is not None and _validate.needs_grad(inputs)
-    if paged and wants_grad:
-        _validate.check_no_grad(zip(names[:3], (q, k, v)), caller,
-                                why="there is no gradient through a paged KV cache (block_table), as in flash-attn")
     p, window_size = _check_options(dropout_p, window_size, softcap, softmax_scale)
     _validate.check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, names[3:])
     batch = cu_seqlens_q.shape[0] - 1
     if seqused_k is not None:
         _validate.check_int32_vector(seqused_k, "seqused_k", batch)
+    if leftpad_k is not None:
+        _validate.check_leftpad_k(leftpad_k, batch, paged)
     if paged:
         _validate.check_block_table(block_table, batch, k, names[1])
     total_q, nheads, headdim = q.shape
     _validate.check_alibi(alibi_slopes, batch, nheads)
     _validate.check_cuda(named + [
-        (names[3], cu_seqlens_q), (names[4], cu_seqlens_k), ("seqused_k", seqused_k),
+        (names[3], cu_seqlens_q), (names[4], cu_seqlens_k), ("seqused_k", seqused_k), ("leftpad_k", leftpad_k),
         ("block_table", block_table), ("alibi_slopes", alibi_slopes),
     ])
+    if leftpad_k is not None:
+        cu_seqlens_k, seqused_k = _skip_left_pad(cu_seqlens_k, seqused_k, leftpad_k)
 
     lse_shape = (nheads, total_q)
     causal, window = _mask(causal, window_size, max_seqlen_q, max_seqlen_k)
@@ -221,7 +226,7 @@ def _flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
     dropout = _draw(p, q, batch and total_q and not no_keys)
 
     def run(q, k, v):
-        if batch == 0 or total_q == 0:
+        if batch == 0 or total_q == 0 or q.is_meta:
             return _empty(q, lse_shape)
         if no_keys:
             return _no_keys(q, lse_shape)
@@ -234,7 +239,11 @@ def _flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
             max_seqlen_k=max_seqlen_k, softmax_scale=scale, causal=causal, window_size=window, softcap=softcap,
             alibi_slopes=alibi_slopes, block_table=block_table, seqused_k=seqused_k, dropout=dropout)
 
-    if wants_grad and not torch.compiler.is_compiling():
+    if wants_grad and paged:
+        out, lse = run(q, k, v)
+        out = no_backward(caller, "there is no gradient through a paged KV cache (block_table), as in flash-attn",
+                          out, zip(names[:3], (q, k, v)))
+    elif wants_grad and not torch.compiler.is_compiling():
         varlen = Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k)
         options = AttnOptions(scale, causal, window, softcap, deterministic, packing, varlen, dropout)
         out, lse = FlashAttnFunction.apply(options, run, alibi_slopes, *inputs)
@@ -245,6 +254,16 @@ def _flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
                        block_table=block_table, softmax_scale=scale, causal=causal, window_size=window,
                        softcap=softcap, alibi_slopes=alibi_slopes)))
     return out, lse, probs, dropout
+
+
+def _skip_left_pad(cu_seqlens_k, seqused_k, leftpad_k):
+    """flash-attn's leftpad_k as the starts and lengths the kernels take: sequence b's keys from
+    cu_seqlens_k[b] + leftpad_k[b], (seqused_k[b] or its length) - leftpad_k[b] of them. Device
+    arithmetic only (no sync); the kernels clamp whatever it gives into the tensors."""
+    lengths = cu_seqlens_k[1:] - cu_seqlens_k[:-1] if seqused_k is None else seqused_k
+    starts = cu_seqlens_k.clone()
+    starts[:-1] += leftpad_k
+    return starts, (lengths - leftpad_k).clamp_(min=0).to(torch.int32)
 
 
 def flash_attn_qkvpacked_func(
@@ -426,8 +445,6 @@ def flash_attn_with_kvcache(
     flash-attn does (RuntimeError; a device sync), except while a CUDA graph is being captured,
     where the kernels' own clamping is the guard. Returns out, or (out, softmax_lse (batch,
     nheads, seqlen_q))."""
-    _validate.check_no_grad((("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)),
-                            "flash_attn_with_kvcache")
     window_size = _validate.check_window(window_size)
     paged = block_table is not None
     compiling = torch.compiler.is_compiling()
@@ -445,7 +462,7 @@ def flash_attn_with_kvcache(
     seqlen_k = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
 
     lse_shape = (batch, nheads, seqlen_q)
-    if batch == 0 or seqlen_q == 0:
+    if batch == 0 or seqlen_q == 0 or q.is_meta:
         out, lse = _empty(q, lse_shape)
     elif seqlen_k == 0:
         out, lse = _no_keys(q, lse_shape)
@@ -483,6 +500,8 @@ def flash_attn_with_kvcache(
             return_lse=return_softmax_lse,
             signature=key,
         )
+    out = no_backward("flash_attn_with_kvcache", "it is inference-only and has no backward pass (as in flash-attn)",
+                      out, (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)))
     return (out, lse) if return_softmax_lse else out
 
 

@@ -13,7 +13,7 @@ import torch
 import cute_flash
 from cute_flash import flash_attn_interface as fai
 from cute_flash import interface as fi
-from tests.test_interface_validation import ALL, FUNCS, HALF_ARGS, call, gpu_free, valid  # noqa: F401 (fixture)
+from tests.test_interface_validation import ALL, FUNCS, HALF_ARGS, call, gpu_free, i32, valid  # noqa: F401 (fixture)
 
 # --- gradients ------------------------------------------------------------------------------
 
@@ -30,17 +30,23 @@ def _requiring_grad(name, *names):
 
 @pytest.mark.parametrize("name, arg", [(n, a) for n in ALL for a in HALF_ARGS[n]
                                        if n.startswith("kvcache") or n == "varlen_paged"])
-def test_inputs_requiring_grad_are_refused_without_a_backward(gpu_free, name, arg):
-    """flash_attn_with_kvcache and paged varlen calls have no backward (as in flash-attn): an
-    output without grad_fn would drop the gradient in silence, so they refuse, naming the input."""
+def test_a_call_without_a_backward_runs_and_refuses_at_backward(gpu_free, name, arg):
+    """flash_attn_with_kvcache and paged varlen calls have no backward (as in flash-attn): the
+    forward runs with an input that requires grad (flash-attn's suite does that), and asking for
+    the gradient raises at backward(), naming the call, why and the input, so no gradient is
+    dropped in silence."""
     args = _requiring_grad(name, arg)
     fn_name = FUNCS[name].__name__
     why = (r"it is inference-only and has no backward pass \(as in flash-attn\)" if name.startswith("kvcache")
            else r"there is no gradient through a paged KV cache \(block_table\), as in flash-attn")
-    match = rf"^{fn_name} cannot compute gradients: {why}, and {arg} requires? grad"
-    with pytest.raises(NotImplementedError, match=match):
-        call(name, **args)
-    assert gpu_free.calls == []
+    out = call(name, **args)
+    assert [c[0] for c in gpu_free.calls] == ["flash_fwd_kvcache" if name.startswith("kvcache") else "flash_fwd_varlen"]
+    assert out.requires_grad
+    with pytest.raises(NotImplementedError, match=rf"^{fn_name} has no gradient: {why}, and {arg} requires? grad"):
+        out.sum().backward()
+    assert len(gpu_free.calls) == 1  # no backward launched
+    with torch.no_grad():
+        assert not call(name, **args).requires_grad
 
 
 @pytest.mark.parametrize("name", DIFFERENTIABLE)
@@ -137,9 +143,9 @@ FLASH_ATTN_2_8_3_PRIVATE = {  # flash_attn/flash_attn_interface.py at v2.8.3
         "softmax_scale: float, causal: bool, window_size_left: int = -1, window_size_right: int = -1, "
         "softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None, return_softmax: bool = False, "
         "block_table: Optional[torch.Tensor] = None, leftpad_k: Optional[torch.Tensor] = None, "
-        "seqused_k: Optional[torch.Tensor] = None, zero_tensors: bool = False) -> "
+        "seqused_k: Optional[torch.Tensor] = None, zero_tensors: bool = False, num_splits: int = 0) -> "
         "Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]"),
-}
+}  # (num_splits: the newest flash-attn's addition, after 2.8.3's arguments)
 
 
 @pytest.mark.parametrize("fn", sorted(FLASH_ATTN_2_8_3_PRIVATE))
@@ -178,12 +184,49 @@ def test_private_varlen_forward_returns_flash_attn_tuple(gpu_free):
     assert s_dmask.shape == (0,) and rng_state.tolist() == [0, 0]
 
 
-def test_private_varlen_forward_refuses_leftpad(gpu_free):
+VARLEN_POS = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
+
+
+@pytest.mark.parametrize("seqused", [False, True])
+def test_private_varlen_forward_skips_the_left_pad(gpu_free, seqused):
+    """leftpad_k as flash-attn's varlen forward reads it: sequence b's keys start leftpad_k[b]
+    rows after cu_seqlens_k[b], and that many fewer are used (of seqused_k[b] when given)."""
+    args = valid("varlen")  # cu_seqlens_k (0, 4, 7)
+    used = i32(3, 2) if seqused else None
+    fai._flash_attn_varlen_forward(*(args[a] for a in VARLEN_POS), 0.0, 0.25, False, leftpad_k=i32(1, 2),
+                                   seqused_k=used)
+    [(fn, _, kw)] = gpu_free.calls
+    assert kw["cu_seqlens_k"].tolist() == [1, 6, 7] and args["cu_seqlens_k"].tolist() == [0, 4, 7]
+    assert kw["seqused_k"].dtype == torch.int32 and kw["seqused_k"].tolist() == ([2, 0] if seqused else [3, 1])
+
+
+def test_private_varlen_forward_checks_leftpad(gpu_free):
     args = valid("varlen")
-    pos = [args[a] for a in ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")]
-    with pytest.raises(NotImplementedError, match="^leftpad_k is not implemented"):
-        fai._flash_attn_varlen_forward(*pos, 0.0, 0.25, False, leftpad_k=args["cu_seqlens_k"][1:])
+    pos = [args[a] for a in VARLEN_POS]
+    with pytest.raises(ValueError, match=r"^leftpad_k must have shape \(2,\)"):
+        fai._flash_attn_varlen_forward(*pos, 0.0, 0.25, False, leftpad_k=i32(1, 2, 3))
+    with pytest.raises(TypeError, match="^leftpad_k must have dtype torch.int32, got torch.int64"):
+        fai._flash_attn_varlen_forward(*pos, 0.0, 0.25, False, leftpad_k=torch.zeros(2, dtype=torch.int64))
+    paged = valid("varlen_paged")
+    with pytest.raises(ValueError, match=r"^leftpad_k with a paged KV cache \(block_table\) is not supported"):
+        fai._flash_attn_varlen_forward(*(paged[a] for a in VARLEN_POS), 0.0, 0.25, False,
+                                       block_table=paged["block_table"], leftpad_k=i32(0, 0))
     assert gpu_free.calls == []
+
+
+def test_private_varlen_forward_takes_num_splits(gpu_free):
+    """The newest flash-attn's num_splits: 0 and 1 run (the same call), above 1 over a paged cache
+    is refused with flash-attn's message and exception type."""
+    paged = valid("varlen_paged")
+    pos = [paged[a] for a in VARLEN_POS]
+    for n in (0, 1):
+        fai._flash_attn_varlen_forward(*pos, 0.0, 0.25, False, block_table=paged["block_table"], num_splits=n)
+    assert [c[0] for c in gpu_free.calls] == ["flash_fwd_varlen"] * 2
+    with pytest.raises(RuntimeError, match="^num_splits > 1 is not supported for varlen paged KV"):
+        fai._flash_attn_varlen_forward(*pos, 0.0, 0.25, False, block_table=paged["block_table"], num_splits=2)
+    with pytest.raises(ValueError, match="^num_splits must be an int >= 0"):
+        fai._flash_attn_varlen_forward(*pos, 0.0, 0.25, False, num_splits=-1)
+    assert len(gpu_free.calls) == 2
 
 
 def test_private_forward_validates_like_the_public_one():
@@ -196,3 +239,53 @@ def test_private_forward_validates_like_the_public_one():
 
 def test_version_is_the_installed_distribution_version():
     assert cute_flash.__version__ == importlib.metadata.version("cute-flash")
+
+
+# --- meta tensors ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_meta_tensors_give_meta_outputs_of_the_right_shapes(name):
+    """Shape inference (FLOP counters, models built on the meta device): every public function
+    answers meta inputs with meta outputs shaped as a CUDA call's, and launches nothing."""
+    args = {n: t.to("meta") if isinstance(t, torch.Tensor) else t for n, t in valid(name).items()}
+    q = args[FIRST_Q[name]]
+    if name.startswith("kvcache"):
+        out, lse = call(name, **args, return_softmax_lse=True)
+        b, sq, h = q.shape[:3]
+        lse_shape = (b, h, sq)
+    else:
+        out, lse, probs = call(name, **args, return_attn_probs=True, dropout_p=0.1)
+        varlen = name.startswith("varlen")
+        lse_shape = (q.shape[-2], q.shape[0]) if varlen else (q.shape[0], q.shape[-2], q.shape[1])
+        assert probs.is_meta and probs.dtype == q.dtype and probs.dim() == 4
+    q_shape = q.shape[:-3] + q.shape[-2:] if "qkvpacked" in name else q.shape  # qkv without its "3"
+    assert out.is_meta and out.dtype == q.dtype and out.shape == q_shape
+    assert lse.is_meta and lse.dtype == torch.float32 and lse.shape == lse_shape
+
+
+FIRST_Q = {name: "qkv" if "qkvpacked" in name else "q" for name in ALL}
+
+
+def test_meta_backward_gives_meta_gradients():
+    args = {n: t.to("meta").requires_grad_() for n, t in valid("func").items()}
+    out = fi.flash_attn_func(**args, causal=True)
+    out.backward(torch.ones_like(out))
+    for n, t in args.items():
+        assert t.grad.is_meta and t.grad.shape == t.shape
+
+
+def test_meta_private_forward_and_backward():
+    args = {n: t.to("meta") for n, t in valid("func").items()}
+    q, k, v = args["q"], args["k"], args["v"]
+    out, lse, s_dmask, rng_state = fai._flash_attn_forward(q, k, v, 0.0, 0.5, True, -1, -1, 0.0, None, False)
+    assert out.is_meta and out.shape == q.shape and lse.shape == (q.shape[0], q.shape[2], q.shape[1])
+    dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))
+    d = fai._flash_attn_backward(out, q, k, v, out, lse, dq, dk, dv, 0.0, 0.5, True, -1, -1, 0.0, None, False)
+    assert d.is_meta and d.shape == lse.shape
+
+
+def test_meta_and_cuda_tensors_do_not_mix():
+    args = valid("func")
+    with pytest.raises(TypeError, match="must be on the same device as q"):
+        fi.flash_attn_func(args["q"].to("meta"), args["k"], args["v"])
