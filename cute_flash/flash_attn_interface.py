@@ -8,8 +8,9 @@ order and defaults and return `(out, softmax_lse, S_dmask, rng_state)`;
 given dq, dk, dv (on `meta` tensors: nothing, only softmax_d's shape) and return `softmax_d` (D = rowsum(dO * O), fp32, shaped like softmax_lse, where
 flash-attn's rounds seqlen_q up to 128). In the forwards, `rng_state` is the call's dropout
 state, (seed, offset) int64 on the device (two zeros without dropout: nothing drawn), and
-`S_dmask` with `return_softmax` and dropout the probabilities with dropped entries negated
-(`cute_flash.dropout`; empty without dropout). A backward with `dropout_p > 0` needs the
+`S_dmask` with `return_softmax` and dropout flash-attn's representation of the probabilities,
+dropped entries negated (`cute_flash.dropout`, decoded with `_get_block_size_n`; empty without
+dropout). A backward with `dropout_p > 0` needs the
 forward's `rng_state` to regenerate its mask. Like flash-attn's,
 they have no autograd (their callers wrap them in their own `torch.autograd.Function`), so
 they do not refuse inputs that require grad; the output is not differentiable. Unlike
@@ -25,12 +26,18 @@ from typing import Optional, Tuple
 import torch
 
 from cute_flash import _validate, interface
-from cute_flash.dropout import DropoutArgs
+from cute_flash.dropout import DropoutArgs, s_dmask_block_n
 from cute_flash.interface import *  # noqa: F401,F403 (the public functions)
 from cute_flash.interface import _flash_attn, _flash_attn_varlen, _kernels, _mask
 
 __all__ = interface.__all__ + ["_flash_attn_forward", "_flash_attn_varlen_forward", "_flash_attn_backward",
-                               "_flash_attn_varlen_backward"]
+                               "_flash_attn_varlen_backward", "_get_block_size_n"]
+
+
+def _get_block_size_n(device, head_dim: int, is_dropout: bool, is_causal: bool) -> int:
+    """The key-block width of S_dmask's representation (`cute_flash.dropout`), what flash-attn's
+    test helpers split its rows by; the same for any mask and dropout."""
+    return s_dmask_block_n(device, head_dim)
 
 
 def _rng_state(q, dropout):

@@ -120,10 +120,13 @@ def _result(out, lse, probs, return_attn_probs):
 
 def _s_dmask(q, p, return_probs, dropout, shape, build):
     """The S_dmask a call returns: empty unless asked for with dropout (flash-attn's value), zeros
-    of `shape` when nothing was drawn (no rows or keys), else `build(dropout)`."""
+    of `shape` (b, h, sq, sk) rounded up to 128 when nothing was drawn (no rows or keys), else
+    `build(dropout)`."""
     if not (return_probs and p > 0):
         return _no_probs(q)
-    return q.new_zeros(shape) if dropout is None or q.is_meta else build(dropout)
+    b, h, sq, sk = shape
+    rounded = (b, h, sq + -sq % 128, sk + -sk % 128)  # flash-attn's lengths (cute_flash.dropout)
+    return q.new_zeros(rounded) if dropout is None or q.is_meta else build(dropout)
 
 
 def _draw(p, q, has_work):

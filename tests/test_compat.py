@@ -156,7 +156,9 @@ def test_private_forward_signatures_are_flash_attn_2_8_3(fn):
 def test_module_holds_the_public_functions():
     for fn in fi.__all__:
         assert getattr(fai, fn) is getattr(fi, fn) is getattr(cute_flash, fn)
-    assert set(fi.__all__) | set(FLASH_ATTN_2_8_3_PRIVATE) == set(fai.__all__)
+    assert set(fi.__all__) | set(FLASH_ATTN_2_8_3_PRIVATE) | {"_get_block_size_n"} == set(fai.__all__)
+    assert str(inspect.signature(fai._get_block_size_n)) == (
+        "(device, head_dim: int, is_dropout: bool, is_causal: bool) -> int")  # flash-attn's names and order
 
 
 def test_private_forward_returns_flash_attn_tuple(gpu_free):

@@ -41,36 +41,72 @@ def test_no_dropout_passes_none(gpu_free, name):
     assert gpu_free.calls[-1][2]["dropout"] is None
 
 
+BLOCK_N = 4  # S_dmask's key blocks in these tests (the GPU's forward tile otherwise): SK = 7 spans two
+
+
+@pytest.fixture
+def block_n(monkeypatch):
+    from cute_flash import dropout
+
+    monkeypatch.setattr(dropout, "s_dmask_block_n", lambda device, head_dim: BLOCK_N)
+
+
+def _unnormalized(q, k, causal):
+    """flash-attn's representation from its definition: exp(s - m_j), s the scaled scores (-inf
+    where masked), m_j the row's maximum over key blocks j and later; q (b, sq, h, d), k (b, sk, h
+    or hk, d) float32."""
+    k = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
+    sq, sk = s.shape[-2:]
+    if causal:
+        rows, cols = torch.arange(sq).view(-1, 1), torch.arange(sk).view(1, -1)
+        s = s.masked_fill(cols > rows + sk - sq, float("-inf"))
+    out = torch.zeros_like(s)
+    for j in range(0, sk, BLOCK_N):
+        m = s[..., j:].amax(-1, keepdim=True)
+        out[..., j:j + BLOCK_N] = torch.where(m > float("-inf"), torch.exp(s[..., j:j + BLOCK_N] - m), 0.0)
+    return out
+
+
 @pytest.mark.parametrize("causal", [False, True])
-def test_s_dmask_signs_are_the_calls_mask(gpu_free, causal):
-    """S_dmask (b, h, sq, sk) in q's dtype: its sign bits are the numpy keep mask of the call's
-    seed and offset, its magnitudes rows of probabilities (each visible row sums to 1)."""
+def test_s_dmask_is_flash_attns_representation(gpu_free, block_n, causal):
+    """S_dmask (b, h, sq and sk rounded up to 128) in q's dtype: its sign bits are the numpy keep
+    mask of the call's seed and offset, its magnitudes exp(s - m_j) per key block, zero in the
+    padding."""
     q, k, v = (valid("func")[n] for n in "qkv")
     out, lse, s = call("func", q=q, k=k, v=v, dropout_p=0.4, causal=causal, return_attn_probs=True)
-    assert s.shape == (B, H, SQ, SK) and s.dtype == q.dtype
+    assert s.shape == (B, H, 128, 128) and s.dtype == q.dtype
+    assert s[:, :, SQ:].abs().sum() == 0 and s[:, :, :, SK:].abs().sum() == 0
+    s = s[:, :, :SQ, :SK]
     seed, offset = _seed_offset(gpu_free.calls[-1][2]["dropout"])
     keep = philox.keep_mask(seed, offset, B, H, SQ, SK, 0.4)
     assert np.array_equal(~torch.signbit(s).numpy(), keep)
     assert 0.3 < keep.mean() < 0.9  # both signs present: the sign check above can fail
-    sums = s.float().abs().sum(-1)
-    assert torch.allclose(sums, torch.ones_like(sums), atol=1e-2)
+    expected = _unnormalized(q.float(), k.float(), causal)
+    assert torch.allclose(s.float().abs(), expected, atol=2e-3, rtol=2e-3)
+    assert (s.float().abs().amax(-1) == 1).any()  # a row's maximum is its own block's: exp(0)
 
 
-def test_varlen_s_dmask_counts_from_each_sequence(gpu_free):
-    """Varlen S_dmask is (b, h, max_seqlen_q, max_seqlen_k): sequence i's corner carries the
-    signs of batch row i of the mask, rows and columns from the sequence's start; zero elsewhere."""
+def test_varlen_s_dmask_counts_from_each_sequence(gpu_free, block_n):
+    """Varlen S_dmask is (b, h, max_seqlen_q and max_seqlen_k rounded up to 128): sequence i's
+    corner carries the signs of batch row i of the mask and the representation of its own
+    scores, rows, columns and key blocks from the sequence's start; zero elsewhere."""
     args = valid("varlen")
     out, lse, s = call("varlen", **{**args, "dropout_p": 0.3, "return_attn_probs": True})
     b = args["cu_seqlens_q"].numel() - 1
     mq, mk = args["max_seqlen_q"], args["max_seqlen_k"]
-    assert s.shape == (b, H, mq, mk)
+    assert s.shape == (b, H, 128, 128)
     seed, offset = _seed_offset(gpu_free.calls[-1][2]["dropout"])
     keep = philox.keep_mask(seed, offset, b, H, mq, mk, 0.3)
-    lq, lk = args["cu_seqlens_q"].diff().tolist(), args["cu_seqlens_k"].diff().tolist()
+    cq, ck = args["cu_seqlens_q"].tolist(), args["cu_seqlens_k"].tolist()
     for i in range(b):
-        corner = s[i, :, :lq[i], :lk[i]]
-        assert np.array_equal(~torch.signbit(corner).numpy(), keep[i, :, :lq[i], :lk[i]])
-        assert s[i, :, lq[i]:].abs().sum() == 0 and s[i, :, :, lk[i]:].abs().sum() == 0
+        lq, lk = cq[i + 1] - cq[i], ck[i + 1] - ck[i]
+        corner = s[i, :, :lq, :lk]
+        assert np.array_equal(~torch.signbit(corner).numpy(), keep[i, :, :lq, :lk])
+        expected = _unnormalized(args["q"][None, cq[i]:cq[i + 1]].float(), args["k"][None, ck[i]:ck[i + 1]].float(),
+                                 False)[0]
+        assert torch.allclose(corner.float().abs(), expected, atol=2e-3, rtol=2e-3)
+        assert s[i, :, lq:].abs().sum() == 0 and s[i, :, :, lk:].abs().sum() == 0
 
 
 def test_backward_gets_the_forwards_state(gpu_free):
@@ -98,5 +134,5 @@ def test_empty_problem_draws_nothing(gpu_free):
     q = torch.empty(B, 0, H, valid("func")["q"].shape[-1], dtype=torch.float16)
     k, v = valid("func")["k"], valid("func")["v"]
     out, lse, s = call("func", q=q, k=k, v=v, dropout_p=0.5, return_attn_probs=True)
-    assert gpu_free.calls == [] and s.shape == (B, H, 0, SK)
+    assert gpu_free.calls == [] and s.shape == (B, H, 0, 128)  # flash-attn's lengths, rounded up to 128
     assert not math.isnan(out.sum().item())

@@ -177,8 +177,9 @@ def test_no_correlation_between_neighbouring_heads_batches_rows_columns():
     assert _chi_square(bits[0, 0], leaky) > 1000
 
 
-def _mask_of(s_dmask):
-    return ~torch.signbit(s_dmask)
+def _mask_of(s_dmask, sq, sk):
+    """The keep mask in S_dmask's signs, on its first sq x sk (its lengths are rounded up to 128)."""
+    return ~torch.signbit(s_dmask[..., :sq, :sk])
 
 
 @pytest.mark.parametrize("b, sq, sk, h, hk, d, opts", [
@@ -198,8 +199,8 @@ def test_public_out_and_grads_match_reference_with_s_dmask_mask(b, sq, sk, h, hk
     out, lse, s_dmask = cute_flash.flash_attn_func(q, k, v, dropout_p=p, return_attn_probs=True, **opts)
     out.backward(dout)
     torch.cuda.synchronize()
-    assert s_dmask.shape == (b, h, sq, sk) and s_dmask.dtype == q.dtype
-    ref = functools.partial(attention_ref, dropout_p=p, dropout_mask=_mask_of(s_dmask))
+    assert s_dmask.shape == (b, h, -(-sq // 128) * 128, -(-sk // 128) * 128) and s_dmask.dtype == q.dtype
+    ref = functools.partial(attention_ref, dropout_p=p, dropout_mask=_mask_of(s_dmask, sq, sk))
     grads = [x.grad for x in (q, k, v)]
     q, k, v = q.detach(), k.detach(), v.detach()
     assert_matches_reference(out.detach(), lse, q, k, v, ref_fn=ref, **opts)
@@ -216,10 +217,10 @@ def test_public_varlen_matches_reference_with_s_dmask_mask():
     out, lse, s_dmask = cute_flash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 300, 200, dropout_p=p, causal=True,
                                                           return_attn_probs=True)
     torch.cuda.synchronize()
-    assert s_dmask.shape == (3, h, 300, 200)
+    assert s_dmask.shape == (3, h, 384, 256)
     for i, (sq, sk) in enumerate(lengths):
         qs, ks, vs = q[cu_q[i]:cu_q[i] + sq], k[cu_k[i]:cu_k[i] + sk], v[cu_k[i]:cu_k[i] + sk]
-        mask = _mask_of(s_dmask[i:i + 1, :, :sq, :sk])
+        mask = _mask_of(s_dmask[i:i + 1], sq, sk)
         ref = functools.partial(attention_ref, dropout_p=p, dropout_mask=mask)
         assert_matches_reference(out[cu_q[i]:cu_q[i] + sq][None], lse[:, cu_q[i]:cu_q[i] + sq][None], qs[None],
                                  ks[None], vs[None], ref_fn=ref, causal=True)
@@ -286,6 +287,6 @@ def test_compiled_training_step_with_dropout():
     out, lse, s = fwd(*leaves)
     out.backward(dout)
     torch.cuda.synchronize()
-    ref = functools.partial(attention_ref, dropout_p=p, dropout_mask=_mask_of(s))
+    ref = functools.partial(attention_ref, dropout_p=p, dropout_mask=_mask_of(s, 200, 200))
     assert_matches_reference(out.detach(), lse, q, k, v, ref_fn=ref, causal=True)
     assert_grads_match([x.grad for x in leaves], q, k, v, dout, out=out.detach(), ref_fn=ref, causal=True)
