@@ -3,23 +3,23 @@ public functions, or the private forwards that ring-attention and sequence-paral
 build on, works by changing that one import.
 
 `_flash_attn_forward` and `_flash_attn_varlen_forward` keep flash-attn 2.8.3's argument names,
-order and defaults and return `(out, softmax_lse, S_dmask, rng_state)`;
-`_flash_attn_backward` and `_flash_attn_varlen_backward` likewise write the gradients into the
-given dq, dk, dv (on `meta` tensors: nothing, only softmax_d's shape) and return `softmax_d` (D = rowsum(dO * O), fp32, shaped like softmax_lse, where
-flash-attn's rounds seqlen_q up to 128). In the forwards, `rng_state` is the call's dropout
-state, (seed, offset) int64 on the device (two zeros without dropout: nothing drawn), and
-`S_dmask` with `return_softmax` and dropout flash-attn's representation of the probabilities,
-dropped entries negated (`cute_flash.dropout`, decoded with `_get_block_size_n`; empty without
-dropout). A backward with `dropout_p > 0` needs the
-forward's `rng_state` to regenerate its mask. Like flash-attn's,
-they have no autograd (their callers wrap them in their own `torch.autograd.Function`), so
-they do not refuse inputs that require grad; the output is not differentiable. Unlike
-flash-attn's they take any head dim up to 256 and any strides with a unit last dim (no caller
-padding needed). `_flash_attn_varlen_forward` also takes the newest flash-attn's `num_splits`
-(0 or 1: this forward picks its own schedule; above 1 refused over a paged cache, as
-flash-attn refuses it) and `leftpad_k` (batch,) int32: sequence b's keys start `leftpad_k[b]`
-rows after `cu_seqlens_k[b]`, and that many fewer are used (not with a block table, as in
-flash-attn). `zero_tensors` is accepted and has no effect, since every output row is written.
+order and defaults and return `(out, softmax_lse, S_dmask, rng_state)`; `_flash_attn_backward`
+and `_flash_attn_varlen_backward` likewise write the gradients into the given dq, dk, dv and
+return `softmax_d` (D = rowsum(dO * O), fp32, shaped like softmax_lse, where flash-attn's rounds
+seqlen_q up to 128; on `meta` tensors only its shape, nothing written). In the forwards,
+`rng_state` is the call's dropout state, (seed, offset) int64 on the device (two zeros without
+dropout: nothing drawn), and `S_dmask` with `return_softmax` and dropout flash-attn's
+representation of the probabilities, dropped entries negated (`cute_flash.dropout`, decoded
+with `_get_block_size_n`; empty without dropout). A backward with `dropout_p > 0` needs the
+forward's `rng_state` to regenerate its mask. Like flash-attn's, they have no autograd (their
+callers wrap them in their own `torch.autograd.Function`), so they do not refuse inputs that
+require grad; the output is not differentiable. Unlike flash-attn's they take any head dim up
+to 256 and any strides with a unit last dim (no caller padding needed).
+`_flash_attn_varlen_forward` also takes the newest flash-attn's `num_splits` (0 or 1: this
+forward picks its own schedule; above 1 refused over a paged cache, as flash-attn refuses it)
+and `leftpad_k` (batch,) int32: sequence b's keys start `leftpad_k[b]` rows after
+`cu_seqlens_k[b]`, and that many fewer are used (not with a block table, as in flash-attn).
+`zero_tensors` is accepted and has no effect, since every output row is written.
 """
 from typing import Optional, Tuple
 

@@ -91,8 +91,8 @@ def run(tool_name: str, pytest_args: list, jobs: int = 1) -> int:
         t.join()
     codes = [proc.wait() for proc in procs]
     found = sum(summaries)
-    print(f"{tool.name}: {len(summaries)} sanitized processes, {found} {'hazards' if tool.name == 'racecheck' else 'errors'}"
-          f"; pytest/sanitizer exits {codes}")
+    noun = "hazards" if tool.name == "racecheck" else "errors"
+    print(f"{tool.name}: {len(summaries)} sanitized processes, {found} {noun}; pytest/sanitizer exits {codes}")
     return 1 if found or any(codes) or len(summaries) < len(shards) else 0
 
 

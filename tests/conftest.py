@@ -1,5 +1,64 @@
+import hypothesis
 import pytest
 import torch
+
+
+class _TorchGenerators:
+    """torch's default CPU and CUDA generators as one Random-like object for hypothesis
+    (`register_random`): under @given each example's torch draws start from a seed hypothesis
+    manages (0, or the seed of an `st.random_module()` argument, printed with a falsifying
+    example), so a failure replays with the same tensors, dropout's rng_state included."""
+
+    @staticmethod
+    def seed(value):
+        torch.manual_seed(value)  # every device's generator (CUDA's lazily)
+
+    @staticmethod
+    def getstate():
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        return torch.random.get_rng_state(), cuda
+
+    @staticmethod
+    def setstate(state):
+        cpu, cuda = state
+        torch.random.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
+TORCH_GENERATORS = _TorchGenerators()
+hypothesis.register_random(TORCH_GENERATORS)
+
+
+@pytest.fixture
+def kernels(monkeypatch):
+    """The attention kernels a test's calls ran, as a set of "sm90_fwd", "sm80_fwd", "sm90_bwd"
+    and "sm80_bwd": every lookup of a compiled forward or backward at the seams the launchers
+    call (`launch.compiled`, and `launch.dense.fwd_kernel`, which memoises the SM80 forward per
+    call signature) is recorded. A test that names a path asserts with it that the path ran, so
+    a silent fall back to the other kernel fails (`tests.gpu_utils.on_path`)."""
+    from cute_flash.kernels.bwd_sm90 import Sm90BwdConfig
+    from cute_flash.kernels.config import BwdConfig
+    from cute_flash.launch import compiled, dense
+
+    ran = set()
+
+    def recording(lookup, kind):
+        def record(*args, **kwargs):
+            ran.update({kind(args[0])} - {None})  # None: the preprocess and dQ-convert kernels
+            return lookup(*args, **kwargs)
+        return record
+
+    def backward_kind(config):
+        if isinstance(config, Sm90BwdConfig):
+            return "sm90_bwd"
+        return "sm80_bwd" if isinstance(config, BwdConfig) else None
+
+    monkeypatch.setattr(compiled, "sm90_kernel_for", recording(compiled.sm90_kernel_for, lambda _: "sm90_fwd"))
+    monkeypatch.setattr(compiled, "kernel_for", recording(compiled.kernel_for, lambda _: "sm80_fwd"))
+    monkeypatch.setattr(dense, "fwd_kernel", recording(dense.fwd_kernel, lambda _: "sm80_fwd"))
+    monkeypatch.setattr(compiled, "bwd_kernel_for", recording(compiled.bwd_kernel_for, backward_kind))
+    return ran
 
 
 def pytest_collection_modifyitems(config, items):

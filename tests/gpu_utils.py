@@ -12,6 +12,14 @@ UNDER_MEMCHECK = os.environ.get("CUTE_FLASH_MEMCHECK") == "1"  # set by `python 
 captures_graph = pytest.mark.skipif(UNDER_MEMCHECK, reason="captures a CUDA graph: needs the caching allocator")
 
 
+def on_path(path: str, *parts: str) -> set:
+    """What the `kernels` fixture records when calls of `parts` ("fwd", "bwd") run on `path`:
+    "sm80" (`CUTE_FLASH_ARCH_PATH=sm80`) the SM80 kernels; "sm90" or "default" the Hopper ones
+    on an sm_90 GPU, the SM80 ones on any other."""
+    hopper = path != "sm80" and torch.cuda.get_device_capability()[0] == 9
+    return {f"{'sm90' if hopper else 'sm80'}_{part}" for part in parts}
+
+
 def gpu_settings(max_examples: int):
     """Hypothesis settings of a GPU test: `max_examples` shapes, a quarter of them under
     compute-sanitizer (every kernel launch runs instrumented), no deadline (compiles)."""
@@ -52,13 +60,12 @@ def one_step(ref: torch.Tensor) -> torch.Tensor:
     return step.masked_fill(ref == 0, 0.0)
 
 
-def assert_matches_reference(out, lse, q, k, v, ref_fn=attention_ref, **opts):
-    """docs/semantics.md's criterion: |out - ref| <= 2 * max |ref_in_dtype - ref| + 1e-5, or one
-    step of the dtype at ref; LSE within 1e-3; the same +inf rows."""
-    ref, ref_lse = ref_fn(q, k, v, **opts)
+def assert_output_matches(out, ref, q, k, v, ref_fn=attention_ref, **opts):
+    """The output half of `assert_matches_reference`, given the float32 reference `ref` (the
+    backward tests take it from the reference run their gradients come from). Returns (max
+    error, bar)."""
     ref_lp, _ = ref_fn(q, k, v, upcast=False, **opts)
     assert out.shape == q.shape[:-1] + (v.shape[-1],) and out.dtype == q.dtype
-    assert lse.shape == ref_lse.shape
     if out.numel() == 0:  # no query rows (e.g. a packed batch of empty sequences): nothing to compare
         return 0.0, 0.0
     assert not out.isnan().any(), "unwritten or NaN output elements"
@@ -67,6 +74,17 @@ def assert_matches_reference(out, lse, q, k, v, ref_fn=attention_ref, **opts):
     over = diff > torch.clamp(one_step(ref), min=bar)
     err = diff.max().item()
     assert not over.any(), f"max abs error {err:.3e} > {bar:.3e} (and more than one step of the dtype)"
+    return err, bar
+
+
+def assert_matches_reference(out, lse, q, k, v, ref_fn=attention_ref, **opts):
+    """docs/semantics.md's criterion: |out - ref| <= 2 * max |ref_in_dtype - ref| + 1e-5, or one
+    step of the dtype at ref; LSE within 1e-3; the same +inf rows."""
+    ref, ref_lse = ref_fn(q, k, v, **opts)
+    assert lse.shape == ref_lse.shape
+    err, bar = assert_output_matches(out, ref, q, k, v, ref_fn, **opts)
+    if out.numel() == 0:
+        return err, bar
     fin = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse), fin), "LSE +inf rows differ"
     assert (lse[~fin] == float("inf")).all()

@@ -30,8 +30,8 @@ def test_bad_metadata_is_survived(name):
 @pytest.mark.skipif(UNDER_MEMCHECK,
                     reason="the whole run is under compute-sanitizer already (python -m cute_flash memcheck)")
 def test_bad_metadata_under_memcheck():
-    if not os.path.exists(SANITIZER):
-        pytest.skip("compute-sanitizer not found")
+    # asked for (a GPU run, not already sanitized): a missing sanitizer fails, it is no pass
+    assert os.path.exists(SANITIZER), f"compute-sanitizer not found at {SANITIZER} (the CUDA toolkit's)"
     logs = []
     # Every case with each tensor its own allocation; then the graph case, which needs torch's
     # caching allocator (an access far outside its pool is still caught).

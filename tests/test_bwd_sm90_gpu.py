@@ -42,9 +42,9 @@ def hopper_path(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("causal", [False, True])
 @gpu_settings(10)
-@given(b=st.integers(1, 2), sq=lengths, sk=lengths, hh=heads, d=hopper_dims,
+@given(rng=st.random_module(), b=st.integers(1, 2), sq=lengths, sk=lengths, hh=heads, d=hopper_dims,
        layout=st.sampled_from(["bshd", "bhsd"]))
-def test_dense_grads_match_reference(b, sq, sk, hh, d, causal, dtype, layout):
+def test_dense_grads_match_reference(rng, b, sq, sk, hh, d, causal, dtype, layout):
     q, k, v, dout = _inputs(b, sq, sk, *hh, d, dtype, layout)
     out, grads = ours(flash_attn_func, dout, q, k, v, causal=causal)
     assert_grads_match(grads, q, k, v, dout, out=out, causal=causal)
@@ -65,8 +65,8 @@ MODS = ["window", "alibi", "softcap", "all"]
 
 @pytest.mark.parametrize("mod", MODS)
 @gpu_settings(8)
-@given(sq=lengths, sk=lengths, hh=heads, d=st.sampled_from([32, 64, 128, 100]), data=st.data())
-def test_score_modifiers_with_gqa(mod, sq, sk, hh, d, data):
+@given(rng=st.random_module(), sq=lengths, sk=lengths, hh=heads, d=st.sampled_from([32, 64, 128, 100]), data=st.data())
+def test_score_modifiers_with_gqa(rng, mod, sq, sk, hh, d, data):
     """Window (both edges drawn), ALiBi, softcap (the tanh derivative), and all together, on
     the transposed S tile, with GQA and odd lengths."""
     check_score_modifiers(mod, sq, sk, hh, d, data)

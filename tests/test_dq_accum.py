@@ -9,15 +9,21 @@ from hypothesis import strategies as st
 @settings(max_examples=300, deadline=None)
 @given(lengths=st.lists(st.integers(0, 700), min_size=1, max_size=12), block_m=st.sampled_from([64, 128]))
 def test_sequences_get_disjoint_tiles_inside_the_buffer(lengths, block_m):
+    """The kernels' first_tile (plain ints work) and the launcher's buffer size, as they run."""
+    from cute_flash.kernels.dq_accum import first_tile
+    from cute_flash.kernels.seq_info import SeqInfo
+    from cute_flash.launch.backward import varlen_dq_tiles
+
     starts = [sum(lengths[:b]) for b in range(len(lengths))]
-    total = sum(lengths)
+    buffer = varlen_dq_tiles(sum(lengths), len(lengths), block_m)
     taken = set()
     for b, (start, n) in enumerate(zip(starts, lengths)):
-        first = start // block_m + b  # kernels/dq_accum.py: first_tile
-        tiles = set(range(first, first + -(-n // block_m)))
+        first = first_tile(SeqInfo(n, 1, start, None, 0), b, block_m)
+        tiles = set(range(first, first + -(-n // block_m)))  # the tiles sequence b's rows fill
         assert not tiles & taken, f"sequence {b} shares a tile"
         taken |= tiles
-    assert all(t < total // block_m + len(lengths) + 1 for t in taken)
+    assert all(0 <= t < buffer for t in taken)
+    assert first_tile(SeqInfo(5, 1, None, None, 0), 3, block_m) == 0  # dense: a tile mode per sequence
 
 
 @settings(max_examples=200, deadline=None)

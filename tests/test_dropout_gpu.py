@@ -13,7 +13,7 @@ import cute_flash
 from cute_flash import flash_attn_interface as fai
 from cute_flash import philox
 from cute_flash.reference import attention_ref
-from tests.gpu_utils import assert_matches_reference, captures_graph, poison_allocator
+from tests.gpu_utils import assert_matches_reference, captures_graph, cu_seqlens, on_path, poison_allocator
 
 pytestmark = pytest.mark.gpu
 
@@ -29,7 +29,7 @@ def _mask(seed, offset, b, h, sq, sk, p):
     (1, 513, 129, 6, 3, 128, dict(causal=True)),
     (3, 100, 700, 8, 1, 96, dict(window_size=(200, 30), softcap=15.0)),
 ], ids=["d64-gqa", "d128-causal", "d96-window-softcap"])
-def test_dense_dropout_matches_reference(p, b, sq, sk, h, hk, d, opts, path, monkeypatch):
+def test_dense_dropout_matches_reference(p, b, sq, sk, h, hk, d, opts, path, monkeypatch, kernels):
     """The default path (the Hopper forward on sm_90) and the SM80 kernel."""
     from cute_flash.launch.dense import flash_fwd
     from cute_flash.dropout import DropoutArgs
@@ -47,6 +47,7 @@ def test_dense_dropout_matches_reference(p, b, sq, sk, h, hk, d, opts, path, mon
     torch.cuda.synchronize()
     ref = functools.partial(attention_ref, dropout_p=p, dropout_mask=_mask(seed, offset, b, h, sq, sk, p))
     assert_matches_reference(out, lse, q, k, v, ref_fn=ref, **opts)
+    assert kernels == on_path(path, "fwd")
 
 
 def test_varlen_dropout_counts_rows_and_columns_per_sequence():
@@ -290,3 +291,117 @@ def test_compiled_training_step_with_dropout():
     ref = functools.partial(attention_ref, dropout_p=p, dropout_mask=_mask_of(s, 200, 200))
     assert_matches_reference(out.detach(), lse, q, k, v, ref_fn=ref, causal=True)
     assert_grads_match([x.grad for x in leaves], q, k, v, dout, out=out.detach(), ref_fn=ref, causal=True)
+
+
+# --- packed batches with dropout: backward, pages, the SM80 kernel on sm_90 ------------------
+
+
+def _varlen_inputs(lq, lk, h, hk, d, dtype=torch.bfloat16):
+    q, dout = (torch.randn(sum(lq), h, d, device="cuda", dtype=dtype) for _ in range(2))
+    k, v = (torch.randn(sum(lk), hk, d, device="cuda", dtype=dtype) for _ in range(2))
+    return q, k, v, dout
+
+
+def _sequences(drop, lq, lk, h):
+    """Per sequence i: its query rows, its key rows (slices of the packed tensors) and its keep
+    mask (1, h, lq[i], lk[i]), whose rows and columns count from the sequence's start."""
+    full = philox.keep_mask_of_state(drop.rng_state, drop.p, len(lq), h, max(lq), max(lk))
+    q0, k0 = 0, 0
+    for i, (sq, sk) in enumerate(zip(lq, lk)):
+        yield slice(q0, q0 + sq), slice(k0, k0 + sk), full[i:i + 1, :, :sq, :sk]
+        q0, k0 = q0 + sq, k0 + sk
+
+
+@pytest.mark.parametrize("path", ["default", "sm80"])
+@pytest.mark.parametrize("opts", [dict(causal=True), dict(window_size=(40, 7), softcap=10.0)],
+                         ids=["causal", "window-softcap"])
+def test_varlen_dropout_grads_match_reference_per_sequence(opts, path, monkeypatch, kernels):
+    """The packed forward and backward with dropout, each sequence against the reference with
+    its part of the mask (the forward on either kernel; the packed backward is the SM80 one)."""
+    from cute_flash.dropout import DropoutArgs
+    from cute_flash.launch.backward import flash_bwd_varlen
+    from cute_flash.launch.dense import flash_fwd_varlen
+    from tests.test_bwd_gpu import assert_grads_match
+
+    if path == "sm80":
+        monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", "sm80")
+    else:
+        monkeypatch.delenv("CUTE_FLASH_ARCH_PATH", raising=False)
+    lq, lk, h, hk, d, p = [70, 1, 200], [90, 130, 33], 4, 2, 64, 0.2
+    q, k, v, dout = _varlen_inputs(lq, lk, h, hk, d)
+    cu_q, cu_k = cu_seqlens(lq), cu_seqlens(lk)
+    drop = DropoutArgs.seeded(p, 777, 5, "cuda")
+    lens = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lq), max_seqlen_k=max(lk), softmax_scale=0.125)
+    out, lse = flash_fwd_varlen(q, k, v, **lens, dropout=drop, **opts)
+    poison_allocator()
+    dq, dk, dv, _ = flash_bwd_varlen(dout, q, k, v, out, lse, **lens, dropout=drop, **opts)
+    torch.cuda.synchronize()
+    assert kernels == on_path(path, "fwd") | {"sm80_bwd"}
+    for rq, rk, mask in _sequences(drop, lq, lk, h):
+        ref = functools.partial(attention_ref, dropout_p=p, dropout_mask=mask, softmax_scale=0.125)
+        sq_ = (q[rq][None], k[rk][None], v[rk][None])
+        assert_matches_reference(out[rq][None], lse[:, rq][None], *sq_, ref_fn=ref, **opts)
+        # dk, dv of a sequence come from its own queries only: each sequence is a whole problem
+        assert_grads_match([dq[rq][None], dk[rk][None], dv[rk][None]], *sq_, dout[rq][None], out=out[rq][None],
+                           ref_fn=ref, **opts)
+
+
+def test_paged_varlen_dropout_matches_reference(kernels):
+    """Dropout over a paged cache (pages of 128 rows: the Hopper entry on sm_90; of 16 the SM80
+    kernel), each sequence against the reference with its part of the mask."""
+    from cute_flash.dropout import DropoutArgs
+    from cute_flash.launch.dense import flash_fwd_varlen
+    from tests.test_paged_gpu import paged_cache
+
+    lq, lk, h, hk, d, p = [50, 130], [300, 77], 4, 2, 128, 0.3
+    for page_size, path in ((128, "default"), (16, "sm80")):
+        kernels.clear()
+        k_pages, v_pages, table, k, v = paged_cache(lk, page_size, hk, d, torch.bfloat16)
+        q = torch.randn(sum(lq), h, d, device="cuda", dtype=torch.bfloat16)
+        cu_q, cu_k = cu_seqlens(lq), cu_seqlens(lk)
+        drop = DropoutArgs.seeded(p, 4242, 9, "cuda")
+        poison_allocator()
+        out, lse = flash_fwd_varlen(q, k_pages, v_pages, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lq),
+                                    max_seqlen_k=max(lk), softmax_scale=d ** -0.5, causal=True, block_table=table,
+                                    dropout=drop)
+        torch.cuda.synchronize()
+        assert kernels == on_path(path, "fwd")
+        for rq, rk, mask in _sequences(drop, lq, lk, h):
+            ref = functools.partial(attention_ref, dropout_p=p, dropout_mask=mask)
+            assert_matches_reference(out[rq][None], lse[:, rq][None], q[rq][None], k[rk][None], v[rk][None],
+                                     ref_fn=ref, causal=True)
+
+
+@captures_graph
+def test_cuda_graph_of_a_training_step_with_dropout_replays_with_a_new_mask():
+    """One captured forward + backward with dropout: each replay draws a new rng_state on the
+    device, and its output and gradients match the reference with that state's mask."""
+    from tests.test_bwd_gpu import assert_grads_match
+
+    p, b, s, h, d = 0.2, 1, 200, 4, 64
+    q, k, v, dout = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    states = []
+
+    def step():
+        out, lse, _, rng_state = fai._flash_attn_forward(*(x.detach() for x in leaves), p, 0.125, True, -1, -1, 0.0,
+                                                         None, False)
+        grads = [torch.empty_like(x) for x in leaves]
+        fai._flash_attn_backward(dout, *(x.detach() for x in leaves), out, lse, *grads, p, 0.125, True, -1, -1, 0.0,
+                                 None, False, rng_state)
+        return out, lse, grads, rng_state
+
+    step()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse, grads, rng_state = step()
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        states.append(rng_state.clone())
+        mask = philox.keep_mask_of_state(rng_state, p, b, h, s, s)
+        ref = functools.partial(attention_ref, dropout_p=p, dropout_mask=mask, softmax_scale=0.125)
+        assert_matches_reference(out, lse, q, k, v, ref_fn=ref, causal=True)
+        assert_grads_match(grads, q, k, v, dout, out=out, ref_fn=ref, causal=True)
+    assert not torch.equal(states[0], states[1])

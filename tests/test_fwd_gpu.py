@@ -5,7 +5,7 @@ the Hopper kernel, this module selects the SM80 kernel (`CUTE_FLASH_ARCH_PATH=sm
 every sm_80/86/89 GPU); tests/test_fwd_sm90_gpu.py runs the same shape tests on the Hopper one."""
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from tests.gpu_utils import assert_matches_reference, gpu_settings, poison_allocator
@@ -50,9 +50,12 @@ heads = st.sampled_from([(1, 1), (2, 2), (4, 1), (4, 2), (6, 3), (8, 1)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("causal", [False, True])
 @GPU_SETTINGS
-@given(b=st.integers(1, 3), sq=lengths, sk=lengths, hh=heads, d=head_dims,
+@given(rng=st.random_module(), b=st.integers(1, 3), sq=lengths, sk=lengths, hh=heads, d=head_dims,
        layout=st.sampled_from(["bshd", "bhsd"]))
-def test_dense_matches_reference(b, sq, sk, hh, d, causal, dtype, layout):
+def test_dense_matches_reference(rng, b, sq, sk, hh, d, causal, dtype, layout):
+    # A few output elements at least: with one, the low-precision reference can land on the
+    # float32 one and leave a bar below half a step of the dtype (a flake, docs/semantics.md)
+    assume(b * sq * hh[0] * d >= 16)
     q, k, v = _inputs(b, sq, sk, *hh, d, dtype, layout)
     out, lse = _run(q, k, v, causal=causal)
     assert_matches_reference(out, lse, q, k, v, causal=causal)
@@ -122,9 +125,9 @@ windows = st.one_of(
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("alibi", [None, "h", "bh"])
 @GPU_SETTINGS
-@given(b=st.integers(1, 2), sq=lengths, sk=lengths, hh=heads, d=st.sampled_from([32, 64, 80, 128, 256]),
-       window=windows, softcap=st.sampled_from([0.0, 5.0, 30.0]))
-def test_modifiers_match_reference(b, sq, sk, hh, d, causal, window, alibi, softcap, dtype):
+@given(rng=st.random_module(), b=st.integers(1, 2), sq=lengths, sk=lengths, hh=heads,
+       d=st.sampled_from([32, 64, 80, 128, 256]), window=windows, softcap=st.sampled_from([0.0, 5.0, 30.0]))
+def test_modifiers_match_reference(rng, b, sq, sk, hh, d, causal, window, alibi, softcap, dtype):
     h = hh[0]
     q, k, v = _inputs(b, sq, sk, *hh, d, dtype)
     slopes = None

@@ -23,6 +23,7 @@ from tests.gpu_utils import (
     assert_matches_reference,
     captures_graph,
     gpu_settings,
+    on_path,
     poison_allocator,
 )
 
@@ -131,11 +132,12 @@ def run_case(b, sq, h, hk, d, dtype, capacity, seqlens, seqlen_new, num_splits, 
 @pytest.mark.parametrize("num_splits", SPLITS)
 @pytest.mark.parametrize("paged", [False, True])
 @GPU_SETTINGS
-@given(data=st.data(), b=st.integers(1, 4), ratio=st.sampled_from([1, 2, 4, 8, 16]), hk=st.sampled_from([1, 2]),
+@given(rng=st.random_module(), data=st.data(), b=st.integers(1, 4), ratio=st.sampled_from([1, 2, 4, 8, 16]),
+       hk=st.sampled_from([1, 2]),
        d=st.one_of(st.sampled_from([64, 128, 256]), st.integers(1, 32).map(lambda x: 8 * x), st.integers(1, 256)),
        sq=st.one_of(st.just(1), st.integers(1, 128)), dtype=st.sampled_from([torch.float16, torch.bfloat16]),
        mask=st.sampled_from(["none", "causal", "window", "softcap", "alibi"]))
-def test_kvcache_matches_reference(data, b, ratio, hk, d, sq, dtype, mask, paged, num_splits):
+def test_kvcache_matches_reference(rng, data, b, ratio, hk, d, sq, dtype, mask, paged, num_splits):
     page_size = data.draw(st.sampled_from([16, 48, 64, 256, 1, 8, 24, 100])) if paged else None
     capacity = data.draw(st.sampled_from([1, 2, 8, 32, 64, 100, 160]).map(lambda n: n * (page_size or 16)))
     seqlen_new = data.draw(st.sampled_from([0, 0, 1, sq, min(sq, 5)]))
@@ -165,13 +167,14 @@ def test_kvcache_matches_reference(data, b, ratio, hk, d, sq, dtype, mask, paged
 @pytest.mark.parametrize("path", ["sm80", "sm90"])
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("num_splits", [0, 1, 20, 32])
-def test_long_cache_decode(paged, num_splits, path):
+def test_long_cache_decode(paged, num_splits, path, kernels):
     """32k-token caches, ragged, one query row, GQA 32/8, d 128: the decode shape (pages of
     256 rows: the Hopper entry's too). 20 splits: past the cluster merge's 8, and not a
     multiple of the global merge's unroll (8), so its loops run a remainder."""
     with arch_path(path):
         run_case(2, 1, 32, 8, 128, torch.bfloat16, 32768, [32767, 5000], 1, num_splits,
                  256 if paged else None, rotary=(128, False))
+    assert kernels == on_path(path, "fwd")
 
 
 @pytest.mark.parametrize("opts", [
@@ -217,12 +220,14 @@ def test_unaligned_cache_is_updated_in_place(layout, d, paged):
 
 
 @pytest.fixture
-def hopper_cache_entry():
+def hopper_cache_entry(kernels):
     """KV-cache calls take the Hopper kernel's KV-cache entry on sm_90 (the SM80 kernel
     elsewhere) whatever the environment says: `arch_path` sets the variable and empties the
-    per-signature dispatch cache, so no earlier call's dispatch is reused."""
+    per-signature dispatch cache, so no earlier call's dispatch is reused; afterwards, that the
+    Hopper kernel and no other ran."""
     with arch_path("sm90"):
         yield
+    assert kernels == on_path("sm90", "fwd")
 
 
 @pytest.mark.parametrize("case", [
@@ -246,7 +251,7 @@ def test_hopper_cache_entry(case, num_splits, hopper_cache_entry):
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("path", ["sm80", "sm90"])
 @pytest.mark.parametrize("d", [64, 128])
-def test_unused_cache_rows_hold_nan(d, path, num_splits):
+def test_unused_cache_rows_hold_nan(d, path, num_splits, kernels):
     """A cache's rows past cache_seqlens hold NaN (an uninitialised cache may): no output may
     see them. The last key block read reaches into them (100 and 300 keys, 128-key blocks);
     the Hopper entry zeroes those V rows in shared memory, the SM80 kernel never loads them."""
@@ -264,6 +269,7 @@ def test_unused_cache_rows_hold_nan(d, path, num_splits):
         out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, num_splits=num_splits,
                                            return_softmax_lse=True)
     torch.cuda.synchronize()
+    assert kernels == on_path(path, "fwd")
     assert_matches_reference(out, lse, q, *clean, ref_fn=_ref_with(None, None), cache_seqlens=seqlens)
 
 

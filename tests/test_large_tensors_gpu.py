@@ -8,7 +8,7 @@ import torch
 
 from cute_flash import flash_attn_func
 from cute_flash.reference import attention_ref
-from tests.gpu_utils import assert_matches_reference, poison_allocator
+from tests.gpu_utils import assert_matches_reference, on_path, poison_allocator
 from tests.test_bwd_gpu import GRAD_FLOOR, reference
 
 pytestmark = pytest.mark.gpu
@@ -17,7 +17,7 @@ S, H, D, WINDOW, ROWS = (1 << 20) + 4096, 16, 128, (128, 0), 200
 
 
 @pytest.mark.parametrize("path", ["sm80", "sm90"])
-def test_past_two_to_the_31_elements(path, monkeypatch):
+def test_past_two_to_the_31_elements(path, monkeypatch, kernels):
     monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", path)
     q, k, v, dout = (torch.randn(1, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     assert q.numel() > 2 ** 31
@@ -26,6 +26,7 @@ def test_past_two_to_the_31_elements(path, monkeypatch):
     out, lse, _ = flash_attn_func(*leaves, causal=True, window_size=WINDOW, return_attn_probs=True)
     out.backward(dout)
     torch.cuda.synchronize()
+    assert kernels == on_path(path, "fwd", "bwd")  # d 128: the Hopper backward's too
     for lo in (0, S - ROWS):
         kl = max(0, lo - WINDOW[0])
         q_s, k_s, v_s, do_s = (x.detach()[:, a:lo + ROWS] for x, a in ((q, lo), (k, kl), (v, kl), (dout, lo)))

@@ -38,7 +38,8 @@ def fake_machine(tmp_path, monkeypatch):
     # summary with FINDINGS (default 0) findings, none where NO_SUMMARY is set.
     _script(bin_dir / "compute-sanitizer",
             'tool=$2; shift 6; "$@"; rc=$?; n=${FINDINGS:-0}; [ -n "$NO_SUMMARY" ] && exit $rc\n'
-            'if [ "$tool" = racecheck ]; then echo "========= RACECHECK SUMMARY: $n hazards displayed ($n errors, 0 warnings)"\n'
+            'if [ "$tool" = racecheck ]; then\n'
+            '  echo "========= RACECHECK SUMMARY: $n hazards displayed ($n errors, 0 warnings)"\n'
             'else echo "========= ERROR SUMMARY: $n errors"; fi; exit $rc\n')
     _script(bin_dir / "nvidia-smi", "echo 0; echo 1\n")
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")

@@ -3,14 +3,15 @@ packed batches of mixed lengths (0, 1, shorter than a block, ragged), seqused_k,
 modifier, equality with the dense path for equal-length batches, and no leak of one sequence's
 NaN into another's output. `path` selects the kernels (`CUTE_FLASH_ARCH_PATH`): sm80 the SM80
 kernel; sm90 the sm_90 default, the Hopper kernel on an H200 (contiguous keys, with or without
-seqused_k; the SM80 kernel elsewhere)."""
+seqused_k; the SM80 kernel elsewhere); each test asserts (`kernels`) that the path it names ran."""
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 from cute_flash.reference import attention_varlen_ref
-from tests.gpu_utils import assert_matches_reference, cu_seqlens, gpu_settings, poison_allocator, varlen_attention
+from tests.gpu_utils import (assert_matches_reference, cu_seqlens, gpu_settings, on_path, poison_allocator,
+                             varlen_attention)
 
 pytestmark = pytest.mark.gpu
 
@@ -33,10 +34,11 @@ def _packed(lq, lk, h, hk, d, dtype):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("causal", [False, True])
 @GPU_SETTINGS
-@given(lengths=st.data(), hh=st.sampled_from([(2, 2), (4, 1), (6, 3)]),
+@given(rng=st.random_module(), lengths=st.data(), hh=st.sampled_from([(2, 2), (4, 1), (6, 3)]),
        d=st.one_of(st.sampled_from([64, 128]), st.integers(1, 256)))
-def test_varlen_matches_reference(lengths, hh, d, causal, dtype, path, monkeypatch):
+def test_varlen_matches_reference(rng, lengths, hh, d, causal, dtype, path, monkeypatch, kernels):
     _select(path, monkeypatch)
+    kernels.clear()  # the fixture spans every example
     lq = lengths.draw(seq_lengths)
     lk = lengths.draw(st.lists(st.integers(0, 600), min_size=len(lq), max_size=len(lq)))
     if sum(lk) == 0:
@@ -46,6 +48,7 @@ def test_varlen_matches_reference(lengths, hh, d, causal, dtype, path, monkeypat
     out, lse = varlen_attention(q, k, v, cu_q, cu_k, lq, lk, causal=causal)
     assert_matches_reference(out, lse, q, k, v, ref_fn=attention_varlen_ref, cu_seqlens_q=cu_q,
                              cu_seqlens_k=cu_k, causal=causal)
+    assert kernels == (on_path(path, "fwd") if sum(lq) else set())  # no query row: no launch
 
 
 @pytest.mark.parametrize("opts", [
@@ -53,7 +56,7 @@ def test_varlen_matches_reference(lengths, hh, d, causal, dtype, path, monkeypat
     dict(alibi="bh", causal=True), dict(alibi="h", window_size=(-1, 10)),
 ])
 @pytest.mark.parametrize("path", ["sm80", "sm90"])
-def test_varlen_modifiers(opts, path, monkeypatch):
+def test_varlen_modifiers(opts, path, monkeypatch, kernels):
     _select(path, monkeypatch)
     lq, lk = [0, 1, 100, 257, 33], [5, 0, 300, 129, 500]
     q, k, v = _packed(lq, lk, 4, 2, 96, torch.bfloat16)
@@ -66,11 +69,12 @@ def test_varlen_modifiers(opts, path, monkeypatch):
     out, lse = varlen_attention(q, k, v, cu_q, cu_k, lq, lk, **opts)
     assert_matches_reference(out, lse, q, k, v, ref_fn=attention_varlen_ref, cu_seqlens_q=cu_q,
                              cu_seqlens_k=cu_k, **opts)
+    assert kernels == on_path(path, "fwd")
 
 
 @pytest.mark.parametrize("path", ["sm80", "sm90"])
 @pytest.mark.parametrize("d", [64, 96])
-def test_seqused_k(d, path, monkeypatch):
+def test_seqused_k(d, path, monkeypatch, kernels):
     """seqused_k below the prefix sums' lengths (10 of 300, the unused keys NaN: the one key
     block read reaches into them), equal (100 of 100) and 0."""
     from cute_flash import flash_attn_varlen_func
@@ -86,11 +90,12 @@ def test_seqused_k(d, path, monkeypatch):
                                          return_attn_probs=True)
     assert_matches_reference(out, lse, q, k, v, ref_fn=attention_varlen_ref, cu_seqlens_q=cu_q,
                              cu_seqlens_k=cu_k, seqused_k=used, causal=True)
+    assert kernels == on_path(path, "fwd")
 
 
 @pytest.mark.parametrize("path", ["sm80", "sm90"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_equal_lengths_match_the_dense_path(causal, path, monkeypatch):
+def test_equal_lengths_match_the_dense_path(causal, path, monkeypatch, kernels):
     """Packed and dense calls run the same kernel code per tile, on either path (the Hopper
     one: the dense call persistent, the packed one a CTA per tile; keys past a sequence zeroed
     by TMA in one, masked and V-cleared in the other): equal lengths give bit-identical
@@ -106,11 +111,12 @@ def test_equal_lengths_match_the_dense_path(causal, path, monkeypatch):
                                          causal=causal, return_attn_probs=True)
     assert torch.equal(out.view(b, s, h, d), dense)
     assert torch.equal(lse.view(h, b, s).transpose(0, 1), dense_lse)
+    assert kernels == on_path(path, "fwd")
 
 
 @pytest.mark.parametrize("path", ["sm80", "sm90"])
 @pytest.mark.parametrize("d", [64, 96, 128])
-def test_a_sequences_nan_stays_in_it(d, path, monkeypatch):
+def test_a_sequences_nan_stays_in_it(d, path, monkeypatch, kernels):
     """NaN in the first rows of sequence 1's Q, K and V: sequence 0's last key block reaches into
     them (100 keys, 128-key blocks), where P = 0 must not meet a NaN (the Hopper kernel zeroes
     those V rows). Sequence 0 matches its reference alone; sequence 1 is NaN, as it should."""
@@ -132,3 +138,36 @@ def test_a_sequences_nan_stays_in_it(d, path, monkeypatch):
         q0, k0, v0 = q[None, :lq[0]], k[None, :lk[0]], v[None, :lk[0]]
         assert_matches_reference(out[None, :lq[0]], lse[None, :, :lq[0]], q0, k0, v0, ref_fn=attention_ref,
                                  causal=causal)
+    assert kernels == on_path(path, "fwd")
+
+
+@pytest.mark.parametrize("path", ["sm80", "sm90"])
+@pytest.mark.parametrize("used", [False, True])
+def test_leftpad_k_skips_each_sequences_first_keys(used, path, monkeypatch, kernels):
+    """`_flash_attn_varlen_forward(..., leftpad_k=)`: sequence b attends to its keys from
+    leftpad_k[b] on (of seqused_k[b] when given), causal aligned to those; the skipped keys are
+    NaN, so reading one would show."""
+    from cute_flash.flash_attn_interface import _flash_attn_varlen_forward
+
+    _select(path, monkeypatch)
+    lq, lk, pad = [30, 1, 100], [90, 40, 130], [10, 0, 129]
+    q, k, v = _packed(lq, lk, 4, 2, 64, torch.bfloat16)
+    starts = [sum(lk[:b]) for b in range(len(lk))]
+    seen = [n - p for n, p in zip(lk, pad)]
+    if used:
+        seen = [max(0, n - 5 - p) for n, p in zip(lk, pad)]  # seqused_k = length - 5
+    for s, p in zip(starts, pad):
+        k[s:s + p], v[s:s + p] = float("nan"), float("nan")
+    cu_q, cu_k = cu_seqlens(lq), cu_seqlens(lk)
+    leftpad = torch.tensor(pad, dtype=torch.int32, device="cuda")
+    seqused = torch.tensor([n - 5 for n in lk], dtype=torch.int32, device="cuda") if used else None
+    poison_allocator()
+    out, lse, _, _ = _flash_attn_varlen_forward(q, k, v, cu_q, cu_k, max(lq), max(lk), 0.0, 0.125, True,
+                                                leftpad_k=leftpad, seqused_k=seqused)
+    torch.cuda.synchronize()
+    assert kernels == on_path(path, "fwd")
+    # the same sequences with the skipped keys cut away, on the reference
+    kept = [torch.arange(s + p, s + p + n, device="cuda") for s, p, n in zip(starts, pad, seen)]
+    k_cut, v_cut = k[torch.cat(kept)], v[torch.cat(kept)]
+    assert_matches_reference(out, lse, q, k_cut, v_cut, ref_fn=attention_varlen_ref, cu_seqlens_q=cu_q,
+                             cu_seqlens_k=cu_seqlens(seen), softmax_scale=0.125, causal=True)

@@ -82,6 +82,13 @@ def _zeros(q, k, v, dot_shape, grads):
     return (*zeros, torch.zeros(dot_shape, dtype=torch.float32, device=q.device))
 
 
+def varlen_dq_tiles(total_q: int, batch: int, block_m: int) -> int:
+    """dQaccum tiles of a packed batch: sequence b's start at cu_seqlens_q[b] // block_m + b
+    (`kernels/dq_accum.py:first_tile`), so no tile holds rows of two sequences; the last one
+    ends by total_q // block_m + batch + 1."""
+    return total_q // block_m + batch + 1
+
+
 def takes_hopper_bwd(config: BwdConfig, index: int) -> bool:
     """Dense backwards on sm_90 take the Hopper kernel (kernels/bwd_sm90.py) where it exists:
     head-dim buckets 32, 64, 128 (`layouts.hopper.BWD_HEAD_DIMS`), not deterministic (its dQ
@@ -193,7 +200,7 @@ def flash_bwd_varlen(dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max
     grid_x = _grid_x(config, max_seqlen_k, batch, h, index)
     t = config.traits
     dot = torch.empty((h, total_q), dtype=torch.float32, device=q.device)
-    dq_accum = torch.zeros((grid_x if deterministic else 1, h, total_q // t.block_m + batch + 1,
+    dq_accum = torch.zeros((grid_x if deterministic else 1, h, varlen_dq_tiles(total_q, batch, t.block_m),
                             t.block_m * t.head_dim), dtype=torch.float32, device=q.device)
     dk_h = torch.zeros((total_k, h, d_pad), dtype=q.dtype, device=q.device)  # keys no sequence covers (or past
     dv_h = torch.zeros((total_k, h, d_pad), dtype=q.dtype, device=q.device)  # seqused_k) get a zero gradient
