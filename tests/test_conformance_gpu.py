@@ -93,6 +93,7 @@ def _check_dense(name, case):
     torch.cuda.synchronize()
     ref_fn = attention_ref
     if p > 0:
+        assert s_dmask.shape == _rounded(b, h, sq, sk)
         keep = _decode_s_dmask(s_dmask, q, k, case, opts)
         ref_fn = _with_mask(attention_ref, p, keep)
     out = out.detach()
@@ -127,6 +128,8 @@ def _check_varlen(name, case):
         grads = [x.grad for x in leaves]
     torch.cuda.synchronize()
     out = out.detach()
+    if p > 0:
+        assert s_dmask.shape == _rounded(len(lq), h, max(lq), max(lk))
     slopes = opts.pop("alibi_slopes")
     q0, k0 = 0, 0
     for i, (sq, sk) in enumerate(zip(lq, lk)):  # each sequence is a whole problem: check it alone
@@ -171,14 +174,19 @@ def _with_mask(ref_fn, p, keep):
     return masked
 
 
+def _rounded(b, h, sq, sk):
+    """S_dmask's shape: flash-attn's lengths, rounded up to 128."""
+    return (b, h, sq + -sq % 128, sk + -sk % 128)
+
+
 def _decode_s_dmask(s_dmask, q, k, case, opts):
-    """flash-attn's checks of S_dmask: shape (b, h, sq and sk rounded up to 128), the keep mask
-    in its signs (returned, on the true lengths), a dropped fraction near dropout_p, and, where
-    the scores are plain (no softcap or ALiBi), its magnitudes decoded per key block of
+    """flash-attn's checks of S_dmask (its shape checked by the caller): the keep mask in its
+    signs (returned, on the true lengths), a dropped fraction near dropout_p, and, where the
+    scores are plain (no softcap or ALiBi), its magnitudes decoded per key block of
     `_get_block_size_n` columns, |S| * exp(m_j - lse), back into the probabilities."""
     b, sq, h, d = q.shape
     sk = k.shape[1]
-    assert s_dmask.shape == (b, h, sq + -sq % 128, sk + -sk % 128) and s_dmask.dtype == q.dtype
+    assert s_dmask.dtype == q.dtype
     s_dmask = s_dmask[..., :sq, :sk].float()
     keep = ~torch.signbit(s_dmask)
     probs = attention_ref(q, k, k, return_probs=True, **opts)[2]  # (b, h, sq, sk), v unused by P
