@@ -314,9 +314,6 @@ def test_hopper_backward_compiles_to_wgmma(config, tmp_path):
         assert text.count("wgmma.mma_async") == 2 * t.head_dim // 16 + 2 * t.block_m // 16 + t.block_n // 16
         compares = text.count("set.lt.u32.bf16x2")
         assert (compares > 0) == config.has_dropout and compares % 4 == 0
-        # no shared memory the copy engine fills is read by threads: LSE and D come from global
-        # memory (racecheck cannot follow that pattern's mbarrier ordering; docs/architecture.md)
-        assert "cp.async.bulk.shared::cluster.global" not in text
 
 
 @pytest.mark.slow

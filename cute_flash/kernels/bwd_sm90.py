@@ -3,9 +3,9 @@ registers, a producer warp and two consumer warpgroups (FlashAttention-3's desig
 here). Device code only.
 
 One CTA owns block_n = 128 keys of one (batch, head); consumer warpgroup w owns keys
-64 w .. 64 w + 63 of them. The producer loads K and V once, then Q and dO of each query block
-that sees a key of the block into two-stage pipelines. Per query block, each consumer
-warpgroup:
+64 w .. 64 w + 63 of them. The producer loads K and V once, then Q (with LSE) and dO (with D)
+of each query block that sees a key of the block into two-stage pipelines. Per query block,
+each consumer warpgroup:
 
     S^T  = K_w Q^T,  dP^T = V_w dO^T         (issued together; keys on wgmma's M)
     P^T  = exp2(S^T * scale_log2 - LSE_log2)  (masks, ALiBi, softcap as the forward's)
@@ -19,14 +19,12 @@ warpgroup:
 then dK (times the softmax scale) and dV through shared memory to TMA stores.
 
 Computing S and dP transposed keeps P^T and dS^T in the registers the dV and dK GEMMs read
-them from (layouts/hopper.py); only dQ reads dS from shared memory. LSE (already times log2 e)
+them from (layouts/hopper.py); only dQ reads dS from shared memory. Every consumer thread reads
+a stage's LSE and D, so each arrives on the stage's empty barrier itself when done (`release`):
+compute-sanitizer's racecheck follows that ordering, not one lane's arrive after a named
+barrier (docs/architecture.md, Sanitizers). LSE (already times log2 e)
 and D come padded to whole query blocks (+inf and 0 past seqlen_q: P = 0 there), so rows past
 the sequence need no test: TMA zero-fills their Q and dO, and drops dK / dV rows past seqlen_k.
-Each thread reads the LSE and D of its accumulator columns straight from global memory (L1 /
-L2 hits: every key block's CTA reads the same rows): no shared-memory stage is written by the
-copy engine and read by threads, the one pattern whose ordering (an mbarrier arrive by one lane
-per warp, the producer's wait) compute-sanitizer's racecheck does not follow
-(docs/architecture.md, Sanitizers).
 dQaccum holds each query tile in warpgroup-run order (kernels/dq_accum.py), converted by
 `DQConvert` with `hopper=True`. With GQA every query head writes its own dK / dV rows and the
 host sums a group's heads, as on the SM80 path.
@@ -85,11 +83,11 @@ class Sm90BwdConfig:
 
     @property
     def smem_bytes(self) -> int:
-        """Q and dO (two stages each), K, V, dS^T (two stages), the fp32 dQ staging tile and the
-        mbarriers."""
+        """Q and dO (two stages each), K, V, dS^T (two stages), the fp32 dQ staging tile, LSE
+        and D (two stages each) and the mbarriers."""
         t = self.traits
         tiles = ELEMENT_BYTES * (4 * t.block_m * t.head_dim + 2 * t.block_n * t.head_dim + 2 * t.block_n * t.block_m)
-        return tiles + 4 * t.block_m * t.head_dim + 8 * (1 + 4 * STAGES)
+        return tiles + 4 * t.block_m * t.head_dim + 4 * 4 * t.block_m + 8 * (1 + 4 * STAGES)
 
     @property
     def name(self) -> str:
@@ -136,14 +134,16 @@ class Sm90BwdSmem:
     sK: cute.Tensor        # (bn, d)
     sV: cute.Tensor        # (bn, d)
     sdS: cute.Tensor       # (bn, bm, stages): dS^T
+    sLSE: cute.Tensor      # (bm, stages) fp32
+    sD: cute.Tensor        # (bm, stages) fp32
     sdQaccum: cute.Tensor  # (bm * d,) fp32: a run per consumer warpgroup
 
 
 @dataclass(frozen=True)
 class Sm90BwdPipes:
     kv_full: object        # K and V landed (one use per CTA)
-    q: object              # Q stages (`PipelineTmaAsync`)
-    do: object             # dO stages
+    q: object              # Q + LSE stages (`PipelineTmaAsync`)
+    do: object             # dO + D stages
 
 
 @dataclass(frozen=True)
@@ -189,11 +189,12 @@ class FlashBwdSm90:
 
         qdo = (self.dtype, cute.cosize(sQ_layout), 1024)
         kv = (self.dtype, cute.cosize(sKV_layout), 1024)
+        stat = (cutlass.Float32, bm * STAGES, 128)
         SharedStorage = lsmem.smem_struct({
             "kv_barrier": (cutlass.Int64, 1, None), "q_barriers": (cutlass.Int64, 2 * STAGES, None),
             "do_barriers": (cutlass.Int64, 2 * STAGES, None),
             "sQ": qdo, "sdO": qdo, "sK": kv, "sV": kv, "sdS": (self.dtype, cute.cosize(sdS_layout), 1024),
-            "sdQaccum": (cutlass.Float32, bm * d, 1024)})
+            "sdQaccum": (cutlass.Float32, bm * d, 1024), "sLSE": stat, "sD": stat})
 
         recipe = Sm90BwdRecipe(sQ_layout, sKV_layout, sdS_layout, tma_q, tma_do, tma_k, tma_v, tma_dk, tma_dv,
                                hopper.tiled_mma_sdp_t(t), hopper.tiled_mma_dkv(t), hopper.tiled_mma_dq(t))
@@ -218,22 +219,24 @@ class FlashBwdSm90:
                 cpasync.prefetch_descriptor(atom)
         if tidx == 0:
             cute.arch.mbarrier_init(kv_full, 1)
-        stage_bytes = cute.size_in_bytes(self.dtype, cute.slice_(recipe.sQ_layout, (None, None, 0)))
-        consumer_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.wgs * 4)
+        stage_bytes = cute.size_in_bytes(self.dtype, cute.slice_(recipe.sQ_layout, (None, None, 0))) + 4 * t.block_m
+        consumer_threads = pipeline.CooperativeGroup(pipeline.Agent.Thread, 128 * self.wgs)  # all arrive: `release`
         q_pipe, do_pipe = (pipeline.PipelineTmaAsync.create(
             barrier_storage=barriers, num_stages=STAGES,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread), consumer_group=consumer_warps,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread), consumer_group=consumer_threads,
             tx_count=stage_bytes, defer_sync=True) for barriers in (storage.q_barriers.data_ptr(),
                                                                     storage.do_barriers.data_ptr()))
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
         pipes = Sm90BwdPipes(kv_full, q_pipe, do_pipe)
+        stat_layout = cute.make_layout((t.block_m, STAGES))
         smem = Sm90BwdSmem(
             storage.sQ.get_tensor(recipe.sQ_layout.outer, swizzle=recipe.sQ_layout.inner),
             storage.sdO.get_tensor(recipe.sQ_layout.outer, swizzle=recipe.sQ_layout.inner),
             storage.sK.get_tensor(recipe.sKV_layout.outer, swizzle=recipe.sKV_layout.inner),
             storage.sV.get_tensor(recipe.sKV_layout.outer, swizzle=recipe.sKV_layout.inner),
             storage.sdS.get_tensor(recipe.sdS_layout.outer, swizzle=recipe.sdS_layout.inner),
+            storage.sLSE.get_tensor(stat_layout), storage.sD.get_tensor(stat_layout),
             storage.sdQaccum.get_tensor(cute.make_layout(t.block_m * t.head_dim)))
 
         seq = SeqInfo.make(bidb, args.tma_mQ.shape[0], args.tma_mK.shape[0])
@@ -253,8 +256,9 @@ class FlashBwdSm90:
     @cute.jit
     def produce(self, args: Sm90BwdTensors, recipe: Sm90BwdRecipe, pipes: Sm90BwdPipes, smem: Sm90BwdSmem,
                 tile: KeyTile):
-        """Warp 0: K and V, then Q and dO of each query block into the next free stage of their
-        pipelines (a TMA copy is issued by the whole warp: it elects one lane itself)."""
+        """Warp 0: K and V, then Q + LSE and dO + D of each query block into the next free stage
+        of their pipelines (a TMA copy is issued by the whole warp: it elects one lane itself;
+        LSE and D, contiguous runs of block_m floats, by one lane's bulk copy)."""
         t = self.t
         bm, bn, d = t.block_m, t.block_n, t.head_dim
         heads = args.tma_mQ.shape[2]
@@ -275,15 +279,31 @@ class FlashBwdSm90:
                                            cute.group_modes(gQ, 0, 2))  # (TMA, stages), (TMA, m_blocks)
         tdOsdO, tdOgdO = cpasync.tma_partition(recipe.tma_do, 0, one, cute.group_modes(smem.sdO, 0, 2),
                                                cute.group_modes(gdO, 0, 2))  # (TMA, stages), (TMA, m_blocks)
+        lse_row = args.mLSE[tile.bidb, tile.bidh, None]  # (seqlen_q_pad,)
+        d_row = args.mD[tile.bidb, tile.bidh, None]
         for i in cutlass.range(tile.m_block_max - tile.m_block_min, unroll=1):
             m_block = tile.m_block_min + i
             write = use_state(i, STAGES, producer=True)
             pipes.q.producer_acquire(write)
-            cute.copy(recipe.tma_q, tQgQ[None, m_block], tQsQ[None, write.index],
-                      tma_bar_ptr=pipes.q.producer_get_barrier(write))
+            bar = pipes.q.producer_get_barrier(write)
+            cute.copy(recipe.tma_q, tQgQ[None, m_block], tQsQ[None, write.index], tma_bar_ptr=bar)
+            self.bulk_load(lse_row, smem.sLSE, m_block, write.index, bar)
             pipes.do.producer_acquire(write)
-            cute.copy(recipe.tma_do, tdOgdO[None, m_block], tdOsdO[None, write.index],
-                      tma_bar_ptr=pipes.do.producer_get_barrier(write))
+            bar = pipes.do.producer_get_barrier(write)
+            cute.copy(recipe.tma_do, tdOgdO[None, m_block], tdOsdO[None, write.index], tma_bar_ptr=bar)
+            self.bulk_load(d_row, smem.sD, m_block, write.index, bar)
+
+    @cute.jit
+    def bulk_load(self, row: cute.Tensor, s: cute.Tensor, m_block, stage, bar):
+        """block_m floats of `row` from m_block * block_m into stage `stage` of `s`, completing
+        on mbarrier `bar` (16-byte aligned: the rows are padded to whole query blocks)."""
+        bm = self.t.block_m
+        with cute.arch.elect_one():
+            src = row.iterator + cute.assume(m_block * bm, divby=bm)
+            dst = s.iterator + cute.assume(stage * bm, divby=bm)
+            cute.arch.inline_ptx(
+                "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [{$r0}], [{$r1}], {$r2}, [{$r3}];",
+                read_only_args=[dst.toint(), src.toint(), cutlass.Int32(bm * 4), bar.toint()])
 
     @cute.jit
     def consume(self, args: Sm90BwdTensors, scalars: BwdScalars, recipe: Sm90BwdRecipe, pipes: Sm90BwdPipes,
@@ -320,8 +340,6 @@ class FlashBwdSm90:
         dropout = None
         if cutlass.const_expr(cfg.has_dropout):
             dropout = Dropout.load(args.mRng, tile.bidb, tile.bidh, args.tma_mQ.shape[2])
-        lse_row = args.mLSE[tile.bidb, tile.bidh, None]  # (seqlen_q_pad,)
-        d_row = args.mD[tile.bidb, tile.bidh, None]
         cute.arch.mbarrier_wait(pipes.kv_full, 0)
         for i in cutlass.range(tile.m_block_max - tile.m_block_min, unroll=1):
             m_block = tile.m_block_min + i
@@ -346,8 +364,8 @@ class FlashBwdSm90:
                 self.modify(acc_s, mask, slope, m_block, tile.n_block, mma_tidx, recipe, True)
 
             c_sdp = recipe.mma_sdp.get_slice(mma_tidx)
-            tLSE = lmma.acc_mn_view(c_sdp.partition_C(self.by_column(lse_row, m_block)))  # (keys, queries)
-            tD = lmma.acc_mn_view(c_sdp.partition_C(self.by_column(d_row, m_block)))
+            tLSE = lmma.acc_mn_view(c_sdp.partition_C(self.by_column(smem.sLSE, read.index)))  # (keys, queries)
+            tD = lmma.acc_mn_view(c_sdp.partition_C(self.by_column(smem.sD, read.index)))
             acc_s_mn = lmma.acc_mn_view(acc_s)  # (keys, queries)
             acc_dp_mn = lmma.acc_mn_view(acc_dp)
             for c in cutlass.range_constexpr(cute.size(acc_s_mn.shape[1])):
@@ -358,7 +376,7 @@ class FlashBwdSm90:
             if cutlass.const_expr(cfg.has_dropout):
                 keep_bits = dropout.pair_keep_bits(recipe.mma_sdp, mma_tidx, m_block * bm, tile.n_block * bn, (bn, bm))
                 self.dropout_ds(dropout, keep_bits, acc_s, acc_dp,
-                                c_sdp.partition_C(self.by_column(d_row, m_block)))
+                                c_sdp.partition_C(self.by_column(smem.sD, read.index)))
             else:
                 for c in cutlass.range_constexpr(cute.size(acc_s_mn.shape[1])):
                     dot = tD[0, c]
@@ -379,11 +397,18 @@ class FlashBwdSm90:
             wgmma_issue(mma_dk, acc_dk, hopper.acc_as_operand_a(rdS), tdKrQ[None, None, None, read.index],
                         accumulate=True)
             warpgroup.wait_group(1)  # dV and dQ landed; dK runs under dQ's staging and bulk add
-            pipes.do.consumer_release(read)
+            self.release(pipes.do, read)
             self.add_dq(acc_dq, args.mdQaccum[0, tile.bidb, tile.bidh, m_block, None], smem.sdQaccum, mma_tidx)
             warpgroup.wait_group(0)
-            pipes.q.consumer_release(read)
+            self.release(pipes.q, read)
         self.store_dkv(acc_dk, acc_dv, scalars, recipe, args, smem, tile, mma_tidx)
+
+    @cute.jit
+    def release(self, pipe, read):
+        """This thread is done with stage `read` of `pipe` (its LSE or D values and, through the
+        wgmmas it waited for, its Q or dO tile): one arrive on the stage's empty barrier, whose
+        count is every consumer thread."""
+        pipe.sync_object_empty.arrive(read.index, None)
 
     @cute.jit
     def dropout_ds(self, dropout: Dropout, keep_bits, acc_s: cute.Tensor, acc_dp: cute.Tensor, tD: cute.Tensor):
@@ -406,12 +431,11 @@ class FlashBwdSm90:
                     acc_dp[v] = p * (acc_dp[v] * z - tD[v])
 
     @cute.jit
-    def by_column(self, row: cute.Tensor, m_block):
-        """Query block m_block of a per-query row (seqlen_q_pad,) in global memory as a (bn, bm)
-        tile whose every row is the block's values: partitioned like S^T, it gives each
-        accumulator column its query's value."""
+    def by_column(self, s: cute.Tensor, stage):
+        """Stage `stage` of a (bm, stages) per-query vector as a (bn, bm) tile whose every row is
+        the vector: partitioned like S^T, it gives each accumulator column its query's value."""
         bm = self.t.block_m
-        return cute.make_tensor(row.iterator + cute.assume(m_block * bm, divby=bm),
+        return cute.make_tensor(s.iterator + cute.assume(stage * bm, divby=bm),
                                 cute.make_layout((self.t.block_n, bm), stride=(0, 1)))
 
     @cute.jit
