@@ -90,7 +90,7 @@ def _unnormalized(probs: torch.Tensor, block_n: int) -> torch.Tensor:
     blocks = -(-sk // block_n)
     tiled = torch.nn.functional.pad(probs, (0, blocks * block_n - sk)).unflatten(-1, (blocks, block_n))
     running = tiled.amax(-1).flip(-1).cummax(-1).values.flip(-1)  # (b, h, sq, blocks)
-    inverse = torch.where(running > 0, running.reciprocal(), torch.zeros_like(running))
+    inverse = torch.where(running > 0, 1.0 / running.clamp_min(torch.finfo(running.dtype).tiny), 0.0)
     return (tiled * inverse.unsqueeze(-1)).flatten(-2)[..., :sk]
 
 

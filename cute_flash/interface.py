@@ -121,12 +121,17 @@ def _result(out, lse, probs, return_attn_probs):
 def _s_dmask(q, p, return_probs, dropout, shape, build):
     """The S_dmask a call returns: empty unless asked for with dropout (flash-attn's value), zeros
     of `shape` (b, h, sq, sk) rounded up to 128 when nothing was drawn (no rows or keys), else
-    `build(dropout)`."""
+    `build(dropout)`, outside autograd: it has no gradient (flash-attn's has none), and under
+    torch.compile a differentiable S_dmask joins the traced backward, where its masked blocks'
+    zero cotangents met infinite local derivatives and put NaN into dq."""
     if not (return_probs and p > 0):
         return _no_probs(q)
     b, h, sq, sk = shape
     rounded = (b, h, sq + -sq % 128, sk + -sk % 128)  # flash-attn's lengths (cute_flash.dropout)
-    return q.new_zeros(rounded) if dropout is None or q.is_meta else build(dropout)
+    if dropout is None or q.is_meta:
+        return q.new_zeros(rounded)
+    with torch.no_grad():
+        return build(dropout)
 
 
 def _draw(p, q, has_work):

@@ -136,3 +136,12 @@ def test_empty_problem_draws_nothing(gpu_free):
     out, lse, s = call("func", q=q, k=k, v=v, dropout_p=0.5, return_attn_probs=True)
     assert gpu_free.calls == [] and s.shape == (B, H, 0, 128)  # flash-attn's lengths, rounded up to 128
     assert not math.isnan(out.sum().item())
+
+
+def test_s_dmask_has_no_gradient(gpu_free, block_n):
+    """S_dmask is built outside autograd, as flash-attn's has no gradient: under torch.compile a
+    differentiable one joined the traced backward and put NaN into dq (its masked blocks' zero
+    cotangents against infinite local derivatives)."""
+    q, k, v = (valid("func")[n].clone().requires_grad_() for n in "qkv")
+    out, lse, s = call("func", q=q, k=k, v=v, dropout_p=0.3, causal=True, return_attn_probs=True)
+    assert out.requires_grad and not s.requires_grad and s.grad_fn is None
