@@ -7,6 +7,7 @@ each one's resources) and the layout checks. Every command but `compile` needs a
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -232,17 +233,23 @@ def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m cute_flash", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd")
-    c = sub.add_parser("compile", help="compile kernel variants into the compile cache, no GPU needed "
+
+    def command(name, help):
+        """A subcommand whose --help says what it does: its one line in the list, as description."""
+        return sub.add_parser(name, help=help, description=help)
+
+    c = command("compile", "compile kernel variants into the compile cache, no GPU needed "
                                        "(ahead of time); print each one's resources")
     c.add_argument("--arch", type=int, nargs="+", default=[80, 90], choices=[80, 90],
                    help="target archs (default: 80 90)")
     c.add_argument("--full", action="store_true",
                    help="every traits x every flag combination (thousands of variants: hours) instead of the CI subset")
-    c.add_argument("--jobs", type=int, default=1, help="compile in this many processes (default 1)")
+    c.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                   help="compile in this many processes (default: one per core)")
     c.add_argument("--keys", metavar="FILE",
                    help="compile the variants a workload recorded with CUTE_FLASH_RECORD=FILE")
-    sub.add_parser("check", help="quick GPU correctness against cute_flash.reference")
-    b = sub.add_parser("bench", help="TFLOP/s against torch SDPA FLASH and CUDNN (GPU)")
+    command("check", "quick GPU correctness against cute_flash.reference")
+    b = command("bench", "TFLOP/s against torch SDPA FLASH and CUDNN (GPU)")
     b.add_argument("--quick", action="store_true")
     b.add_argument("--out", default=None, help="directory for bench.json, bench.md, bench.png")
     b.add_argument("--sections", default="grid,extra,varlen,paged,decode,unaligned,bwd,dropout,held",
@@ -250,9 +257,9 @@ def main(argv=None):
                         "decode, unaligned (caches served through aligned copies), bwd (backward alone and "
                         "forward + backward), dropout, held (d 128 8k / 16k and a cuBLAS GEMM held for "
                         "seconds at the board's power cap)")
-    sub.add_parser("overhead", help="host cost of a cached call vs SDPA (GPU)")
-    sub.add_parser("coldstart", help="first calls of a fresh process, empty vs warm compile cache (GPU)")
-    t = sub.add_parser("tune", help="TFLOP/s of each tile candidate per head dim (GPU)")
+    command("overhead", "host cost of a cached call vs SDPA (GPU)")
+    command("coldstart", "first calls of a fresh process, empty vs warm compile cache (GPU)")
+    t = command("tune", "TFLOP/s of each tile candidate per head dim (GPU)")
     t.add_argument("--bwd", action="store_true", help="the backward's tile candidates instead of the forward's")
     t.add_argument("--sm90", action="store_true", help="the Hopper forward's tile candidates (sm_90 GPUs)")
     t.add_argument("--decode", action="store_true",
@@ -260,14 +267,14 @@ def main(argv=None):
     t.add_argument("--splits", action="store_true",
                    help="every split count of decode calls at 48-128 (batch, kv head) tiles, GB/s under "
                         "CUDA graphs, beside the heuristic's count and CUDNN")
-    sub.add_parser("traincheck", help="a 2-block transformer trained 200 steps with cute-flash and with SDPA: "
+    command("traincheck", "a 2-block transformer trained 200 steps with cute-flash and with SDPA: "
                                       "the two loss curves compared (GPU, about a minute)")
     for tool, finds in (("memcheck", "out-of-bounds and misaligned accesses"),
                         ("racecheck", "shared-memory hazards between a CTA's threads")):
-        m = sub.add_parser(tool, help=f"the GPU suite under compute-sanitizer {tool}: {finds} (GPU); "
+        m = command(tool, f"the GPU suite under compute-sanitizer {tool}: {finds} (GPU); "
                                       "other arguments go to pytest (default: tests)")
         m.add_argument("--jobs", type=int, default=1, help="sanitized pytest processes, spread over the GPUs")
-    o = sub.add_parser("occupancy", help="achieved occupancy, registers, time and throughput of representative "
+    o = command("occupancy", "achieved occupancy, registers, time and throughput of representative "
                                          "calls' kernels under Nsight Compute (GPU, ncu)")
     o.add_argument("--case", default=None, help=argparse.SUPPRESS)  # the child ncu profiles
     args, extra = p.parse_known_args(argv)
@@ -292,7 +299,7 @@ def main(argv=None):
             bench()
             return int(bad > 0)
         print("no CUDA GPU: compile-only mode (the CI variant set, then the layout checks)", flush=True)
-        cmd_compile([80, 90], False)
+        cmd_compile([80, 90], False, os.cpu_count() or 1)
         from layouts.__main__ import main as layouts_main
 
         return layouts_main(["report", "--arch", "all"])
