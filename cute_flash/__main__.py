@@ -1,8 +1,9 @@
-"""`python -m cute_flash [compile|check|bench|overhead|coldstart|traincheck|tune|memcheck|racecheck|occupancy]`.
+"""`python -m cute_flash [compile|layouts|check|bench|overhead|coldstart|traincheck|tune|memcheck|racecheck|occupancy]`.
 
 With no command: on a machine with a GPU, `check` then `bench`; without one, compile-only mode:
 `compile` (the CI set of kernel variants for sm_80 and sm_90a, into the compile cache, with
-each one's resources) and the layout checks. Every command but `compile` needs a CUDA GPU.
+each one's resources) and `layouts`, the layout checks. Every command but `compile` and
+`layouts` needs a CUDA GPU.
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import argparse
 import os
 import sys
 import time
+from pathlib import Path
 
 
 def cmd_compile(archs, full, workers=1, keys_file=None):
@@ -25,7 +27,7 @@ def cmd_compile(archs, full, workers=1, keys_file=None):
     from cute_flash.kernels.config import FLAG_LETTERS
     from cute_flash.launch.compiled import (append_variants, bwd_variants, compile_bwd, compile_fwd, compile_fwd_sm90,
                                             compiler_of, fwd_variants, sm90_bwd_variants, sm90_variants)
-    from cute_flash.resources import find_ptxas
+    from cute_flash.tools.resources import find_ptxas
     from layouts.traits import SMEM_LIMIT, sm_name
 
     if keys_file is not None:
@@ -77,7 +79,7 @@ def cmd_compile(archs, full, workers=1, keys_file=None):
 def _run_compiles(pending, cached, workers):
     """Yield (job, compile_variant's result) for each (arch, config, compile_fn) job, in this
     process or, with workers > 1, in spawned processes as they finish."""
-    from cute_flash.resources import compile_variant
+    from cute_flash.tools.resources import compile_variant
 
     if workers <= 1:
         for arch, config, compile_fn in pending:
@@ -178,7 +180,7 @@ def cmd_overhead():
         None, 1))
     # Paged: the same cache in 4 pages of 16 rows; flash-attn's host check of the block table
     # reads max(cache_seqlens) (a device sync) on every call: timed with it and without it.
-    from cute_flash.bench import host_check_off
+    from cute_flash.tools.bench import host_check_off
 
     pk, pv = kc.view(4, 16, 8, 128), vc.view(4, 16, 8, 128)
     table = torch.arange(4, dtype=torch.int32, device="cuda").view(1, 4)
@@ -277,11 +279,19 @@ def main(argv=None):
     o = command("occupancy", "achieved occupancy, registers, time and throughput of representative "
                                          "calls' kernels under Nsight Compute (GPU, ncu)")
     o.add_argument("--case", default=None, help=argparse.SUPPRESS)  # the child ncu profiles
+    lay = command("layouts", "bijection, bank-conflict, coalescing and coverage checks of every shipped traits, "
+                             "no GPU needed; exits 1 when one fails")
+    lay.add_argument("--arch", choices=("80", "90", "all"), default="all")
+    lay.add_argument("--draw", type=Path, metavar="DIR", help="write PNGs of the sQ swizzle and ldmatrix thread map")
     args, extra = p.parse_known_args(argv)
     if extra and args.cmd not in ("memcheck", "racecheck"):
         p.error(f"unrecognized arguments: {' '.join(extra)}")
 
     cmd = args.cmd
+    if cmd == "layouts":
+        from cute_flash.tools import layouts_report
+
+        return layouts_report.run((80, 90) if args.arch == "all" else (int(args.arch),), args.draw)
     if cmd not in (None, "compile"):
         import torch
 
@@ -294,21 +304,21 @@ def main(argv=None):
 
         if torch.cuda.is_available():
             bad = cmd_check()
-            from cute_flash.bench import main as bench
+            from cute_flash.tools.bench import main as bench
 
             bench()
             return int(bad > 0)
         print("no CUDA GPU: compile-only mode (the CI variant set, then the layout checks)", flush=True)
         cmd_compile([80, 90], False, os.cpu_count() or 1)
-        from layouts.__main__ import main as layouts_main
+        from cute_flash.tools import layouts_report
 
-        return layouts_main(["report", "--arch", "all"])
+        return layouts_report.run((80, 90))
     if cmd == "compile":
         return cmd_compile(args.arch, args.full, args.jobs, args.keys)
     elif cmd == "check":
         return int(cmd_check() > 0)
     elif cmd == "bench":
-        from cute_flash.bench import main as bench
+        from cute_flash.tools.bench import main as bench
 
         bench(args.out, args.quick, tuple(args.sections.split(",")))
     elif cmd == "overhead":
@@ -316,22 +326,22 @@ def main(argv=None):
     elif cmd == "coldstart":
         cmd_coldstart()
     elif cmd in ("memcheck", "racecheck"):
-        from cute_flash import sanitize
+        from cute_flash.tools import sanitize
 
         return sanitize.run(cmd, extra, args.jobs)
     elif cmd == "occupancy":
-        from cute_flash import occupancy
+        from cute_flash.tools import occupancy
 
         if args.case is not None:
             occupancy.profile_case(args.case)
             return 0
         return occupancy.main()
     elif cmd == "traincheck":
-        from cute_flash.train_check import main as traincheck
+        from cute_flash.tools.train_check import main as traincheck
 
         traincheck()
     elif cmd == "tune":
-        from cute_flash import bench as tuners
+        from cute_flash.tools import bench as tuners
 
         tuner = (tuners.tune_bwd if args.bwd else tuners.tune_sm90 if args.sm90 else tuners.tune_decode if args.decode
                  else tuners.tune_decode_splits if args.splits else tuners.tune)

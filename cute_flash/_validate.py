@@ -257,7 +257,7 @@ def check_window(window_size):
 
 def check_softmax_scale(softmax_scale):
     """None (1 / sqrt(headdim)) or a finite number: zero and negative scales are computed as
-    written (launch/dense.py:positive_scale), an infinite or NaN one has no meaning."""
+    written (launch/args.py:positive_scale), an infinite or NaN one has no meaning."""
     if softmax_scale is None:
         return
     try:

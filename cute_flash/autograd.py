@@ -16,7 +16,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from cute_flash.dropout import DropoutArgs
+from cute_flash.launch.rng import DropoutArgs
 
 
 @dataclass(frozen=True)

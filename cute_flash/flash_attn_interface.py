@@ -26,7 +26,8 @@ from typing import Optional, Tuple
 import torch
 
 from cute_flash import _validate, interface
-from cute_flash.dropout import DropoutArgs, s_dmask_block_n
+from cute_flash.dropout import s_dmask_block_n
+from cute_flash.launch.rng import DropoutArgs
 from cute_flash.interface import *  # noqa: F401,F403 (the public functions)
 from cute_flash.interface import _flash_attn, _flash_attn_varlen, _kernels, _mask
 

@@ -31,7 +31,7 @@ def _launch():
 
 
 def _dropout(dropout_p: float, rng_state: Optional[Tensor]):
-    from cute_flash.dropout import DropoutArgs
+    from cute_flash.launch.rng import DropoutArgs
 
     return None if dropout_p == 0.0 else DropoutArgs(dropout_p, rng_state)
 

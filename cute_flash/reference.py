@@ -92,7 +92,7 @@ def attention_ref(
     probs = torch.softmax(scores, dim=-1).masked_fill(empty.unsqueeze(-1), 0.0)
     kept = probs
     if dropout_mask is not None:
-        from cute_flash.philox import KEEP_RANGE, keep_threshold
+        from layouts.philox import KEEP_RANGE, keep_threshold
 
         kept = probs.masked_fill(~dropout_mask.to(probs.device), 0.0) * (KEEP_RANGE / keep_threshold(dropout_p))
     out = torch.einsum("bhqk,bkhd->bqhd", kept.to(v.dtype), v)

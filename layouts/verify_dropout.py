@@ -1,4 +1,4 @@
-"""Host-side check of what dropout in the kernels will rely on (`cute_flash/philox.py`): in every
+"""Host-side check of what dropout in the kernels will rely on (`layouts/philox.py`): in every
 tiled MMA that holds an attention score tile, each thread's accumulator values come in groups
 of 8 that share one Philox counter, and the word each value takes is a static function of its
 index in the fragment. A kernel then makes one Philox call per group and picks words without
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from cute_flash import philox
+from layouts import philox
 from layouts.verify import partition_coords
 
 

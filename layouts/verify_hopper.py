@@ -22,6 +22,7 @@ import cutlass
 import cutlass.cute as cute
 import numpy as np
 
+from layouts import dq as dq_order
 from layouts import hopper
 from layouts.hopper import HopperTileTraits
 from layouts.traits import ELEMENT_BYTES, BwdTraits
@@ -145,7 +146,6 @@ def bwd_checks(traits: BwdTraits) -> dict:
       filling it, and `run_layout` from each thread's first value, what add_dq stores through,
       agrees with it;
     - each warpgroup's TMA store boxes of dK / dV read its own 64 rows of the (block_n, d) tile."""
-    from cute_flash.kernels.dq_accum import HOPPER_VEC, chunk_index, run_layout
 
     bm, bn, d = traits.block_m, traits.block_n, traits.head_dim
 
@@ -164,9 +164,9 @@ def bwd_checks(traits: BwdTraits) -> dict:
         for name, mma, tile in (("S^T", sdp, (bn, bm)), ("dKV", dkv, (bn, d)), ("dQ", dq, (bm, d))):
             out[f"cover_{name}"] = covers_once(mma, tile)
         per_thread = bm * d // dq.size
-        where = np.array([[chunk_index(i, t, per_thread, HOPPER_VEC, 128) for i in range(per_thread)]
+        where = np.array([[dq_order.chunk_index(i, t, per_thread, dq_order.HOPPER_VEC, 128) for i in range(per_thread)]
                           for t in range(dq.size)])  # what DQConvert reads
-        run = HostLayout.of(run_layout(per_thread, HOPPER_VEC, 128))
+        run = HostLayout.of(dq_order.run_layout(per_thread, dq_order.HOPPER_VEC, 128))
         stored = where[:, :1] + run(np.arange(per_thread))[None, :]  # what the kernel's add_dq stores
         out["dq_runs"] = is_bijection(where) and bool(np.array_equal(stored, where))
         return out

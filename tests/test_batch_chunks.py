@@ -38,7 +38,7 @@ def test_dense_forward_launches_once_a_chunk(recorder, monkeypatch, limit_2, pat
 
 
 def test_dense_forward_with_dropout_past_the_limit_is_refused(recorder, limit_2):  # noqa: F811
-    from cute_flash.dropout import DropoutArgs
+    from cute_flash.launch.rng import DropoutArgs
     from cute_flash.launch import flash_fwd
 
     q = torch.randn(5, 3, 4, 64, dtype=torch.bfloat16)

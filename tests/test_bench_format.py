@@ -3,7 +3,7 @@ over the better of CUDNN and flash-attn-4 (the issue's bar), a missing peer as "
 table only when the rows carry it; the dropout table (`bench.format_dropout`): overheads and
 ours at p over the better peer at p; the split-count sweep's bookkeeping with its timer faked.
 No GPU: the rows are written here."""
-from cute_flash.bench import format_decode, format_dropout
+from cute_flash.tools.bench import format_decode, format_dropout
 
 
 def _row(batch, ours, cudnn, fa4, sm80=None):
@@ -59,14 +59,14 @@ def test_split_sweep_times_each_count_on_its_own_call(monkeypatch, capsys):
     over the time, and the printed best is the fastest count."""
     import torch
 
-    from cute_flash import bench
+    from cute_flash.tools import bench
 
     randn, full = torch.randn, torch.full
     monkeypatch.setattr(torch, "randn", lambda *shape, device=None, **kw: randn(*shape, **kw))
     monkeypatch.setattr(torch, "full", lambda *args, device=None, **kw: full(*args, **kw))
     ms_of_count = {0: 4.0, 1: 4.0, 2: 2.0, 3: 1.0, 5: 8.0}
-    monkeypatch.setattr(bench, "_graph_time_ms", lambda fn: ms_of_count[fn.keywords["num_splits"]])
-    monkeypatch.setattr(bench, "_sdpa", lambda *args, **kw: None)
+    monkeypatch.setattr(bench, "graph_time_ms", lambda fn: ms_of_count[fn.keywords["num_splits"]])
+    monkeypatch.setattr(bench, "sdpa", lambda *args, **kw: None)
     rows = bench.tune_decode_splits(batches=(9,), caches=(256,), counts=(1, 2, 3, 5))
     _, hk, d = bench.DECODE_HEADS
     nbytes = 2 * 9 * 256 * hk * d * 2

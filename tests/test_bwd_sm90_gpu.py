@@ -24,17 +24,17 @@ hopper_dims = st.one_of(st.sampled_from([32, 64, 128]), st.integers(1, 64), st.i
 def hopper_path(monkeypatch):
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Hopper kernel is sm_90a")
-    from cute_flash.launch import backward
+    from cute_flash.launch import policy
 
     monkeypatch.delenv("CUTE_FLASH_ARCH_PATH", raising=False)  # the default path
     taken = []
-    route = backward.takes_hopper_bwd
+    route = policy.takes_hopper_bwd
 
     def recording(*args):
         taken.append(route(*args))
         return taken[-1]
 
-    monkeypatch.setattr(backward, "takes_hopper_bwd", recording)
+    monkeypatch.setattr(policy, "takes_hopper_bwd", recording)
     yield
     assert taken and all(taken), f"a backward took the SM80 kernel ({taken.count(False)} of {len(taken)})"
 
@@ -85,8 +85,8 @@ def test_dropout_grads_match_reference_with_the_philox_mask(d, sq, sk, opts):
     any element moves a gradient far past the rule."""
     import functools
 
-    from cute_flash import philox
-    from cute_flash.dropout import DropoutArgs
+    from layouts import philox
+    from cute_flash.launch.rng import DropoutArgs
     from cute_flash.launch.backward import flash_bwd
     from cute_flash.launch.dense import flash_fwd
     from cute_flash.reference import attention_ref

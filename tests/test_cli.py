@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-COMMANDS = ["compile", "check", "bench", "overhead", "coldstart", "tune", "traincheck", "memcheck", "racecheck",
+COMMANDS = ["compile", "layouts", "check", "bench", "overhead", "coldstart", "tune", "traincheck", "memcheck", "racecheck",
             "occupancy"]
 
 

@@ -206,7 +206,7 @@ def test_hopper_forward_compiles_to_wgmma(config, tmp_path):
     statically (no tile counter). KV caches launched as programmatic dependents wait for the
     previous grid before touching global memory (`Sm90FwdConfig.dependent_launch`)."""
     from cute_flash.launch.compiled import compile_fwd_sm90
-    from cute_flash.philox import M0
+    from layouts.philox import M0
 
     assert config.smem_bytes <= SMEM_LIMIT[90]
     compile_fwd_sm90(config, 90, f"--keep-ptx --dump-dir={tmp_path}")
@@ -242,14 +242,14 @@ def test_hopper_forward_compiles_to_wgmma(config, tmp_path):
 @pytest.mark.parametrize("d, split", [(128, True), (64, False)])
 def test_hopper_cache_entry_two_ctas_per_sm(d, split, tmp_path):
     """The KV-cache entry's two-CTAs-an-SM variant (`Sm90FwdConfig.ctas_per_sm`, taken for
-    short caches by `kvcache.takes_two_ctas_per_sm`) asks for two CTAs an SM (PTX
+    short caches by `policy.takes_two_ctas_per_sm`) asks for two CTAs an SM (PTX
     .minnctapersm 2), fits in half an SM's shared memory, and ptxas fits it in 128 registers a
     thread without spilling (the consumer raised to 232 by setmaxnreg). It compiles on a
     machine without a GPU: the shared-memory carveout is given, so the DSL does not ask the
     device."""
     from cute_flash.kernels.fwd_sm90 import SMEM_PER_SM, Sm90FwdConfig
     from cute_flash.launch.compiled import compile_fwd_sm90
-    from cute_flash.resources import find_ptxas, ptxas_report
+    from cute_flash.tools.resources import find_ptxas, ptxas_report
     from layouts.hopper import HopperTileTraits
 
     config = Sm90FwdConfig(HopperTileTraits(d, 64, 64), kvcache=True, split=split, pack_gqa=True, ctas_per_sm=2)
@@ -284,7 +284,7 @@ def test_hopper_forward_wgmma_not_serialized(config, tmp_path):
     want of registers) cost d 128 a quarter of its speed once (docs/perf.md, Hopper step 4).
     Needs a ptxas (CUDA toolkit) on the machine."""
     from cute_flash.launch.compiled import compile_fwd_sm90
-    from cute_flash.resources import find_ptxas, ptxas_report
+    from cute_flash.tools.resources import find_ptxas, ptxas_report
 
     if find_ptxas() is None:
         pytest.skip("no ptxas on this machine")

@@ -32,7 +32,7 @@ def test_chunk_index_is_a_bijection_with_coalesced_adds_and_contiguous_warp_runs
     """kernels/dq_accum.py's warp order: every (thread, value) gets its own float of the chunk;
     the j-th add of a warp covers 32 * vec consecutive floats (whole lines), and a warp's values
     fill one contiguous run (what one bulk reduce per warp needs)."""
-    from cute_flash.kernels.dq_accum import chunk_index
+    from layouts.dq import chunk_index
 
     size = warps * 32 * per_thread
     seen = {}

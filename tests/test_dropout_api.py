@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from cute_flash import flash_attn_interface as fai
-from cute_flash import philox
-from cute_flash.dropout import DropoutArgs
+from layouts import philox
+from cute_flash.launch.rng import DropoutArgs
 from tests.test_interface_validation import B, H, SK, SQ, WITH_DROPOUT, call, gpu_free, valid, with_  # noqa: F401
 
 

@@ -11,7 +11,7 @@ import torch
 
 import cute_flash
 from cute_flash import flash_attn_interface as fai
-from cute_flash import philox
+from layouts import philox
 from cute_flash.reference import attention_ref
 from tests.gpu_utils import assert_matches_reference, captures_graph, cu_seqlens, on_path, poison_allocator
 
@@ -32,7 +32,7 @@ def _mask(seed, offset, b, h, sq, sk, p):
 def test_dense_dropout_matches_reference(p, b, sq, sk, h, hk, d, opts, path, monkeypatch, kernels):
     """The default path (the Hopper forward on sm_90) and the SM80 kernel."""
     from cute_flash.launch.dense import flash_fwd
-    from cute_flash.dropout import DropoutArgs
+    from cute_flash.launch.rng import DropoutArgs
 
     if path == "sm80":
         monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", "sm80")
@@ -52,7 +52,7 @@ def test_dense_dropout_matches_reference(p, b, sq, sk, h, hk, d, opts, path, mon
 
 def test_varlen_dropout_counts_rows_and_columns_per_sequence():
     from cute_flash.launch.dense import flash_fwd_varlen
-    from cute_flash.dropout import DropoutArgs
+    from cute_flash.launch.rng import DropoutArgs
 
     lengths_q, lengths_k, h, d, p, seed, offset = [70, 1, 300], [90, 200, 33], 4, 64, 0.2, 99, 7
     cu_q = torch.tensor([0, 70, 71, 371], dtype=torch.int32, device="cuda")
@@ -74,7 +74,7 @@ def test_varlen_dropout_counts_rows_and_columns_per_sequence():
 
 def test_same_seed_same_output_other_offset_other_output():
     from cute_flash.launch.dense import flash_fwd
-    from cute_flash.dropout import DropoutArgs
+    from cute_flash.launch.rng import DropoutArgs
 
     q, k, v = (torch.randn(2, 200, 4, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     run = [flash_fwd(q, k, v, softmax_scale=0.125, dropout=DropoutArgs.seeded(0.3, 5, off, "cuda"))[0]
@@ -96,7 +96,7 @@ def test_dense_dropout_grads_match_reference(b, sq, sk, h, hk, d, opts, p):
     takes 128-row query blocks there (two registers of keep bits per thread)."""
     from cute_flash.launch.backward import flash_bwd
     from cute_flash.launch.dense import flash_fwd
-    from cute_flash.dropout import DropoutArgs
+    from cute_flash.launch.rng import DropoutArgs
     from tests.test_bwd_gpu import assert_grads_match
 
     seed, offset = 31337, 3
@@ -318,7 +318,7 @@ def _sequences(drop, lq, lk, h):
 def test_varlen_dropout_grads_match_reference_per_sequence(opts, path, monkeypatch, kernels):
     """The packed forward and backward with dropout, each sequence against the reference with
     its part of the mask (the forward on either kernel; the packed backward is the SM80 one)."""
-    from cute_flash.dropout import DropoutArgs
+    from cute_flash.launch.rng import DropoutArgs
     from cute_flash.launch.backward import flash_bwd_varlen
     from cute_flash.launch.dense import flash_fwd_varlen
     from tests.test_bwd_gpu import assert_grads_match
@@ -349,7 +349,7 @@ def test_varlen_dropout_grads_match_reference_per_sequence(opts, path, monkeypat
 def test_paged_varlen_dropout_matches_reference(kernels):
     """Dropout over a paged cache (pages of 128 rows: the Hopper entry on sm_90; of 16 the SM80
     kernel), each sequence against the reference with its part of the mask."""
-    from cute_flash.dropout import DropoutArgs
+    from cute_flash.launch.rng import DropoutArgs
     from cute_flash.launch.dense import flash_fwd_varlen
     from tests.test_paged_gpu import paged_cache
 

@@ -151,8 +151,8 @@ def test_dropout_matches_reference_with_the_philox_mask(d, sq, sk, opts, persist
     word, threshold or scale in any element moves the output far past the criterion."""
     import functools
 
-    from cute_flash import philox
-    from cute_flash.dropout import DropoutArgs
+    from layouts import philox
+    from cute_flash.launch.rng import DropoutArgs
     from cute_flash.launch.hopper import flash_fwd_sm90
     from cute_flash.reference import attention_ref
     from tests.gpu_utils import poison_allocator

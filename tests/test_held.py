@@ -1,8 +1,8 @@
-"""The held section's host side (`cute_flash.held`) without a GPU: nvidia-smi's CSV parsed with
+"""The held section's host side (`cute_flash.tools.held`) without a GPU: nvidia-smi's CSV parsed with
 its unparsable lines left out, a window's medians, and the table's ratios on hand-made rows."""
 import datetime
 
-from cute_flash.held import Held, SmiSample, Window, format_held, parse_smi
+from cute_flash.tools.held import Held, SmiSample, Window, format_held, parse_smi
 
 
 def _epoch(text):

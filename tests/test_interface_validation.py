@@ -507,7 +507,7 @@ def test_softcap_non_negative(name, softcap):
 @pytest.mark.parametrize("scale", [math.inf, -math.inf, math.nan, "x", [0.5]])
 @pytest.mark.parametrize("name", ALL)
 def test_softmax_scale_finite(name, scale):
-    """Zero and negative scales are computed (launch/dense.py:positive_scale); a scale with no
+    """Zero and negative scales are computed (launch/args.py:positive_scale); a scale with no
     value is refused."""
     with pytest.raises(ValueError, match=r"^softmax_scale must be a finite float or None"):
         call(name, **with_(name, softmax_scale=scale))

@@ -17,7 +17,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cute_flash.bench import arch_path
+from cute_flash.tools.peers import arch_path
 from cute_flash.reference import attention_kvcache_ref
 from tests.gpu_utils import (
     assert_matches_reference,
@@ -287,14 +287,14 @@ def test_hopper_paged_cache(d, page_size, num_splits, hopper_cache_entry):
 @pytest.mark.parametrize("d", [64, 128])
 def test_hopper_two_ctas_per_sm(d, num_splits, paged, hopper_cache_entry):
     """Decode over 1k-key caches with more tiles than SMs (20 sequences x 8 kv heads, the GQA
-    fold): the Hopper entry at two CTAs an SM (`kvcache.takes_two_ctas_per_sm`, 64 x 64 tiles),
+    fold): the Hopper entry at two CTAs an SM (`policy.takes_two_ctas_per_sm`, 64 x 64 tiles),
     ragged lengths, an empty cache, a decode step with rotary, pages of 128 rows."""
-    from cute_flash.launch import compiled, kvcache
+    from cute_flash.launch import gpu, kvcache
 
     seqlens = [0, 1, 63, 64, 65, 1023, *torch.randint(1, 1024, (14,)).tolist()]
     run_case(20, 1, 32, 8, d, torch.bfloat16, 1024, seqlens, 1, num_splits, 128 if paged else None,
              rotary=(d, False))
-    if compiled.device_arch(torch.cuda.current_device()) == 90:
+    if gpu.device_arch(torch.cuda.current_device()) == 90:
         assert {call.plan.config.ctas_per_sm for call in kvcache._calls.values()} == {2}
 
 
@@ -332,7 +332,7 @@ def test_hopper_stream_k(case, ctas, hopper_cache_entry):
     every tile's key blocks, from fewer CTAs than tiles (a CTA runs several tiles in turn) to
     more CTAs than key blocks (empty shares), against the reference; unused rows of the unpaged
     caches hold NaN; a second call (the counters re-armed) gives the same bits."""
-    from cute_flash.launch import compiled, kvcache
+    from cute_flash.launch import gpu, kvcache
     from cute_flash.launch.kvcache import flash_fwd_kvcache
 
     case = dict(case)
@@ -358,7 +358,7 @@ def test_hopper_stream_k(case, ctas, hopper_cache_entry):
     outs = [flash_fwd_kvcache(q, k_cache, v_cache, softmax_scale=d ** -0.5, hopper_variant=dict(stream_ctas=ctas),
                               signature=signature, **opts) for _ in range(2)]
     torch.cuda.synchronize()
-    if compiled.device_arch(torch.cuda.current_device()) == 90:
+    if gpu.device_arch(torch.cuda.current_device()) == 90:
         assert kvcache._calls[signature].plan.config.stream_k
     assert_matches_reference(*outs[0], q, *clean, ref_fn=_ref_with(None, None), **opts)
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])

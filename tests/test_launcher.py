@@ -12,6 +12,7 @@ import cutlass  # noqa: F401  (the DSL is a hard dependency: its absence fails h
 import pytest
 import torch
 
+from cute_flash.launch import gpu
 from cute_flash.launch.align import aligned as _aligned
 from tests.test_split_heuristic import H200_CLUSTERS
 
@@ -115,9 +116,9 @@ def recorder(monkeypatch):
     rec = Recorder()
     monkeypatch.setattr(compiled, "kernel_for", rec.kernel_for)
     monkeypatch.setattr(compiled, "sm90_kernel_for", rec.sm90_kernel_for)
-    monkeypatch.setattr(compiled, "device_arch", lambda index: 90)
+    monkeypatch.setattr(gpu, "device_arch", lambda index: 90)
     monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", "sm80")  # the SM80 launches; the Hopper default has its own test
-    monkeypatch.setattr(compiled, "num_sms", lambda index: 132)
+    monkeypatch.setattr(gpu, "num_sms", lambda index: 132)
     monkeypatch.setattr(kvcache, "append_for", rec.append_for)
     monkeypatch.setattr(kvcache, "resident_clusters", lambda index, ctas, size: H200_CLUSTERS[ctas][:size])
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
@@ -156,7 +157,7 @@ def test_dense_forwards_on_sm90_default_to_the_hopper_kernel(recorder, monkeypat
     """Without CUTE_FLASH_ARCH_PATH an sm_90 dense forward launches the Hopper kernel, with
     dropout too (given its Philox state); sm80 in the variable, given SM80 traits, or another
     GPU take the SM80 kernel."""
-    from cute_flash.dropout import DropoutArgs
+    from cute_flash.launch.rng import DropoutArgs
     from cute_flash.kernels.config import FwdConfig
     from cute_flash.kernels.fwd_sm90 import Sm90FwdConfig
     from cute_flash.launch import compiled, flash_fwd
@@ -176,7 +177,7 @@ def test_dense_forwards_on_sm90_default_to_the_hopper_kernel(recorder, monkeypat
     monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", "sm80")
     flash_fwd(q, k, v, softmax_scale=0.5)
     monkeypatch.delenv("CUTE_FLASH_ARCH_PATH")
-    monkeypatch.setattr(compiled, "device_arch", lambda index: 89)
+    monkeypatch.setattr(gpu, "device_arch", lambda index: 89)
     flash_fwd(q, k, v, softmax_scale=0.5)
     assert [type(x.config) for x in recorder.launches[2:]] == [FwdConfig] * 3
 
@@ -214,7 +215,7 @@ def test_packed_forwards_on_sm90_default_to_the_hopper_kernel(recorder, monkeypa
     monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", "sm80")
     flash_fwd_varlen(q, k, k, **opts)
     monkeypatch.delenv("CUTE_FLASH_ARCH_PATH")
-    monkeypatch.setattr(compiled, "device_arch", lambda index: 89)
+    monkeypatch.setattr(gpu, "device_arch", lambda index: 89)
     flash_fwd_varlen(q, k, k, **opts)
     assert [type(x.config) for x in recorder.launches[2:]] == [FwdConfig] * 3
 
@@ -274,7 +275,7 @@ def test_hopper_forward_tiles_and_schedule(recorder, monkeypatch, d, sk, opts, b
     launcher picks (the rules measured in docs/perf.md: longest tiles first only for the
     persistent kernel under a mask), and the tile counter: one per stream, a fresh one under
     capture."""
-    from cute_flash.dropout import DropoutArgs
+    from cute_flash.launch.rng import DropoutArgs
     from cute_flash.launch import flash_fwd
     from cute_flash.launch.hopper import tile_counter
 
@@ -313,7 +314,7 @@ def test_scheduling_sections_fill_one_wave_or_32_mb_of_l2(b, sq, h, hk, expected
     """section_heads: short pairs (up to ONE_WAVE_MAX_M_BLOCKS query blocks of 128 rows) get
     sections of one wave of tiles on 132 SMs, longer ones as many heads as keep 32 MB of K / V
     (d 128, bf16); without longest-first scheduling a section is one pair."""
-    from cute_flash.launch.hopper import section_heads
+    from cute_flash.launch.policy import section_heads
 
     q = torch.empty(b, sq, h, 128, dtype=torch.bfloat16, device="meta")
     k = torch.empty(b, sq, hk, 128, dtype=torch.bfloat16, device="meta")
@@ -360,7 +361,7 @@ def test_hopper_forward_stages(recorder, monkeypatch, d, sk, opts, stages):
 def test_kv_multicast_by_default(recorder, monkeypatch, d, sq, sk, opts, multicast):
     """Dense forwards take K / V multicast (`takes_kv_multicast`) at d 128 without a mask from
     2048 keys, where a cluster's two tiles are one head's neighbouring query blocks."""
-    from cute_flash.dropout import DropoutArgs
+    from cute_flash.launch.rng import DropoutArgs
     from cute_flash.launch import flash_fwd
 
     monkeypatch.delenv("CUTE_FLASH_ARCH_PATH")
@@ -408,7 +409,7 @@ def test_hopper_forward_choices_are_in_the_full_compile_list(recorder, monkeypat
     stages, over head dims, key counts around each rule's edge, masks, modifiers, dropout and
     dtypes) is in `sm90_variants(full=True)`, the list `python -m cute_flash compile --full`
     builds ahead of time."""
-    from cute_flash.dropout import DropoutArgs
+    from cute_flash.launch.rng import DropoutArgs
     from cute_flash.launch import flash_fwd
     from cute_flash.launch.compiled import sm90_variants
 
@@ -438,7 +439,7 @@ def test_dense_backwards_on_sm90_default_to_the_hopper_kernel(recorder, monkeypa
     with dropout too (given the forward's Philox state); deterministic, a head dim the Hopper
     kernel does not take (bucket 96), sm80 in the variable, or another GPU take the SM80
     kernel."""
-    from cute_flash.dropout import DropoutArgs
+    from cute_flash.launch.rng import DropoutArgs
     from cute_flash.kernels.bwd_preprocess import PreprocessConfig
     from cute_flash.kernels.bwd_sm90 import Sm90BwdConfig
     from cute_flash.kernels.config import BwdConfig
@@ -480,7 +481,7 @@ def test_dense_backwards_on_sm90_default_to_the_hopper_kernel(recorder, monkeypa
     monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", "sm80")
     flash_bwd(dout, q, k, v, q, lse, softmax_scale=0.5)
     monkeypatch.delenv("CUTE_FLASH_ARCH_PATH")
-    monkeypatch.setattr(compiled, "device_arch", lambda index: 80)
+    monkeypatch.setattr(gpu, "device_arch", lambda index: 80)
     flash_bwd(dout, q, k, v, q, lse, softmax_scale=0.5)
     mains = [x.config for x in recorder.launches[3:] if not isinstance(x.config, (PreprocessConfig, DQConvertConfig))]
     assert [type(c) for c in mains] == [BwdConfig] * 4
@@ -498,7 +499,7 @@ def test_99_kb_gpus_get_tiles_that_fit(recorder, monkeypatch, arch):
 
     limit = 101376
     monkeypatch.setattr(compiled, "bwd_kernel_for", recorder.bwd_kernel_for)
-    monkeypatch.setattr(compiled, "device_arch", lambda index: arch)
+    monkeypatch.setattr(gpu, "device_arch", lambda index: arch)
     q, k, v, dout = (torch.randn(2, 70, 4, 128, dtype=torch.float16) for _ in range(4))
     flash_bwd(dout, q, k, v, q, torch.randn(2, 4, 70), softmax_scale=0.5, causal=True)
     (main,) = [x.config for x in recorder.launches if isinstance(x.config, BwdConfig)]
@@ -515,15 +516,15 @@ def test_99_kb_gpus_get_tiles_that_fit(recorder, monkeypatch, arch):
 
 
 def test_gpus_before_sm80_are_refused(monkeypatch):
-    from cute_flash.launch import compiled
+    from cute_flash.launch import gpu
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (7, 5))
-    compiled.device_arch.cache_clear()
+    gpu.device_arch.cache_clear()
     try:
         with pytest.raises(RuntimeError, match="sm_75"):
-            compiled.device_arch(0)
+            gpu.device_arch(0)
     finally:
-        compiled.device_arch.cache_clear()
+        gpu.device_arch.cache_clear()
 
 
 def test_softcap_and_alibi_scales(recorder):
@@ -542,7 +543,7 @@ def test_softcap_and_alibi_scales(recorder):
 
 @pytest.mark.parametrize("scale, q_sign", [(-0.5, -1), (0.0, 0)])
 def test_scales_at_or_below_zero_reach_the_kernels_positive(recorder, monkeypatch, scale, q_sign):
-    """launch/dense.py:positive_scale: every entry point hands the kernels |scale| with -q
+    """launch/args.py:positive_scale: every entry point hands the kernels |scale| with -q
     (scale 1 with q = 0 at scale 0); the backward's dq is multiplied back by the sign."""
     from cute_flash.kernels.config import BwdConfig
     from cute_flash.kernels.constants import LOG2E
@@ -835,7 +836,7 @@ def test_hopper_variant_sets_the_cache_stages(recorder, monkeypatch):
     (128, 8, 32768, 2),  # d 128: three stages gained nothing
 ])
 def test_cache_stages_by_head_dim(recorder, monkeypatch, d, b, cache, stages):
-    """The KV-cache entry's K / V pipeline depth (`kvcache.cache_stages`, measured in
+    """The KV-cache entry's K / V pipeline depth (`policy.cache_stages`, measured in
     docs/perf.md): three stages at d <= 64 and one CTA an SM, else two."""
     from cute_flash.launch import flash_fwd_kvcache
 

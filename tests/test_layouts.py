@@ -313,14 +313,15 @@ def test_host_swizzle_matches_dsl_everywhere(data, bits, base, rows, cols, row_m
 
 
 def test_report_cli_exits_1_when_a_check_fails(monkeypatch, capsys):
-    from layouts import __main__ as cli
+    from cute_flash.__main__ import main
+    from cute_flash.tools import layouts_report as report
 
     t = choose_fwd_traits(128)
-    monkeypatch.setattr(cli, "shipped_fwd_traits", lambda arch: [t])
-    monkeypatch.setattr(cli, "shipped_bwd_traits", lambda arch: [choose_bwd_traits(128)])
-    assert cli.main(["report", "--arch", "90"]) == 0
+    monkeypatch.setattr(report, "shipped_fwd_traits", lambda arch: [t])
+    monkeypatch.setattr(report, "shipped_bwd_traits", lambda arch: [choose_bwd_traits(128)])
+    assert main(["layouts", "--arch", "90"]) == 0
     monkeypatch.setitem(SMEM_LIMIT, 90, 1024)  # the same traits no longer fits
-    assert cli.main(["report", "--arch", "90"]) == 1
+    assert main(["layouts", "--arch", "90"]) == 1
     out = capsys.readouterr().out.rstrip()
     assert f"sm90: 0/1 traits pass; FAILED: {t.name}\n" in out
     assert out.endswith("layouts report: FAILED (see the rows above)")
@@ -427,16 +428,15 @@ def test_hopper_backward_checks_catch_a_wrong_view_and_a_wrong_run(monkeypatch):
     """Not vacuous: swapping two register groups of the A-operand view fails `operand_a`, and
     stores in runs of one warp's width (the SM80 kernel's) against a warpgroup's reads fail
     `dq_runs`."""
-    from cute_flash.kernels import dq_accum
-    from layouts import hopper
+    from layouts import dq, hopper
     from layouts.verify_hopper import bwd_checks
 
     traits = hopper.choose_hopper_bwd_traits(128)
     with monkeypatch.context() as m:
         m.setattr(hopper, "acc_as_operand_a", _swapped_operand_view)
         assert not bwd_checks(traits)["operand_a"]
-    run = dq_accum.run_layout
-    monkeypatch.setattr(dq_accum, "run_layout", lambda n, vec, group: run(n, vec, 32))
+    run = dq.run_layout
+    monkeypatch.setattr(dq, "run_layout", lambda n, vec, group: run(n, vec, 32))
     assert not bwd_checks(traits)["dq_runs"]
 
 

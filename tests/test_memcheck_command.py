@@ -7,7 +7,7 @@ import stat
 
 import pytest
 
-from cute_flash import sanitize
+from cute_flash.tools import sanitize
 
 TESTS = '''
 import os

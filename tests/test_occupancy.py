@@ -1,5 +1,5 @@
 """`python -m cute_flash occupancy`'s host side: reading ncu's CSV and naming kernels."""
-from cute_flash import occupancy
+from cute_flash.tools import occupancy
 
 NCU_OUT = '''==PROF== Connected to process 7
 "ID","Kernel Name","launch__grid_size","gpu__time_duration.sum"

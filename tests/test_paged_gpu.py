@@ -11,7 +11,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cute_flash.bench import arch_path
+from cute_flash.tools.peers import arch_path
 from cute_flash.reference import attention_varlen_ref
 from tests.gpu_utils import assert_matches_reference, cu_seqlens, gpu_settings, on_path, varlen_attention
 

@@ -1,4 +1,4 @@
-"""The dropout RNG (cute_flash/philox.py) on the CPU: Philox4x32 against Random123's published
+"""The dropout RNG (layouts/philox.py) on the CPU: Philox4x32 against Random123's published
 known-answer vectors (7 rounds, what the mask uses, and 10), the element -> counter map (a
 bijection that gives each counter the 8 elements one thread holds in a 16x16 piece of an MMA
 accumulator), the kept fraction, and independence between neighbouring heads, batches and
@@ -7,7 +7,7 @@ checks its words against these)."""
 import numpy as np
 import pytest
 
-from cute_flash import philox
+from layouts import philox
 
 # Random123's kat_vectors for philox4x32_7 and philox4x32_10: (rounds, counter, key, output).
 PI_CTR, PI_KEY = (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0)
@@ -109,7 +109,7 @@ def test_dropout_args_pack_the_kernels_rng_words():
     both sides of 2^63 (stored as int64), and p outside what the kernels can draw refused."""
     import torch
 
-    from cute_flash.dropout import DropoutArgs
+    from cute_flash.launch.rng import DropoutArgs
 
     for hi in (7, 0x8000_0001):
         words = DropoutArgs.seeded(0.1, (hi << 32) | 0xFFFFFFF0, (5 << 32) + 9, "cpu").rng_tensor("cpu")
@@ -129,7 +129,7 @@ def test_drawn_states_follow_torch_manual_seed():
     manual_seed, different from one call to the next."""
     import torch
 
-    from cute_flash.dropout import DropoutArgs
+    from cute_flash.launch.rng import DropoutArgs
 
     torch.manual_seed(3)
     a, b = (DropoutArgs.draw(0.2, "cpu").rng_state for _ in range(2))
@@ -141,7 +141,7 @@ def test_drawn_states_follow_torch_manual_seed():
 def test_torch_mask_matches_numpy_mask(seed, offset):
     """philox.keep_mask_of_state (torch int64, what S_dmask is built from) against the numpy
     keep_mask, element for element, odd sizes past one 16x16 counter block."""
-    from cute_flash.dropout import DropoutArgs
+    from cute_flash.launch.rng import DropoutArgs
 
     state = DropoutArgs.seeded(0.3, seed, offset, "cpu").rng_state
     got = philox.keep_mask_of_state(state, 0.3, 2, 3, 37, 70).numpy()

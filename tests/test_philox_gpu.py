@@ -1,11 +1,11 @@
-"""The device Philox (kernels/philox.py) against the numpy reference (cute_flash/philox.py),
+"""The device Philox (kernels/philox.py) against the numpy reference (layouts/philox.py),
 word for word, on a grid of coordinates past 2^16 in both directions and several head rows,
 seeds and offsets: any difference in the rounds, the counter map or the 64-bit multiply shows."""
 import numpy as np
 import pytest
 import torch
 
-from cute_flash import philox
+from layouts import philox
 
 pytestmark = pytest.mark.gpu
 

@@ -489,7 +489,7 @@ def test_kvcache_overflow_raises():
 
 
 def test_a_negative_scale_is_the_positive_one_on_minus_q():
-    """What launch/dense.py:positive_scale runs: scale -s on q is scale s on -q, masks included."""
+    """What launch/args.py:positive_scale runs: scale -s on q is scale s on -q, masks included."""
     q, k, v = (torch.randn(1, 33, 2, 32) for _ in range(3))
     a, a_lse = attention_ref(q, k, v, softmax_scale=-0.4, causal=True)
     b, b_lse = attention_ref(-q, k, v, softmax_scale=0.4, causal=True)

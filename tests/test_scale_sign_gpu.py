@@ -1,4 +1,4 @@
-"""softmax_scale <= 0 (`launch/dense.py:positive_scale`): the kernels take row maxima of unscaled
+"""softmax_scale <= 0 (`launch/args.py:positive_scale`): the kernels take row maxima of unscaled
 scores and mask with -inf before scaling, so the host runs a negative scale as |scale| on -q
 (negating dq) and 0 as q = 0 at scale 1 (dq = 0). Every entry point against the reference,
 causal (masked scores meet the scale) and not; forward and backward on both kernel paths."""

@@ -6,7 +6,7 @@ pytestmark = pytest.mark.gpu
 
 
 def test_training_follows_sdpa():
-    from cute_flash.train_check import compare
+    from cute_flash.tools.train_check import compare
 
     curves, ours, yardstick = compare(steps=200)
     flash = curves["FLASH"]

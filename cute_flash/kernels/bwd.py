@@ -37,13 +37,14 @@ import cutlass.cute as cute
 from cute_flash.kernels.block_range import BlockRange, QueryBlocks, Window
 from cute_flash.kernels.config import BwdConfig
 from cute_flash.kernels.constants import LOG2E
-from cute_flash.kernels.dq_accum import bulk_add_run, chunk_index, first_tile, stage_run, tiles_of
+from cute_flash.kernels.dq_accum import bulk_add_run, first_tile, stage_run, tiles_of
 from cute_flash.kernels.gemm import SmemGemm
 from cute_flash.kernels.philox import Dropout
 from cute_flash.kernels.score_mods import Mask, ScoreMods, softcap_with_derivative
 from cute_flash.kernels.seq_info import SeqInfo, head_rows
 from cute_flash.kernels.tile_copy import column_predicate, copy_tile
 from layouts import copy as lcopy
+from layouts.dq import chunk_index
 from layouts import mma as lmma
 from layouts import smem as lsmem
 from layouts.traits import element_type

@@ -41,13 +41,14 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cute_flash.kernels.block_range import BlockRange, QueryBlocks, Window
 from cute_flash.kernels.bwd import BwdScalars
 from cute_flash.kernels.config import score_letters
-from cute_flash.kernels.dq_accum import HOPPER_VEC, bulk_add_run, chunk_index, stage_run
+from cute_flash.kernels.dq_accum import bulk_add_run, stage_run
 from cute_flash.kernels.fwd_sm90 import seq_first, use_state
 from cute_flash.kernels.gemm import wgmma_issue
 from cute_flash.kernels.philox import Dropout, keep_bit
 from cute_flash.kernels.score_mods import Mask, apply_alibi, softcap_with_derivative
 from cute_flash.kernels.seq_info import SeqInfo
 from layouts import hopper
+from layouts.dq import HOPPER_VEC, chunk_index
 from layouts import mma as lmma
 from layouts import smem as lsmem
 from layouts.traits import ELEMENT_BYTES, BwdTraits, element_type

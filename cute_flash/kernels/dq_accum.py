@@ -31,6 +31,7 @@ import cutlass.cute as cute
 from cute_flash.kernels.seq_info import SeqInfo, query_rows
 from cute_flash.kernels.tile_copy import column_predicate, copy_tile
 from layouts import copy as lcopy
+from layouts.dq import chunk_index, run_layout
 from layouts import hopper
 from layouts import mma as lmma
 from layouts import smem as lsmem
@@ -43,22 +44,6 @@ def first_tile(seq: SeqInfo, bidb, block_m: cutlass.Constexpr):
     if cutlass.const_expr(seq.sum_s_q is None):
         return 0
     return seq.sum_s_q // block_m + bidb
-
-
-HOPPER_VEC = 4  # the Hopper backward's runs: a warpgroup's, in 16-byte vectors
-
-
-def chunk_index(i, tidx, per_thread: cutlass.Constexpr, vec: cutlass.Constexpr, group: cutlass.Constexpr = 32):
-    """Where value i (of `per_thread`) of thread tidx lives in a chunk (plain ints work too):
-    a run per `group` threads (a warp; a warpgroup in the Hopper backward)."""
-    return ((tidx // group) * per_thread + (i // vec) * vec) * group + (tidx % group) * vec + i % vec
-
-
-def run_layout(per_thread: int, vec: int, group: int):
-    """(vec, per_thread // vec) -> where a thread's values sit from its first one: `vec`
-    contiguous, then the next vector a whole group of threads' vectors further (chunk_index's
-    order, as one layout a thread stores through)."""
-    return cute.make_layout((vec, per_thread // vec), stride=(1, group * vec))
 
 
 @cute.jit

@@ -97,7 +97,7 @@ class Sm90FwdConfig:
     """One compiled Hopper forward variant: traits, K/V pipeline depth and the score flags."""
     traits: HopperTileTraits
     stages: int = 2
-    persistent: bool = False  # launch/hopper.py:prefers_persistent chooses
+    persistent: bool = False  # launch/policy.py:prefers_persistent chooses
     has_left: bool = False
     has_right: bool = False
     has_alibi: bool = False
@@ -110,16 +110,16 @@ class Sm90FwdConfig:
     split: bool = False        # KV caches: split-KV, fp32 partials merged by each tile's last split CTA
     paged: bool = False        # KV caches or packed batches: keys in pages of a multiple of block_n rows
     pack_gqa: bool = False     # KV caches, one query row: the GQA group folded into rows (kernels/gqa_fold.py)
-    ctas_per_sm: int = 1       # KV caches: 2 fits two CTAs an SM (64-key blocks, d <= 128; launch/kvcache.py)
+    ctas_per_sm: int = 1       # KV caches: 2 fits two CTAs an SM (64-key blocks, d <= 128; launch/policy.py)
     cluster_merge: bool = False  # split-KV: a tile's splits are one cluster, merged in shared memory (ClusterMerge)
     stream_k: bool = False     # split-KV: the grid's CTAs share all tiles' key blocks evenly (split_kv.StreamSplit)
     speculative_max: bool = False  # P from the kept row maxima first (OnlineSoftmax.update_speculative)
     speculative_in_place: bool = False  # ... written over S; a failed warpgroup vote issues Q K^T again
     kv_multicast: bool = False  # persistent, no mask: a cluster of two CTAs takes two query blocks of one head
                                 # at a time, each loading half of every K / V block into both (TMA multicast;
-                                # launch/hopper.py:kv_multicast_fits)
+                                # launch/policy.py:kv_multicast_fits)
     dependent_launch: bool = False  # KV caches: a programmatic dependent launch (PDL), unless one wave leaves
-                                    # SMs idle and a CTA's keys are many (launch/kvcache.py:takes_dependent_launch)
+                                    # SMs idle and a CTA's keys are many (launch/policy.py:takes_dependent_launch)
 
     def __post_init__(self):
         if (self.varlen or self.kvcache) and self.persistent:

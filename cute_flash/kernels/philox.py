@@ -1,5 +1,5 @@
 """Philox4x32-7 on the GPU for attention dropout: the rounds and the element -> counter map of
-`cute_flash/philox.py`, run on the DSL's 32-bit integers, and `Dropout`, which applies the mask
+`layouts/philox.py`, run on the DSL's 32-bit integers, and `Dropout`, which applies the mask
 to a P tile in registers. Device code only."""
 from dataclasses import dataclass
 
@@ -8,7 +8,7 @@ import cutlass.cute as cute
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from cute_flash import philox
+from layouts import philox
 
 
 class DslOps:

@@ -2,18 +2,33 @@
 launch on torch tensors. `cute_flash.kernels` holds the device code (CuTe DSL only); the
 interface validates and dispatches here.
 
+- `gpu`: the device a call runs on (index, arch, SM count) and the configs' dtype names.
+- `args`: a call's options as the kernels take them (scales, window edges, score flags).
+- `rng`: a call's dropout state and the words the kernels draw its mask from.
+- `policy`: every run-time rule: the kernel path, the Hopper kernels' schedule and choices.
 - `align`: inputs made fit for 128-bit copies (views when possible, copies otherwise).
 - `batch_chunks`: calls over more sequences than a launch grid's y / z holds, in chunks.
 - `compiled`: the compiled kernel of a config on a device (the in-process compile cache),
   the fake arguments a compile needs, and the variant lists CI and `compile` build.
-- `dense`: the dense and packed-varlen forwards.
+- `dense`, `hopper`: the dense and packed-varlen forwards (the SM80 and the Hopper kernel).
 - `kvcache`: `flash_attn_with_kvcache`: its per-signature call setup, the split workspace, the
   append launch.
 - `backward`: the gradients of the dense and packed-varlen forwards.
-"""
-from cute_flash.launch import backward
-from cute_flash.launch.backward import flash_bwd, flash_bwd_varlen
-from cute_flash.launch.dense import flash_fwd, flash_fwd_varlen
-from cute_flash.launch.kvcache import flash_fwd_kvcache
 
-__all__ = ["backward", "flash_fwd", "flash_fwd_varlen", "flash_fwd_kvcache", "flash_bwd", "flash_bwd_varlen"]
+The entry points below import their modules (and the CuTe DSL) on first use, so the API layer
+can import `rng` without the DSL.
+"""
+import importlib
+
+_ENTRIES = {"flash_fwd": "dense", "flash_fwd_varlen": "dense", "flash_fwd_kvcache": "kvcache",
+            "flash_bwd": "backward", "flash_bwd_varlen": "backward"}
+
+__all__ = ["backward", *_ENTRIES]
+
+
+def __getattr__(name):
+    if name in _ENTRIES:
+        return getattr(importlib.import_module(f"{__name__}.{_ENTRIES[name]}"), name)
+    if name == "backward":
+        return importlib.import_module(f"{__name__}.backward")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

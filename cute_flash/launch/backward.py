@@ -18,21 +18,20 @@ from cute_flash.kernels.bwd_sm90 import Sm90BwdConfig
 from cute_flash.kernels.constants import LOG2E
 from cute_flash.kernels.config import BwdConfig, dq_reduction
 from cute_flash.kernels.dq_accum import DQConvertConfig
-from cute_flash.launch import compiled
+from cute_flash.launch import compiled, gpu, policy
 from cute_flash.launch.align import aligned
+from cute_flash.launch.args import alibi_2d, positive_scale, scales, score_flags, window_edges
 from cute_flash.launch.batch_chunks import (batch_chunks, chunked, lengths_of, refuse_chunked_dropout, rows_of,
                                             slopes_of)
-from cute_flash.launch.dense import (alibi_2d, device_index, positive_scale, scales, score_flags, takes_hopper_path,
-                                     window_edges)
-from cute_flash.dropout import DropoutArgs, rng_of
-from layouts.hopper import BWD_HEAD_DIMS, choose_hopper_bwd_traits
+from cute_flash.launch.rng import DropoutArgs, rng_of
+from layouts.hopper import choose_hopper_bwd_traits
 from layouts.traits import choose_bwd_traits, tile_arch
 
 
 def _config(d_pad, dtype, index, left, right, alibi_slopes, softcap, varlen, seqused_k, deterministic,
             dropout=None):
-    arch = compiled.device_arch(index)
-    traits = choose_bwd_traits(d_pad, compiled.DTYPE_NAMES[dtype], tile_arch(arch))
+    arch = gpu.device_arch(index)
+    traits = choose_bwd_traits(d_pad, gpu.DTYPE_NAMES[dtype], tile_arch(arch))
     return BwdConfig(traits, **score_flags(left, right, alibi_slopes, softcap, dropout),
                      even_k=d_pad == traits.head_dim, varlen=varlen, has_seqused_k=seqused_k is not None,
                      deterministic=deterministic, **dq_reduction(traits, arch, deterministic))
@@ -43,7 +42,7 @@ def _grid_x(config: BwdConfig, max_seqlen_k, batch, nheads, index):
     n_blocks = -(-max_seqlen_k // config.traits.block_n)
     if not config.deterministic:
         return n_blocks
-    return max(1, min(n_blocks, -(-compiled.num_sms(index) // (batch * nheads))))
+    return max(1, min(n_blocks, -(-gpu.num_sms(index) // (batch * nheads))))
 
 
 def _finish(dq, dk, dv, d, nheads_k, grads, dot):
@@ -87,15 +86,6 @@ def varlen_dq_tiles(total_q: int, batch: int, block_m: int) -> int:
     (`kernels/dq_accum.py:first_tile`), so no tile holds rows of two sequences; the last one
     ends by total_q // block_m + batch + 1."""
     return total_q // block_m + batch + 1
-
-
-def takes_hopper_bwd(config: BwdConfig, index: int) -> bool:
-    """Dense backwards on sm_90 take the Hopper kernel (kernels/bwd_sm90.py) where it exists:
-    head-dim buckets 32, 64, 128 (`layouts.hopper.BWD_HEAD_DIMS`), not deterministic (its dQ
-    adds are unordered bulk reduces); `CUTE_FLASH_ARCH_PATH=sm80` selects the SM80 kernel.
-    docs/perf.md lists what falls back and why."""
-    return (takes_hopper_path(index) and config.traits.head_dim in BWD_HEAD_DIMS and not config.deterministic
-            and not config.varlen)
 
 
 def _flash_bwd_sm90(dout, q, k, v, out, lse, config: BwdConfig, index, softmax_scale, softcap, alibi_slopes, left,
@@ -150,11 +140,11 @@ def flash_bwd(dout, q, k, v, out, lse, *, softmax_scale, causal=False, window_si
     q, softmax_scale, dq_sign = positive_scale(q, softmax_scale)
     q, k, v, out, dout = (aligned(x) for x in (q, k, v, out, dout))
     d_pad = q.shape[-1]
-    index = device_index(q.device)
+    index = gpu.device_index(q.device)
     left, right = window_edges(causal, window_size)
     config = _config(d_pad, q.dtype, index, left, right, alibi_slopes, softcap, False, None, deterministic,
                      dropout)
-    if variant is None and takes_hopper_bwd(config, index):
+    if variant is None and policy.takes_hopper_bwd(config, index):
         return _signed_dq(_flash_bwd_sm90(dout, q, k, v, out, lse, config, index, softmax_scale, softcap,
                                           alibi_slopes, left, right, (dq, dk, dv), d, dropout), dq_sign)
     config = replace(config, **(variant or {}))
@@ -191,7 +181,7 @@ def flash_bwd_varlen(dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max
     q, softmax_scale, dq_sign = positive_scale(q, softmax_scale)
     q, k, v, out, dout = (aligned(x) for x in (q, k, v, out, dout))
     d_pad = q.shape[-1]
-    index = device_index(q.device)
+    index = gpu.device_index(q.device)
     left, right = window_edges(causal, window_size)
     config = _config(d_pad, q.dtype, index, left, right, alibi_slopes, softcap, True, seqused_k, deterministic,
                      dropout)

@@ -6,7 +6,7 @@ tokens). The launchers run such calls over consecutive chunks of at most `GRID_M
 sequences instead: views of the caller's tensors, the same kernels, one launch each per chunk.
 
 Dropout's mask numbers each element's (batch, head) pair from the launch's first sequence
-(cute_flash/philox.py), so a chunked call would draw another mask than the one the reference
+(layouts/philox.py), so a chunked call would draw another mask than the one the reference
 and the backward define: calls with dropout over more sequences are refused."""
 from __future__ import annotations
 

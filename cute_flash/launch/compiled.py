@@ -13,8 +13,6 @@ import functools
 import itertools
 
 import cutlass
-import torch
-
 from cute_flash.compile_cache import get_or_compile
 from cute_flash.kernels.bwd import FlashBwd
 from cute_flash.kernels.bwd_preprocess import DotDoO, PreprocessConfig
@@ -24,26 +22,15 @@ from cute_flash.kernels.dq_accum import DQConvert, DQConvertConfig
 from cute_flash.kernels.fake import compile_tvm_ffi, fake_stream, fake_tensor
 from cute_flash.kernels.fwd import FlashFwd
 from cute_flash.kernels.fwd_sm90 import FlashFwdSm90, Sm90FwdConfig
-from layouts.hopper import BWD_HEAD_DIMS, choose_hopper_bwd_traits
+from cute_flash.launch import gpu
+from cute_flash.launch.policy import (DEEP_PIPELINE_MAX_SEQLEN_K, KV_MULTICAST_MIN_SEQLEN_K,
+                                      SPECULATIVE_IN_PLACE_LEFT_EDGE_MIN_SEQLEN_K, SPECULATIVE_MASKED_MIN_SEQLEN_K,
+                                      SPECULATIVE_MASKED_MIN_SEQLEN_K_D64, cache_stages, kv_stages, speculates_in_place,
+                                      takes_kv_multicast, takes_speculative_max)
+from layouts.hopper import (BWD_HEAD_DIMS, choose_hopper_bwd_traits, choose_hopper_cache_traits, choose_hopper_traits,
+                            shipped_hopper_cache_traits, shipped_hopper_traits)
 from layouts.traits import ALIGN, COPY_BYTES, DTYPES, HEAD_DIM_BUCKETS, choose_bwd_traits, choose_decode_traits, \
     choose_fwd_traits, element_type
-
-DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
-
-
-@functools.lru_cache(maxsize=None)
-def device_arch(index: int) -> int:
-    """The GPU's compute capability as 80, 86, 89, 90, ...; refuses GPUs before sm_80 (the
-    kernels need cp.async and bf16 mma.sync), as flash-attn 2 does."""
-    major, minor = torch.cuda.get_device_capability(index)
-    if major < 8:
-        raise RuntimeError(f"cute-flash needs an Ampere (sm_80) or newer GPU; device {index} is sm_{major}{minor}")
-    return major * 10 + minor
-
-
-@functools.lru_cache(maxsize=None)
-def num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def fake_fwd_args(config: FwdConfig):
@@ -154,7 +141,7 @@ def compile_bwd(config: BwdConfig | PreprocessConfig | DQConvertConfig | Sm90Bwd
 @functools.lru_cache(maxsize=None)
 def bwd_kernel_for(config: BwdConfig | PreprocessConfig | DQConvertConfig | Sm90BwdConfig, device_index: int):
     """The TVM-FFI function of a backward config for the device's arch (memoised per device)."""
-    arch = device_arch(device_index)
+    arch = gpu.device_arch(device_index)
     return get_or_compile((config, arch), lambda: compile_bwd(config, arch))
 
 
@@ -216,7 +203,7 @@ def cached_fwd(config: FwdConfig, arch: int):
 def kernel_for(config: FwdConfig, device_index: int):
     """The TVM-FFI function of `config` for the device's arch, called positionally (memoised
     per device: a cached call hashes the config once)."""
-    return cached_fwd(config, device_arch(device_index))
+    return cached_fwd(config, gpu.device_arch(device_index))
 
 
 def fwd_variants(arch: int, full: bool = False) -> list[FwdConfig]:
@@ -296,7 +283,7 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
     with and without seqused_k, paged and not, and the KV-cache entry of every bucket and dtype
     with every score flag but dropout, split and not, paged and not, GQA-folded and not (the
     fold without window edges or ALiBi), at one CTA an SM and (up to `TWO_CTAS_MAX_HEAD_DIM`)
-    two, at the K / V stages `kvcache.cache_stages` gives each. Otherwise the CI subset: every
+    two, at the K / V stages `policy.cache_stages` gives each. Otherwise the CI subset: every
     bucket in bf16 with a causal edge (the persistent variant where it fits, so both schedules
     compile; speculative maxima, as at 1024 keys and more), d 64's 192-row tiles likewise
     (speculating in place, as under a causal mask at any length), d 64 causal with three K / V
@@ -306,14 +293,6 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
     64 split with softcap at its three stages, d 128 split, paged and GQA-folded, d 256 fp16
     with every flag, d 128 GQA-folded at two CTAs an SM), and d 128 with K / V multicast (as
     without a mask from 2048 keys)."""
-    from cute_flash.launch.hopper import (DEEP_PIPELINE_MAX_SEQLEN_K, KV_MULTICAST_MIN_SEQLEN_K,
-                                          SPECULATIVE_IN_PLACE_LEFT_EDGE_MIN_SEQLEN_K, SPECULATIVE_MASKED_MIN_SEQLEN_K,
-                                          SPECULATIVE_MASKED_MIN_SEQLEN_K_D64, kv_stages, speculates_in_place,
-                                          takes_kv_multicast, takes_speculative_max)
-    from cute_flash.launch.kvcache import cache_stages
-    from layouts.hopper import (choose_hopper_cache_traits, choose_hopper_traits, shipped_hopper_cache_traits,
-                                shipped_hopper_traits)
-
     if full:
         out = []
         for t in shipped_hopper_traits():

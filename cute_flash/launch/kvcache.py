@@ -19,12 +19,13 @@ from cute_flash.kernels.fwd_sm90 import Sm90FwdConfig
 from cute_flash.kernels.split_kv import StreamSplit, split_choice, workspace_shapes
 from cute_flash.launch.align import aligned, is_aligned
 from cute_flash.launch.batch_chunks import batch_chunks, chunked, rows_of, slopes_of, splits_within_grid
-from cute_flash.launch import compiled
+from cute_flash.launch import compiled, gpu
+from cute_flash.launch.args import alibi_2d, positive_scale, scales, score_flags, window_edges
 from cute_flash.launch.clusters import resident_clusters
-from cute_flash.launch.dense import (PAGE_ROWS, alibi_2d, device_index, positive_scale, scales, score_flags,
-                                     takes_hopper_path, window_edges)
 from cute_flash.launch.per_stream import per_stream, zeroed_counters
-from layouts.hopper import TWO_CTAS_MAX_HEAD_DIM, choose_hopper_cache_traits
+from cute_flash.launch.policy import (CLUSTER_MAX_SPLITS, PAGE_ROWS, cache_stages, takes_dependent_launch,
+                                      takes_hopper_path, takes_two_ctas_per_sm)
+from layouts.hopper import choose_hopper_cache_traits
 from layouts.traits import ALIGN, choose_decode_traits, tile_arch
 
 
@@ -155,58 +156,11 @@ def _by_batch_chunks(q, k_cache, v_cache, *, k, v, cache_seqlens, cache_batch_id
     return torch.cat([out for out, _ in parts]), (torch.cat([lse for _, lse in parts]) if return_lse else None)
 
 
-TWO_CTAS_MAX_KEYS = 4096
-CLUSTER_MAX_SPLITS = 8  # a portable cluster's CTAs: the Hopper entry's splits merge in one (ClusterMerge)
-
-
-def takes_two_ctas_per_sm(work_ctas: int, num_sms: int, capacity: int, head_dim: int) -> bool:
-    """The Hopper entry at two CTAs an SM (64 x 64 tiles, `Sm90FwdConfig.ctas_per_sm`) for caches
-    of at most `TWO_CTAS_MAX_KEYS` keys whose tiles outnumber the SMs (so no split): one CTA's
-    prologue and merge overlap the other's keys. Measured against the shipped 64 x 128 tiles
-    (H200, d 128, 32 / 8 heads, CUDA graphs, `tune --decode`; docs/perf.md, "Two CTAs an SM
-    for short caches"): 1.33x at 17 sequences of 1k keys (136 tiles: one wave plus 4 CTAs at
-    one an SM), 1.05-1.14x at 24-64 sequences of 1k, 1.01-1.04x at 2k-4k, 1.00 at 8k, 0.98 at
-    32k; where the shipped tiles split (1 and 8 sequences) 0.96-1.02x."""
-    return work_ctas > num_sms and capacity <= TWO_CTAS_MAX_KEYS and head_dim <= TWO_CTAS_MAX_HEAD_DIM
-
-
-DEEP_CACHE_MAX_HEAD_DIM = 64
-
-
-def cache_stages(traits, ctas_per_sm: int) -> int:
-    """K / V pipeline depth of the Hopper entry: 3 stages at d <= `DEEP_CACHE_MAX_HEAD_DIM` and
-    one CTA an SM, 2 otherwise. A d 64 stage is 16 KB of K and 16 of V, so two stages leave
-    too few bytes in flight to stream the cache. H200, 32 / 8 heads, CUDA graphs, us a call,
-    2 stages / 3 / 4 / CUDNN (docs/perf.md, "Dense stream-K, d 64 decode stages, ..."): 8
-    sequences of 32k 128-130 / 120-123 / 121-123 / 122; 8 of 128k 496-503 / 475-489 / 476-489
-    / 468; 1 of 128k 66.8 / 64.2 / 65.4 / 66.2; 32 of 8k 127-129 / 122-124 / 123-124 / 119. d
-    128 gained nothing (8 of 32k 235-236 against 236, and 4 stages do not fit). d 32, half a d
-    64 stage, takes 3 by the same reasoning, not measured; two CTAs an SM, not measured, keep 2."""
-    return 3 if traits.head_dim <= DEEP_CACHE_MAX_HEAD_DIM and ctas_per_sm == 1 else 2
-
-
-DEPENDENT_LAUNCH_MAX_KEYS = 8192
-
-
-def takes_dependent_launch(ctas: int, slots: int, keys_per_cta: int) -> bool:
-    """The Hopper entry launches as a programmatic dependent (`Sm90FwdConfig.dependent_launch`)
-    unless its CTAs fit in one wave that leaves SM slots idle and each streams more than
-    `DEPENDENT_LAUNCH_MAX_KEYS` keys. PDL saves a fixed 0.1-1.3 us a call (launch and prologue
-    under the previous kernel) but slowed such launches by 1-2% of their time. H200, d 128, 32 /
-    8 heads, CUDA graphs, calls back to back, without PDL against with it (docs/perf.md, "PDL
-    only where it pays"), on two machines, in one process and in separate ones: 8 sequences of
-    128k keys (128 CTAs on 132 SMs, 2 splits) 922 / 943 us and 944 / 964, of 32k 235 / 239 and
-    242 / 245; 16 sequences of 128k (128 CTAs unsplit) 1881 / 1922. A third machine measured
-    0.2-0.4% the other way. Kept at one sequence of 128k (8k keys a CTA, 16 splits) for its gain
-    after a GEMM (127.9 -> 127.1 us); more CTAs than SMs (32 and 64 sequences) within 0.3%."""
-    return ctas >= slots or keys_per_cta <= DEPENDENT_LAUNCH_MAX_KEYS
-
-
 def _kvcache_call(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, softmax_scale,
                   causal, window_size, softcap, alibi_slopes, rotary_cos, num_splits, hopper_variant=None):
     b, sq, h, d = q.shape
     device = q.device
-    index = device_index(device)
+    index = gpu.device_index(device)
     paged = block_table is not None
     hk = k_cache.shape[2]
     capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
@@ -223,17 +177,17 @@ def _kvcache_call(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, 
     hopper = cache_leftpad is None and cache_batch_idx is None and takes_hopper_path(index)
     variant = hopper_variant or {}
     if hopper:
-        traits = variant.get("traits") or choose_hopper_cache_traits(d, compiled.DTYPE_NAMES[q.dtype])
+        traits = variant.get("traits") or choose_hopper_cache_traits(d, gpu.DTYPE_NAMES[q.dtype])
         hopper = not (paged and k_cache.shape[1] % traits.block_n)
     if not hopper:
-        traits = choose_decode_traits(d, compiled.DTYPE_NAMES[q.dtype], tile_arch(compiled.device_arch(index)))
+        traits = choose_decode_traits(d, gpu.DTYPE_NAMES[q.dtype], tile_arch(gpu.device_arch(index)))
     # CTAs an SM: the SM80 kernel's 2; the Hopper entry's CTA takes 144-160 KB of shared memory,
     # or half an SM's with 64-key blocks (`takes_two_ctas_per_sm`)
     ctas_per_sm = variant.get("ctas_per_sm", 1) if hopper else 2
     m_blocks = -(-rows // traits.block_m)
-    work_ctas, num_sms = b * heads * m_blocks, compiled.num_sms(index)
+    work_ctas, num_sms = b * heads * m_blocks, gpu.num_sms(index)
     if hopper and not variant and num_splits <= 1 and takes_two_ctas_per_sm(work_ctas, num_sms, capacity, d):
-        traits, ctas_per_sm = choose_hopper_cache_traits(d, compiled.DTYPE_NAMES[q.dtype], ctas_per_sm=2), 2
+        traits, ctas_per_sm = choose_hopper_cache_traits(d, gpu.DTYPE_NAMES[q.dtype], ctas_per_sm=2), 2
     n_blocks = -(-capacity // traits.block_n)
     stream_ctas = variant.get("stream_ctas", 0) if hopper else 0
     if num_splits == 0 and not stream_ctas:  # the Hopper entry's splits of up to CLUSTER_MAX_SPLITS merge in a cluster
@@ -282,7 +236,7 @@ def _append(q, k, v, k_cache, v_cache, seqlens, cache_batch_idx, block_table, ro
     q_new = torch.empty_like(q) if rotary else None
     cos = rotary_cos.contiguous() if rotary else None
     sin = rotary_sin.contiguous() if rotary else None
-    config = AppendConfig(compiled.DTYPE_NAMES[q.dtype], block_table is not None, cache_batch_idx is not None, rotary,
+    config = AppendConfig(gpu.DTYPE_NAMES[q.dtype], block_table is not None, cache_batch_idx is not None, rotary,
                           bool(interleaved), q_per_row)
     append_for(config, index)(k, v, k_cache, v_cache, seqlens, cache_batch_idx, block_table, cos, sin, q, q_new)
     return q_new if rotary else q
@@ -291,7 +245,7 @@ def _append(q, k, v, k_cache, v_cache, seqlens, cache_batch_idx, block_table, ro
 @functools.lru_cache(maxsize=None)
 def append_for(config: AppendConfig, device_index: int):
     """The compiled append kernel of `config` on the device's arch."""
-    return compiled.cached_append(config, compiled.device_arch(device_index))
+    return compiled.cached_append(config, gpu.device_arch(device_index))
 
 
 @per_stream

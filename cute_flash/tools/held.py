@@ -151,7 +151,7 @@ def run_held(seconds=HOLD_S):
     from torch.nn.attention import SDPBackend
 
     from cute_flash import flash_attn_func
-    from cute_flash.bench import _sdpa, fa4_func, visible_pairs
+    from cute_flash.tools.peers import fa4_func, sdpa, visible_pairs
 
     def qkv(batch, seqlen):
         return tuple(torch.randn(batch, seqlen, 16, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -166,7 +166,7 @@ def run_held(seconds=HOLD_S):
     a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     kernels = [attention("ours", lambda: flash_attn_func(q, k, v), q),
                attention("ours", lambda: flash_attn_func(q16, k16, v16), q16)]
-    cudnn = _sdpa(q, k, v, SDPBackend.CUDNN_ATTENTION, False)
+    cudnn = sdpa(q, k, v, SDPBackend.CUDNN_ATTENTION, False)
     if cudnn is not None:
         kernels.append(attention("CUDNN", cudnn, q))
     fa4 = fa4_func()

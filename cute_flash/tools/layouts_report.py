@@ -1,4 +1,4 @@
-"""`python -m layouts report [--arch 80|90|all] [--draw DIR]`
+"""`python -m cute_flash layouts [--arch 80|90|all] [--draw DIR]`
 
 Checks every traits the heuristic ships (layouts.verify) and prints one row per traits; exits 1
 if any check fails, so CI can gate on it. Bank columns give the worst phase's conflicts (ways - 1)
@@ -26,10 +26,10 @@ aligned stages, `P->A` the S^T and dP^T accumulators as the register A operands 
 the S^T / dKV / dQ accumulators' cover, dQ's warpgroup runs filling the chunk, and the dK / dV
 TMA store boxes.
 """
-import argparse
-import sys
 from pathlib import Path
 
+from cute_flash.kernels.bwd_sm90 import Sm90BwdConfig
+from cute_flash.launch.compiled import sm90_traits_stages
 from layouts import verify, verify_bwd, verify_hopper
 from layouts.hopper import shipped_hopper_bwd_traits
 from layouts.traits import ELEMENT_BYTES, SMEM_LIMIT, shipped_bwd_traits, shipped_fwd_traits
@@ -119,8 +119,6 @@ def print_bwd_report(arch: int) -> bool:
 def print_hopper_report() -> bool:
     """The Hopper forward's traits (sm_90, the KV-cache entry's too), one row for each K / V
     stage count a shipped variant gives it (`compiled.sm90_traits_stages`)."""
-    from cute_flash.launch.compiled import sm90_traits_stages
-
     header = ["hopper traits", "smem B", "fits", "bij", "stage align", "P->A", "acc cover", "O boxes"]
     widths = [30, WIDTHS["smem"], WIDTHS["fits"], WIDTHS["bij"], 12, 12, 10, 8]
     print(_row(header, widths), flush=True)
@@ -142,8 +140,6 @@ def print_hopper_report() -> bool:
 
 def print_hopper_bwd_report() -> bool:
     """The Hopper backward's traits (sm_90), one row each: the names of failed checks, if any."""
-    from cute_flash.kernels.bwd_sm90 import Sm90BwdConfig
-
     header = ["hopper bwd traits", "smem B", "fits", "failed checks"]
     widths = [36, WIDTHS["smem"], WIDTHS["fits"], 30]
     print(_row(header, widths), flush=True)
@@ -173,15 +169,8 @@ def draw(traits, out: Path) -> None:
         verify.draw_layout(owner, out / f"{t.name}_ldsm_q_threads.png", f"{t.name}: ldmatrix Q thread")
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m layouts")
-    sub = parser.add_subparsers(dest="command", required=True)
-    rep = sub.add_parser("report", help="check every shipped traits", description=__doc__,
-                         formatter_class=argparse.RawDescriptionHelpFormatter)
-    rep.add_argument("--arch", choices=("80", "90", "all"), default="all")
-    rep.add_argument("--draw", type=Path, metavar="DIR", help="write PNGs of the sQ swizzle and ldmatrix thread map")
-    args = parser.parse_args(argv)
-    archs = (80, 90) if args.arch == "all" else (int(args.arch),)
+def run(archs=(80, 90), draw_dir: Path | None = None) -> int:
+    """Every table for `archs`, and the PNGs into `draw_dir`; 0 when every check passes, else 1."""
     ok = True
     for arch in archs:
         ok &= print_report(arch)
@@ -189,13 +178,9 @@ def main(argv=None) -> int:
         if arch == 90:
             ok &= print_hopper_report()
             ok &= print_hopper_bwd_report()
-    if args.draw:
+    if draw_dir:
         traits = list(dict.fromkeys(t for arch in archs for t in shipped_fwd_traits(arch)))
-        draw(traits, args.draw)
-        print(f"wrote {2 * len(traits)} PNGs (sQ bank groups, ldmatrix Q threads) to {args.draw}")
+        draw(traits, draw_dir)
+        print(f"wrote {2 * len(traits)} PNGs (sQ bank groups, ldmatrix Q threads) to {draw_dir}")
     print("layouts report: " + ("every check passed" if ok else "FAILED (see the rows above)"))
     return 0 if ok else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -19,6 +19,8 @@ import statistics
 import time
 from dataclasses import dataclass
 
+from cute_flash.tools.peers import arch_path, fa4_func, graph_time_ms, hopper_gpu, sdpa, time_ms, visible_pairs
+
 SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
 HEAD_DIMS = (64, 128)
 TOKENS = 16384
@@ -29,95 +31,6 @@ HIDDEN = 2048
 # 360.8, 357.2 TFLOP/s; flash-attn-4 268.9, 197.4, 199.0, 269.8, 269.6; docs/perf.md, "Latest
 # forward benchmark").
 GRID_ROUNDS = 3
-
-
-def visible_pairs(sq: int, sk: int, causal: bool, window=(-1, -1)) -> int:
-    """Number of (query, key) pairs the mask leaves visible (bottom-right aligned)."""
-    left, right = window
-    if causal:
-        right = 0
-    total = 0
-    for i in range(sq):
-        lo = 0 if left < 0 else max(0, i + sk - sq - left)
-        hi = sk - 1 if right < 0 else min(sk - 1, i + sk - sq + right)
-        total += max(0, hi - lo + 1)
-    return total
-
-
-def _time_ms(fn) -> float:
-    import triton.testing
-
-    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
-
-
-def _graph_time_ms(fn):
-    """Median time of `fn` replayed from a CUDA graph (`triton.testing.do_bench_cudagraph`: it
-    warms `fn` up outside the capture): the GPU's time without the host's, as a decode loop
-    under CUDA graphs sees it. None if `fn` cannot be captured."""
-    import triton.testing
-
-    try:
-        return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
-    except RuntimeError:
-        return None
-
-
-def _sdpa(q, k, v, backend, causal, enable_gqa=False):
-    """SDPA on (b, s, h, d) tensors through one backend, or None where it refuses them."""
-    import torch
-    from torch.nn.attention import sdpa_kernel
-
-    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
-    gqa = {"enable_gqa": True} if enable_gqa else {}  # a keyword torch < 2.5 does not know
-
-    def run():
-        with sdpa_kernel(backend):
-            return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, **gqa)
-
-    try:
-        run()
-        return run
-    except RuntimeError:
-        return None
-
-
-@contextlib.contextmanager
-def arch_path(path):
-    """Our calls inside take the `CUTE_FLASH_ARCH_PATH=path` kernels. The KV-cache dispatch
-    kept per call signature (`launch.kvcache`) depends on the path: it starts empty inside and
-    again after."""
-    import os
-
-    from cute_flash.launch import kvcache
-
-    before = os.environ.get("CUTE_FLASH_ARCH_PATH")
-    os.environ["CUTE_FLASH_ARCH_PATH"] = path
-    kvcache._calls.clear()
-    try:
-        yield
-    finally:
-        kvcache._calls.clear()
-        if before is None:
-            del os.environ["CUTE_FLASH_ARCH_PATH"]
-        else:
-            os.environ["CUTE_FLASH_ARCH_PATH"] = before
-
-
-def hopper_gpu() -> bool:
-    """The current GPU is sm_90 (False without one: `tune --splits` runs on the CPU in tests)."""
-    import torch
-
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
-
-
-def fa4_func():
-    """flash-attn-4's `flash_attn_func` (CuTe DSL, Hopper kernels on sm_90) when importable, as
-    fn(q, k, v, causal) -> out (it returns (out, lse)), else None."""
-    try:
-        from flash_attn.cute import flash_attn_func
-    except ImportError:
-        return None
-    return lambda q, k, v, causal: flash_attn_func(q, k, v, causal=causal)[0]
 
 
 def bench_cell(d, seqlen, causal=False, window=(-1, -1), softcap=0.0, peers=True, batch=None, nheads=None,
@@ -142,19 +55,19 @@ def bench_cell(d, seqlen, causal=False, window=(-1, -1), softcap=0.0, peers=True
 
     def sm80_time():
         with arch_path("sm80"):
-            return _time_ms(ours)
+            return time_ms(ours)
 
-    timers = {"ours": functools.partial(_time_ms, ours)}
+    timers = {"ours": functools.partial(time_ms, ours)}
     if hopper_gpu():
         timers["sm80"] = sm80_time
     if peers:
         fa4 = fa4_func()
         if fa4 is not None:
-            timers["fa4"] = functools.partial(_time_ms, lambda: fa4(q, k, v, causal=causal))
+            timers["fa4"] = functools.partial(time_ms, lambda: fa4(q, k, v, causal=causal))
         for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
-            fn = _sdpa(q, k, v, backend, causal)
+            fn = sdpa(q, k, v, backend, causal)
             if fn:
-                timers[name] = functools.partial(_time_ms, fn)
+                timers[name] = functools.partial(time_ms, fn)
             else:
                 row[f"{name}_tflops"] = None
     times = {name: [] for name in timers}
@@ -197,8 +110,8 @@ def bench_bwd_cell(d, seqlen, causal=False):
             out = fwd(*leaves)
         except RuntimeError:
             return None
-        return (_time_ms(lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)),
-                _time_ms(lambda: torch.autograd.grad(fwd(*leaves), leaves, dout)))
+        return (time_ms(lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)),
+                time_ms(lambda: torch.autograd.grad(fwd(*leaves), leaves, dout)))
 
     peers = [("ours", ours_fwd), ("flash", sdpa_fwd(SDPBackend.FLASH_ATTENTION)),
              ("cudnn", sdpa_fwd(SDPBackend.CUDNN_ATTENTION))]
@@ -292,10 +205,10 @@ def bench_dropout_cell(d, seqlen, causal=False, p=0.1):
         for tag, prob in (("p0", 0.0), ("p", p)):
             try:
                 with torch.no_grad():
-                    row[f"{name}_fwd_{tag}"] = fwd_flops / _time_ms(lambda: fn(q, k, v, prob)) / 1e9
+                    row[f"{name}_fwd_{tag}"] = fwd_flops / time_ms(lambda: fn(q, k, v, prob)) / 1e9
                 leaves = [x.detach().requires_grad_() for x in (q, k, v)]
                 out = fn(*leaves, prob)
-                ms = _time_ms(lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True))
+                ms = time_ms(lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True))
                 row[f"{name}_bwd_{tag}"] = 2.5 * fwd_flops / ms / 1e9
             except RuntimeError:
                 if name == "ours":
@@ -304,10 +217,10 @@ def bench_dropout_cell(d, seqlen, causal=False, p=0.1):
     if hopper_gpu():  # the SM80 kernels' dropout, what sm_90 ran before the Hopper kernels had it
         with arch_path("sm80"):
             with torch.no_grad():
-                row["sm80_fwd_p"] = fwd_flops / _time_ms(lambda: ours(q, k, v, p)) / 1e9
+                row["sm80_fwd_p"] = fwd_flops / time_ms(lambda: ours(q, k, v, p)) / 1e9
             leaves = [x.detach().requires_grad_() for x in (q, k, v)]
             out = ours(*leaves, p)
-            ms = _time_ms(lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True))
+            ms = time_ms(lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True))
             row["sm80_bwd_p"] = 2.5 * fwd_flops / ms / 1e9
     return row
 
@@ -418,14 +331,14 @@ def run_varlen(d=128, nheads=16):
         def varlen():
             return flash_attn_varlen_func(q, k, v, cu, cu, smax, smax, causal=causal)
 
-        row["ours_varlen"] = flops / _time_ms(varlen) / 1e9
+        row["ours_varlen"] = flops / time_ms(varlen) / 1e9
         if hopper_gpu():
             for path in ("sm80", "sm90"):
                 with arch_path(path):
-                    row[f"{path}_varlen"] = flops / _time_ms(varlen) / 1e9
-        row["ours_dense_padded"] = flops / _time_ms(lambda: flash_attn_func(qp, kp, vp, causal=causal)) / 1e9
-        fn = _sdpa(qp, kp, vp, SDPBackend.FLASH_ATTENTION, causal)
-        row["flash_padded"] = flops / _time_ms(fn) / 1e9 if fn else None
+                    row[f"{path}_varlen"] = flops / time_ms(varlen) / 1e9
+        row["ours_dense_padded"] = flops / time_ms(lambda: flash_attn_func(qp, kp, vp, causal=causal)) / 1e9
+        fn = sdpa(qp, kp, vp, SDPBackend.FLASH_ATTENTION, causal)
+        row["flash_padded"] = flops / time_ms(fn) / 1e9 if fn else None
         rows.append(row)
     return rows
 
@@ -480,10 +393,10 @@ def run_paged(d=128, nheads=16, seqlen=4096, batch=8, decode_cells=PAGED_DECODE_
     rows = []
     for causal in (False, True):
         flops = batch * 4 * nheads * d * visible_pairs(seqlen, seqlen, causal)
-        flat = _time_ms(lambda: flash_attn_varlen_func(q, k, v, cu, cu, seqlen, seqlen, causal=causal))
+        flat = time_ms(lambda: flash_attn_varlen_func(q, k, v, cu, cu, seqlen, seqlen, causal=causal))
         for ps in PAGE_SIZES:
             kp, vp, table = shuffled_pages(k.view(batch, seqlen, nheads, d), v.view(batch, seqlen, nheads, d), ps)
-            paged = _time_ms(lambda: flash_attn_varlen_func(q, kp, vp, cu, cu, seqlen, seqlen, causal=causal,
+            paged = time_ms(lambda: flash_attn_varlen_func(q, kp, vp, cu, cu, seqlen, seqlen, causal=causal,
                                                            block_table=table))
             rows.append(dict(kind="prefill", d=d, nheads=nheads, seqlen=seqlen, batch=batch, causal=causal,
                              page_size=ps, contiguous=flops / flat / 1e9, paged=flops / paged / 1e9,
@@ -493,7 +406,7 @@ def run_paged(d=128, nheads=16, seqlen=4096, batch=8, decode_cells=PAGED_DECODE_
     for b, cache in decode_cells:
         call = DecodeCall.make(b, cache)
         nbytes = call.nbytes
-        flat = _time_ms(lambda: flash_attn_with_kvcache(call.q, call.k_cache, call.v_cache,
+        flat = time_ms(lambda: flash_attn_with_kvcache(call.q, call.k_cache, call.v_cache,
                                                         cache_seqlens=call.cache_seqlens))
         for ps in PAGE_SIZES:
             kp, vp, table = shuffled_pages(call.k_cache, call.v_cache, ps)
@@ -501,9 +414,9 @@ def run_paged(d=128, nheads=16, seqlen=4096, batch=8, decode_cells=PAGED_DECODE_
             def paged():
                 return flash_attn_with_kvcache(call.q, kp, vp, cache_seqlens=call.cache_seqlens, block_table=table)
 
-            t_paged = _time_ms(paged)
+            t_paged = time_ms(paged)
             with host_check_off():
-                t_unchecked = _time_ms(paged)
+                t_unchecked = time_ms(paged)
             rows.append(dict(kind="decode", batch=b, cache=cache, page_size=ps, contiguous=nbytes / flat / 1e6,
                              paged=nbytes / t_paged / 1e6, ratio=flat / t_paged,
                              host_check_us=1e3 * (t_paged - t_unchecked), unchecked_ratio=flat / t_unchecked))
@@ -541,7 +454,7 @@ def run_unaligned(cells=UNALIGNED_CELLS):
             k_new, v_new = (torch.randn(b, 1, hk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
             for append in (False, True):
                 extra = dict(k=k_new, v=v_new) if append else {}
-                ms = _time_ms(lambda: flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, **extra))
+                ms = time_ms(lambda: flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, **extra))
                 base.setdefault(append, ms)
                 rows.append(dict(batch=b, cache=cache, layout=name, append=append, us=1e3 * ms,
                                  ratio=base[append] / ms))
@@ -592,7 +505,7 @@ def copy_bandwidth_gbs(nbytes=4 << 30):
 
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
     dst = torch.empty_like(src)
-    return 2 * nbytes / _time_ms(lambda: dst.copy_(src)) / 1e6
+    return 2 * nbytes / time_ms(lambda: dst.copy_(src)) / 1e6
 
 
 def run_decode(batches=DECODE_BATCHES, caches=DECODE_CACHES):
@@ -620,8 +533,8 @@ def run_decode(batches=DECODE_BATCHES, caches=DECODE_CACHES):
                 return flash_attn_with_kvcache(q, kc, vc, cache_seqlens=call.cache_seqlens)
 
             def timed(name, fn):
-                row[f"{name}_gbs"] = nbytes / _time_ms(fn) / 1e6 if fn else None
-                graph_ms = _graph_time_ms(fn) if fn else None
+                row[f"{name}_gbs"] = nbytes / time_ms(fn) / 1e6 if fn else None
+                graph_ms = graph_time_ms(fn) if fn else None
                 row[f"{name}_graph_gbs"] = nbytes / graph_ms / 1e6 if graph_ms else None
 
             timed("ours", ours)
@@ -629,7 +542,7 @@ def run_decode(batches=DECODE_BATCHES, caches=DECODE_CACHES):
                 with arch_path("sm80"):
                     timed("sm80", ours)
             for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
-                timed(name, _sdpa(q, kc, vc, backend, False, enable_gqa=True))
+                timed(name, sdpa(q, kc, vc, backend, False, enable_gqa=True))
             timed("fa4", _fa4_decode(fa4, q, kc, vc))
             rows.append(row)
             print(row, flush=True)
@@ -739,7 +652,7 @@ def _tune_fwd(candidates: dict, seqlens, variant):
                 flops = 4 * b * h * d * visible_pairs(s, s, causal)
                 for cand in cands:
                     name, fn = variant(d, cand)
-                    ms = _time_ms(lambda: fn(q, k, v, causal))
+                    ms = time_ms(lambda: fn(q, k, v, causal))
                     rows.append(dict(d=d, causal=causal, seqlen=s, traits=name, tflops=flops / ms / 1e9))
                     print(f"d{d} causal={causal!s:5} s{s:6} {name:48} {rows[-1]['tflops']:6.0f}", flush=True)
     return rows
@@ -817,9 +730,9 @@ def tune_decode(cells=DECODE_TUNE_CELLS):
 
             out = run()
             shipped = out if shipped is None else shipped
-            graph_ms = _graph_time_ms(run)
+            graph_ms = graph_time_ms(run)
             rows.append(dict(batch=b, cache=cache, block_n=block_n, ctas_per_sm=ctas,
-                             gbs=nbytes / _time_ms(run) / 1e6, graph_gbs=nbytes / graph_ms / 1e6 if graph_ms else None,
+                             gbs=nbytes / time_ms(run) / 1e6, graph_gbs=nbytes / graph_ms / 1e6 if graph_ms else None,
                              max_diff=(out.float() - shipped.float()).abs().max().item()))
             r = rows[-1]
             print(f"b{b:3} cache {cache:6} n{block_n:3} ctas/SM {ctas} eager {r['gbs']:6.0f} graph "
@@ -843,18 +756,18 @@ def tune_decode_splits(batches=DECODE_SPLIT_BATCHES, caches=(8192, 32768, 131072
     from torch.nn.attention import SDPBackend
 
     from cute_flash import flash_attn_with_kvcache
-    from cute_flash.launch import compiled
+    from cute_flash.launch import gpu
     from cute_flash.launch.kvcache import flash_fwd_kvcache
 
     hopper = hopper_gpu()
-    sms = compiled.num_sms(torch.cuda.current_device()) if hopper else 0
+    sms = gpu.num_sms(torch.cuda.current_device()) if hopper else 0
     rows = []
     for b in batches:
         for cache in caches:
             call = DecodeCall.make(b, cache)
             row = {"batch": b, "cache": cache, "gbs": {}}
             for s in (0, *counts):  # 0: the heuristic's count
-                ms = _graph_time_ms(functools.partial(flash_attn_with_kvcache, call.q, call.k_cache, call.v_cache,
+                ms = graph_time_ms(functools.partial(flash_attn_with_kvcache, call.q, call.k_cache, call.v_cache,
                                                       cache_seqlens=call.cache_seqlens, num_splits=s))
                 row["gbs"][s] = call.nbytes / ms / 1e6 if ms else None
             stream = None
@@ -866,10 +779,10 @@ def tune_decode_splits(batches=DECODE_SPLIT_BATCHES, caches=(8192, 32768, 131072
                 unsplit = flash_attn_with_kvcache(call.q, call.k_cache, call.v_cache, cache_seqlens=call.cache_seqlens,
                                                   num_splits=1)
                 row["stream_max_diff"] = (stream()[0].float() - unsplit.float()).abs().max().item()
-                ms = _graph_time_ms(lambda stream=stream: stream()[0])
+                ms = graph_time_ms(lambda stream=stream: stream()[0])
                 row["gbs"]["K"] = call.nbytes / ms / 1e6 if ms else None
-            cudnn = _sdpa(call.q, call.k_cache, call.v_cache, SDPBackend.CUDNN_ATTENTION, False, enable_gqa=True)
-            cudnn_ms = _graph_time_ms(cudnn) if cudnn else None
+            cudnn = sdpa(call.q, call.k_cache, call.v_cache, SDPBackend.CUDNN_ATTENTION, False, enable_gqa=True)
+            cudnn_ms = graph_time_ms(cudnn) if cudnn else None
             row["cudnn_gbs"] = call.nbytes / cudnn_ms / 1e6 if cudnn_ms else None
             rows.append(row)
             best = max(counts, key=lambda s: row["gbs"][s] or 0)
@@ -897,12 +810,12 @@ def tune_bwd(seqlens=(512, 2048, 8192)):
     import torch
 
     from cute_flash.kernels.config import BwdConfig
-    from cute_flash.launch import compiled
+    from cute_flash.launch import gpu
     from cute_flash.launch.backward import flash_bwd
     from cute_flash.launch.dense import flash_fwd
     from layouts.traits import SMEM_LIMIT, BwdTraits, tile_arch
 
-    arch = compiled.device_arch(torch.cuda.current_device())
+    arch = gpu.device_arch(torch.cuda.current_device())
     rows = []
     for d, cands in BWD_TUNE_CANDIDATES.items():
         for causal in (False, True):
@@ -919,7 +832,7 @@ def tune_bwd(seqlens=(512, 2048, 8192)):
                         if BwdConfig(t, dq_vec=4, dq_bulk=bulk).smem_bytes > SMEM_LIMIT[tile_arch(arch)]:
                             continue
                         variant = dict(traits=t, dq_bulk=bulk)
-                        ms = _time_ms(lambda: flash_bwd(dout, q, k, v, out, lse, softmax_scale=d ** -0.5,
+                        ms = time_ms(lambda: flash_bwd(dout, q, k, v, out, lse, softmax_scale=d ** -0.5,
                                                         causal=causal, variant=variant))
                         rows.append(dict(d=d, causal=causal, seqlen=s, traits=t.name, dq_bulk=bulk,
                                          tflops=flops / ms / 1e9))
@@ -1030,7 +943,7 @@ def main(out_dir=None, quick=False, sections=SECTIONS):
         result["dropout"] = run_dropout((1024, 4096) if quick else SEQLENS)
         text += "\n" + format_dropout(result["dropout"]) + "\n"
     if "held" in sections:
-        from cute_flash.held import HOLD_S, format_held, run_held
+        from cute_flash.tools.held import HOLD_S, format_held, run_held
 
         seconds = 2.0 if quick else HOLD_S
         result["held"] = run_held(seconds)
