@@ -8,12 +8,12 @@ With grad mode on and an input requiring grad, the six attention functions are d
 their backward bitwise repeatable. `flash_attn_with_kvcache` and paged varlen calls have no
 backward (as in flash-attn): they run with inputs that require grad, and asking for that
 gradient raises at backward(), naming the call and the inputs. `dropout_p > 0` drops
-attention probabilities with a mask drawn from torch's CUDA generator (`cute_flash.dropout`);
-the backward regenerates it. On `meta` tensors every function returns `meta` outputs of the
+attention probabilities with a mask drawn from torch's CUDA generator (`launch/rng.py`); the
+backward regenerates it. On `meta` tensors every function returns `meta` outputs of the
 shapes and dtypes a CUDA call would (shape inference, FLOP counters, models built on the meta
 device), launching nothing. `return_attn_probs=True` returns `(out, softmax_lse, S_dmask)`:
-with dropout the probabilities with dropped entries negated, without it an empty tensor, as
-flash-attn's. flash-attn's private forwards and backwards live in
+with dropout flash-attn's representation of the probabilities, dropped entries negated
+(`cute_flash.dropout`), without it an empty tensor, as flash-attn's. flash-attn's private forwards and backwards live in
 `cute_flash.flash_attn_interface`.
 """
 
@@ -333,8 +333,9 @@ def flash_attn_func(
 ) -> Union[Tensor, tuple[Tensor, Tensor, Tensor]]:
     """Attention of q (batch, seqlen_q, nheads, headdim) over k, v (batch, seqlen_k, nheads_k,
     headdim). Returns out like q, or (out, softmax_lse (batch, nheads, seqlen_q), S_dmask): with
-    dropout the probabilities (batch, nheads, seqlen_q, seqlen_k), dropped ones negated; without
-    it empty (flash-attn's value)."""
+    dropout (batch, nheads, seqlen_q and seqlen_k rounded up to 128) in flash-attn's
+    representation, dropped entries negated (`cute_flash.dropout`); without it empty
+    (flash-attn's value)."""
     out, lse, probs, _ = _flash_attn(q, k, v, ("q", "k", "v"), dropout_p, softmax_scale, causal, window_size,
                                      softcap, alibi_slopes, "flash_attn_func", deterministic,
                                      return_probs=return_attn_probs)
