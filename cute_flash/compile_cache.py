@@ -22,7 +22,7 @@ to FILE (a JSON list, shared by concurrent processes under a file lock: data, ne
 reading a file from elsewhere runs nothing), and `python -m cute_flash compile --keys FILE`
 compiles exactly those, for instance on a CPU build
 box for a new release of this package (a new fingerprint). The CI set that `compile` fills by
-default is a small part of what a test suite or a model uses (docs/perf.md).
+default is a small part of what a test suite or a model uses (docs/tuning/host.md).
 """
 from __future__ import annotations
 

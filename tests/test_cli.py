@@ -4,8 +4,8 @@ import sys
 
 import pytest
 
-COMMANDS = ["compile", "layouts", "check", "bench", "overhead", "coldstart", "tune", "traincheck", "memcheck", "racecheck",
-            "occupancy"]
+COMMANDS = ["compile", "layouts", "check", "bench", "overhead", "coldstart", "tune", "traincheck", "memcheck",
+            "racecheck", "occupancy"]
 
 
 @pytest.mark.parametrize("command", COMMANDS)

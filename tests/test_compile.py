@@ -193,7 +193,7 @@ def test_hopper_forward_compiles_to_wgmma(config, tmp_path):
     are wgmma, head_dim / 16 + block_n / 16 per key block, each GEMM traced twice (the first S
     and the last P V are peeled off the loop), and it fits in shared memory. Its softmax takes
     row maxima with max.f32, not the slower max.NaN.f32, and rescales O lazily behind a warp
-    vote (docs/perf.md, Hopper step 7). Philox's 32x32 -> 64-bit multiplies by its round
+    vote (docs/tuning/hopper-forward.md, Hopper step 7). Philox's 32x32 -> 64-bit multiplies by its round
     constant appear exactly in the dropout variants (others multiply block indices wide too),
     which decide a word's two elements with one bf16x2 compare, 4 per call.
     O leaves through TMA stores, except from packed batches, whose rows go out in 128-bit
@@ -281,7 +281,7 @@ def test_two_ctas_per_sm_only_where_two_fit():
 @pytest.mark.parametrize("config", _sm90_configs())
 def test_hopper_forward_wgmma_not_serialized(config, tmp_path):
     """ptxas keeps the Hopper forward's wgmmas asynchronous: its C7512 warning (serialized for
-    want of registers) cost d 128 a quarter of its speed once (docs/perf.md, Hopper step 4).
+    want of registers) cost d 128 a quarter of its speed once (docs/tuning/hopper-forward.md, Hopper step 4).
     Needs a ptxas (CUDA toolkit) on the machine."""
     from cute_flash.launch.compiled import compile_fwd_sm90
     from cute_flash.tools.resources import find_ptxas, ptxas_report

@@ -272,7 +272,7 @@ def test_paged_packed_forwards_take_the_hopper_kernel(recorder, monkeypatch):
         "d128-64-blocks-causal", "d128-65-blocks-causal", "d128-long", "d128-short", "d256"])
 def test_hopper_forward_tiles_and_schedule(recorder, monkeypatch, d, sk, opts, block_m, persistent, speculative):
     """The tiles, schedule, speculative maxima (and where P goes) and tile order the sm_90
-    launcher picks (the rules measured in docs/perf.md: longest tiles first only for the
+    launcher picks (the rules measured in docs/tuning/hopper-forward.md: longest tiles first only for the
     persistent kernel under a mask), and the tile counter: one per stream, a fresh one under
     capture."""
     from cute_flash.launch.rng import DropoutArgs
@@ -333,7 +333,7 @@ def test_scheduling_sections_fill_one_wave_or_32_mb_of_l2(b, sq, h, hk, expected
     (160, 512, dict(), 2),             # they would (64-key blocks), but were not measured
 ], ids=["d64-512", "d64-1024-causal", "d64-1025-causal", "d64-1024-tall", "d32-window", "d96-1024", "d128", "d160"])
 def test_hopper_forward_stages(recorder, monkeypatch, d, sk, opts, stages):
-    """The K / V pipeline depth the sm_90 launcher picks (`kv_stages`, measured in docs/perf.md)."""
+    """The K / V pipeline depth the sm_90 launcher picks (`kv_stages`, measured in docs/tuning/hopper-forward.md)."""
     from cute_flash.launch import flash_fwd
 
     monkeypatch.delenv("CUTE_FLASH_ARCH_PATH")
@@ -837,7 +837,7 @@ def test_hopper_variant_sets_the_cache_stages(recorder, monkeypatch):
 ])
 def test_cache_stages_by_head_dim(recorder, monkeypatch, d, b, cache, stages):
     """The KV-cache entry's K / V pipeline depth (`policy.cache_stages`, measured in
-    docs/perf.md): three stages at d <= 64 and one CTA an SM, else two."""
+    docs/tuning/decode.md): three stages at d <= 64 and one CTA an SM, else two."""
     from cute_flash.launch import flash_fwd_kvcache
 
     q = torch.randn(b, 1, 32, d, dtype=torch.bfloat16)

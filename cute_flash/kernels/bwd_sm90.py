@@ -417,7 +417,7 @@ class FlashBwdSm90:
         the dropped P~^T = P^T Z / P(keep) that dV reads, acc_dp (dP^T) becomes dS^T = P^T (dP^T
         Z / P(keep) - D) (D, rowsum(dO * O), is already the dropped output's); keep_bits from
         `Dropout.pair_keep_bits`, drawn once dP^T has landed (drawn while S^T and dP^T ran, they
-        measured 1-3% slower in 5 of 6 cells: docs/perf.md, Dropout); tD (MMA, MMA_M, MMA_N)
+        measured 1-3% slower in 5 of 6 cells: docs/tuning/dropout.md, Dropout); tD (MMA, MMA_M, MMA_N)
         each value's D."""
         scale = dropout.scale()
         for k in cutlass.range_constexpr(cute.size(acc_s.shape[0][2])):

@@ -451,7 +451,7 @@ class FlashFwd:
         in KV-cache kernels, the next V) in flight. Paged KV-cache kernels read block n-1's page
         ids first thing, so the table load is done by the time its copies are issued; paged
         prefill kernels read one page per run of rows just before the run's copies (kv_tiles.py;
-        reading them ahead measured no faster: docs/perf.md)."""
+        reading them ahead measured no faster: docs/tuning/varlen-paged.md)."""
         cfg, t = self.config, self.t
         kv, mma, n_block_min = loop.kv, loop.mma, loop.n_block_min
         acc_s = cute.make_rmem_tensor(mma.tiled_mma.get_slice(0).partition_shape_C((t.block_m, t.block_n)),

@@ -1028,7 +1028,7 @@ class FlashFwdSm90:
         -> dropout (after the row sums: they are taken before dropout); the first block's P is
         converted here, a later one's after O is rescaled. Dropout's Philox calls run here,
         after the softmax: computed while the GEMMs run instead (they depend on the coordinates
-        alone) they held 32 more registers and measured 1-9% slower (docs/perf.md, Dropout)."""
+        alone) they held 32 more registers and measured 1-9% slower (docs/tuning/dropout.md, Dropout)."""
         acc_s_mn = loop.mods.apply(recipe.mma_qk, loop.acc_s, loop.m_block, n_block, masked)
         cfg = self.config
         # In place, masked blocks take `update`: a causal diagonal spans 2-3 of a 192-row tile's

@@ -2,7 +2,8 @@
 tensors: with one query row, the g = heads / heads_k query heads sharing a kv head become g
 query rows of that kv head, so one CTA reads each K / V tile once for the whole group. Built in
 a kernel's entry from the tensors' own strides: views made on the host with torch cost more
-host time than the launch (three views, 13 us a call on the H200's host, docs/perf.md)."""
+host time than the launch (three views, 13 us a call on the H200's host; docs/tuning/decode-splits.md,
+"Host cost of a decode call")."""
 import cutlass.cute as cute
 
 

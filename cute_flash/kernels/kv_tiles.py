@@ -8,7 +8,7 @@ contiguous tail. Page slots and offsets come from a multiply-shift divisor of pa
 once per CTA (`cute.fast_divmod_create_divisor_v2`), not from integer divisions. Every block id
 read from the table is clamped into [0, num_blocks) (`page_at`): a bad id reads some page of
 this cache, never memory outside it. Pages of a multiple of 16 rows take one of two ways to
-find each row's page, each where it measured faster (docs/perf.md, tuning log steps 4-6):
+find each row's page, each where it measured faster (docs/tuning/sm80-forward.md, tuning log steps 4-6):
 
 - Prefill kernels copy with `layouts.copy.gmem_tiled_copy_kv_paged`, which deals each thread's
   rows out in runs lying in one aligned group of 16 rows, hence in one page: a thread reads

@@ -196,7 +196,7 @@ class Dropout:
         (layouts/verify_dropout.py proves this for every shipped tile), so each call's c0 / c1
         cost an add instead of `counter_of`'s divisions. calls_first: every call before the
         first select (the Hopper forward: 12-17% faster at d 128 than a call and its selects at a
-        time, docs/perf.md, Dropout), else group by group (the SM80 forward: calls first measured
+        time, docs/tuning/dropout.md, Dropout), else group by group (the SM80 forward: calls first measured
         -1.3% to +3.5% there on an H200, and was not measured on its own GPUs)."""
         ident = cute.make_identity_tensor(tile_mn)
         tScS = tiled_mma.get_slice(thread).partition_C(ident)  # (MMA, MMA_M, MMA_N)
@@ -242,7 +242,7 @@ class Dropout:
         each word with one bf16x2 compare (`keep_halves`), gathering low halves' decisions in
         bits 0..15 and high halves' in 16..31, and trades them with its partner by one shuffle
         and one byte permute per 4 calls: about 3 instructions a word, where integer compares,
-        selects and ors had taken about 6.5 (SASS, docs/perf.md, Dropout, run 7)."""
+        selects and ors had taken about 6.5 (SASS, docs/tuning/dropout.md, Dropout, run 7)."""
         ident = cute.make_identity_tensor(tile_kq)
         tScS = tiled_mma.get_slice(thread).partition_C(ident)  # (MMA, MMA_M, MMA_N): (key, query)
         first = tScS[0]

@@ -24,7 +24,7 @@ exp(LSE_s - m) and exp(LSE_s - m) O_s in one pass over the splits, m the running
 LSEs seen (the sums rescaled when it grows, as the softmax's are), so each split's LSE and O
 loads issue together. The loop is unrolled so that the loads of several splits are in flight at
 once: a rolled loop waits one L2 round trip per split. (H200, d 128 decode under CUDA graphs,
-against a first pass for the max: b1 / 8k 10.98-11.00 -> 10.60-10.61 us; docs/perf.md.)
+against a first pass for the max: b1 / 8k 10.98-11.00 -> 10.60-10.61 us; docs/tuning/decode.md.)
 """
 import functools
 import re
@@ -93,7 +93,7 @@ def split_choice(work_ctas: int, num_sms: int, num_n_blocks: int, max_splits: in
     splits); where no split fits one wave and the unsplit CTAs leave SMs idle (one CTA an SM,
     more than half the SMs taken), counts of two waves too. The smallest count at the least
     time wins. The constants are fitted to a sweep of every count over the decode bench's 16
-    cells (H200, CUDA graphs, docs/perf.md, Decode): there flash-attn's rule (the smallest
+    cells (H200, CUDA graphs, docs/tuning/decode.md, Decode): there flash-attn's rule (the smallest
     count within 85% of the best wave efficiency, which this replaced) chose 28-32 splits for
     one sequence of 8 kv heads, and at 8k-32k keys ran 5-7% slower than this rule's 16 or 32.
 
@@ -102,13 +102,14 @@ def split_choice(work_ctas: int, num_sms: int, num_n_blocks: int, max_splits: in
     that none is empty; merged through the workspace, 4-10 waves that the SMs share out as
     they free up) where the key blocks are at least 4 a split and the model does not call
     that slower. A sweep of 1-16 splits at 6-16 sequences of 32 / 8 heads, 8k-128k keys
-    (`tune --splits`, docs/perf.md, Decode): 12 splits were within 3.5% of the best count in the 9 cells where this applies
-    (6, 12 and 13 sequences; at 8k keys the twelfth split had no key, the 11 taken now), where
-    the count of one wave ran at 0.85-1.0 of the best; at 9 sequences the two waves' 3 splits
-    were the best count (3929-4427 GB/s, unsplit 2701-2834). A kernel with stream-K (the Hopper
-    entry) takes stream-K over every SM instead (`SplitChoice.stream_k`): where this applied
+    (`tune --splits`, docs/tuning/decode.md): 12 splits were within 3.5% of the best count in the
+    9 cells where this applies (6, 12 and 13 sequences; at 8k keys the twelfth split had no key,
+    the 11 taken now), where the count of one wave ran at 0.85-1.0 of the best; at 9 sequences
+    the two waves' 3 splits were the best count (3929-4427 GB/s, unsplit 2701-2834). A kernel
+    with stream-K (the Hopper entry) takes stream-K over every SM instead
+    (`SplitChoice.stream_k`): where this applied
     in a sweep of 3-6 and 11-13 sequences at 8k-128k keys it ran 0.99-1.12x the many-wave
-    splits (docs/perf.md, "Stream-K in place of many waves of splits").
+    splits (docs/tuning/decode-splits.md, "Stream-K in place of many waves of splits").
 
     clusters: where s splits merge in one thread-block cluster (the Hopper entry, s up to
     len(clusters)), clusters[s - 1] of them run at once (`launch.clusters`), on fewer SMs than
@@ -116,7 +117,7 @@ def split_choice(work_ctas: int, num_sms: int, num_n_blocks: int, max_splits: in
     ceil(work_ctas * ctas_per_sm / clusters[s - 1]) CTAs. At 88 tiles on an H200 (39 clusters of
     3 at once, not 44) 3 splits take three waves, the last a quarter full, and ran 0.89-0.92x the
     sweep's best count; with the clusters counted the rule takes 11-12 splits, 0.96-0.98x it.
-    At 16-80 tiles the counts that change ran 1.13-1.48x the ones they replace (docs/perf.md,
+    At 16-80 tiles the counts that change ran 1.13-1.48x the ones they replace (docs/tuning/decode-splits.md,
     "Clusters the GPU holds at once")."""
     slots = ctas_per_sm * num_sms
     if work_ctas >= 0.8 * slots:
@@ -150,7 +151,7 @@ class StreamSplit:
     tiles lay end to end, so a CTA may finish one tile's blocks and start the next tile's. Equal
     splits come in steps of the tile count (88 tiles: 88 or 176 CTAs for 132 SMs, where the
     split rule took 11-12 splits over many waves); one CTA an SM sharing everything keeps every
-    SM streaming keys to the end (1.01-1.14x those splits, H200, docs/perf.md, "Stream-K in
+    SM streaming keys to the end (1.01-1.14x those splits, H200, docs/tuning/decode-splits.md, "Stream-K in
     place of many waves of splits"). Each tile is `ctas` units long and each CTA takes `tiles`
     units: CTA c covers units [c tiles, (c + 1) tiles) of tiles x ctas, and its share of tile t
     is the part of [t ctas, (t + 1) ctas) inside them, cut into key blocks in proportion (so

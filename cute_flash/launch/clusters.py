@@ -5,7 +5,7 @@ kernel to be launched.
 A cluster's CTAs must share one GPC, and GPCs hold unequal numbers of SMs, so clusters of s CTAs
 use fewer than all SMs: on an H200 (132 SMs) at one CTA an SM, 132 / 66 / 39 / 30 / 22 / 17 /
 15 / 15 clusters of 1..8 (117 SMs for clusters of 3, 120 for 4 and 8); at two an SM, 264 /
-132 / 79 / 62 / 47 / 39 / 32 / 30 (measured 2026-12-03, docs/perf.md, Decode). The split count
+132 / 79 / 62 / 47 / 39 / 32 / 30 (measured 2026-12-03, docs/tuning/decode.md, Decode). The split count
 of the Hopper KV-cache entry, whose splits merge inside one cluster, reads these counts.
 
 The stand-in is an empty kernel loaded from PTX (a few milliseconds of driver JIT, once per

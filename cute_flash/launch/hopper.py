@@ -6,9 +6,9 @@ over contiguous keys or pages of a multiple of its key block (`flash_fwd_varlen_
 `policy.hopper_pages_fit`) and for KV caches without cache_batch_idx or cache_leftpad, in one row a
 sequence or in pages of a multiple of its key block (launched by `kvcache.py` through the SM80
 KV-cache kernel's parameters, split-KV included). It leads the SM80 kernel on the forward
-grid, the packed batch of the varlen bench and the large decode cells (docs/perf.md).
+grid, the packed batch of the varlen bench and the large decode cells (docs/tuning/hopper-forward.md).
 `CUTE_FLASH_ARCH_PATH=sm80` selects the SM80 kernel instead; smaller pages take it too, and
-docs/perf.md lists these fall backs and why.
+docs/tuning/hopper-forward.md lists these fall backs and why.
 """
 from __future__ import annotations
 

@@ -101,7 +101,7 @@ def flash_fwd_kvcache(q, k_cache, v_cache, *, k=None, v=None, rotary_cos=None, r
             # or a base address off 16 bytes): work on aligned copies, zero-padded as flash-attn
             # pads, then copy the caches back if the call appended to them. Only appended rows
             # differ, but a whole-cache copy needs no index built from cache_seqlens (which may
-            # be bad metadata); the cost (3-8x an aligned call) is in docs/perf.md.
+            # be bad metadata); the cost (3-8x an aligned call) is in docs/tuning/varlen-paged.md.
             k_al, v_al = aligned(k_cache), aligned(v_cache)
             if d % ALIGN:
                 q, k, v = (None if x is None else aligned(x) for x in (q, k, v))

@@ -22,7 +22,7 @@ import torch
 # graph) ran at 35.0-35.6 us a call in the first three graphs of a process and 37.4-37.9 after,
 # when by that count the reserve had run out and each call's zeros were a node of their own;
 # the decode bench put it at 0.99 or 1.07x CUDNN by run. At 1 << 20, 1.055-1.063x in four runs
-# (H200; docs/perf.md, "The decode bench with the larger counter reserve").
+# (H200; docs/tuning/decode.md, "The decode bench with the larger counter reserve").
 RESERVE_COUNTERS = 1 << 20
 _reserves: dict[torch.device, list] = {}  # device -> [reserve, counters handed out]
 _reserve_lock = threading.Lock()
@@ -51,7 +51,7 @@ def zeroed_counters(shape, device: torch.device) -> torch.Tensor:
     that any stream may replay a graph that uses it). A launch being captured takes the next
     unused counters of that reserve, never handed out again, so the graph holds no zeroing node
     (torch.zeros, run before our kernel on every replay): b1 / 8k decode (16 splits, global
-    merge) went from 12.50-12.65 to 11.25-11.30 us a call under graphs, H200 (docs/perf.md,
+    merge) went from 12.50-12.65 to 11.25-11.30 us a call under graphs, H200 (docs/tuning/decode.md,
     Decode). With no reserve left, or none made, the zeros are captured."""
     count = math.prod(shape)
     if not torch.cuda.is_current_stream_capturing():

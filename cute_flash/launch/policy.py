@@ -1,6 +1,7 @@
 """Every run-time rule of the launch layer: which kernel a call takes (the Hopper or the SM80
 path), and the Hopper kernels' schedule, pipeline depth, speculation, multicast and launch
-choices. Each rule says why, with the measurement it rests on (docs/perf.md)."""
+choices. Each rule says why, with the measurement it rests on (docs/tuning/hopper-forward.md,
+decode.md, backward.md)."""
 from __future__ import annotations
 
 import os
@@ -20,7 +21,7 @@ def takes_hopper_path(index: int) -> bool:
     kernel (launch/hopper.py) unless `CUTE_FLASH_ARCH_PATH=sm80` selects the SM80 kernel, which
     every other GPU runs (a packed batch measured 602 / 527 TFLOP/s on the Hopper kernel against
     367 / 338 on the SM80 one, non-causal / causal; decode 1.03-1.16x the SM80 kernel except at
-    1k-key caches; H200, docs/perf.md)."""
+    1k-key caches; H200, docs/tuning/hopper-forward.md, docs/tuning/decode.md)."""
     return os.environ.get("CUTE_FLASH_ARCH_PATH") != "sm80" and gpu.device_arch(index) == 90
 
 
@@ -28,7 +29,7 @@ def takes_hopper_bwd(config: BwdConfig, index: int) -> bool:
     """Dense backwards on sm_90 take the Hopper kernel (kernels/bwd_sm90.py) where it exists:
     head-dim buckets 32, 64, 128 (`layouts.hopper.BWD_HEAD_DIMS`), not deterministic (its dQ
     adds are unordered bulk reduces); `CUTE_FLASH_ARCH_PATH=sm80` selects the SM80 kernel.
-    docs/perf.md lists what falls back and why."""
+    docs/tuning/backward.md lists what falls back and why."""
     return (takes_hopper_path(index) and config.traits.head_dim in BWD_HEAD_DIMS and not config.deterministic
             and not config.varlen)
 
@@ -44,7 +45,7 @@ ONE_WAVE_MAX_M_BLOCKS = 8  # up to this many query blocks a pair, a section is o
 
 def prefers_persistent(traits, seqlen_k: int, masked: bool) -> bool:
     """The persistent kernel (one CTA per SM, tiles claimed from a counter) where it measured
-    faster than one CTA per tile (H200, bf16, TFLOP/s, docs/perf.md): always without a causal
+    faster than one CTA per tile (H200, bf16, TFLOP/s, docs/tuning/hopper-forward.md): always without a causal
     / local mask (d 128 512 / 2k / 16k: 446 / 564 / 613 against 409 / 546 / 610); under one, up
     to 64 key blocks per tile (since Q is released early, d 128 causal 4k / 8k: 585 / 616
     against 547 / 596), not beyond (16k: 633 against 635); 192-row tiles always (d 64 512: 317
@@ -66,7 +67,7 @@ DEEP_PIPELINE_MAX_HEAD_DIM = 96  # measured at 32 / 64 / 96; d 128's do not fit 
 def kv_stages(traits, seqlen_k: int, persistent: bool) -> int:
     """K / V pipeline depth: 3 stages for the persistent kernel's 128-row tiles up to
     DEEP_PIPELINE_MAX_SEQLEN_K keys at d <= DEEP_PIPELINE_MAX_HEAD_DIM (192 KB of shared memory
-    at d 96), 2 otherwise. H200, time with 2 stages over time with 3, best of 3 (docs/perf.md,
+    at d 96), 2 otherwise. H200, time with 2 stages over time with 3, best of 3 (docs/tuning/hopper-forward.md,
     Hopper step 18): d 64 non-causal 512 1.022-1.028, causal 512 1.025, causal 1k 1.027-1.033;
     d 32 512 1.008, causal 1k 1.019; d 96 512 1.026, causal 1k 1.009; but at 4k-8k keys
     0.974-1.001 (d 32 and 96), and on 192-row tiles 0.986-1.031."""
@@ -78,7 +79,7 @@ def kv_stages(traits, seqlen_k: int, persistent: bool) -> int:
 def takes_tall_tiles(seqlen_k: int, masked: bool, dropout) -> bool:
     """d 64's 192-row tiles (`choose_hopper_traits`' long_keys): from 2048 keys under a causal
     / local mask, from 1024 without one (1k: 417-420 TFLOP/s against 395-404 non-causal, 288
-    against 325 causal; H200, docs/perf.md); never with dropout (three consumer warpgroups
+    against 325 causal; H200, docs/tuning/hopper-forward.md); never with dropout (three consumer warpgroups
     leave a thread 160 registers, and ptxas spilled 150-640 B)."""
     return dropout is None and seqlen_k >= (TALL_D64_MIN_SEQLEN_K if masked else TALL_D64_UNMASKED_MIN_SEQLEN_K)
 
@@ -113,7 +114,7 @@ def takes_speculative_max(traits, seqlen_k: int, has_left: bool, has_right: bool
     16k 1.039 / 1.055, d 64 512 1.037, causal 1k 1.037 (P beside S); d 64's 192-row tiles
     non-causal 1k / 2k / 8k / 16k 1.011-1.025 / 1.022-1.028 / 1.029-1.040 / 1.036-1.047, causal
     (diagonal blocks eager) 2k / 4k / 8k / 16k 1.017-1.019 / 1.028-1.031 / 1.035-1.045 /
-    1.044-1.060 (P over S; docs/perf.md, Hopper steps 16-18)."""
+    1.044-1.060 (P over S; docs/tuning/hopper-forward.md, Hopper steps 16-18)."""
     in_place = speculates_in_place(traits)
     if in_place:
         min_masked = SPECULATIVE_IN_PLACE_LEFT_EDGE_MIN_SEQLEN_K if has_left else 0
@@ -130,7 +131,7 @@ def speculates_in_place(traits) -> bool:
     warpgroup's Q K^T again) rather than beside it in 64 more registers a thread: on 192-row
     tiles, whose 160 registers a thread have no room for them (ptxas 13.0: 1016 B of spills).
     128-row tiles keep P beside S: in place measured 0.966-1.000x of it at d 128 (4k-16k, causal
-    1k-16k) and 0.71x at d 64 non-causal 512 (H200, docs/perf.md, Hopper step 17)."""
+    1k-16k) and 0.71x at d 64 non-causal 512 (H200, docs/tuning/hopper-forward.md, Hopper step 17)."""
     return traits.warpgroups == 3
 
 
@@ -153,7 +154,7 @@ def takes_kv_multicast(traits, seqlen_q: int, seqlen_k: int, masked: bool, persi
     without dropout (not measured with it). H200, d 128 non-causal, against the same kernel
     unicast, best of 3: 1k 1.004, 2k 1.025, 4k 1.022, 8k 1.041, 16k 1.016; 16k held for 3.5 s
     679 -> 699 TFLOP/s at the same 689-690 W (the clock 1584-1591 -> 1625-1626 MHz: half the
-    K / V bytes from L2 a tile); d 64 0.962-0.995, so not there (docs/perf.md, Hopper step 20)."""
+    K / V bytes from L2 a tile); d 64 0.962-0.995, so not there (docs/tuning/hopper-forward.md, Hopper step 20)."""
     return (traits.head_dim == KV_MULTICAST_HEAD_DIM and seqlen_k >= KV_MULTICAST_MIN_SEQLEN_K
             and dropout is None and kv_multicast_fits(traits, seqlen_q, masked, persistent))
 
@@ -168,7 +169,7 @@ def section_heads(q, k, longest_first: bool, block_m: int, num_sms: int) -> int:
     group of query heads counting once). H200 causal, TFLOP/s, 32 MB sections against 32 / 16
     pairs (one wave: 33 / 16): d 64 512 260-262 / 265-267, 1k 342-348 / 350-354; d 128 512
     333-336 / 353-355, 1k 441-460 / 460-464; smaller sections lost from 16 blocks (d 128 4k: 16
-    pairs (32 MB) 602-624, 8 pairs 597-603, 2 pairs 573-600; docs/perf.md, Hopper step 22).
+    pairs (32 MB) 602-624, 8 pairs 597-603, 2 pairs 573-600; docs/tuning/hopper-forward.md, Hopper step 22).
     Otherwise a section is one pair: its tiles are equal, or the hardware hands out one CTA per
     tile in order, which balances them itself (one CTA per tile, d 128 causal 512 / 2k / 16k:
     242 / 416 / 565 TFLOP/s in per-pair order, 236 / 437 / 560 longest first)."""
@@ -198,7 +199,7 @@ def takes_two_ctas_per_sm(work_ctas: int, num_sms: int, capacity: int, head_dim:
     """The Hopper entry at two CTAs an SM (64 x 64 tiles, `Sm90FwdConfig.ctas_per_sm`) for caches
     of at most `TWO_CTAS_MAX_KEYS` keys whose tiles outnumber the SMs (so no split): one CTA's
     prologue and merge overlap the other's keys. Measured against the shipped 64 x 128 tiles
-    (H200, d 128, 32 / 8 heads, CUDA graphs, `tune --decode`; docs/perf.md, "Two CTAs an SM
+    (H200, d 128, 32 / 8 heads, CUDA graphs, `tune --decode`; docs/tuning/decode-splits.md, "Two CTAs an SM
     for short caches"): 1.33x at 17 sequences of 1k keys (136 tiles: one wave plus 4 CTAs at
     one an SM), 1.05-1.14x at 24-64 sequences of 1k, 1.01-1.04x at 2k-4k, 1.00 at 8k, 0.98 at
     32k; where the shipped tiles split (1 and 8 sequences) 0.96-1.02x."""
@@ -212,7 +213,7 @@ def cache_stages(traits, ctas_per_sm: int) -> int:
     """K / V pipeline depth of the Hopper entry: 3 stages at d <= `DEEP_CACHE_MAX_HEAD_DIM` and
     one CTA an SM, 2 otherwise. A d 64 stage is 16 KB of K and 16 of V, so two stages leave
     too few bytes in flight to stream the cache. H200, 32 / 8 heads, CUDA graphs, us a call,
-    2 stages / 3 / 4 / CUDNN (docs/perf.md, "Dense stream-K, d 64 decode stages, ..."): 8
+    2 stages / 3 / 4 / CUDNN (docs/tuning/decode.md, "Dense stream-K, d 64 decode stages, ..."): 8
     sequences of 32k 128-130 / 120-123 / 121-123 / 122; 8 of 128k 496-503 / 475-489 / 476-489
     / 468; 1 of 128k 66.8 / 64.2 / 65.4 / 66.2; 32 of 8k 127-129 / 122-124 / 123-124 / 119. d
     128 gained nothing (8 of 32k 235-236 against 236, and 4 stages do not fit). d 32, half a d
@@ -228,7 +229,7 @@ def takes_dependent_launch(ctas: int, slots: int, keys_per_cta: int) -> bool:
     unless its CTAs fit in one wave that leaves SM slots idle and each streams more than
     `DEPENDENT_LAUNCH_MAX_KEYS` keys. PDL saves a fixed 0.1-1.3 us a call (launch and prologue
     under the previous kernel) but slowed such launches by 1-2% of their time. H200, d 128, 32 /
-    8 heads, CUDA graphs, calls back to back, without PDL against with it (docs/perf.md, "PDL
+    8 heads, CUDA graphs, calls back to back, without PDL against with it (docs/tuning/decode.md, "PDL
     only where it pays"), on two machines, in one process and in separate ones: 8 sequences of
     128k keys (128 CTAs on 132 SMs, 2 splits) 922 / 943 us and 944 / 964, of 32k 235 / 239 and
     242 / 245; 16 sequences of 128k (128 CTAs unsplit) 1881 / 1922. A third machine measured

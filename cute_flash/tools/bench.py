@@ -28,7 +28,7 @@ HIDDEN = 2048
 # Rounds a grid cell times each column in (the median counts): single medians of
 # `triton.testing.do_bench` on an H200 fell 6-27% below their neighbours now and then, for ours
 # and flash-attn-4 alike (d 128 causal 512, five rounds in one process: ours 357.9, 361.7, 282.1,
-# 360.8, 357.2 TFLOP/s; flash-attn-4 268.9, 197.4, 199.0, 269.8, 269.6; docs/perf.md, "Latest
+# 360.8, 357.2 TFLOP/s; flash-attn-4 268.9, 197.4, 199.0, 269.8, 269.6; docs/performance.md, "Latest
 # forward benchmark").
 GRID_ROUNDS = 3
 
@@ -750,7 +750,7 @@ def tune_decode_splits(batches=DECODE_SPLIT_BATCHES, caches=(8192, 32768, 131072
     or, on the Hopper entry, stream-K), CUDNN and, on sm_90, stream-K over every SM forced ("K",
     with its max |out - unsplit out|): `python -m cute_flash tune --splits`. The default
     batches put 48-128 tiles on the GPU, where one wave of splits does not fill the SMs (72
-    tiles, 128k keys: unsplit 2834 GB/s, 3 splits 4427, CUDNN 3800; docs/perf.md, "Split counts
+    tiles, 128k keys: unsplit 2834 GB/s, 3 splits 4427, CUDNN 3800; docs/tuning/decode-splits.md, "Split counts
     where one wave leaves SMs idle")."""
     import torch
     from torch.nn.attention import SDPBackend

@@ -3,7 +3,7 @@ cap sets the clock, beside the first calls, which run before it does.
 
 Why a section of its own: on the H200 (700 W cap) the grid's d 128 non-causal cells run at the
 cap, and a `do_bench` window (225 ms) catches the power controller part way. Measured
-(2026-12-04, docs/perf.md "Held at the power cap"): a train of 3000 back-to-back d 128 8k calls
+(2026-12-04, docs/tuning/decode.md "Held at the power cap"): a train of 3000 back-to-back d 128 8k calls
 ran 789 TFLOP/s for its first 20 calls and 664-689 after call 50, CUDNN 683-686 then 556-594;
 cuBLAS bf16 GEMMs ran 743-807 in their first 10 calls and 659-692 held. The held number is
 what a training step sees, and the ratio of two kernels' held numbers is their ratio of energy
