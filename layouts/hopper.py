@@ -71,7 +71,7 @@ def choose_hopper_traits(head_dim: int, dtype: str = "bf16", long_keys: bool = F
     causal / local mask, `TALL_D64_UNMASKED_MIN_SEQLEN_K` without one): 192 rows (three
     warpgroups, persistent), which measured 478 / 391 TFLOP/s against 423 / 380 at 2k
     non-causal / causal, 491 / 433 against 427 / 407 at 4k and 417-420 against 395-404 at 1k
-    non-causal (H200, docs/perf.md). 1k causal keeps 128 rows (325 against 288), as does 512
+    non-causal (H200, docs/tuning/hopper-forward.md). 1k causal keeps 128 rows (325 against 288), as does 512
     (192 rows 0.3-2.5% ahead in one A/B, behind in an earlier one)."""
     d = head_dim_bucket(head_dim)
     if d == 64 and long_keys:
@@ -83,7 +83,7 @@ def choose_hopper_cache_traits(head_dim: int, dtype: str = "bf16", ctas_per_sm: 
     """The KV-cache entry's tiles: 64 query rows (one consumer warpgroup), keys as
     `choose_hopper_traits`. Decode rows are few (seqlen_q, or the GQA group when folded): on
     the H200 64-row tiles streamed K / V at 4427-4551 GB/s against 4199-4293 for 128-row ones
-    (d 128, 4 query heads per kv head, batch 32-64, 8k-128k keys; docs/perf.md, "The Hopper
+    (d 128, 4 query heads per kv head, batch 32-64, 8k-128k keys; docs/tuning/hopper-forward.md, "The Hopper
     forward on decode cells"). Two CTAs an SM (`TWO_CTAS_MAX_HEAD_DIM` at most) take 64-key
     blocks, so that two fit in an SM's shared memory."""
     if ctas_per_sm == 2:

@@ -10,7 +10,7 @@ Philox4x32 (Salmon, Moraes, Dror, Shaw, SC 2011): a 128-bit counter and a 64-bit
 fewest that pass their statistical tests (BigCrush) and default to 10 as a safety margin;
 flash-attn 2 draws its dropout mask with 7, and so do we: the Hopper forward is issue-bound and
 a call is most of dropout's cost there, so 7 rounds made it 8-17% faster and the Hopper backward
-3-6% (H200, six cells, same run; docs/perf.md, Dropout). The map (docs/semantics.md,
+3-6% (H200, six cells, same run; docs/tuning/dropout.md, Dropout). The map (docs/semantics.md,
 "Dropout") depends only on the element's coordinates, the seed and the offset, never on a tile
 shape or a split, so every kernel (forward, backward, SM80, Hopper) draws the same mask:
 
@@ -31,7 +31,7 @@ element (not 8 as flash-attn 2 uses) keep the kept fraction within 2^-15 of 1 - 
 not all 16: a 14-bit value is a finite, non-negative bfloat16 bit pattern, whose float order is
 its integer order, so on sm_90 one bf16x2 compare (HSETP2 / HSET2) decides both elements of a
 32-bit word (`kernels/philox.py:Dropout`): the decisions went from 5 instructions a word to 4 in
-the Hopper forward and from about 6.5 to 3 in the Hopper backward (docs/perf.md, Dropout, run 7).
+the Hopper forward and from about 6.5 to 3 in the Hopper backward (docs/tuning/dropout.md, Dropout, run 7).
 """
 from __future__ import annotations
 

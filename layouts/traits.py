@@ -96,7 +96,7 @@ def choose_fwd_traits(head_dim: int, dtype: str = "bf16", arch: int = 90, causal
 
     flash-attn 2.8.3 (non-dropout, A100/H100 path) uses 128x128/4 warps up to d=64, 128x64/4
     warps for d=96..128, 128x32/4 warps at d=160 and 128x64/8 warps for d=192..256. Ours, from
-    `python -m cute_flash tune` on the H200 (docs/perf.md): 128x64/4 warps up to d=128 (at
+    `python -m cute_flash tune` on the H200 (docs/tuning/sm80-forward.md): 128x64/4 warps up to d=128 (at
     d=64, 128x128 spills ~600 B and ran 2-5% slower from 1k keys up; d=32 follows d=64 untimed,
     its 128x64 kernel being spill-free too), and 128x64/8 warps above, d=160 included (128x32
     would leave the S tile narrow for the softmax's row reductions; not timed).

@@ -320,6 +320,7 @@ def test_report_cli_exits_1_when_a_check_fails(monkeypatch, capsys):
     monkeypatch.setattr(report, "shipped_fwd_traits", lambda arch: [t])
     monkeypatch.setattr(report, "shipped_bwd_traits", lambda arch: [choose_bwd_traits(128)])
     assert main(["layouts", "--arch", "90"]) == 0
+    assert max(len(line) for line in capsys.readouterr().out.splitlines()) <= 120  # rows wrap by design
     monkeypatch.setitem(SMEM_LIMIT, 90, 1024)  # the same traits no longer fits
     assert main(["layouts", "--arch", "90"]) == 1
     out = capsys.readouterr().out.rstrip()
