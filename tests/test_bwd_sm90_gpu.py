@@ -21,22 +21,12 @@ hopper_dims = st.one_of(st.sampled_from([32, 64, 128]), st.integers(1, 64), st.i
 
 
 @pytest.fixture(autouse=True)
-def hopper_path(monkeypatch):
+def hopper_path(monkeypatch, kernels):
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Hopper kernel is sm_90a")
-    from cute_flash.launch import policy
-
     monkeypatch.delenv("CUTE_FLASH_ARCH_PATH", raising=False)  # the default path
-    taken = []
-    route = policy.takes_hopper_bwd
-
-    def recording(*args):
-        taken.append(route(*args))
-        return taken[-1]
-
-    monkeypatch.setattr(policy, "takes_hopper_bwd", recording)
     yield
-    assert taken and all(taken), f"a backward took the SM80 kernel ({taken.count(False)} of {len(taken)})"
+    assert "sm90_bwd" in kernels and "sm80_bwd" not in kernels, f"the backwards that ran: {sorted(kernels)}"
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
