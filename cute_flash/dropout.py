@@ -17,13 +17,17 @@ import torch
 from cute_flash import reference
 from cute_flash.launch.rng import DropoutArgs
 from layouts import philox
+from layouts.traits import choose_fwd_traits, tile_arch
+
+
+def s_dmask_shape(batch: int, heads: int, seqlen_q: int, seqlen_k: int) -> tuple:
+    """S_dmask's shape: flash-attn's, both lengths rounded up to 128."""
+    return batch, heads, seqlen_q + -seqlen_q % 128, seqlen_k + -seqlen_k % 128
 
 
 def s_dmask_block_n(device, head_dim: int) -> int:
     """The key-block width of S_dmask's representation: the SM80 forward's key block for
     `head_dim` on `device`'s GPU (`flash_attn_interface._get_block_size_n`)."""
-    from layouts.traits import choose_fwd_traits, tile_arch
-
     major, minor = torch.cuda.get_device_capability(device)
     return choose_fwd_traits(head_dim, "fp16", tile_arch(major * 10 + minor)).block_n
 
@@ -31,7 +35,7 @@ def s_dmask_block_n(device, head_dim: int) -> int:
 def _unnormalized(probs: torch.Tensor, block_n: int) -> torch.Tensor:
     """probs (b, h, sq, sk) -> P / max(P over key blocks j and later) in key block j (0 where
     those blocks hold no visible key)."""
-    *lead, sk = probs.shape
+    sk = probs.shape[-1]
     blocks = -(-sk // block_n)
     tiled = torch.nn.functional.pad(probs, (0, blocks * block_n - sk)).unflatten(-1, (blocks, block_n))
     running = tiled.amax(-1).flip(-1).cummax(-1).values.flip(-1)  # (b, h, sq, blocks)
@@ -45,8 +49,9 @@ def _flash_representation(probs: torch.Tensor, dropout: DropoutArgs, block_n: in
     keep = philox.keep_mask_of_state(dropout.rng_state, dropout.p, *probs.shape)
     unnorm = _unnormalized(probs, block_n)
     signed = torch.where(keep, unnorm, -unnorm).to(dtype)
-    sq, sk = probs.shape[-2:]
-    return torch.nn.functional.pad(signed, (0, -sk % 128, 0, -sq % 128))
+    *_, sq, sk = probs.shape
+    *_, rows, cols = s_dmask_shape(1, 1, sq, sk)
+    return torch.nn.functional.pad(signed, (0, cols - sk, 0, rows - sq))
 
 
 def s_dmask(q, k, v, dropout: DropoutArgs, **options) -> torch.Tensor:

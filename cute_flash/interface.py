@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from cute_flash import _validate
-from cute_flash.dropout import s_dmask, s_dmask_varlen
+from cute_flash.dropout import s_dmask, s_dmask_shape, s_dmask_varlen
 from cute_flash.launch.rng import DropoutArgs
 from cute_flash.autograd import AttnOptions, FlashAttnFunction, Packing, Varlen, no_backward
 from cute_flash import ops  # noqa: F401  (registers torch.ops.cute_flash.*, used while compiling)
@@ -127,10 +127,8 @@ def _s_dmask(q, p, return_probs, dropout, shape, build):
     zero cotangents met infinite local derivatives and put NaN into dq."""
     if not (return_probs and p > 0):
         return _no_probs(q)
-    b, h, sq, sk = shape
-    rounded = (b, h, sq + -sq % 128, sk + -sk % 128)  # flash-attn's lengths (cute_flash.dropout)
     if dropout is None or q.is_meta:
-        return q.new_zeros(rounded)
+        return q.new_zeros(s_dmask_shape(*shape))
     with torch.no_grad():
         return build(dropout)
 

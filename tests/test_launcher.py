@@ -160,7 +160,7 @@ def test_dense_forwards_on_sm90_default_to_the_hopper_kernel(recorder, monkeypat
     from cute_flash.launch.rng import DropoutArgs
     from cute_flash.kernels.config import FwdConfig
     from cute_flash.kernels.fwd_sm90 import Sm90FwdConfig
-    from cute_flash.launch import compiled, flash_fwd
+    from cute_flash.launch import flash_fwd
     from layouts.traits import choose_fwd_traits
 
     q, k, v = (torch.randn(2, 5, 4, 64, dtype=torch.bfloat16) for _ in range(3))
@@ -189,7 +189,7 @@ def test_packed_forwards_on_sm90_default_to_the_hopper_kernel(recorder, monkeypa
     another GPU take the SM80 kernel."""
     from cute_flash.kernels.config import FwdConfig
     from cute_flash.kernels.fwd_sm90 import Sm90FwdConfig
-    from cute_flash.launch import compiled, flash_fwd_varlen
+    from cute_flash.launch import flash_fwd_varlen
 
     q = torch.randn(9, 4, 64, dtype=torch.bfloat16)
     k = torch.randn(5000, 2, 64, dtype=torch.bfloat16)
