@@ -42,15 +42,16 @@ class Guarded:
         self.buffers = []
         self._saved = {}
 
-    def __call__(self, *shape, dtype=DTYPE, fill="randn", value=SENTINEL):
+    def __call__(self, *shape, dtype=DTYPE, fill="randn"):
+        """A guarded (shape) tensor: normal values, `fill`'s value, or (None) the sentinel."""
         n = math.prod(shape)
         full = self._saved.get("full", torch.full)
         buf = full((n + 2 * GUARD,), SENTINEL, dtype=dtype, device="cuda")
         t = buf[GUARD:GUARD + n].view(shape)
         if fill == "randn":
             t.normal_()
-        elif fill == "value":
-            t.fill_(value)
+        elif fill is not None:
+            t.fill_(fill)
         self.buffers.append(buf)
         return t
 
@@ -68,10 +69,10 @@ class Guarded:
             if torch.device(device).type != "cuda":
                 return original(*args, **kwargs)
             if name == "full":
-                value = args[1] if len(args) > 1 else kwargs["fill_value"]
+                fill = args[1] if len(args) > 1 else kwargs["fill_value"]
             else:
-                value = 0 if name.startswith("zeros") else None  # empty: the sentinel inside too, as garbage
-            return self(*shape, dtype=dtype, fill=None if value is None else "value", value=value)
+                fill = 0 if name.startswith("zeros") else None  # empty: the sentinel inside too, as garbage
+            return self(*shape, dtype=dtype, fill=fill)
 
         return allocate
 
