@@ -2,19 +2,19 @@
 written tensor, values far enough out that an unclamped access faults), all of them under
 compute-sanitizer memcheck, and flash-attn's host error for a block table too short."""
 import os
-import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
 
+from cute_flash.tools.sanitize import sanitizer_path
 from tests.bad_metadata import CASES, DTYPE, Skipped, i32
 from tests.gpu_utils import UNDER_MEMCHECK
 
 pytestmark = pytest.mark.gpu
 
-SANITIZER = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
+SANITIZER = sanitizer_path()
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
