@@ -22,11 +22,9 @@ def cmd_compile(archs, full, workers=1, keys_file=None):
     variants a workload recorded (CUTE_FLASH_RECORD) instead."""
     from tqdm import tqdm
 
-    from cute_flash import compile_cache
-    from cute_flash.kernels.append import compile_append
-    from cute_flash.kernels.config import FLAG_LETTERS
-    from cute_flash.launch.compiled import (append_variants, bwd_variants, compile_bwd, compile_fwd, compile_fwd_sm90,
-                                            compiler_of, fwd_variants, sm90_bwd_variants, sm90_variants)
+    from cute_flash.compile import cache as compile_cache
+    from cute_flash.kernels.common.flags import FLAG_LETTERS
+    from cute_flash.launch.variants import every_variant
     from cute_flash.tools.resources import find_ptxas
     from layouts.traits import SMEM_LIMIT, sm_name
 
@@ -36,15 +34,11 @@ def cmd_compile(archs, full, workers=1, keys_file=None):
         except compile_cache.KeysFileError as exc:
             print(f"python -m cute_flash compile: {exc}", file=sys.stderr)
             return 2
-        jobs = [(arch, config, compiler_of(config)) for config, arch in recorded]
+        jobs = [(arch, config) for config, arch in recorded]
         archs = sorted({arch for _, arch in recorded})
         what = f"the {len(jobs)} recorded in {keys_file}"
     else:
-        jobs = [(arch, config, compile_fwd) for arch in archs for config in fwd_variants(arch, full)]
-        jobs += [(arch, config, compile_append) for arch in archs for config in append_variants(full)]
-        jobs += [(arch, config, compile_bwd) for arch in archs for config in bwd_variants(arch, full)]
-        jobs += [(90, config, compile_fwd_sm90) for config in sm90_variants(full) if 90 in archs]
-        jobs += [(90, config, compile_bwd) for config in sm90_bwd_variants(full) if 90 in archs]
+        jobs = every_variant(archs, full)
         what = 'every traits x every flag combination' if full else 'the CI subset; --full for all'
     where = compile_cache.cache_root() / compile_cache.fingerprint() if compile_cache.enabled() else None
     print(f"compile-only (no GPU used): {len(jobs)} variants for {', '.join(sm_name(a) for a in archs)} "
@@ -54,11 +48,11 @@ def cmd_compile(archs, full, workers=1, keys_file=None):
     print(f"ptxas for resource numbers: {find_ptxas() or 'not found (registers not reported)'}")
     print(f"{'arch':6} {'variant':34} {'smem':>7} {'regs':>5} {'spill':>6} {'s':>5}")
     t_start = time.time()
-    pending = [(arch, config, fn) for arch, config, fn in jobs
+    pending = [(arch, config) for arch, config in jobs
                if where is None or not compile_cache.entry_path((config, arch)).exists()]
     worst = 0
     with tqdm(total=len(pending), unit="variant", dynamic_ncols=True) as bar:
-        for (arch, config, _), (report, seconds) in _run_compiles(pending, where is not None, workers):
+        for (arch, config), (report, seconds) in _run_compiles(pending, where is not None, workers):
             bar.set_description(f"{sm_name(arch)} {config.name}")
             bar.update(1)
             spill = report.get("spill_stores", 0) + report.get("spill_loads", 0)
@@ -77,13 +71,13 @@ def cmd_compile(archs, full, workers=1, keys_file=None):
 
 
 def _run_compiles(pending, cached, workers):
-    """Yield (job, compile_variant's result) for each (arch, config, compile_fn) job, in this
-    process or, with workers > 1, in spawned processes as they finish."""
+    """Yield (job, compile_variant's result) for each (arch, config) job, in this process or,
+    with workers > 1, in spawned processes as they finish."""
     from cute_flash.tools.resources import compile_variant
 
     if workers <= 1:
-        for arch, config, compile_fn in pending:
-            yield (arch, config, compile_fn), compile_variant(arch, config, compile_fn, cached)
+        for arch, config in pending:
+            yield (arch, config), compile_variant(arch, config, cached)
         return
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -134,7 +128,7 @@ def cmd_overhead():
     from torch.utils.benchmark import Timer
 
     from cute_flash import flash_attn_func
-    from cute_flash.kernels.constants import LOG2E
+    from cute_flash.kernels.common.constants import LOG2E
     from cute_flash.launch.dense import flash_fwd, fwd_kernel
 
     q, k, v = (torch.randn(1, 8, 1, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))

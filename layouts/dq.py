@@ -1,7 +1,7 @@
 """dQaccum's order inside a query tile's chunk of fp32 values: where value i of thread tidx
 of the dQ GEMM goes (`chunk_index`: a contiguous run per group of threads, a warp, or a
 warpgroup in the Hopper backward; `vec` consecutive floats an add), and the same as one layout
-a thread stores through (`run_layout`). The kernels (kernels/dq_accum.py) add and read back in
+a thread stores through (`run_layout`). The kernels (kernels/common/dq_accum.py) add and read back in
 this order; layouts/verify_hopper.py checks it against the Hopper dQ partition."""
 import cutlass
 import cutlass.cute as cute

@@ -69,10 +69,9 @@ def choose_hopper_traits(head_dim: int, dtype: str = "bf16", long_keys: bool = F
     d 128, 64 above (two K / V stages then fit: 196 KB at d 256). d 64 with long_keys (a flag,
     so the cache stays small; the launcher sets it from `TALL_D64_MIN_SEQLEN_K` keys under a
     causal / local mask, `TALL_D64_UNMASKED_MIN_SEQLEN_K` without one): 192 rows (three
-    warpgroups, persistent), which measured 478 / 391 TFLOP/s against 423 / 380 at 2k
-    non-causal / causal, 491 / 433 against 427 / 407 at 4k and 417-420 against 395-404 at 1k
-    non-causal (H200, docs/tuning/hopper-forward.md). 1k causal keeps 128 rows (325 against 288), as does 512
-    (192 rows 0.3-2.5% ahead in one A/B, behind in an earlier one)."""
+    warpgroups, persistent), faster than 128 rows from 2k keys under a mask and from 1k without
+    one. 1k causal keeps 128 rows, which ran faster there, as does 512, where 192 rows did not
+    win every A/B (docs/tuning/hopper-forward.md, Hopper steps 10-11)."""
     d = head_dim_bucket(head_dim)
     if d == 64 and long_keys:
         return HopperTileTraits(d, 192, 128, dtype)
@@ -81,11 +80,11 @@ def choose_hopper_traits(head_dim: int, dtype: str = "bf16", long_keys: bool = F
 
 def choose_hopper_cache_traits(head_dim: int, dtype: str = "bf16", ctas_per_sm: int = 1) -> HopperTileTraits:
     """The KV-cache entry's tiles: 64 query rows (one consumer warpgroup), keys as
-    `choose_hopper_traits`. Decode rows are few (seqlen_q, or the GQA group when folded): on
-    the H200 64-row tiles streamed K / V at 4427-4551 GB/s against 4199-4293 for 128-row ones
-    (d 128, 4 query heads per kv head, batch 32-64, 8k-128k keys; docs/tuning/hopper-forward.md, "The Hopper
-    forward on decode cells"). Two CTAs an SM (`TWO_CTAS_MAX_HEAD_DIM` at most) take 64-key
-    blocks, so that two fit in an SM's shared memory."""
+    `choose_hopper_traits`. Decode rows are few (seqlen_q, or the GQA group when folded), and
+    64-row tiles streamed K / V faster than 128-row ones, whose key blocks take twice the wgmma
+    work beyond those rows (docs/tuning/decode-splits.md, "The Hopper forward on decode cells").
+    Two CTAs an SM (`TWO_CTAS_MAX_HEAD_DIM` at most) take 64-key blocks, so that two fit in an
+    SM's shared memory."""
     if ctas_per_sm == 2:
         return HopperTileTraits(head_dim_bucket(head_dim), WGMMA_M, 64, dtype)
     return HopperTileTraits(head_dim_bucket(head_dim), WGMMA_M, choose_hopper_traits(head_dim, dtype).block_n, dtype)
@@ -171,7 +170,7 @@ def p_operand(acc_s, dtype):
 
 def o_copy_steps(head_dim: int) -> int:
     """16-byte copies each thread of a warpgroup makes to move its (64, head_dim) tile of O
-    (packed batches, kernels/fwd_sm90.py:copy_o_rows)."""
+    (packed batches, kernels/sm90/fwd.py:copy_o_rows)."""
     return WGMMA_M * head_dim * ELEMENT_BYTES // 16 // 128
 
 
@@ -195,7 +194,7 @@ def acc_as_operand_a(acc):
                                                            stride=((1, 2, 4), 4 * n8, 8)))
 
 
-# The backward (kernels/bwd_sm90.py). One CTA owns block_n keys, a consumer warpgroup per 64 of
+# The backward (kernels/sm90/bwd.py). One CTA owns block_n keys, a consumer warpgroup per 64 of
 # them; it walks block_m-row query blocks. S and dP are computed transposed (S^T = K Q^T, keys
 # on the wgmma's M), so each warpgroup's P^T and dS^T sit in its accumulators in the layout of
 # the register A operand of dV += P^T dO and dK += dS^T Q: neither goes through shared memory
@@ -209,10 +208,9 @@ BWD_HEAD_DIMS = (32, 64, 128)  # d 96's dQ tile (48 columns per warpgroup) split
 @functools.lru_cache(maxsize=None)
 def choose_hopper_bwd_traits(head_dim: int, dtype: str = "bf16") -> BwdTraits:
     """The Hopper backward's tiles (BwdTraits; its SM80 warp grids only shape the dQ convert's
-    copies): 128 keys per CTA; query blocks of 128 rows at d 32, 64 above. Measured on the H200
-    (bf16, backward alone, TFLOP/s at 512 / 2k / 8k tokens, non-causal): d 64 with 64 rows
-    283 / 403 / 441 against 273 / 380 / 428 with 128 (whose S^T and dP^T tiles push ptxas to
-    serialize the wgmmas); d 32 with 128 rows 223 / 314 / 352 against 196 / 263 / 287."""
+    copies): 128 keys per CTA; query blocks of 128 rows at d 32, 64 above, the faster of the two
+    at each (at d 64, 128 rows' S^T and dP^T tiles push ptxas to serialize the wgmmas;
+    docs/tuning/backward.md, "The Hopper backward")."""
     d = head_dim_bucket(head_dim)
     if d not in BWD_HEAD_DIMS:
         raise ValueError(f"the Hopper backward takes head-dim buckets {BWD_HEAD_DIMS}, not {d}")

@@ -1,6 +1,6 @@
 """The random numbers of attention dropout: Philox4x32-7 and the map from an attention element
 (batch, head, query row, key column) to its Philox counter. Pure arithmetic, no DSL: the host
-reference (numpy, `keep_mask`) and the kernels (`kernels/philox.py`, DSL integers) run the same
+reference (numpy, `keep_mask`) and the kernels (`kernels/common/philox.py`, DSL integers) run the same
 functions with their own integer operations, so a kernel's mask can be checked element by
 element against this one. `TorchOps` runs them on int64 tensors, on the device that holds a
 call's drawn rng_state (`keep_mask_of_state`, which builds S_dmask without a host sync).
@@ -9,8 +9,8 @@ Philox4x32 (Salmon, Moraes, Dror, Shaw, SC 2011): a 128-bit counter and a 64-bit
 32-bit words through rounds of two 32x32 -> 64-bit multiplies. Its authors find 7 rounds the
 fewest that pass their statistical tests (BigCrush) and default to 10 as a safety margin;
 flash-attn 2 draws its dropout mask with 7, and so do we: the Hopper forward is issue-bound and
-a call is most of dropout's cost there, so 7 rounds made it 8-17% faster and the Hopper backward
-3-6% (H200, six cells, same run; docs/tuning/dropout.md, Dropout). The map (docs/semantics.md,
+a call is most of dropout's cost there, so 7 rounds (14 wide multiplies a call, not 20) made it
+and the Hopper backward faster (docs/tuning/dropout.md, Dropout, run 6). The map (docs/semantics.md,
 "Dropout") depends only on the element's coordinates, the seed and the offset, never on a tile
 shape or a split, so every kernel (forward, backward, SM80, Hopper) draws the same mask:
 
@@ -30,7 +30,7 @@ backward's S tile, whose warps interleave along N, uses 4 of each call's 8). 14 
 element (not 8 as flash-attn 2 uses) keep the kept fraction within 2^-15 of 1 - p. Why 14 and
 not all 16: a 14-bit value is a finite, non-negative bfloat16 bit pattern, whose float order is
 its integer order, so on sm_90 one bf16x2 compare (HSETP2 / HSET2) decides both elements of a
-32-bit word (`kernels/philox.py:Dropout`): the decisions went from 5 instructions a word to 4 in
+32-bit word (`kernels/common/philox.py:Dropout`): the decisions went from 5 instructions a word to 4 in
 the Hopper forward and from about 6.5 to 3 in the Hopper backward (docs/tuning/dropout.md, Dropout, run 7).
 """
 from __future__ import annotations

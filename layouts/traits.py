@@ -96,10 +96,11 @@ def choose_fwd_traits(head_dim: int, dtype: str = "bf16", arch: int = 90, causal
 
     flash-attn 2.8.3 (non-dropout, A100/H100 path) uses 128x128/4 warps up to d=64, 128x64/4
     warps for d=96..128, 128x32/4 warps at d=160 and 128x64/8 warps for d=192..256. Ours, from
-    `python -m cute_flash tune` on the H200 (docs/tuning/sm80-forward.md): 128x64/4 warps up to d=128 (at
-    d=64, 128x128 spills ~600 B and ran 2-5% slower from 1k keys up; d=32 follows d=64 untimed,
-    its 128x64 kernel being spill-free too), and 128x64/8 warps above, d=160 included (128x32
-    would leave the S tile narrow for the softmax's row reductions; not timed).
+    `python -m cute_flash tune` (docs/tuning/sm80-forward.md, "Tuning log", step 3): 128x64/4
+    warps up to d=128 (at d=64, 128x128 spills ~600 B and ran slower from 1k keys up; d=32
+    follows d=64 untimed, its 128x64 kernel being spill-free too), and 128x64/8 warps above,
+    d=160 included (128x32 would leave the S tile narrow for the softmax's row reductions; not
+    timed).
     `causal` is accepted so the heuristic can specialise per mask; no tile won there yet.
     """
     d = head_dim_bucket(head_dim)
@@ -193,10 +194,10 @@ class BwdTraits:
 def choose_bwd_traits(head_dim: int, dtype: str = "bf16", arch: int = 90) -> BwdTraits:
     """Backward tiles per head-dim bucket, flash-attn 2.8.3's for sm80-class GPUs as the start
     (kBlockM x kBlockN / warps / S-dP, dK-dV, dQ warp grids): d32 128x128/8 (4,4,4), d64
-    128x128/8 (ours (4,4,4): `tune --bwd` on the H200 measured 3-5% over flash-attn's (2,4,4)),
-    d96 64x128/8 (2,4,4), d128 64x128/8 (2,4,2) (best of five candidates), d160 64x64/8
-    (4,4,4), d192 and d256 64x64/8 (4,2,2), d224 (ours: 224 is not a multiple of 64) (4,4,4);
-    Q and dO double-buffered where shared memory allows."""
+    128x128/8 (ours (4,4,4), faster than flash-attn's (2,4,4) under `tune --bwd`:
+    docs/tuning/backward.md, "The SM80 backward"), d96 64x128/8 (2,4,4), d128 64x128/8 (2,4,2)
+    (best of five candidates), d160 64x64/8 (4,4,4), d192 and d256 64x64/8 (4,2,2), d224 (ours:
+    224 is not a multiple of 64) (4,4,4); Q and dO double-buffered where shared memory allows."""
     d = head_dim_bucket(head_dim)
     m, n, grids = {32: (128, 128, (4, 4, 4)), 64: (128, 128, (4, 4, 4)), 96: (64, 128, (2, 4, 4)),
                    128: (64, 128, (2, 4, 2)), 160: (64, 64, (4, 4, 4)), 192: (64, 64, (4, 2, 2)),

@@ -458,7 +458,7 @@ def gmem_access(part: Partition, elem_bytes: int = ELEMENT_BYTES) -> dict:
 
 
 def page_runs(part: Partition, run: int) -> dict:
-    """The paged K/V copy's promise (kernels/kv_tiles.py): a thread's copies m = g run .. g run +
+    """The paged K/V copy's promise (kernels/sm80/kv_tiles.py): a thread's copies m = g run .. g run +
     run - 1 hit rows of one aligned group of 16 (pages hold a multiple of 16 rows, so the run
     lies in one page), the same rows for every column chunk."""
     rows = part.coords[:, 0, :, 0]                      # (threads, accesses); access = m + M * chunk

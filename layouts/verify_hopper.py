@@ -135,7 +135,7 @@ def o_copy_checks(traits: HopperTileTraits, coord=None) -> dict:
 
 
 def bwd_checks(traits: BwdTraits) -> dict:
-    """The Hopper backward's recipes (layouts/hopper.py, kernels/bwd_sm90.py) for one tile:
+    """The Hopper backward's recipes (layouts/hopper.py, kernels/sm90/bwd.py) for one tile:
     - Q / dO (two stages), K / V and dS^T (two stages) are bijections, stages 1024-byte aligned;
     - the S^T and dP^T accumulators, re-viewed by `acc_as_operand_a`, are the register A
       operands of dV += P^T dO and dK += dS^T Q, thread by thread;

@@ -33,31 +33,29 @@ hypothesis.register_random(TORCH_GENERATORS)
 @pytest.fixture
 def kernels(monkeypatch):
     """The attention kernels a test's calls ran, as a set of "sm90_fwd", "sm80_fwd", "sm90_bwd"
-    and "sm80_bwd": every lookup of a compiled forward or backward at the seams the launchers
-    call (`launch.compiled`, and `launch.dense.fwd_kernel`, which memoises the SM80 forward per
-    call signature) is recorded. A test that names a path asserts with it that the path ran, so
-    a silent fall back to the other kernel fails (`tests.gpu_utils.on_path`)."""
-    from cute_flash.kernels.bwd_sm90 import Sm90BwdConfig
-    from cute_flash.kernels.config import BwdConfig
+    and "sm80_bwd": every lookup of a compiled kernel at the seams the launchers call
+    (`launch.compiled.kernel_for`, one lookup for every kernel, and `launch.dense.fwd_kernel`,
+    which memoises the SM80 forward per call signature) is recorded by its config's type (the
+    preprocess, dQ-convert and append kernels are not attention kernels: not recorded). A test
+    that names a path asserts with it that the path ran, so a silent fall back to the other
+    kernel fails (`tests.helpers.gpu_utils.on_path`)."""
+    from cute_flash.kernels.sm80.bwd import BwdConfig
+    from cute_flash.kernels.sm80.fwd import FwdConfig
+    from cute_flash.kernels.sm90.bwd import Sm90BwdConfig
+    from cute_flash.kernels.sm90.fwd import Sm90FwdConfig
     from cute_flash.launch import compiled, dense
 
+    kinds = {Sm90FwdConfig: "sm90_fwd", FwdConfig: "sm80_fwd", Sm90BwdConfig: "sm90_bwd", BwdConfig: "sm80_bwd"}
     ran = set()
 
     def recording(lookup, kind):
         def record(*args, **kwargs):
-            ran.update({kind(args[0])} - {None})  # None: the preprocess and dQ-convert kernels
+            ran.update({kind(args[0])} - {None})
             return lookup(*args, **kwargs)
         return record
 
-    def backward_kind(config):
-        if isinstance(config, Sm90BwdConfig):
-            return "sm90_bwd"
-        return "sm80_bwd" if isinstance(config, BwdConfig) else None
-
-    monkeypatch.setattr(compiled, "sm90_kernel_for", recording(compiled.sm90_kernel_for, lambda _: "sm90_fwd"))
-    monkeypatch.setattr(compiled, "kernel_for", recording(compiled.kernel_for, lambda _: "sm80_fwd"))
+    monkeypatch.setattr(compiled, "kernel_for", recording(compiled.kernel_for, lambda config: kinds.get(type(config))))
     monkeypatch.setattr(dense, "fwd_kernel", recording(dense.fwd_kernel, lambda _: "sm80_fwd"))
-    monkeypatch.setattr(compiled, "bwd_kernel_for", recording(compiled.bwd_kernel_for, backward_kind))
     return ran
 
 

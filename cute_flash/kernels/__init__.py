@@ -1,1 +1,2 @@
-"""CuTe DSL kernels: one module per kernel, with their mask / softmax / block-info helpers beside them."""
+"""CuTe DSL device code, no torch: `common/` (shared building blocks), `sm80/` and `sm90/`
+(one module per kernel, with its config and fake arguments)."""

@@ -1,15 +1,16 @@
-"""The torch side of the kernels: alignment, compiled-kernel lookup, plans, workspaces and
-launch on torch tensors. `cute_flash.kernels` holds the device code (CuTe DSL only); the
-interface validates and dispatches here.
+"""The torch side of the kernels: run-time rules, alignment, compiled-kernel lookup, plans,
+workspaces and launch on torch tensors. `cute_flash.kernels` holds the device code (CuTe DSL
+only); the interface validates and dispatches here.
 
 - `gpu`: the device a call runs on (index, arch, SM count) and the configs' dtype names.
 - `args`: a call's options as the kernels take them (scales, window edges, score flags).
 - `rng`: a call's dropout state and the words the kernels draw its mask from.
-- `policy`: every run-time rule: the kernel path, the Hopper kernels' schedule and choices.
+- `policy`: every run-time rule: the kernel path, the Hopper kernels' schedule and choices,
+  split counts, the dQ reduction.
 - `align`: inputs made fit for 128-bit copies (views when possible, copies otherwise).
 - `batch_chunks`: calls over more sequences than a launch grid's y / z holds, in chunks.
-- `compiled`: the compiled kernel of a config on a device (the in-process compile cache),
-  the fake arguments a compile needs, and the variant lists CI and `compile` build.
+- `compiled`: the compiled kernel of any config on a device (`compile.registry` below it).
+- `variants`: the configs the dispatcher can choose: the set CI and `compile` build, and all.
 - `dense`, `hopper`: the dense and packed-varlen forwards (the SM80 and the Hopper kernel).
 - `kvcache`: `flash_attn_with_kvcache`: its per-signature call setup, the split workspace, the
   append launch.

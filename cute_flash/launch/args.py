@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from cute_flash.kernels.constants import LOG2E
+from cute_flash.kernels.common.constants import LOG2E
 
 def positive_scale(q, softmax_scale):
     """(q, softmax_scale, dq_sign) with a positive scale, as the kernels need: they take row

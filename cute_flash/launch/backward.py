@@ -1,10 +1,10 @@
 """The backward pass on validated CUDA tensors: D = rowsum(dO * O) (preprocess kernel), the
 main kernel (dK, dV, and dQ accumulated in fp32), dQ converted (`DQConvert`), GQA heads summed.
-The main kernel is the Hopper one (kernels/bwd_sm90.py) for dense calls on sm_90 where it
-exists (`takes_hopper_bwd`), the SM80 one (kernels/bwd.py) otherwise.
+The main kernel is the Hopper one (kernels/sm90/bwd.py) for dense calls on sm_90 where it
+exists (`takes_hopper_bwd`), the SM80 one (kernels/sm80/bwd.py) otherwise.
 
 Extra memory is O(seqlen): dQaccum (fp32, one slice, or one per split when deterministic; its
-layout is `kernels/dq_accum.py`'s), D, and with GQA per-query-head dK/dV before the group sum
+layout is `kernels/common/dq_accum.py`'s), D, and with GQA per-query-head dK/dV before the group sum
 (flash-attn 2 does the same).
 """
 from __future__ import annotations
@@ -13,11 +13,11 @@ from dataclasses import replace
 
 import torch
 
-from cute_flash.kernels.bwd_preprocess import PreprocessConfig
-from cute_flash.kernels.bwd_sm90 import Sm90BwdConfig
-from cute_flash.kernels.constants import LOG2E
-from cute_flash.kernels.config import BwdConfig, dq_reduction
-from cute_flash.kernels.dq_accum import DQConvertConfig
+from cute_flash.kernels.sm80.bwd_preprocess import PreprocessConfig
+from cute_flash.kernels.sm90.bwd import Sm90BwdConfig
+from cute_flash.kernels.common.constants import LOG2E
+from cute_flash.kernels.sm80.bwd import BwdConfig
+from cute_flash.kernels.sm80.dq_convert import DQConvertConfig
 from cute_flash.launch import compiled, gpu, policy
 from cute_flash.launch.align import aligned
 from cute_flash.launch.args import alibi_2d, positive_scale, scales, score_flags, window_edges
@@ -34,7 +34,7 @@ def _config(d_pad, dtype, index, left, right, alibi_slopes, softcap, varlen, seq
     traits = choose_bwd_traits(d_pad, gpu.DTYPE_NAMES[dtype], tile_arch(arch))
     return BwdConfig(traits, **score_flags(left, right, alibi_slopes, softcap, dropout),
                      even_k=d_pad == traits.head_dim, varlen=varlen, has_seqused_k=seqused_k is not None,
-                     deterministic=deterministic, **dq_reduction(traits, arch, deterministic))
+                     deterministic=deterministic, **policy.dq_reduction(traits, arch, deterministic))
 
 
 def _grid_x(config: BwdConfig, max_seqlen_k, batch, nheads, index):
@@ -83,7 +83,7 @@ def _zeros(q, k, v, dot_shape, grads):
 
 def varlen_dq_tiles(total_q: int, batch: int, block_m: int) -> int:
     """dQaccum tiles of a packed batch: sequence b's start at cu_seqlens_q[b] // block_m + b
-    (`kernels/dq_accum.py:first_tile`), so no tile holds rows of two sequences; the last one
+    (`kernels/common/dq_accum.py:first_tile`), so no tile holds rows of two sequences; the last one
     ends by total_q // block_m + batch + 1."""
     return total_q // block_m + batch + 1
 
@@ -99,7 +99,7 @@ def _flash_bwd_sm90(dout, q, k, v, out, lse, config: BwdConfig, index, softmax_s
     sq_pad = -(-sq // t.block_m) * t.block_m
     dot_pad = torch.zeros((b, h, sq_pad), dtype=torch.float32, device=q.device)
     dot = dot_pad[..., :sq]
-    compiled.bwd_kernel_for(PreprocessConfig(t.head_dim, t.dtype, config.even_k), index)(out, dout, dot)
+    compiled.kernel_for(PreprocessConfig(t.head_dim, t.dtype, config.even_k), index)(out, dout, dot)
     lse_log2 = torch.nn.functional.pad(lse * LOG2E, (0, sq_pad - sq), value=float("inf"))
     dq_accum = torch.zeros((1, b, h, sq_pad // t.block_m, t.block_m * t.head_dim), dtype=torch.float32,
                            device=q.device)
@@ -107,11 +107,11 @@ def _flash_bwd_sm90(dout, q, k, v, out, lse, config: BwdConfig, index, softmax_s
     dv_h = torch.empty((b, sk, h, d_pad), dtype=q.dtype, device=q.device)
     sm90 = Sm90BwdConfig(t, config.has_left, config.has_right, config.has_alibi, config.has_softcap,
                          config.has_dropout)
-    compiled.bwd_kernel_for(sm90, index)(q, k, v, dout, lse_log2, dot_pad, dq_accum, dk_h, dv_h,
+    compiled.kernel_for(sm90, index)(q, k, v, dout, lse_log2, dot_pad, dq_accum, dk_h, dv_h,
                                          alibi_2d(alibi_slopes, b, h), rng_of(dropout, q.device), softmax_scale,
                                          *scales(softmax_scale, softcap), left, right)
     dq_out = torch.empty((b, sq, h, d_pad), dtype=q.dtype, device=q.device)
-    compiled.bwd_kernel_for(DQConvertConfig(t, config.even_k, False, 4, hopper=True), index)(
+    compiled.kernel_for(DQConvertConfig(t, config.even_k, False, 4, hopper=True), index)(
         dq_accum, dq_out, softmax_scale)
     return _finish(dq_out, dk_h, dv_h, d, hk, grads, dot)
 
@@ -149,7 +149,7 @@ def flash_bwd(dout, q, k, v, out, lse, *, softmax_scale, causal=False, window_si
                                           alibi_slopes, left, right, (dq, dk, dv), d, dropout), dq_sign)
     config = replace(config, **(variant or {}))
     dot = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
-    compiled.bwd_kernel_for(PreprocessConfig(config.traits.head_dim, config.traits.dtype, config.even_k),
+    compiled.kernel_for(PreprocessConfig(config.traits.head_dim, config.traits.dtype, config.even_k),
                             index)(out, dout, dot)
     grid_x = _grid_x(config, sk, b, h, index)
     t = config.traits
@@ -157,11 +157,11 @@ def flash_bwd(dout, q, k, v, out, lse, *, softmax_scale, causal=False, window_si
                            dtype=torch.float32, device=q.device)
     dk_h = torch.empty((b, sk, h, d_pad), dtype=q.dtype, device=q.device)
     dv_h = torch.empty((b, sk, h, d_pad), dtype=q.dtype, device=q.device)
-    compiled.bwd_kernel_for(config, index)(
+    compiled.kernel_for(config, index)(
         q, k, v, dout, lse, dot, dq_accum, dk_h, dv_h, alibi_2d(alibi_slopes, b, h), rng_of(dropout, q.device),
         softmax_scale, *scales(softmax_scale, softcap), left, right, grid_x)
     dq_out = torch.empty((b, sq, h, d_pad), dtype=q.dtype, device=q.device)
-    compiled.bwd_kernel_for(DQConvertConfig(t, config.even_k, False, config.dq_vec), index)(
+    compiled.kernel_for(DQConvertConfig(t, config.even_k, False, config.dq_vec), index)(
         dq_accum, dq_out, softmax_scale)
     return _signed_dq(_finish(dq_out, dk_h, dv_h, d, hk, (dq, dk, dv), dot), dq_sign)
 
@@ -200,11 +200,11 @@ def flash_bwd_varlen(dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max
         cu_q, cu_k = lengths_of(cu_seqlens_q, s), lengths_of(cu_seqlens_k, s)
         if i:
             dq_accum.zero_()  # a chunk's row blocks count from its own first sequence: they overlap the last's
-        compiled.bwd_kernel_for(PreprocessConfig(t.head_dim, t.dtype, config.even_k, True), index)(
+        compiled.kernel_for(PreprocessConfig(t.head_dim, t.dtype, config.even_k, True), index)(
             out, dout, dot, cu_q, max_seqlen_q)
-        compiled.bwd_kernel_for(config, index)(
+        compiled.kernel_for(config, index)(
             q, k, v, dout, lse, dot, dq_accum, dk_h, dv_h, rows_of(alibi, s), rng, cu_q, cu_k, rows_of(seqused, s),
             softmax_scale, *scales(softmax_scale, softcap), left, right, grid_x)
-        compiled.bwd_kernel_for(DQConvertConfig(t, config.even_k, True, config.dq_vec), index)(
+        compiled.kernel_for(DQConvertConfig(t, config.even_k, True, config.dq_vec), index)(
             dq_accum, dq_out, cu_q, max_seqlen_q, softmax_scale)
     return _signed_dq(_finish(dq_out, dk_h, dv_h, d, hk, (dq, dk, dv), dot), dq_sign)

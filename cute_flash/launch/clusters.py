@@ -3,10 +3,9 @@
 kernel to be launched.
 
 A cluster's CTAs must share one GPC, and GPCs hold unequal numbers of SMs, so clusters of s CTAs
-use fewer than all SMs: on an H200 (132 SMs) at one CTA an SM, 132 / 66 / 39 / 30 / 22 / 17 /
-15 / 15 clusters of 1..8 (117 SMs for clusters of 3, 120 for 4 and 8); at two an SM, 264 /
-132 / 79 / 62 / 47 / 39 / 32 / 30 (measured 2026-12-03, docs/tuning/decode.md, Decode). The split count
-of the Hopper KV-cache entry, whose splits merge inside one cluster, reads these counts.
+may use fewer than all SMs, how many fewer depending on s and on the GPU's GPCs (the counts
+measured: docs/tuning/decode-splits.md, "Clusters the GPU holds at once"). The split count of
+the Hopper KV-cache entry, whose splits merge inside one cluster, reads these counts.
 
 The stand-in is an empty kernel loaded from PTX (a few milliseconds of driver JIT, once per
 device and CTAs an SM); what bounds CTAs an SM is its dynamic shared memory, an SM's share.

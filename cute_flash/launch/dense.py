@@ -7,7 +7,7 @@ import functools
 import torch
 
 from cute_flash.launch.rng import DropoutArgs, rng_of
-from cute_flash.kernels.config import FwdConfig
+from cute_flash.kernels.sm80.fwd import FwdConfig
 from cute_flash.launch import compiled, gpu
 from cute_flash.launch.align import aligned
 from cute_flash.launch.args import alibi_2d, positive_scale, scales, score_flags, window_edges

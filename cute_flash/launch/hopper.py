@@ -1,4 +1,4 @@
-"""The Hopper forward (kernels/fwd_sm90.py) on validated CUDA tensors; when to take it and
+"""The Hopper forward (kernels/sm90/fwd.py) on validated CUDA tensors; when to take it and
 its schedule are `policy`'s rules.
 
 The default on sm_90 GPUs (`policy.takes_hopper_path`) for dense forwards, for packed batches
@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from cute_flash.launch.rng import DropoutArgs, rng_of
-from cute_flash.kernels.fwd_sm90 import Sm90FwdConfig
+from cute_flash.kernels.sm90.fwd import Sm90FwdConfig
 from cute_flash.launch import compiled, gpu
 from cute_flash.launch.align import aligned
 from cute_flash.launch.args import alibi_2d, scales, score_flags, window_edges
@@ -66,12 +66,13 @@ def flash_fwd_sm90(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1)
     config = Sm90FwdConfig(traits, stages, persistent=persistent, speculative_max=speculative_max,
                            speculative_in_place=speculative_in_place, kv_multicast=kv_multicast,
                            **score_flags(left, right, alibi_slopes, softcap, dropout))
-    num_sms = gpu.num_sms(gpu.device_index(q.device))
+    index = gpu.device_index(q.device)
+    num_sms = gpu.num_sms(index)
     if sections is None:
         sections = section_heads(q, k, persistent and masked, traits.block_m, num_sms)
-    compiled.sm90_kernel_for(config)(q, k, v, out, lse, alibi_2d(alibi_slopes, b, h), rng_of(dropout, q.device),
-                                     tile_counter(q.device), *scales(softmax_scale, softcap), left, right,
-                                     sections, num_sms)
+    compiled.kernel_for(config, index)(q, k, v, out, lse, alibi_2d(alibi_slopes, b, h), rng_of(dropout, q.device),
+                                       tile_counter(q.device), *scales(softmax_scale, softcap), left, right,
+                                       sections, num_sms)
     return (out if out.shape[-1] == d else out[..., :d]), lse
 
 
@@ -94,7 +95,7 @@ def flash_fwd_varlen_sm90(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
                            **score_flags(left, right, alibi_slopes, softcap, dropout))
     cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     seqused = None if seqused_k is None else seqused_k.contiguous()
-    compiled.sm90_kernel_for(config)(q, k, v, out, lse, alibi_2d(alibi_slopes, cu_seqlens_q.shape[0] - 1, h),
-                                     rng_of(dropout, q.device), cu_seqlens_q, cu_seqlens_k, seqused, block_table,
-                                     max_seqlen_q, *scales(softmax_scale, softcap), left, right)
+    compiled.kernel_for(config, gpu.device_index(q.device))(
+        q, k, v, out, lse, alibi_2d(alibi_slopes, cu_seqlens_q.shape[0] - 1, h), rng_of(dropout, q.device),
+        cu_seqlens_q, cu_seqlens_k, seqused, block_table, max_seqlen_q, *scales(softmax_scale, softcap), left, right)
     return (out if out.shape[-1] == d else out[..., :d]), lse

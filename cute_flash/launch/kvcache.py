@@ -8,23 +8,22 @@ kernel, the split count, the scalars. Workspaces are kept per (call, stream).
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 
-from cute_flash.kernels.append import AppendConfig
-from cute_flash.kernels.config import FwdConfig
-from cute_flash.kernels.fwd_sm90 import Sm90FwdConfig
-from cute_flash.kernels.split_kv import StreamSplit, split_choice, workspace_shapes
+from cute_flash.kernels.sm80.append import AppendConfig
+from cute_flash.kernels.sm80.fwd import FwdConfig
+from cute_flash.kernels.sm90.fwd import Sm90FwdConfig
+from cute_flash.kernels.common.split_kv import StreamSplit, workspace_shapes
 from cute_flash.launch.align import aligned, is_aligned
 from cute_flash.launch.batch_chunks import batch_chunks, chunked, rows_of, slopes_of, splits_within_grid
 from cute_flash.launch import compiled, gpu
 from cute_flash.launch.args import alibi_2d, positive_scale, scales, score_flags, window_edges
 from cute_flash.launch.clusters import resident_clusters
 from cute_flash.launch.per_stream import per_stream, zeroed_counters
-from cute_flash.launch.policy import (CLUSTER_MAX_SPLITS, PAGE_ROWS, cache_stages, takes_dependent_launch,
-                                      takes_hopper_path, takes_two_ctas_per_sm)
+from cute_flash.launch.policy import (CLUSTER_MAX_SPLITS, PAGE_ROWS, cache_stages, hopper_cache_fits, split_choice,
+                                      takes_dependent_launch, takes_hopper_path, takes_pack_gqa, takes_two_ctas_per_sm)
 from layouts.hopper import choose_hopper_cache_traits
 from layouts.traits import ALIGN, choose_decode_traits, tile_arch
 
@@ -169,16 +168,14 @@ def _kvcache_call(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, 
         seqlens = torch.full((b,), capacity if cache_seqlens is None else cache_seqlens, dtype=torch.int32,
                              device=device)
     left, right = window_edges(causal, window_size)
-    # GQA decode: the group of query heads sharing a kv head becomes M (FwdConfig's pack_gqa).
-    pack_gqa = sq == 1 and h > hk and left < 0 and right < 0 and alibi_slopes is None
+    pack_gqa = takes_pack_gqa(sq, h, hk, left, right, alibi_slopes is not None)
     rows, heads = (h // hk, hk) if pack_gqa else (sq, h)
-    # The Hopper kernel's KV-cache entry: caches without batch indices or left pads, in pages of
-    # a multiple of its key block if paged (a TMA box per block, inside one page)
-    hopper = cache_leftpad is None and cache_batch_idx is None and takes_hopper_path(index)
+    hopper = takes_hopper_path(index)
     variant = hopper_variant or {}
     if hopper:
         traits = variant.get("traits") or choose_hopper_cache_traits(d, gpu.DTYPE_NAMES[q.dtype])
-        hopper = not (paged and k_cache.shape[1] % traits.block_n)
+        hopper = hopper_cache_fits(cache_leftpad is not None, cache_batch_idx is not None,
+                                   k_cache.shape[1] if paged else None, traits)
     if not hopper:
         traits = choose_decode_traits(d, gpu.DTYPE_NAMES[q.dtype], tile_arch(gpu.device_arch(index)))
     # CTAs an SM: the SM80 kernel's 2; the Hopper entry's CTA takes 144-160 KB of shared memory,
@@ -214,13 +211,12 @@ def _kvcache_call(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, 
                                pack_gqa=pack_gqa, ctas_per_sm=ctas_per_sm, stream_k=bool(stream_ctas),
                                cluster_merge=not stream_ctas and 1 < num_splits <= CLUSTER_MAX_SPLITS,
                                dependent_launch=variant.get("dependent_launch", pdl), **flags)
-        launch = compiled.sm90_kernel_for(config)
     else:
         config = FwdConfig(traits, **flags, even_k=d == traits.head_dim, paged=paged,
                            any_page_size=paged and k_cache.shape[1] % PAGE_ROWS != 0, kvcache=True,
                            split=num_splits > 1, has_leftpad=cache_leftpad is not None,
                            has_batch_idx=cache_batch_idx is not None, pack_gqa=pack_gqa)
-        launch = compiled.kernel_for(config, index)
+    launch = compiled.kernel_for(config, index)
     plan = KVCachePlan(config, num_splits, launch, b, h, sq, rows, heads, m_blocks)
     append = k is not None and (k.shape[1] > 0 or rotary_cos is not None)  # an empty grid cannot launch
     k_extra = 0 if k is None else k.shape[1]
@@ -238,14 +234,9 @@ def _append(q, k, v, k_cache, v_cache, seqlens, cache_batch_idx, block_table, ro
     sin = rotary_sin.contiguous() if rotary else None
     config = AppendConfig(gpu.DTYPE_NAMES[q.dtype], block_table is not None, cache_batch_idx is not None, rotary,
                           bool(interleaved), q_per_row)
-    append_for(config, index)(k, v, k_cache, v_cache, seqlens, cache_batch_idx, block_table, cos, sin, q, q_new)
+    append = compiled.kernel_for(config, index)
+    append(k, v, k_cache, v_cache, seqlens, cache_batch_idx, block_table, cos, sin, q, q_new)
     return q_new if rotary else q
-
-
-@functools.lru_cache(maxsize=None)
-def append_for(config: AppendConfig, device_index: int):
-    """The compiled append kernel of `config` on the device's arch."""
-    return compiled.cached_append(config, gpu.device_arch(device_index))
 
 
 @per_stream

@@ -18,11 +18,10 @@ import torch
 
 # int32 counters a device keeps zeroed for captured launches (4 MB). A benchmark's graph holds
 # thousands of calls (`do_bench_cudagraph`: as many as fill 100 ms), each taking its tiles'
-# counters for good. At 1 << 16, one sequence of 32k keys (8 counters a call, about 2700 calls a
-# graph) ran at 35.0-35.6 us a call in the first three graphs of a process and 37.4-37.9 after,
-# when by that count the reserve had run out and each call's zeros were a node of their own;
-# the decode bench put it at 0.99 or 1.07x CUDNN by run. At 1 << 20, 1.055-1.063x in four runs
-# (H200; docs/tuning/decode.md, "The decode bench with the larger counter reserve").
+# counters for good. At 1 << 16, one sequence of 32k keys (8 counters a call) ran out of the
+# reserve after the first three graphs of a process, and each later call, its zeros a node of
+# their own, ran slower, so the decode bench's figure for it depended on the run; at 1 << 20 it
+# held (docs/tuning/decode.md, "The decode bench with the larger counter reserve").
 RESERVE_COUNTERS = 1 << 20
 _reserves: dict[torch.device, list] = {}  # device -> [reserve, counters handed out]
 _reserve_lock = threading.Lock()
@@ -50,9 +49,8 @@ def zeroed_counters(shape, device: torch.device) -> torch.Tensor:
     a new tensor; the first such call on a device also zeroes its reserve (and waits for it, so
     that any stream may replay a graph that uses it). A launch being captured takes the next
     unused counters of that reserve, never handed out again, so the graph holds no zeroing node
-    (torch.zeros, run before our kernel on every replay): b1 / 8k decode (16 splits, global
-    merge) went from 12.50-12.65 to 11.25-11.30 us a call under graphs, H200 (docs/tuning/decode.md,
-    Decode). With no reserve left, or none made, the zeros are captured."""
+    (torch.zeros, run before our kernel on every replay; docs/tuning/decode-splits.md, "Counters
+    zeroed before the capture"). With no reserve left, or none made, the zeros are captured."""
     count = math.prod(shape)
     if not torch.cuda.is_current_stream_capturing():
         if device not in _reserves:

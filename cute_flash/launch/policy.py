@@ -1,32 +1,34 @@
 """Every run-time rule of the launch layer: which kernel a call takes (the Hopper or the SM80
-path), and the Hopper kernels' schedule, pipeline depth, speculation, multicast and launch
-choices. Each rule says why, with the measurement it rests on (docs/tuning/hopper-forward.md,
-decode.md, backward.md)."""
+path), the Hopper kernels' schedule, pipeline depth, speculation, multicast and launch
+choices, the split-KV count and the backward's dQ reduction. Each rule says what it does and
+why in a line or two, and names where its measurements are: `docs/tuning/policy.md` under the
+rule's name (what its docstring used to quote), and the dated entry of the log it came from."""
 from __future__ import annotations
 
+import functools
 import os
+from dataclasses import dataclass
 
-from cute_flash.kernels.config import BwdConfig
-from cute_flash.kernels.fwd_sm90 import Sm90FwdConfig
+from cute_flash.kernels.sm80.bwd import DQ_STAGE_BYTES, BwdConfig
+from cute_flash.kernels.sm90.fwd import Sm90FwdConfig
 from cute_flash.launch import gpu
 from layouts.hopper import (BWD_HEAD_DIMS, TALL_D64_MIN_SEQLEN_K, TALL_D64_UNMASKED_MIN_SEQLEN_K, TWO_CTAS_MAX_HEAD_DIM,
                             choose_hopper_traits)
+from layouts.traits import SMEM_LIMIT, BwdTraits, tile_arch
 
 PAGE_ROWS = 16  # pages of a multiple of this many rows take the page-run / shared-page-id copies
 
 
 def takes_hopper_path(index: int) -> bool:
     """Dense forwards, packed batches (over pages of a multiple of its key block too) and KV
-    caches (those the Hopper entry takes, launch/kvcache.py) on sm_90 GPUs take the Hopper
-    kernel (launch/hopper.py) unless `CUTE_FLASH_ARCH_PATH=sm80` selects the SM80 kernel, which
-    every other GPU runs (a packed batch measured 602 / 527 TFLOP/s on the Hopper kernel against
-    367 / 338 on the SM80 one, non-causal / causal; decode 1.03-1.16x the SM80 kernel except at
-    1k-key caches; H200, docs/tuning/hopper-forward.md, docs/tuning/decode.md)."""
+    caches (those `hopper_cache_fits`) on sm_90 GPUs take the Hopper kernel, which leads the SM80
+    one there, unless `CUTE_FLASH_ARCH_PATH=sm80` selects the SM80 kernel, which every other GPU
+    runs (docs/tuning/policy.md; docs/tuning/hopper-forward.md, "Hopper forward")."""
     return os.environ.get("CUTE_FLASH_ARCH_PATH") != "sm80" and gpu.device_arch(index) == 90
 
 
 def takes_hopper_bwd(config: BwdConfig, index: int) -> bool:
-    """Dense backwards on sm_90 take the Hopper kernel (kernels/bwd_sm90.py) where it exists:
+    """Dense backwards on sm_90 take the Hopper kernel (kernels/sm90/bwd.py) where it exists:
     head-dim buckets 32, 64, 128 (`layouts.hopper.BWD_HEAD_DIMS`), not deterministic (its dQ
     adds are unordered bulk reduces); `CUTE_FLASH_ARCH_PATH=sm80` selects the SM80 kernel.
     docs/tuning/backward.md lists what falls back and why."""
@@ -37,7 +39,7 @@ def takes_hopper_bwd(config: BwdConfig, index: int) -> bool:
 PERSISTENT_MAX_KEY_BLOCKS = 64
 
 
-L2_SECTION_BYTES = 32 << 20  # K / V bytes a scheduling section's heads may span: ~2/3 of the H200's 50 MB L2
+L2_SECTION_BYTES = 32 << 20  # K / V bytes a scheduling section's heads may span: ~2/3 of an H100 / H200 L2
 
 
 ONE_WAVE_MAX_M_BLOCKS = 8  # up to this many query blocks a pair, a section is one wave's pairs (section_heads)
@@ -45,76 +47,59 @@ ONE_WAVE_MAX_M_BLOCKS = 8  # up to this many query blocks a pair, a section is o
 
 def prefers_persistent(traits, seqlen_k: int, masked: bool) -> bool:
     """The persistent kernel (one CTA per SM, tiles claimed from a counter) where it measured
-    faster than one CTA per tile (H200, bf16, TFLOP/s, docs/tuning/hopper-forward.md): always without a causal
-    / local mask (d 128 512 / 2k / 16k: 446 / 564 / 613 against 409 / 546 / 610); under one, up
-    to 64 key blocks per tile (since Q is released early, d 128 causal 4k / 8k: 585 / 616
-    against 547 / 596), not beyond (16k: 633 against 635); 192-row tiles always (d 64 512: 317
-    against 138)."""
+    faster than one CTA per tile: always without a causal / local mask, under one up to
+    PERSISTENT_MAX_KEY_BLOCKS key blocks a tile (Q released early pays there, not beyond), and
+    192-row tiles always (docs/tuning/policy.md; docs/tuning/hopper-forward.md, "Tuning log")."""
     if not Sm90FwdConfig.fits_persistent(traits):
         return False
     return (traits.warpgroups == 3 or not masked
             or -(-seqlen_k // traits.block_n) <= PERSISTENT_MAX_KEY_BLOCKS)
 
 
-# Three K / V stages up to this many keys (8 key blocks a tile): a third block in flight, likely
-# the next tile's first while this one's last ones and its epilogue run (not profiled)
-DEEP_PIPELINE_MAX_SEQLEN_K = 1024
+DEEP_PIPELINE_MAX_SEQLEN_K = 1024  # three K / V stages up to this many keys (`kv_stages`)
 
 
-DEEP_PIPELINE_MAX_HEAD_DIM = 96  # measured at 32 / 64 / 96; d 128's do not fit beside O's tile
+DEEP_PIPELINE_MAX_HEAD_DIM = 96  # ... at this head dim and below: d 128's do not fit beside O's tile
 
 
 def kv_stages(traits, seqlen_k: int, persistent: bool) -> int:
     """K / V pipeline depth: 3 stages for the persistent kernel's 128-row tiles up to
-    DEEP_PIPELINE_MAX_SEQLEN_K keys at d <= DEEP_PIPELINE_MAX_HEAD_DIM (192 KB of shared memory
-    at d 96), 2 otherwise. H200, time with 2 stages over time with 3, best of 3 (docs/tuning/hopper-forward.md,
-    Hopper step 18): d 64 non-causal 512 1.022-1.028, causal 512 1.025, causal 1k 1.027-1.033;
-    d 32 512 1.008, causal 1k 1.019; d 96 512 1.026, causal 1k 1.009; but at 4k-8k keys
-    0.974-1.001 (d 32 and 96), and on 192-row tiles 0.986-1.031."""
+    DEEP_PIPELINE_MAX_SEQLEN_K keys at d <= DEEP_PIPELINE_MAX_HEAD_DIM (a third block in flight,
+    likely the next tile's first while this one's epilogue runs), 2 otherwise: short keys
+    gained, longer keys and 192-row tiles did not (docs/tuning/policy.md; docs/tuning/hopper-forward.md, Hopper
+    step 18)."""
     deep = (seqlen_k <= DEEP_PIPELINE_MAX_SEQLEN_K and persistent and traits.warpgroups == 2
             and traits.head_dim <= DEEP_PIPELINE_MAX_HEAD_DIM)
     return 3 if deep else 2
 
 
 def takes_tall_tiles(seqlen_k: int, masked: bool, dropout) -> bool:
-    """d 64's 192-row tiles (`choose_hopper_traits`' long_keys): from 2048 keys under a causal
-    / local mask, from 1024 without one (1k: 417-420 TFLOP/s against 395-404 non-causal, 288
-    against 325 causal; H200, docs/tuning/hopper-forward.md); never with dropout (three consumer warpgroups
-    leave a thread 160 registers, and ptxas spilled 150-640 B)."""
+    """d 64's 192-row tiles (`choose_hopper_traits`' long_keys) from TALL_D64_MIN_SEQLEN_K keys
+    under a causal / local mask and TALL_D64_UNMASKED_MIN_SEQLEN_K without one, where they
+    measured faster; never with dropout, whose calls spill in the 160 registers a thread that
+    three consumer warpgroups leave (docs/tuning/policy.md; docs/tuning/hopper-forward.md)."""
     return dropout is None and seqlen_k >= (TALL_D64_MIN_SEQLEN_K if masked else TALL_D64_UNMASKED_MIN_SEQLEN_K)
 
 
-# Under a causal / local mask speculative maxima start from this many keys: below it a tile's
-# second key block, where the diagonal block's few keys leave a low kept maximum in some rows,
-# is a large share of its blocks, and those fall back (H200, d 128 causal 512: 0.975x).
+# Under a causal / local mask speculative maxima start from this many keys: below it the blocks
+# after the diagonal one, whose few keys leave low kept maxima, are a large share and fall back
 SPECULATIVE_MASKED_MIN_SEQLEN_K = 1024
 
 
 # ... from this many at d 64 and below, where the softmax is a larger share of a block's work
-# (H200, causal 512, beside / update: d 32 1.014-1.020, d 64 1.008-1.015; 768: 1.033-1.038)
 SPECULATIVE_MASKED_MIN_SEQLEN_K_D64 = 512
 
 
-# ... and on 192-row tiles, where P goes over S (`speculates_in_place`) and a warpgroup's vote
-# fails where any of its warps' would, from this many under a window's left edge, whose blocks
-# speculate too (H200, d 64 causal when every block speculated, in place / update: 2k
-# 0.954-0.968, 4k 0.982-0.991, 8k 1.000-1.035, 16k 1.031-1.032). Under a causal mask the
-# diagonal's blocks take `update` (`FlashFwdSm90.scores`) and the rest speculate at any length.
+# ... and on 192-row tiles (P over S, `speculates_in_place`) from this many under a window's left
+# edge; under a causal mask the diagonal's blocks take `update` and the rest speculate at any length
 SPECULATIVE_IN_PLACE_LEFT_EDGE_MIN_SEQLEN_K = 8192
 
 
 def takes_speculative_max(traits, seqlen_k: int, has_left: bool, has_right: bool, dropout, alibi: bool) -> bool:
-    """P from the kept row maxima first (`OnlineSoftmax.update_speculative`), not with dropout
-    (its calls need the registers) nor with ALiBi where P goes over S (ptxas 13.0 spilled
-    236-1132 B there, up to 538 spill instructions in the key-block loop, against 136-380 B
-    without speculation), and under a mask from SPECULATIVE_MASKED_MIN_SEQLEN_K keys (the _D64
-    edge at d 64 and below; where P goes over S, any length under a causal mask, and
-    SPECULATIVE_IN_PLACE_LEFT_EDGE_MIN_SEQLEN_K under a window's left edge).
-    H200, against `update`, best of 3: d 128 non-causal 8k / 16k 1.069 / 1.070, causal 4k /
-    16k 1.039 / 1.055, d 64 512 1.037, causal 1k 1.037 (P beside S); d 64's 192-row tiles
-    non-causal 1k / 2k / 8k / 16k 1.011-1.025 / 1.022-1.028 / 1.029-1.040 / 1.036-1.047, causal
-    (diagonal blocks eager) 2k / 4k / 8k / 16k 1.017-1.019 / 1.028-1.031 / 1.035-1.045 /
-    1.044-1.060 (P over S; docs/tuning/hopper-forward.md, Hopper steps 16-18)."""
+    """P from the kept row maxima first (`OnlineSoftmax.update_speculative`): not with dropout
+    (its calls need the registers) nor with ALiBi where P goes over S (ptxas spilled there), and
+    under a mask from the key counts above, where it measured faster than `update` (docs/tuning/policy.md;
+    docs/tuning/hopper-forward.md, Hopper steps 16-18)."""
     in_place = speculates_in_place(traits)
     if in_place:
         min_masked = SPECULATIVE_IN_PLACE_LEFT_EDGE_MIN_SEQLEN_K if has_left else 0
@@ -128,15 +113,13 @@ def takes_speculative_max(traits, seqlen_k: int, has_left: bool, has_right: bool
 
 def speculates_in_place(traits) -> bool:
     """Speculative P over S (`Sm90FwdConfig.speculative_in_place`: a failed vote issues the
-    warpgroup's Q K^T again) rather than beside it in 64 more registers a thread: on 192-row
-    tiles, whose 160 registers a thread have no room for them (ptxas 13.0: 1016 B of spills).
-    128-row tiles keep P beside S: in place measured 0.966-1.000x of it at d 128 (4k-16k, causal
-    1k-16k) and 0.71x at d 64 non-causal 512 (H200, docs/tuning/hopper-forward.md, Hopper step 17)."""
+    warpgroup's Q K^T again) on 192-row tiles, whose 160 registers a thread have no room for P
+    beside S; 128-row tiles keep P beside S, which measured faster (docs/tuning/policy.md;
+    docs/tuning/hopper-forward.md, Hopper step 17)."""
     return traits.warpgroups == 3
 
 
-# K / V multicast from this many keys, at d 128 (`takes_kv_multicast`)
-KV_MULTICAST_MIN_SEQLEN_K = 2048
+KV_MULTICAST_MIN_SEQLEN_K = 2048  # K / V multicast from this many keys, at d 128 (`takes_kv_multicast`)
 
 
 KV_MULTICAST_HEAD_DIM = 128
@@ -151,10 +134,9 @@ def kv_multicast_fits(traits, seqlen_q: int, masked: bool, persistent: bool) -> 
 
 def takes_kv_multicast(traits, seqlen_q: int, seqlen_k: int, masked: bool, persistent: bool, dropout) -> bool:
     """K / V multicast by default where it fits, at d 128 from KV_MULTICAST_MIN_SEQLEN_K keys,
-    without dropout (not measured with it). H200, d 128 non-causal, against the same kernel
-    unicast, best of 3: 1k 1.004, 2k 1.025, 4k 1.022, 8k 1.041, 16k 1.016; 16k held for 3.5 s
-    679 -> 699 TFLOP/s at the same 689-690 W (the clock 1584-1591 -> 1625-1626 MHz: half the
-    K / V bytes from L2 a tile); d 64 0.962-0.995, so not there (docs/tuning/hopper-forward.md, Hopper step 20)."""
+    without dropout (not measured with it): half the K / V bytes from L2 a tile let the clock
+    rise at the power limit; d 64 measured slower (docs/tuning/policy.md; docs/tuning/hopper-forward.md, Hopper
+    step 20)."""
     return (traits.head_dim == KV_MULTICAST_HEAD_DIM and seqlen_k >= KV_MULTICAST_MIN_SEQLEN_K
             and dropout is None and kv_multicast_fits(traits, seqlen_q, masked, persistent))
 
@@ -162,17 +144,11 @@ def takes_kv_multicast(traits, seqlen_q: int, seqlen_k: int, masked: bool, persi
 def section_heads(q, k, longest_first: bool, block_m: int, num_sms: int) -> int:
     """(batch, head) pairs per scheduling section (`FlashFwdSm90.tile`). longest_first (the
     persistent kernel under a causal or local mask): tiles go longest first across a section's
-    pairs. Over many pairs of at most ONE_WAVE_MAX_M_BLOCKS query blocks, a pair's tiles land
-    in different waves, so a section is the pairs whose tiles fill one wave (a K / V head read
-    by all its tiles while in L2); a longer pair has tiles in flight together, and a section is
-    as many pairs as keep the K / V read within L2_SECTION_BYTES (a K / V head shared by a
-    group of query heads counting once). H200 causal, TFLOP/s, 32 MB sections against 32 / 16
-    pairs (one wave: 33 / 16): d 64 512 260-262 / 265-267, 1k 342-348 / 350-354; d 128 512
-    333-336 / 353-355, 1k 441-460 / 460-464; smaller sections lost from 16 blocks (d 128 4k: 16
-    pairs (32 MB) 602-624, 8 pairs 597-603, 2 pairs 573-600; docs/tuning/hopper-forward.md, Hopper step 22).
-    Otherwise a section is one pair: its tiles are equal, or the hardware hands out one CTA per
-    tile in order, which balances them itself (one CTA per tile, d 128 causal 512 / 2k / 16k:
-    242 / 416 / 565 TFLOP/s in per-pair order, 236 / 437 / 560 longest first)."""
+    pairs. Pairs of at most ONE_WAVE_MAX_M_BLOCKS query blocks: a section is the pairs whose
+    tiles fill one wave; longer pairs: as many pairs as keep the K / V read within
+    L2_SECTION_BYTES (a K / V head shared by a group of query heads counting once). Otherwise a
+    section is one pair: its tiles are equal, or one CTA per tile balances itself (docs/tuning/policy.md;
+    docs/tuning/hopper-forward.md, Hopper step 22)."""
     if not longest_first:
         return 1
     pairs = q.shape[0] * q.shape[2]  # the cap keeps section_heads * query blocks within int32
@@ -189,6 +165,20 @@ def hopper_pages_fit(q, k_pages) -> bool:
     return k_pages.shape[1] % choose_hopper_traits(q.shape[-1], gpu.DTYPE_NAMES[q.dtype]).block_n == 0
 
 
+
+def takes_pack_gqa(seqlen_q: int, heads: int, heads_k: int, left: int, right: int, alibi: bool) -> bool:
+    """GQA decode folds a group's query heads into one CTA's rows (`pack_gqa`, flash-attn 2's
+    seqlenq_ngroups_swapped), so each K / V tile is read once a group: one query row, no window
+    edge, no ALiBi (whose slopes and masks are per query head and row)."""
+    return seqlen_q == 1 and heads > heads_k and left < 0 and right < 0 and not alibi
+
+
+def hopper_cache_fits(leftpad: bool, batch_idx: bool, page_size: int | None, traits) -> bool:
+    """The Hopper KV-cache entry takes caches without cache_leftpad or cache_batch_idx (not built
+    there), in one row a sequence or in pages of a multiple of its key block (a TMA box a block,
+    inside one page); the rest take the SM80 kernel (docs/tuning/decode.md)."""
+    return not leftpad and not batch_idx and (page_size is None or page_size % traits.block_n == 0)
+
 TWO_CTAS_MAX_KEYS = 4096
 
 
@@ -198,11 +188,8 @@ CLUSTER_MAX_SPLITS = 8  # a portable cluster's CTAs: the Hopper entry's splits m
 def takes_two_ctas_per_sm(work_ctas: int, num_sms: int, capacity: int, head_dim: int) -> bool:
     """The Hopper entry at two CTAs an SM (64 x 64 tiles, `Sm90FwdConfig.ctas_per_sm`) for caches
     of at most `TWO_CTAS_MAX_KEYS` keys whose tiles outnumber the SMs (so no split): one CTA's
-    prologue and merge overlap the other's keys. Measured against the shipped 64 x 128 tiles
-    (H200, d 128, 32 / 8 heads, CUDA graphs, `tune --decode`; docs/tuning/decode-splits.md, "Two CTAs an SM
-    for short caches"): 1.33x at 17 sequences of 1k keys (136 tiles: one wave plus 4 CTAs at
-    one an SM), 1.05-1.14x at 24-64 sequences of 1k, 1.01-1.04x at 2k-4k, 1.00 at 8k, 0.98 at
-    32k; where the shipped tiles split (1 and 8 sequences) 0.96-1.02x."""
+    prologue and merge overlap the other's keys; longer caches and split ones gained nothing
+    (docs/tuning/policy.md; docs/tuning/decode-splits.md, "Two CTAs an SM for short caches")."""
     return work_ctas > num_sms and capacity <= TWO_CTAS_MAX_KEYS and head_dim <= TWO_CTAS_MAX_HEAD_DIM
 
 
@@ -211,13 +198,9 @@ DEEP_CACHE_MAX_HEAD_DIM = 64
 
 def cache_stages(traits, ctas_per_sm: int) -> int:
     """K / V pipeline depth of the Hopper entry: 3 stages at d <= `DEEP_CACHE_MAX_HEAD_DIM` and
-    one CTA an SM, 2 otherwise. A d 64 stage is 16 KB of K and 16 of V, so two stages leave
-    too few bytes in flight to stream the cache. H200, 32 / 8 heads, CUDA graphs, us a call,
-    2 stages / 3 / 4 / CUDNN (docs/tuning/decode.md, "Dense stream-K, d 64 decode stages, ..."): 8
-    sequences of 32k 128-130 / 120-123 / 121-123 / 122; 8 of 128k 496-503 / 475-489 / 476-489
-    / 468; 1 of 128k 66.8 / 64.2 / 65.4 / 66.2; 32 of 8k 127-129 / 122-124 / 123-124 / 119. d
-    128 gained nothing (8 of 32k 235-236 against 236, and 4 stages do not fit). d 32, half a d
-    64 stage, takes 3 by the same reasoning, not measured; two CTAs an SM, not measured, keep 2."""
+    one CTA an SM, 2 otherwise: two d 64 stages leave too few bytes in flight to stream the
+    cache, d 128 gained nothing (and 4 stages do not fit) (docs/tuning/policy.md; docs/tuning/decode.md, "Dense
+    stream-K, d 64 decode stages, ...")."""
     return 3 if traits.head_dim <= DEEP_CACHE_MAX_HEAD_DIM and ctas_per_sm == 1 else 2
 
 
@@ -227,12 +210,93 @@ DEPENDENT_LAUNCH_MAX_KEYS = 8192
 def takes_dependent_launch(ctas: int, slots: int, keys_per_cta: int) -> bool:
     """The Hopper entry launches as a programmatic dependent (`Sm90FwdConfig.dependent_launch`)
     unless its CTAs fit in one wave that leaves SM slots idle and each streams more than
-    `DEPENDENT_LAUNCH_MAX_KEYS` keys. PDL saves a fixed 0.1-1.3 us a call (launch and prologue
-    under the previous kernel) but slowed such launches by 1-2% of their time. H200, d 128, 32 /
-    8 heads, CUDA graphs, calls back to back, without PDL against with it (docs/tuning/decode.md, "PDL
-    only where it pays"), on two machines, in one process and in separate ones: 8 sequences of
-    128k keys (128 CTAs on 132 SMs, 2 splits) 922 / 943 us and 944 / 964, of 32k 235 / 239 and
-    242 / 245; 16 sequences of 128k (128 CTAs unsplit) 1881 / 1922. A third machine measured
-    0.2-0.4% the other way. Kept at one sequence of 128k (8k keys a CTA, 16 splits) for its gain
-    after a GEMM (127.9 -> 127.1 us); more CTAs than SMs (32 and 64 sequences) within 0.3%."""
+    `DEPENDENT_LAUNCH_MAX_KEYS` keys: PDL saves a fixed part of a call (launch and prologue
+    under the previous kernel) but slowed such launches (docs/tuning/policy.md; docs/tuning/decode.md, "PDL only
+    where it pays")."""
     return ctas >= slots or keys_per_cta <= DEPENDENT_LAUNCH_MAX_KEYS
+
+
+LONE_CTA_RATE = 0.95  # a decode CTA alone on its SM streams keys at this rate of each of a pair's
+SPLIT_COST = 0.5      # a split's partial O and its share of the merge, in key blocks' time
+MANY_WAVE_SPLITS = 12  # at one CTA an SM, the count of many waves that replaces one ...
+BUSY_FLOOR = 0.8       # ... whose CTAs fill less than this share of the SM slots over its waves
+
+
+@dataclass(frozen=True)
+class SplitChoice:
+    """How a split-KV launch shares out the key blocks (`split_choice`)."""
+    num_splits: int  # equal splits of every tile (1: none)
+    stream_k: bool   # the many-wave case: a kernel with stream-K (StreamSplit) takes it over every SM slot instead
+
+
+def num_splits_heuristic(work_ctas: int, num_sms: int, num_n_blocks: int, max_splits: int = 128,
+                         ctas_per_sm: int = 2, clusters: tuple[int, ...] | None = None) -> int:
+    """How many equal splits of the key range (`split_choice`)."""
+    return split_choice(work_ctas, num_sms, num_n_blocks, max_splits, ctas_per_sm, clusters).num_splits
+
+
+@functools.lru_cache(maxsize=4096)
+def split_choice(work_ctas: int, num_sms: int, num_n_blocks: int, max_splits: int = 128,
+                 ctas_per_sm: int = 2, clusters: tuple[int, ...] | None = None) -> SplitChoice:
+    """How many splits of the key range: the count whose busiest SM finishes first.
+
+    Decode is bandwidth-bound, and an SM streams keys at about the same rate whether it holds
+    one CTA or two (ctas_per_sm, the most that fit: 2 for the SM80 kernel, 1 for the Hopper
+    KV-cache entry, by its shared memory). With s splits the busiest SM runs k = ceil(work_ctas *
+    s / num_sms) CTAs of ceil(n / s) key blocks each, about k (ceil(n / s) + SPLIT_COST [s > 1])
+    / (LONE_CTA_RATE if k == 1 < ctas_per_sm else 1) blocks' time. Candidates: no split once
+    work_ctas fill 80% of the slots; otherwise the counts whose CTAs all fit in the slots at once
+    (a second wave ran slower) and that change ceil(n / s) (the others add empty splits); where
+    no split fits one wave and the unsplit CTAs leave SMs idle, counts of two waves too. The
+    smallest count at the least time wins; the constants are fitted to a sweep of every count
+    over the decode bench's cells, where flash-attn's rule ran slower.
+
+    At one CTA an SM, a winner whose CTAs fill less than BUSY_FLOOR of the SM slots over its
+    waves gives way to MANY_WAVE_SPLITS (the fewest at as many key blocks a split, so none is
+    empty) where the key blocks are at least 4 a split and the model does not call that slower;
+    a kernel with stream-K (the Hopper entry) takes stream-K over every SM slot instead
+    (`SplitChoice.stream_k`).
+
+    clusters: where s splits merge in one thread-block cluster (the Hopper entry, s up to
+    len(clusters)), clusters[s - 1] of them run at once (`launch.clusters`), on fewer SMs than
+    all where the GPCs do not divide into clusters of s: the busiest SM then runs
+    ceil(work_ctas * ctas_per_sm / clusters[s - 1]) CTAs.
+
+    docs/tuning/policy.md; docs/tuning/decode.md, "Decode"; docs/tuning/decode-splits.md, "Stream-K in place of
+    many waves of splits" and "Clusters the GPU holds at once"."""
+    slots = ctas_per_sm * num_sms
+    if work_ctas >= 0.8 * slots:
+        return SplitChoice(1, stream_k=False)
+    waves = 2 if 2 * work_ctas > slots and work_ctas < num_sms else 1
+
+    def busiest(s):  # CTAs on the busiest SM
+        if clusters and 1 < s <= len(clusters):
+            return -(-work_ctas * ctas_per_sm // clusters[s - 1])
+        return -(-work_ctas * s // num_sms)
+
+    def cost(s):
+        k = busiest(s)
+        blocks = -(-num_n_blocks // s) + (SPLIT_COST if s > 1 else 0.0)
+        return k * blocks / (LONE_CTA_RATE if k == 1 < ctas_per_sm else 1.0)
+
+    top = max(1, min(max_splits, num_n_blocks, waves * slots // work_ctas))
+    counts = [s for s in range(1, top + 1) if s == 1 or -(-num_n_blocks // s) != -(-num_n_blocks // (s - 1))]
+    best = min(counts, key=lambda s: (cost(s), s))
+    busy = work_ctas * best / (num_sms * busiest(best))
+    many = -(-num_n_blocks // -(-num_n_blocks // MANY_WAVE_SPLITS))  # the fewest at that many blocks: none empty
+    if (ctas_per_sm == 1 and busy < BUSY_FLOOR and num_n_blocks >= 4 * MANY_WAVE_SPLITS and many <= max_splits
+            and cost(many) < cost(best)):
+        return SplitChoice(many, stream_k=True)
+    return SplitChoice(best, stream_k=False)
+
+
+def dq_reduction(traits: BwdTraits, arch: int, deterministic: bool = False) -> dict:
+    """How the backward adds dQ into dQaccum on `arch` (BwdConfig's dq_vec and dq_bulk): one
+    float per atomic before sm_90; on sm_90 four (`red.global.add.v4.f32`), and where shared
+    memory holds an fp32 (block_m, head_dim) staging tile besides the traits' tiles and the run
+    is not deterministic, one `cp.reduce.async.bulk` per warp instead, which hands the adds to
+    the TMA unit while the warp goes on with the dK GEMM."""
+    if arch < 90:
+        return dict(dq_vec=1, dq_bulk=False)
+    staging = DQ_STAGE_BYTES * traits.block_m * traits.head_dim
+    return dict(dq_vec=4, dq_bulk=not deterministic and traits.smem_bytes + staging <= SMEM_LIMIT[tile_arch(arch)])

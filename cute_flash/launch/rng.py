@@ -2,7 +2,7 @@
 
 The state is the probability and flash-attn's `rng_state`, a (2,) int64 tensor (seed,
 offset) on the call's device, from which the kernels' (4,) uint32 words are built on the
-device (kernels/philox.py:Dropout.load reads key_lo, key_hi, offset_lo, threshold).
+device (kernels/common/philox.py:Dropout.load reads key_lo, key_hi, offset_lo, threshold).
 
 A call draws its rng_state from torch's default CUDA generator with one `torch.randint` on the
 device (`DropoutArgs.draw`), the way torch.compile's generated kernels take their seeds: no host

@@ -809,7 +809,7 @@ def tune_bwd(seqlens=(512, 2048, 8192)):
     and as bulk reduces where the staging tile fits: `python -m cute_flash tune --bwd`."""
     import torch
 
-    from cute_flash.kernels.config import BwdConfig
+    from cute_flash.kernels.sm80.bwd import BwdConfig
     from cute_flash.launch import gpu
     from cute_flash.launch.backward import flash_bwd
     from cute_flash.launch.dense import flash_fwd

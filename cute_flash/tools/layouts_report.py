@@ -29,8 +29,8 @@ TMA store boxes.
 """
 from pathlib import Path
 
-from cute_flash.kernels.bwd_sm90 import Sm90BwdConfig
-from cute_flash.launch.compiled import sm90_traits_stages
+from cute_flash.kernels.sm90.bwd import Sm90BwdConfig
+from cute_flash.launch.variants import sm90_traits_stages
 from layouts import verify, verify_bwd, verify_hopper
 from layouts.hopper import shipped_hopper_bwd_traits
 from layouts.traits import ELEMENT_BYTES, SMEM_LIMIT, shipped_bwd_traits, shipped_fwd_traits
@@ -124,7 +124,7 @@ def print_bwd_report(arch: int) -> bool:
 
 def print_hopper_report() -> bool:
     """The Hopper forward's traits (sm_90, the KV-cache entry's too), one row for each K / V
-    stage count a shipped variant gives it (`compiled.sm90_traits_stages`)."""
+    stage count a shipped variant gives it (`variants.sm90_traits_stages`)."""
     header = ["hopper traits", "smem B", "fits", "bij", "stage align", "P->A", "acc cover", "O boxes"]
     widths = [30, WIDTHS["smem"], WIDTHS["fits"], WIDTHS["bij"], 12, 12, 10, 8]
     print(_row(header, widths), flush=True)

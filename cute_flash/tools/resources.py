@@ -55,16 +55,17 @@ def compile_with_report(compile_fn, arch: int) -> tuple[object, dict]:
     return compiled, report
 
 
-def compile_variant(arch: int, config, compile_fn, cached: bool) -> tuple[dict, float]:
+def compile_variant(arch: int, config, cached: bool) -> tuple[dict, float]:
     """Compile one variant, into the compile cache when `cached`: its ptxas numbers and seconds.
     What `python -m cute_flash compile` runs per variant (in a worker process with --jobs)."""
-    from cute_flash import compile_cache
+    from cute_flash.compile import cache as compile_cache
+    from cute_flash.compile.registry import build as compile_config
 
     compile_cache.log.setLevel("WARNING")  # the caller prints a row per variant
     report, t0 = {}, time.time()
 
     def build():
-        result, numbers = compile_with_report(lambda opts: compile_fn(config, arch, opts), arch)
+        result, numbers = compile_with_report(lambda opts: compile_config(config, arch, opts), arch)
         report.update(numbers)
         return result
 

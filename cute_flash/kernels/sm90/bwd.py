@@ -1,0 +1,522 @@
+"""The Hopper backward (sm_90a): TMA loads on mbarrier pipelines, wgmma from shared memory and
+registers, a producer warp and two consumer warpgroups (FlashAttention-3's design, written
+here). Device code only.
+
+One CTA owns block_n = 128 keys of one (batch, head); consumer warpgroup w owns keys
+64 w .. 64 w + 63 of them. The producer loads K and V once, then Q (with LSE) and dO (with D)
+of each query block that sees a key of the block into two-stage pipelines. Per query block,
+each consumer warpgroup:
+
+    S^T  = K_w Q^T,  dP^T = V_w dO^T         (issued together; keys on wgmma's M)
+    P^T  = exp2(S^T * scale_log2 - LSE_log2)  (masks, ALiBi, softcap as the forward's)
+    dS^T = P^T * (dP^T - D)
+    dV_w += P^T dO                            (A from registers: the accumulator, converted)
+    dS^T -> shared memory; both warpgroups meet
+    dQ   = dS K (its half of dQ's rows or columns)
+    dK_w += dS^T Q                            (A from registers)
+    dQ -> staged in shared memory -> one bulk reduce-add (`cp.reduce.async.bulk`) of the
+          warpgroup's run into dQaccum, done by the TMA unit, while dK's wgmma runs
+then dK (times the softmax scale) and dV through shared memory to TMA stores.
+
+Computing S and dP transposed keeps P^T and dS^T in the registers the dV and dK GEMMs read
+them from (layouts/hopper.py); only dQ reads dS from shared memory. Every consumer thread reads
+a stage's LSE and D, so each arrives on the stage's empty barrier itself when done (`release`):
+compute-sanitizer's racecheck follows that ordering, not one lane's arrive after a named
+barrier (docs/architecture.md, Sanitizers). LSE (already times log2 e)
+and D come padded to whole query blocks (+inf and 0 past seqlen_q: P = 0 there), so rows past
+the sequence need no test: TMA zero-fills their Q and dO, and drops dK / dV rows past seqlen_k.
+dQaccum holds each query tile in warpgroup-run order (kernels/common/dq_accum.py), converted by
+`DQConvert` with `hopper=True`. With GQA every query head writes its own dK / dV rows and the
+host sums a group's heads, as on the SM80 path.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import pipeline
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from cute_flash.kernels.common.block_range import BlockRange, QueryBlocks, Window
+from cute_flash.kernels.common.dq_accum import bulk_add_run, fake_dq_accum, stage_run
+from cute_flash.kernels.common.fake import fake_stream, fake_tensor
+from cute_flash.kernels.common.flags import score_letters
+from cute_flash.kernels.common.gemm import wgmma_issue
+from cute_flash.kernels.common.philox import Dropout, keep_bit
+from cute_flash.kernels.common.score_mods import BwdScalars, Mask, apply_alibi, softcap_with_derivative
+from cute_flash.kernels.common.seq_info import SeqInfo
+from cute_flash.kernels.sm90.barriers import BwdBarrier
+from cute_flash.kernels.sm90.pipeline import seq_first, use_state
+from layouts import hopper
+from layouts.dq import HOPPER_VEC, chunk_index
+from layouts import mma as lmma
+from layouts import smem as lsmem
+from layouts.traits import ALIGN, COPY_BYTES, ELEMENT_BYTES, BwdTraits, element_type
+
+REGISTERS = (24, 240)  # (producer, consumer) per thread: 128 x 24 + 256 x 240 <= 64K
+STAGES = hopper.BWD_STAGES  # Q and dO pipelines, and dS^T
+
+
+@dataclass(frozen=True)
+class Sm90BwdConfig:
+    """One compiled Hopper backward variant: the tiles (BwdTraits: block_m x block_n, the
+    head-dim bucket, dtype; the warp grids are the SM80 kernel's and unused here) and the score
+    flags."""
+    traits: BwdTraits
+    has_left: bool = False
+    has_right: bool = False
+    has_alibi: bool = False
+    has_softcap: bool = False
+    has_dropout: bool = False  # the forward's Philox mask, recomputed (kernels/common/philox.py)
+
+    def __post_init__(self):
+        if self.traits.block_n != 128 or self.traits.block_m % 64:
+            raise ValueError("the Hopper backward takes 128 keys per CTA and query blocks of 64 rows or more")
+
+    @property
+    def num_threads(self) -> int:
+        """The consumer warpgroups and one producer warpgroup."""
+        return 128 * (hopper.bwd_warpgroups(self.traits) + 1)
+
+    @property
+    def smem_bytes(self) -> int:
+        """Q and dO (two stages each), K, V, dS^T (two stages), the fp32 dQ staging tile, LSE
+        and D (two stages each) and the mbarriers."""
+        t = self.traits
+        tiles = ELEMENT_BYTES * (4 * t.block_m * t.head_dim + 2 * t.block_n * t.head_dim + 2 * t.block_n * t.block_m)
+        return tiles + 4 * t.block_m * t.head_dim + 4 * 4 * t.block_m + 8 * (1 + 4 * STAGES)
+
+    @property
+    def name(self) -> str:
+        t = self.traits
+        return f"sm90_bwd_d{t.head_dim}_m{t.block_m}_n{t.block_n}_{t.dtype}-{score_letters(self)}"
+
+
+@dataclass(frozen=True)
+class Sm90BwdRecipe:
+    """Compile-time layouts, TMA atoms and TiledMMAs (layouts/hopper.py)."""
+    sQ_layout: cute.ComposedLayout    # (bm, d, stages), also dO's
+    sKV_layout: cute.ComposedLayout   # (bn, d)
+    sdS_layout: cute.ComposedLayout   # (bn, bm, stages): dS^T
+    tma_q: cute.CopyAtom
+    tma_do: cute.CopyAtom
+    tma_k: cute.CopyAtom
+    tma_v: cute.CopyAtom
+    tma_dk: cute.CopyAtom             # stores one warpgroup's (64, d) rows
+    tma_dv: cute.CopyAtom
+    mma_sdp: cute.TiledMma
+    mma_dkv: cute.TiledMma
+    mma_dq: cute.TiledMma
+
+
+@dataclass(frozen=True)
+class Sm90BwdTensors:
+    tma_mQ: cute.Tensor    # (seqlen_q, d, heads, batch) TMA coordinates
+    tma_mK: cute.Tensor    # (seqlen_k, d, heads_k, batch)
+    tma_mV: cute.Tensor
+    tma_mdO: cute.Tensor   # like tma_mQ
+    tma_mdK: cute.Tensor   # (seqlen_k, d, heads, batch): per query head
+    tma_mdV: cute.Tensor
+    mLSE: cute.Tensor      # (batch, heads, seqlen_q_pad) fp32: LSE * log2(e), +inf past seqlen_q
+    mD: cute.Tensor        # (batch, heads, seqlen_q_pad) fp32: rowsum(dO * O), 0 past seqlen_q
+    mdQaccum: cute.Tensor  # (1, batch, heads, tiles, bm * d) fp32, zeroed
+    mAlibi: object         # (batch, heads) fp32 slopes
+    mRng: object           # (4,) uint32: dropout's Philox key, offset and keep threshold
+
+
+@dataclass(frozen=True)
+class Sm90BwdSmem:
+    sQ: cute.Tensor        # (bm, d, stages)
+    sdO: cute.Tensor       # (bm, d, stages)
+    sK: cute.Tensor        # (bn, d)
+    sV: cute.Tensor        # (bn, d)
+    sdS: cute.Tensor       # (bn, bm, stages): dS^T
+    sLSE: cute.Tensor      # (bm, stages) fp32
+    sD: cute.Tensor        # (bm, stages) fp32
+    sdQaccum: cute.Tensor  # (bm * d,) fp32: a run per consumer warpgroup
+
+
+@dataclass(frozen=True)
+class Sm90BwdPipes:
+    kv_full: object        # K and V landed (one use per CTA)
+    q: object              # Q + LSE stages (`PipelineTmaAsync`)
+    do: object             # dO + D stages
+
+
+@dataclass(frozen=True)
+class KeyTile:
+    """This CTA's key block and the query blocks [m_block_min, m_block_max) that see it."""
+    n_block: object
+    bidh: object
+    bidb: object
+    seq: SeqInfo
+    m_block_min: object
+    m_block_max: object
+
+
+class FlashBwdSm90:
+    def __init__(self, config: Sm90BwdConfig):
+        self.config = config
+        self.t = config.traits
+        self.dtype = element_type(config.traits)
+        self.wgs = hopper.bwd_warpgroups(config.traits)
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
+                 mD: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, mAlibi, mRng,
+                 softmax_scale: cutlass.Float32, scale_log2: cutlass.Float32, score_premul: cutlass.Float32,
+                 alibi_div: cutlass.Float32, window_left: cutlass.Int32, window_right: cutlass.Int32, stream):
+        """mQ / mdO (batch, seqlen_q, heads, d), mK / mV (batch, seqlen_k, heads_k, d), mdK / mdV
+        (batch, seqlen_k, heads, d), mLSE / mD (batch, heads, seqlen_q_pad) fp32 (see
+        Sm90BwdTensors), mdQaccum (1, batch, heads, seqlen_q_pad / bm, bm * d) fp32 zeroed; mRng
+        (4,) uint32, the forward's dropout state, or None."""
+        t = self.t
+        bm, bn, d = t.block_m, t.block_n, t.head_dim
+        sQ_layout = hopper.smem_layout_staged(t, bm, STAGES)
+        sKV_layout = hopper.smem_layout(t, bn)
+        sdS_layout = hopper.smem_layout_ds(t, STAGES)
+        s64_layout = hopper.smem_layout(t, hopper.WGMMA_M)
+        sQ_stage = cute.slice_(sQ_layout, (None, None, 0))
+        tma_q, tma_mQ = hopper.tma_load_atom(t, seq_first(mQ), sQ_stage, bm)
+        tma_do, tma_mdO = hopper.tma_load_atom(t, seq_first(mdO), sQ_stage, bm)
+        tma_k, tma_mK = hopper.tma_load_atom(t, seq_first(mK), sKV_layout, bn)
+        tma_v, tma_mV = hopper.tma_load_atom(t, seq_first(mV), sKV_layout, bn)
+        tma_dk, tma_mdK = hopper.tma_store_atom(t, seq_first(mdK), s64_layout, hopper.WGMMA_M)
+        tma_dv, tma_mdV = hopper.tma_store_atom(t, seq_first(mdV), s64_layout, hopper.WGMMA_M)
+
+        qdo = (self.dtype, cute.cosize(sQ_layout), 1024)
+        kv = (self.dtype, cute.cosize(sKV_layout), 1024)
+        stat = (cutlass.Float32, bm * STAGES, 128)
+        SharedStorage = lsmem.smem_struct({
+            "kv_barrier": (cutlass.Int64, 1, None), "q_barriers": (cutlass.Int64, 2 * STAGES, None),
+            "do_barriers": (cutlass.Int64, 2 * STAGES, None),
+            "sQ": qdo, "sdO": qdo, "sK": kv, "sV": kv, "sdS": (self.dtype, cute.cosize(sdS_layout), 1024),
+            "sdQaccum": (cutlass.Float32, bm * d, 1024), "sLSE": stat, "sD": stat})
+
+        recipe = Sm90BwdRecipe(sQ_layout, sKV_layout, sdS_layout, tma_q, tma_do, tma_k, tma_v, tma_dk, tma_dv,
+                               hopper.tiled_mma_sdp_t(t), hopper.tiled_mma_dkv(t), hopper.tiled_mma_dq(t))
+        args = Sm90BwdTensors(tma_mQ, tma_mK, tma_mV, tma_mdO, tma_mdK, tma_mdV, mLSE, mD, mdQaccum, mAlibi, mRng)
+        scalars = BwdScalars(softmax_scale, scale_log2, score_premul, alibi_div, window_left, window_right)
+        self.kernel(args, scalars, recipe, SharedStorage).launch(
+            grid=(cute.ceil_div(mK.shape[1], bn), mQ.shape[2], mQ.shape[0]), block=[self.config.num_threads, 1, 1],
+            smem=SharedStorage.size_in_bytes(), stream=stream, min_blocks_per_mp=1)
+
+    @cute.kernel
+    def kernel(self, args: Sm90BwdTensors, scalars: BwdScalars, recipe: Sm90BwdRecipe,
+               SharedStorage: cutlass.Constexpr):
+        cfg, t = self.config, self.t
+        tidx, _, _ = cute.arch.thread_idx()
+        n_block, bidh, bidb = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+
+        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
+        kv_full = storage.kv_barrier.data_ptr()
+        if warp == 0:
+            for atom in (recipe.tma_q, recipe.tma_do, recipe.tma_k, recipe.tma_v):
+                cpasync.prefetch_descriptor(atom)
+        if tidx == 0:
+            cute.arch.mbarrier_init(kv_full, 1)
+        stage_bytes = cute.size_in_bytes(self.dtype, cute.slice_(recipe.sQ_layout, (None, None, 0))) + 4 * t.block_m
+        consumer_threads = pipeline.CooperativeGroup(pipeline.Agent.Thread, 128 * self.wgs)  # all arrive: `release`
+        q_pipe, do_pipe = (pipeline.PipelineTmaAsync.create(
+            barrier_storage=barriers, num_stages=STAGES,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread), consumer_group=consumer_threads,
+            tx_count=stage_bytes, defer_sync=True) for barriers in (storage.q_barriers.data_ptr(),
+                                                                    storage.do_barriers.data_ptr()))
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+        pipes = Sm90BwdPipes(kv_full, q_pipe, do_pipe)
+        stat_layout = cute.make_layout((t.block_m, STAGES))
+        smem = Sm90BwdSmem(
+            storage.sQ.get_tensor(recipe.sQ_layout.outer, swizzle=recipe.sQ_layout.inner),
+            storage.sdO.get_tensor(recipe.sQ_layout.outer, swizzle=recipe.sQ_layout.inner),
+            storage.sK.get_tensor(recipe.sKV_layout.outer, swizzle=recipe.sKV_layout.inner),
+            storage.sV.get_tensor(recipe.sKV_layout.outer, swizzle=recipe.sKV_layout.inner),
+            storage.sdS.get_tensor(recipe.sdS_layout.outer, swizzle=recipe.sdS_layout.inner),
+            storage.sLSE.get_tensor(stat_layout), storage.sD.get_tensor(stat_layout),
+            storage.sdQaccum.get_tensor(cute.make_layout(t.block_m * t.head_dim)))
+
+        seq = SeqInfo.make(bidb, args.tma_mQ.shape[0], args.tma_mK.shape[0])
+        window = Window(scalars.window_left, scalars.window_right, cfg.has_left, cfg.has_right)
+        blocks = QueryBlocks.make(seq, n_block, t.block_m, t.block_n, window)
+        tile = KeyTile(n_block, bidh, bidb, seq, blocks.m_block_min, blocks.m_block_max)
+
+        producer_regs, consumer_regs = REGISTERS
+        if warp < 4:
+            cute.arch.setmaxregister_decrease(producer_regs)
+            if warp == 0:
+                self.produce(args, recipe, pipes, smem, tile)
+        else:
+            cute.arch.setmaxregister_increase(consumer_regs)
+            self.consume(args, scalars, recipe, pipes, smem, tile, window, tidx - 128)
+
+    @cute.jit
+    def produce(self, args: Sm90BwdTensors, recipe: Sm90BwdRecipe, pipes: Sm90BwdPipes, smem: Sm90BwdSmem,
+                tile: KeyTile):
+        """Warp 0: K and V, then Q + LSE and dO + D of each query block into the next free stage
+        of their pipelines (a TMA copy is issued by the whole warp: it elects one lane itself;
+        LSE and D, contiguous runs of block_m floats, by one lane's bulk copy)."""
+        t = self.t
+        bm, bn, d = t.block_m, t.block_n, t.head_dim
+        heads = args.tma_mQ.shape[2]
+        bidh_kv = tile.bidh // (heads // args.tma_mK.shape[2])
+        one = cute.make_layout(1)
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(pipes.kv_full,
+                                                    2 * cute.size_in_bytes(self.dtype, recipe.sKV_layout))
+        for atom, src, dst in ((recipe.tma_k, args.tma_mK, smem.sK), (recipe.tma_v, args.tma_mV, smem.sV)):
+            g = cute.local_tile(src[None, None, bidh_kv, tile.bidb], (bn, d), (tile.n_block, 0))  # (bn, d)
+            tXsX, tXgX = cpasync.tma_partition(atom, 0, one, cute.group_modes(dst, 0, 2),
+                                               cute.group_modes(g, 0, 2))  # (TMA,), (TMA,)
+            cute.copy(atom, tXgX, tXsX, tma_bar_ptr=pipes.kv_full)
+
+        gQ = cute.local_tile(args.tma_mQ[None, None, tile.bidh, tile.bidb], (bm, d), (None, 0))  # (bm, d, m_blocks)
+        gdO = cute.local_tile(args.tma_mdO[None, None, tile.bidh, tile.bidb], (bm, d), (None, 0))
+        tQsQ, tQgQ = cpasync.tma_partition(recipe.tma_q, 0, one, cute.group_modes(smem.sQ, 0, 2),
+                                           cute.group_modes(gQ, 0, 2))  # (TMA, stages), (TMA, m_blocks)
+        tdOsdO, tdOgdO = cpasync.tma_partition(recipe.tma_do, 0, one, cute.group_modes(smem.sdO, 0, 2),
+                                               cute.group_modes(gdO, 0, 2))  # (TMA, stages), (TMA, m_blocks)
+        lse_row = args.mLSE[tile.bidb, tile.bidh, None]  # (seqlen_q_pad,)
+        d_row = args.mD[tile.bidb, tile.bidh, None]
+        for i in cutlass.range(tile.m_block_max - tile.m_block_min, unroll=1):
+            m_block = tile.m_block_min + i
+            write = use_state(i, STAGES, producer=True)
+            pipes.q.producer_acquire(write)
+            bar = pipes.q.producer_get_barrier(write)
+            cute.copy(recipe.tma_q, tQgQ[None, m_block], tQsQ[None, write.index], tma_bar_ptr=bar)
+            self.bulk_load(lse_row, smem.sLSE, m_block, write.index, bar)
+            pipes.do.producer_acquire(write)
+            bar = pipes.do.producer_get_barrier(write)
+            cute.copy(recipe.tma_do, tdOgdO[None, m_block], tdOsdO[None, write.index], tma_bar_ptr=bar)
+            self.bulk_load(d_row, smem.sD, m_block, write.index, bar)
+
+    @cute.jit
+    def bulk_load(self, row: cute.Tensor, s: cute.Tensor, m_block, stage, bar):
+        """block_m floats of `row` from m_block * block_m into stage `stage` of `s`, completing
+        on mbarrier `bar` (16-byte aligned: the rows are padded to whole query blocks)."""
+        bm = self.t.block_m
+        with cute.arch.elect_one():
+            src = row.iterator + cute.assume(m_block * bm, divby=bm)
+            dst = s.iterator + cute.assume(stage * bm, divby=bm)
+            cute.arch.inline_ptx(
+                "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [{$r0}], [{$r1}], {$r2}, [{$r3}];",
+                read_only_args=[dst.toint(), src.toint(), cutlass.Int32(bm * 4), bar.toint()])
+
+    @cute.jit
+    def consume(self, args: Sm90BwdTensors, scalars: BwdScalars, recipe: Sm90BwdRecipe, pipes: Sm90BwdPipes,
+                smem: Sm90BwdSmem, tile: KeyTile, window: Window, mma_tidx):
+        """A consumer warpgroup: dK and dV of its 64 keys, and its share of each query block's
+        dQ (mma_tidx: the thread's index among the consumers)."""
+        cfg, t = self.config, self.t
+        bm, bn, d = t.block_m, t.block_n, t.head_dim
+        wg_idx = mma_tidx // 128
+        wg = cute.make_layout(self.wgs, stride=128)  # A / B partitions are per warpgroup: its first thread
+        wg_sdp = recipe.mma_sdp.get_slice(wg(wg_idx))
+        wg_dkv = recipe.mma_dkv.get_slice(wg(wg_idx))
+        wg_dq = recipe.mma_dq.get_slice(wg(wg_idx))
+        tSrK = recipe.mma_sdp.make_fragment_A(wg_sdp.partition_A(smem.sK))     # (MMA, MMA_M, MMA_K)
+        tSrQ = recipe.mma_sdp.make_fragment_B(wg_sdp.partition_B(smem.sQ))     # (MMA, MMA_N, MMA_K, stages)
+        tdPrV = recipe.mma_sdp.make_fragment_A(wg_sdp.partition_A(smem.sV))    # (MMA, MMA_M, MMA_K)
+        tdPrdO = recipe.mma_sdp.make_fragment_B(wg_sdp.partition_B(smem.sdO))  # (MMA, MMA_N, MMA_K, stages)
+        tdVrdO = recipe.mma_dkv.make_fragment_B(wg_dkv.partition_B(lsmem.transposed_view(smem.sdO)))  # (.., stages)
+        tdKrQ = recipe.mma_dkv.make_fragment_B(wg_dkv.partition_B(lsmem.transposed_view(smem.sQ)))    # (.., stages)
+        tdQrdS = recipe.mma_dq.make_fragment_A(wg_dq.partition_A(lsmem.transposed_view(smem.sdS)))    # (.., stages)
+        tdQrK = recipe.mma_dq.make_fragment_B(wg_dq.partition_B(lsmem.transposed_view(smem.sK)))      # (MMA, N, K)
+        acc_s = cute.make_rmem_tensor(wg_sdp.partition_shape_C((bn, bm)), cutlass.Float32)  # (MMA, MMA_M, MMA_N)
+        acc_dp = cute.make_rmem_tensor(wg_sdp.partition_shape_C((bn, bm)), cutlass.Float32)
+        acc_dk = cute.make_rmem_tensor(wg_dkv.partition_shape_C((bn, d)), cutlass.Float32)  # (MMA, MMA_M, MMA_N)
+        acc_dv = cute.make_rmem_tensor(wg_dkv.partition_shape_C((bn, d)), cutlass.Float32)
+        acc_dq = cute.make_rmem_tensor(wg_dq.partition_shape_C((bm, d)), cutlass.Float32)
+        acc_dk.fill(0.0)
+        acc_dv.fill(0.0)
+
+        slope = cutlass.Float32(0.0)
+        if cutlass.const_expr(cfg.has_alibi):
+            slope = args.mAlibi[tile.bidb, tile.bidh] * scalars.alibi_div
+        mask = Mask(tile.seq.seqlen_q, tile.seq.seqlen_k, window)
+        dropout = None
+        if cutlass.const_expr(cfg.has_dropout):
+            dropout = Dropout.load(args.mRng, tile.bidb, tile.bidh, args.tma_mQ.shape[2])
+        cute.arch.mbarrier_wait(pipes.kv_full, 0)
+        for i in cutlass.range(tile.m_block_max - tile.m_block_min, unroll=1):
+            m_block = tile.m_block_min + i
+            read = use_state(i, STAGES, producer=False)
+            # MMAs of this iteration's own: wgmma sets an MMA's accumulate field, state that
+            # must not escape the loop it was set in.
+            mma_s, mma_dp = hopper.tiled_mma_sdp_t(t), hopper.tiled_mma_sdp_t(t)
+            mma_dv, mma_dk, mma_dq = hopper.tiled_mma_dkv(t), hopper.tiled_mma_dkv(t), hopper.tiled_mma_dq(t)
+            pipes.q.consumer_wait(read)
+            wgmma_issue(mma_s, acc_s, tSrK, tSrQ[None, None, None, read.index])
+            pipes.do.consumer_wait(read)
+            wgmma_issue(mma_dp, acc_dp, tdPrV, tdPrdO[None, None, None, read.index])
+            warpgroup.wait_group(1)  # S^T landed; dP^T may still run
+
+            dtanh = None
+            if cutlass.const_expr(cfg.has_softcap):
+                dtanh = softcap_with_derivative(acc_s, scalars.score_premul)
+            lo, hi = BlockRange.unmasked(tile.seq, m_block, bm, bn, window)
+            if lo <= tile.n_block and tile.n_block < hi:
+                self.modify(acc_s, mask, slope, m_block, tile.n_block, mma_tidx, recipe, False)
+            else:
+                self.modify(acc_s, mask, slope, m_block, tile.n_block, mma_tidx, recipe, True)
+
+            c_sdp = recipe.mma_sdp.get_slice(mma_tidx)
+            tLSE = lmma.acc_mn_view(c_sdp.partition_C(self.by_column(smem.sLSE, read.index)))  # (keys, queries)
+            tD = lmma.acc_mn_view(c_sdp.partition_C(self.by_column(smem.sD, read.index)))
+            acc_s_mn = lmma.acc_mn_view(acc_s)  # (keys, queries)
+            acc_dp_mn = lmma.acc_mn_view(acc_dp)
+            for c in cutlass.range_constexpr(cute.size(acc_s_mn.shape[1])):
+                lse = tLSE[0, c]
+                for r in cutlass.range_constexpr(cute.size(acc_s_mn.shape[0])):
+                    acc_s_mn[r, c] = cute.math.exp2(acc_s_mn[r, c] * scalars.scale_log2 - lse, fastmath=True)
+            warpgroup.wait_group(0)  # dP^T landed
+            if cutlass.const_expr(cfg.has_dropout):
+                keep_bits = dropout.pair_keep_bits(recipe.mma_sdp, mma_tidx, m_block * bm, tile.n_block * bn, (bn, bm))
+                self.dropout_ds(dropout, keep_bits, acc_s, acc_dp,
+                                c_sdp.partition_C(self.by_column(smem.sD, read.index)))
+            else:
+                for c in cutlass.range_constexpr(cute.size(acc_s_mn.shape[1])):
+                    dot = tD[0, c]
+                    for r in cutlass.range_constexpr(cute.size(acc_s_mn.shape[0])):
+                        acc_dp_mn[r, c] = acc_s_mn[r, c] * (acc_dp_mn[r, c] - dot)
+            if cutlass.const_expr(cfg.has_softcap):
+                for j in cutlass.range(cute.size(acc_dp), unroll_full=True):
+                    acc_dp[j] = acc_dp[j] * dtanh[j]
+
+            tdVrP = hopper.p_operand(acc_s, self.dtype)  # ((2, 2, 2), MMA_M, MMA_K): P^T as dV's A
+            wgmma_issue(mma_dv, acc_dv, tdVrP, tdVrdO[None, None, None, read.index], accumulate=True)
+            rdS = cute.make_rmem_tensor(acc_dp.layout, self.dtype)  # (MMA, MMA_M, MMA_N): dS^T
+            rdS.store(acc_dp.load().to(self.dtype))
+            cute.autovec_copy(rdS, c_sdp.partition_C(smem.sdS[None, None, read.index]))
+            cute.arch.fence_view_async_shared()  # the dS^T stores, before wgmma (async proxy) reads them
+            cute.arch.barrier(barrier_id=BwdBarrier.DS, number_of_threads=128 * self.wgs)
+            wgmma_issue(mma_dq, acc_dq, tdQrdS[None, None, None, read.index], tdQrK)
+            wgmma_issue(mma_dk, acc_dk, hopper.acc_as_operand_a(rdS), tdKrQ[None, None, None, read.index],
+                        accumulate=True)
+            warpgroup.wait_group(1)  # dV and dQ landed; dK runs under dQ's staging and bulk add
+            self.release(pipes.do, read)
+            self.add_dq(acc_dq, args.mdQaccum[0, tile.bidb, tile.bidh, m_block, None], smem.sdQaccum, mma_tidx)
+            warpgroup.wait_group(0)
+            self.release(pipes.q, read)
+        self.store_dkv(acc_dk, acc_dv, scalars, recipe, args, smem, tile, mma_tidx)
+
+    @cute.jit
+    def release(self, pipe, read):
+        """This thread is done with stage `read` of `pipe` (its LSE or D values and, through the
+        wgmmas it waited for, its Q or dO tile): one arrive on the stage's empty barrier, whose
+        count is every consumer thread."""
+        pipe.sync_object_empty.arrive(read.index, None)
+
+    @cute.jit
+    def dropout_ds(self, dropout: Dropout, keep_bits, acc_s: cute.Tensor, acc_dp: cute.Tensor, tD: cute.Tensor):
+        """With dropout (Z the forward's keep mask, 1 / P(keep) its scale): acc_s (P^T) becomes
+        the dropped P~^T = P^T Z / P(keep) that dV reads, acc_dp (dP^T) becomes dS^T = P^T (dP^T
+        Z / P(keep) - D) (D, rowsum(dO * O), is already the dropped output's); keep_bits from
+        `Dropout.pair_keep_bits`, drawn once dP^T has landed (drawn while S^T and dP^T ran, they
+        measured 1-3% slower in 5 of 6 cells: docs/tuning/dropout.md, Dropout); tD (MMA, MMA_M, MMA_N)
+        each value's D."""
+        scale = dropout.scale()
+        for k in cutlass.range_constexpr(cute.size(acc_s.shape[0][2])):
+            for r in cutlass.range_constexpr(2):
+                for c in cutlass.range_constexpr(2):
+                    v = ((c, r, k), 0, 0)
+                    z = cutlass.Float32(0.0)
+                    if keep_bit(keep_bits, c, r, k):
+                        z = scale
+                    p = acc_s[v]
+                    acc_s[v] = p * z
+                    acc_dp[v] = p * (acc_dp[v] * z - tD[v])
+
+    @cute.jit
+    def by_column(self, s: cute.Tensor, stage):
+        """Stage `stage` of a (bm, stages) per-query vector as a (bn, bm) tile whose every row is
+        the vector: partitioned like S^T, it gives each accumulator column its query's value."""
+        bm = self.t.block_m
+        return cute.make_tensor(s.iterator + cute.assume(stage * bm, divby=bm),
+                                cute.make_layout((self.t.block_n, bm), stride=(0, 1)))
+
+    @cute.jit
+    def modify(self, acc_s: cute.Tensor, mask: Mask, slope, m_block, n_block, mma_tidx, recipe: Sm90BwdRecipe,
+               masked: cutlass.Constexpr):
+        """ALiBi and the masks on the S^T tile: its (keys, queries) views transposed, so that
+        the forward's (query, key) code applies unchanged."""
+        bm, bn = self.t.block_m, self.t.block_n
+        if cutlass.const_expr(masked or self.config.has_alibi):
+            acc_qk = transposed(lmma.acc_mn_view(acc_s))  # (queries, keys)
+            cS = cute.make_identity_tensor((bm, bn))      # (query, key) coordinates
+            cSt = cute.make_tensor(cS.iterator, cute.select(cS.layout, mode=[1, 0]))  # (bn, bm) -> (query, key)
+            tScS = transposed(lmma.acc_mn_view(recipe.mma_sdp.get_slice(mma_tidx).partition_C(cSt)))
+            row0, col0 = m_block * bm, n_block * bn
+            if cutlass.const_expr(self.config.has_alibi):
+                apply_alibi(acc_qk, tScS, row0, col0, mask.seqlen_k - mask.seqlen_q, slope)
+            if cutlass.const_expr(masked):
+                mask.apply(acc_qk, tScS, row0, col0)
+
+    @cute.jit
+    def add_dq(self, acc_dq: cute.Tensor, chunk: cute.Tensor, sdQaccum: cute.Tensor, mma_tidx):
+        """This warpgroup's dQ values -> its run of sdQaccum (16-byte stores, a warp's covering
+        512 consecutive bytes) -> one bulk reduce-add of the run into the same run of `chunk`,
+        issued by the warpgroup's first thread once the previous one has read the run."""
+        run = cute.size(acc_dq) * 128  # floats
+        wg_idx = mma_tidx // 128
+        first = mma_tidx % 128 == 0
+        if first:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        cute.arch.barrier(barrier_id=BwdBarrier.DQ + wg_idx, number_of_threads=128)
+        stage_run(acc_dq, sdQaccum, chunk_index(0, mma_tidx, cute.size(acc_dq), HOPPER_VEC, 128), HOPPER_VEC, 128)
+        cute.arch.barrier(barrier_id=BwdBarrier.DQ + wg_idx, number_of_threads=128)
+        if first:
+            bulk_add_run(chunk, sdQaccum, wg_idx * run, run)
+
+    @cute.jit
+    def store_dkv(self, acc_dk: cute.Tensor, acc_dv: cute.Tensor, scalars: BwdScalars, recipe: Sm90BwdRecipe,
+                  args: Sm90BwdTensors, smem: Sm90BwdSmem, tile: KeyTile, mma_tidx):
+        """dK (times the softmax scale) and dV into this warpgroup's rows of sK and sV (their
+        own swizzle atoms) once both warpgroups are done reading them, then one warp's TMA
+        stores of them (TMA drops rows past seqlen_k and columns past the tensors' head dim)."""
+        d = self.t.head_dim
+        wg_idx = mma_tidx // 128
+        for j in cutlass.range(cute.size(acc_dk), unroll_full=True):
+            acc_dk[j] = acc_dk[j] * scalars.softmax_scale
+        cute.arch.barrier(barrier_id=BwdBarrier.KV_DONE, number_of_threads=128 * self.wgs)
+        c_dkv = recipe.mma_dkv.get_slice(mma_tidx)
+        for acc, dst in ((acc_dk, smem.sK), (acc_dv, smem.sV)):
+            r = cute.make_rmem_tensor(acc.layout, self.dtype)  # (MMA, MMA_M, MMA_N)
+            r.store(acc.load().to(self.dtype))
+            cute.autovec_copy(r, c_dkv.partition_C(dst))
+        cute.arch.fence_view_async_shared()  # the generic-proxy writes, before TMA (async proxy) reads them
+        cute.arch.barrier(barrier_id=BwdBarrier.STORE + wg_idx, number_of_threads=128)
+        if mma_tidx % 128 < 32:
+            rows = (tile.n_block * self.wgs + wg_idx, 0)
+            for atom, src, dst in ((recipe.tma_dk, smem.sK, args.tma_mdK), (recipe.tma_dv, smem.sV, args.tma_mdV)):
+                s_wg = cute.local_tile(src, (hopper.WGMMA_M, d), (wg_idx, 0))  # (64, d) this warpgroup's rows
+                g = cute.local_tile(dst[None, None, tile.bidh, tile.bidb], (hopper.WGMMA_M, d), rows)  # (64, d)
+                tXsX, tXgX = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s_wg, 0, 2),
+                                                   cute.group_modes(g, 0, 2))  # (TMA,), (TMA,)
+                cute.copy(atom, tXsX, tXgX)
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)  # shared memory outlives the bulk reads
+
+
+def transposed(t: cute.Tensor) -> cute.Tensor:
+    """A rank-2 register or coordinate view with its modes swapped."""
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 0]))
+
+
+def entry(config: Sm90BwdConfig):
+    """The jit function `config` compiles."""
+    return FlashBwdSm90(config)
+
+
+def fake_args(config: Sm90BwdConfig) -> list:
+    """Placeholders for `FlashBwdSm90.__call__`: LSE and D rows padded to whole query blocks
+    (strides multiples of 4 floats: 16 bytes, what their bulk copies need)."""
+    dtype = element_type(config.traits)
+    elems = [fake_tensor(dtype, 4, ALIGN, COPY_BYTES) for _ in range(4)]
+    stats = [fake_tensor(cutlass.Float32, 3, 4, COPY_BYTES) for _ in range(2)]
+    grads = [fake_tensor(dtype, 4, ALIGN, COPY_BYTES) for _ in range(2)]
+    alibi = fake_tensor(cutlass.Float32, 2) if config.has_alibi else None
+    rng = fake_tensor(cutlass.Uint32, 1) if config.has_dropout else None
+    return (elems + stats + [fake_dq_accum(config.traits, False)] + grads
+            + [alibi, rng, 1.0, 1.0, 1.0, 1.0, -1, -1, fake_stream()])

@@ -1,0 +1,98 @@
+"""The Hopper backward (kernels/sm90/bwd.py, the default for dense backwards on sm_90 at head
+dims up to 64 and 97..128) against `cute_flash.reference` under float32 autograd, by the
+backward's rule (tests/helpers/backward.py), with the allocator poisoned first. Each test also
+checks that every backward it ran took the Hopper kernel: a silent fall back to the SM80
+kernel would pass the comparison."""
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from cute_flash import flash_attn_func
+from tests.helpers.backward import (assert_grads_match, check_private_backward, check_score_modifiers, heads, inputs,
+                                    lengths, ours)
+from tests.helpers.gpu_utils import gpu_settings
+
+pytestmark = pytest.mark.gpu
+
+# head dims whose bucket (32, 64, 128) the Hopper backward takes
+hopper_dims = st.one_of(st.sampled_from([32, 64, 128]), st.integers(1, 64), st.integers(97, 128))
+
+
+@pytest.fixture(autouse=True)
+def hopper_path(monkeypatch, kernels):
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Hopper kernel is sm_90a")
+    monkeypatch.delenv("CUTE_FLASH_ARCH_PATH", raising=False)  # the default path
+    yield
+    assert "sm90_bwd" in kernels and "sm80_bwd" not in kernels, f"the backwards that ran: {sorted(kernels)}"
+
+
+def test_private_backward_writes_given_tensors_and_returns_softmax_d():
+    """tests/gpu/test_bwd_gpu.py's test of the private backward, here on the Hopper kernel (d 64)."""
+    check_private_backward()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+@gpu_settings(10)
+@given(rng=st.random_module(), b=st.integers(1, 2), sq=lengths, sk=lengths, hh=heads, d=hopper_dims,
+       layout=st.sampled_from(["bshd", "bhsd"]))
+def test_dense_grads_match_reference(rng, b, sq, sk, hh, d, causal, dtype, layout):
+    q, k, v, dout = inputs(b, sq, sk, *hh, d, dtype, layout)
+    out, grads = ours(flash_attn_func, dout, q, k, v, causal=causal)
+    assert_grads_match(grads, q, k, v, dout, out=out, causal=causal)
+
+
+@pytest.mark.parametrize("d", [32, 64, 128, 8, 40, 100])
+@pytest.mark.parametrize("causal", [False, True])
+def test_head_dims_on_many_blocks(d, causal):
+    """More key-block CTAs than SMs and up to 16 query blocks per CTA: both pipelines' stages
+    and phases wrap several times; sq > sk leaves causal key blocks with no query row."""
+    q, k, v, dout = inputs(3, 1000, 700, 12, 4, d)
+    out, grads = ours(flash_attn_func, dout, q, k, v, causal=causal)
+    assert_grads_match(grads, q, k, v, dout, out=out, causal=causal)
+
+
+MODS = ["window", "alibi", "softcap", "all"]
+
+
+@pytest.mark.parametrize("mod", MODS)
+@gpu_settings(8)
+@given(rng=st.random_module(), sq=lengths, sk=lengths, hh=heads, d=st.sampled_from([32, 64, 128, 100]), data=st.data())
+def test_score_modifiers_with_gqa(rng, mod, sq, sk, hh, d, data):
+    """Window (both edges drawn), ALiBi, softcap (the tanh derivative), and all together, on
+    the transposed S tile, with GQA and odd lengths."""
+    check_score_modifiers(mod, sq, sk, hh, d, data)
+
+
+@pytest.mark.parametrize("d, sq, sk, opts", [
+    (32, 300, 1000, dict(causal=True)),                         # 128-row query blocks
+    (64, 700, 333, {}),
+    (128, 1000, 700, dict(causal=True)),                        # several key blocks per SM, rows with no key
+    (100, 257, 400, dict(window_size=(100, 20), softcap=15.0)),
+], ids=["d32-causal", "d64", "d128-causal-sq>sk", "d100-window-softcap"])
+def test_dropout_grads_match_reference_with_the_philox_mask(d, sq, sk, opts):
+    """Dropout in the Hopper backward (`Dropout.pair_keep_bits`: lanes t and t ^ 4 split the
+    Philox calls and swap keep bits): dq, dk, dv against the reference's autograd with the mask
+    `philox.keep_mask` draws for the forward's seed and offset; a wrong bit, word or partner in
+    any element moves a gradient far past the rule."""
+    import functools
+
+    from layouts import philox
+    from cute_flash.launch.rng import DropoutArgs
+    from cute_flash.launch.backward import flash_bwd
+    from cute_flash.launch.dense import flash_fwd
+    from cute_flash.reference import attention_ref
+    from tests.helpers.gpu_utils import poison_allocator
+
+    p, seed, offset = 0.2, 0xC0FFEE_1234, 9
+    drop = DropoutArgs.seeded(p, seed, offset, "cuda")
+    q, k, v, dout = inputs(2, sq, sk, 12, 4, d)
+    out, lse = flash_fwd(q, k, v, softmax_scale=d ** -0.5, dropout=drop, **opts)
+    poison_allocator()
+    dq, dk, dv, _ = flash_bwd(dout, q, k, v, out, lse, softmax_scale=d ** -0.5, dropout=drop, **opts)
+    torch.cuda.synchronize()
+    mask = torch.from_numpy(philox.keep_mask(seed, offset, 2, 12, sq, sk, p)).cuda()
+    assert_grads_match([dq, dk, dv], q, k, v, dout, out=out, ref_fn=functools.partial(attention_ref, dropout_p=p,
+                                                                             dropout_mask=mask), **opts)

@@ -1,0 +1,105 @@
+"""The backward's rule on the GPU, shared by the GPU tests of gradients (tests/gpu/test_bwd_gpu.py,
+test_bwd_sm90_gpu.py, test_dropout_gpu.py, test_conformance_gpu.py, ...): gradients through a
+public function with the allocator poisoned (`ours`), the reference's (`reference`), and
+flash-attn's rule between them (`assert_grads_match`, docs/semantics.md); and the bodies of the
+tests that tests/gpu/test_bwd_gpu.py (SM80) and test_bwd_sm90_gpu.py (Hopper) both run."""
+import torch
+from hypothesis import strategies as st
+
+from cute_flash import flash_attn_func
+from cute_flash.reference import attention_ref
+from tests.helpers.gpu_utils import assert_output_matches, poison_allocator
+
+ODD_LENGTHS = [1, 2, 17, 63, 64, 65, 127, 128, 129, 255, 257]
+GRAD_FLOOR = 1e-4
+lengths = st.one_of(st.sampled_from(ODD_LENGTHS), st.integers(1, 400))
+heads = st.sampled_from([(1, 1), (2, 2), (4, 1), (4, 2), (6, 3), (8, 1)])
+
+
+def _leaves(*xs, dtype=None):
+    return [x.detach().to(dtype or x.dtype).requires_grad_() for x in xs]
+
+
+def ours(fn, dout, *inputs, **opts):
+    """out and the inputs' gradients through `fn` (a public function), allocator poisoned."""
+    poison_allocator()
+    leaves = _leaves(*inputs)
+    out = fn(*leaves, **opts)
+    out.backward(dout)
+    torch.cuda.synchronize()
+    return out, [x.grad for x in leaves]
+
+
+def reference(ref_fn, dout, *inputs, upcast=True, stored_out=None, **opts):
+    """Gradients of the reference: float32 leaves (upcast) or leaves in the input dtype.
+
+    stored_out: the output the backward under test read. Its D = rowsum(dO * O) then comes
+    from that O, as the kernels' (and flash-attn's) does from the O the forward stored in the
+    input dtype: D's difference d_i moves dS by -d_i P_ij, the gradient of -sum_i d_i LSE_i.
+    With few keys a row's dS is a small difference that O's rounding dominates: against the
+    float32 O, a float32 emulation of the kernels missed the bar in 6-12% of draws at 255 x 2
+    causal (d 128 / 160; the kernels 3-14% at d 96-160 on the H200), and none with D from its
+    own O."""
+    leaves = _leaves(*inputs, dtype=torch.float32 if upcast else None)
+    out, lse = ref_fn(*leaves, upcast=upcast, **opts)
+    if stored_out is None:
+        out.backward(dout.to(out.dtype))
+    else:
+        finite = torch.isfinite(lse)  # rows with no key: out 0, no D
+        d = (dout.float() * (stored_out.detach().float() - out.detach().float())).sum(-1).movedim(-1, -2)
+        torch.autograd.backward([out, lse], [dout.to(out.dtype), -d.masked_fill(~finite, 0.0)])
+    return [x.grad for x in leaves]
+
+
+def assert_grads_match(got, q, k, v, dout, *, out, ref_fn=attention_ref, **opts):
+    """got (dq, dk, dv) against the float32 reference given `out`, the forward output the
+    backward read (`reference`'s stored_out), by the rule of docs/semantics.md; `out` itself
+    against the reference first, since D = rowsum(dO * O) comes from it: a wrong forward could
+    otherwise hand the backward a D that its own gradients agree with."""
+    with torch.no_grad():
+        assert_output_matches(out.detach(), ref_fn(q, k, v, **opts)[0], q, k, v, ref_fn, **opts)
+    want = reference(ref_fn, dout, q, k, v, stored_out=out, **opts)
+    lowp = reference(ref_fn, dout, q, k, v, upcast=False, **opts)
+    for name, g, w, lp in zip(("dq", "dk", "dv"), got, want, lowp):
+        assert g.shape == w.shape and g.dtype == q.dtype, name
+        assert not g.isnan().any(), f"{name}: NaN (an unwritten element)"
+        err = (g.float() - w).abs().max().item()
+        bar = 2 * (lp.float() - w).abs().max().item() + GRAD_FLOOR
+        assert err <= bar, f"{name}: max abs error {err:.3e} > {bar:.3e}"
+
+
+def inputs(b, sq, sk, h, hk, d, dtype=torch.bfloat16, layout="bshd"):
+    """q, k, v and dout on the GPU; layout "bhsd": (b, h, s, d) storage viewed as (b, s, h, d)."""
+    def make(s, heads):
+        if layout == "bhsd":
+            return torch.randn(b, heads, s, d, device="cuda", dtype=dtype).transpose(1, 2)
+        return torch.randn(b, s, heads, d, device="cuda", dtype=dtype)
+
+    return make(sq, h), make(sk, hk), make(sk, hk), make(sq, h)
+
+
+def check_score_modifiers(mod, sq, sk, hh, d, data):
+    """Gradients with modifier `mod` (window, alibi, softcap or all; causal, the window's edges
+    and the cap drawn from `data`) against the reference."""
+    q, k, v, dout = inputs(2, sq, sk, *hh, d)
+    opts = dict(causal=data.draw(st.booleans()))
+    if mod in ("window", "all"):
+        opts["window_size"] = (data.draw(st.integers(-1, 300)), data.draw(st.integers(-1, 60)))
+    if mod in ("alibi", "all"):
+        opts["alibi_slopes"] = torch.rand(2, hh[0], device="cuda", dtype=torch.float32)
+    if mod in ("softcap", "all"):
+        opts["softcap"] = data.draw(st.sampled_from([5.0, 30.0]))
+    out, grads = ours(flash_attn_func, dout, q, k, v, **opts)
+    assert_grads_match(grads, q, k, v, dout, out=out, **opts)
+
+
+def check_private_backward():
+    """The private `_flash_attn_backward` writes the given dq, dk, dv and returns softmax_d (d 64)."""
+    from cute_flash.flash_attn_interface import _flash_attn_backward, _flash_attn_forward
+
+    q, k, v, dout = inputs(2, 130, 200, 4, 4, 64)
+    out, lse, _, _ = _flash_attn_forward(q, k, v, 0.0, 0.125, True, -1, -1, 0.0, None, False)
+    dq, dk, dv = (torch.full_like(x, float("nan")) for x in (q, k, v))
+    softmax_d = _flash_attn_backward(dout, q, k, v, out, lse, dq, dk, dv, 0.0, 0.125, True, -1, -1, 0.0, None, False)
+    torch.testing.assert_close(softmax_d, (dout.float() * out.float()).sum(-1).transpose(1, 2), atol=1e-3, rtol=1e-3)
+    assert_grads_match((dq, dk, dv), q, k, v, dout, out=out, softmax_scale=0.125, causal=True)
