@@ -1,4 +1,5 @@
-"""`python -m cute_flash [compile|layouts|check|bench|overhead|coldstart|traincheck|tune|memcheck|racecheck|occupancy]`.
+"""`python -m cute_flash [compile|layouts|check|bench|overhead|coldstart|traincheck|cp|tune|memcheck|racecheck|
+occupancy]`.
 
 With no command: on a machine with a GPU, `check` then `bench`; without one, compile-only mode:
 `compile` (the CI set of kernel variants for sm_80 and sm_90a, into the compile cache, with
@@ -265,6 +266,11 @@ def main(argv=None):
                         "CUDA graphs, beside the heuristic's count and CUDNN")
     command("traincheck", "a 2-block transformer trained 200 steps with cute-flash and with SDPA: "
                                       "the two loss curves compared (GPU, about a minute)")
+    cp = command("cp", "context parallelism through ring-flash-attn (zigzag, causal): forward + backward of one "
+                       "long sequence on 1 GPU and on N, speed-up and peak memory per GPU (2+ GPUs)")
+    cp.add_argument("--gpus", type=int, default=None, help="N (default: every visible GPU)")
+    cp.add_argument("--seqlen", type=int, nargs="+", default=[65536, 131072], help="tokens of the sequence")
+    cp.add_argument("--iters", type=int, default=10, help="timed steps per length (the median is shown)")
     for tool, finds in (("memcheck", "out-of-bounds and misaligned accesses"),
                         ("racecheck", "shared-memory hazards between a CTA's threads")):
         m = command(tool, f"the GPU suite under compute-sanitizer {tool}: {finds} (GPU); "
@@ -330,6 +336,11 @@ def main(argv=None):
             occupancy.profile_case(args.case)
             return 0
         return occupancy.main()
+    elif cmd == "cp":
+        from cute_flash.tools import context_parallel
+
+        return context_parallel.main([*(["--gpus", str(args.gpus)] if args.gpus else []), "--seqlen",
+                                      *map(str, args.seqlen), "--iters", str(args.iters)])
     elif cmd == "traincheck":
         from cute_flash.tools.train_check import main as traincheck
 

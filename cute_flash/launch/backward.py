@@ -139,6 +139,7 @@ def flash_bwd(dout, q, k, v, out, lse, *, softmax_scale, causal=False, window_si
         return dq, dk, dv, dot
     q, softmax_scale, dq_sign = positive_scale(q, softmax_scale)
     q, k, v, out, dout = (aligned(x) for x in (q, k, v, out, dout))
+    lse = lse.contiguous()  # a caller's view (ring-flash-attn's is transposed): the kernels read it dense
     d_pad = q.shape[-1]
     index = gpu.device_index(q.device)
     left, right = window_edges(causal, window_size)
@@ -180,6 +181,7 @@ def flash_bwd_varlen(dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max
     refuse_chunked_dropout(dropout, batch)
     q, softmax_scale, dq_sign = positive_scale(q, softmax_scale)
     q, k, v, out, dout = (aligned(x) for x in (q, k, v, out, dout))
+    lse = lse.contiguous()  # a caller's view (ring-flash-attn's is transposed): the kernels read it dense
     d_pad = q.shape[-1]
     index = gpu.device_index(q.device)
     left, right = window_edges(causal, window_size)

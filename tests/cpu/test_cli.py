@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-COMMANDS = ["compile", "layouts", "check", "bench", "overhead", "coldstart", "tune", "traincheck", "memcheck",
+COMMANDS = ["compile", "layouts", "check", "bench", "overhead", "coldstart", "tune", "traincheck", "cp", "memcheck",
             "racecheck", "occupancy"]
 
 

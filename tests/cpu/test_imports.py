@@ -7,7 +7,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]  # the repository
 API = {"cute_flash", "cute_flash.interface", "cute_flash.flash_attn_interface", "cute_flash._validate",
        "cute_flash.autograd", "cute_flash.ops", "cute_flash.dropout", "cute_flash.reference"}
-LAYERS = ["layouts", "kernels", "compile", "launch", "api", "tools"]  # bottom to top
+LAYERS = ["layouts", "kernels", "compile", "launch", "api", "integrations", "tools"]  # bottom to top
 
 
 def layer(module: str) -> str:
@@ -21,6 +21,8 @@ def layer(module: str) -> str:
         return "launch"
     if module in API:
         return "api"
+    if module.startswith("cute_flash.integrations"):
+        return "integrations"
     if module.startswith("cute_flash.tools") or module == "cute_flash.__main__":
         return "tools"
     raise AssertionError(f"{module} belongs to no layer: place it in one (tests/cpu/test_imports.py)")

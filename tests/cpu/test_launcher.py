@@ -1068,3 +1068,16 @@ def test_fake_arguments_follow_the_entry_signature(kind):
         args = module.fake_args(config)
         assert len(args) == len(signature.parameters), config.name
         signature.bind(*args)
+
+
+def test_a_transposed_lse_reaches_the_sm80_backward_dense(recorder):
+    """ring-flash-attn hands `_flash_attn_backward` its merged LSE as a transposed view (b, h, sq)
+    of (b, sq, h): the kernel reads the LSE with a unit last stride, so the launcher passes a
+    dense copy, equal to the view."""
+    from cute_flash.launch.backward import flash_bwd
+
+    q, dout = (torch.randn(2, 70, 4, 64, dtype=torch.bfloat16) for _ in range(2))
+    lse = torch.randn(2, 70, 4).transpose(1, 2)
+    flash_bwd(dout, q, q, q, q, lse, softmax_scale=0.5)
+    main = next(launch for launch in recorder.launches if type(launch.config).__name__ == "BwdConfig")
+    assert main["mLSE"].is_contiguous() and torch.equal(main["mLSE"], lse)
