@@ -156,7 +156,8 @@ def check_kvcache_shapes(q, k_cache, v_cache, k, v, paged):
 
 
 def check_head_dim(named):
-    """One head dim for all of q, k, v, between 1 and 256 (the largest kernel bucket)."""
+    """One head dim for all the named tensors (q, k, v; or q, k with v checked alone where it may
+    have its own), between 1 and 256 (the largest kernel bucket)."""
     named = _given(named)
     ref_name, ref = named[0]
     d = ref.shape[-1]
@@ -195,15 +196,15 @@ def check_last_dim_contiguous(named):
             )
 
 
-def needs_grad(tensors) -> bool:
-    """Grad mode is on and a given tensor requires grad (None and non-tensors are skipped). A
-    plain loop with an early exit: this runs on every call."""
+def needs_grad(tensors, extra=None) -> bool:
+    """Grad mode is on and a given tensor (of `tensors`, or `extra`) requires grad (None and
+    non-tensors are skipped). A plain loop with an early exit: this runs on every call."""
     if not torch.is_grad_enabled():
         return False
     for t in tensors:
         if isinstance(t, torch.Tensor) and t.requires_grad:
             return True
-    return False
+    return isinstance(extra, torch.Tensor) and extra.requires_grad
 
 
 # --- options --------------------------------------------------------------------------------
@@ -292,6 +293,20 @@ def check_alibi(alibi_slopes, batch, nheads):
             f"{tuple(alibi_slopes.stride())}"
         )
 
+
+
+SINK_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def check_learnable_sink(sink, nheads):
+    """One logit per query head (nheads,), fp16 / bf16 / fp32, as flash-attn-4's learnable_sink."""
+    if sink is None:
+        return
+    _require_tensor(sink, "learnable_sink")
+    if sink.dtype not in SINK_DTYPES:
+        raise TypeError(f"learnable_sink must be float16, bfloat16 or float32, got {sink.dtype}")
+    if tuple(sink.shape) != (nheads,):
+        raise ValueError(f"learnable_sink must have shape (nheads,) = ({nheads},), got {tuple(sink.shape)}")
 
 # --- variable length ------------------------------------------------------------------------
 

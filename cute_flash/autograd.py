@@ -16,6 +16,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
+from cute_flash import sinks
 from cute_flash.launch.rng import DropoutArgs
 
 
@@ -73,24 +74,30 @@ def _launch():
 
 
 class FlashAttnFunction(torch.autograd.Function):
-    """forward(options, run, alibi_slopes, *inputs): `run(q, k, v)` is the caller's forward on
-    validated tensors, returning (out, lse)."""
+    """forward(options, run, alibi_slopes, learnable_sink, *inputs): `run(q, k, v)` is the
+    caller's forward on validated tensors, returning (out, lse) with the sink, if any, folded in
+    (`cute_flash.sinks`); the backward gives the sink its gradient."""
 
     @staticmethod
-    def forward(ctx, options: AttnOptions, run: Callable, alibi_slopes: Optional[Tensor], *inputs: Tensor):
+    def forward(ctx, options: AttnOptions, run: Callable, alibi_slopes: Optional[Tensor],
+                learnable_sink: Optional[Tensor], *inputs: Tensor):
         q, k, v = options.packing.unpack(inputs)
         out, lse = run(q, k, v)
-        ctx.save_for_backward(*inputs, out, lse)
-        ctx.options, ctx.alibi_slopes = options, alibi_slopes
+        ctx.save_for_backward(*inputs, out, lse, *(() if learnable_sink is None else (learnable_sink,)))
+        ctx.options, ctx.alibi_slopes, ctx.has_sink = options, alibi_slopes, learnable_sink is not None
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout: Tensor, _dlse: Tensor):
         o: AttnOptions = ctx.options
-        *inputs, out, lse = ctx.saved_tensors
+        saved = ctx.saved_tensors
+        sink = saved[-1] if ctx.has_sink else None
+        *inputs, out, lse = saved[:-1] if ctx.has_sink else saved
         q, k, v = o.packing.unpack(inputs)
         grads, (dq, dk, dv) = o.packing.grad_buffers(inputs)
+        wants_dsink = sink is not None and ctx.needs_input_grad[3]
+        dsink = torch.zeros_like(sink) if wants_dsink else None  # no rows or no keys: the sink took no share
         if q.numel() == 0 or k.numel() == 0 or q.is_meta:  # no query rows or no keys (or shapes only)
             grads = tuple(torch.zeros_like(x) for x in inputs)
         else:
@@ -106,8 +113,10 @@ class FlashAttnFunction(torch.autograd.Function):
                     max_seqlen_q=vl.max_seqlen_q, max_seqlen_k=vl.max_seqlen_k, seqused_k=vl.seqused_k, **common)
             if grads is None:
                 grads = qkv_grads[:3]
-        needs = ctx.needs_input_grad[3:]
-        return (None, None, None) + tuple(g if need else None for g, need in zip(grads, needs))
+            if wants_dsink:
+                dsink = sinks.grad(lse, qkv_grads[3], sink)
+        needs = ctx.needs_input_grad[4:]
+        return (None, None, None, dsink) + tuple(g if need else None for g, need in zip(grads, needs))
 
 
 class NoBackward(torch.autograd.Function):

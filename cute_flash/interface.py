@@ -25,7 +25,7 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from cute_flash import _validate
+from cute_flash import _validate, sinks
 from cute_flash.dropout import s_dmask, s_dmask_shape, s_dmask_varlen
 from cute_flash.launch.rng import DropoutArgs
 from cute_flash.autograd import AttnOptions, FlashAttnFunction, Packing, Varlen, no_backward
@@ -92,13 +92,32 @@ def _no_keys(q, lse_shape):
     return torch.zeros_like(q), lse
 
 
-def _check_qkv(q, k, v, names, q_dims, kv_dims):
+def _check_qkv(q, k, v, names, q_dims, kv_dims, value_dim=False):
+    """The inputs' checks; `value_dim`: v may have a head dim of its own (the public functions)."""
     named = list(zip(names, (q, k, v)))
     _validate.check_dtypes(named)
     _validate.check_shapes(q, k, v, names, q_dims, kv_dims)
-    _validate.check_head_dim(named)
+    _validate.check_head_dim(named[:2] if value_dim else named)
+    if value_dim:
+        _validate.check_head_dim(named[2:])
     _validate.check_gqa(q, k, names[0], names[1])
     return named
+
+
+def _one_head_dim(q, k, v):
+    """q, k, v with one head dim for the kernels: v's head dim of its own (MLA's 192 / 128) is
+    met by zero columns, of v when it is narrower (the output's extra columns are zeros, cut
+    off after) or of q and k when it is wider (the scores do not change). Differentiable pads,
+    so the gradients are the unpadded tensors'."""
+    d, d_v = q.shape[-1], v.shape[-1]
+    if d_v < d:
+        return q, k, torch.nn.functional.pad(v, (0, d - d_v))
+    return torch.nn.functional.pad(q, (0, d_v - d)), torch.nn.functional.pad(k, (0, d_v - d)), v
+
+
+def _value_cols(out, d_v):
+    """The output's columns of v's head dim (a view, as a padded head dim's are)."""
+    return out if out.shape[-1] == d_v else out[..., :d_v]
 
 
 def _check_options(dropout_p, window_size, softcap, softmax_scale):
@@ -145,46 +164,60 @@ def _grad_inputs(q, k, v, packed):
 
 
 def _flash_attn(q, k, v, names, dropout_p, softmax_scale, causal, window_size, softcap,
-                alibi_slopes, caller=None, deterministic=False, packed=None, return_probs=False):
+                alibi_slopes, caller=None, deterministic=False, packed=None, return_probs=False,
+                learnable_sink=None):
     """Shared body of the fixed-length functions: (out, lse, S_dmask, dropout), S_dmask empty
     unless `return_probs` with dropout, dropout the call's DropoutArgs or None. `names` are the
     caller's argument names; `caller` is the public function's name, None for the private
     forward, which has no autograd in flash-attn either. With grad mode on and an input
     requiring grad, eager calls go through `FlashAttnFunction` (compiled ones through the op's
-    registered gradient)."""
-    named = _check_qkv(q, k, v, names, _Q_DIMS, _KV_DIMS)
+    registered gradient). `learnable_sink` is folded into the kernels' output (`cute_flash.sinks`)."""
+    named = _check_qkv(q, k, v, names, _Q_DIMS, _KV_DIMS, value_dim=caller is not None)
     p, window_size = _check_options(dropout_p, window_size, softcap, softmax_scale)
     batch, seqlen_q, nheads, headdim = q.shape
     _validate.check_alibi(alibi_slopes, batch, nheads)
-    _validate.check_cuda(named + [("alibi_slopes", alibi_slopes)])
+    _check_sink(learnable_sink, nheads, p, return_probs)
+    _validate.check_cuda(named + [("alibi_slopes", alibi_slopes), ("learnable_sink", learnable_sink)])
 
     seqlen_k = k.shape[1]
     lse_shape = (batch, nheads, seqlen_q)
     causal, window = _mask(causal, window_size, seqlen_q, seqlen_k)
     scale, softcap, deterministic = _scale(softmax_scale, headdim), float(softcap), bool(deterministic)
     dropout = _draw(p, q, batch and seqlen_q and seqlen_k)
+    d_v = v.shape[-1]
+    if d_v != headdim:
+        q, k, v = _one_head_dim(q, k, v)
 
     def run(q, k, v):
         if batch == 0 or seqlen_q == 0 or q.is_meta:
             return _empty(q, lse_shape)
         if seqlen_k == 0:
-            return _no_keys(q, lse_shape)
+            return sinks.fold(*_no_keys(q, lse_shape), learnable_sink)
         if torch.compiler.is_compiling():  # one graph node (cute_flash/ops.py), gradient registered
             return torch.ops.cute_flash.fwd(q, k, v, scale, causal, window[0], window[1], softcap, alibi_slopes,
-                                            deterministic, *_op_dropout(dropout))
-        return _kernels().flash_fwd(q, k, v, softmax_scale=scale, causal=causal, window_size=window,
-                                    softcap=softcap, alibi_slopes=alibi_slopes, dropout=dropout)
+                                            deterministic, *_op_dropout(dropout), learnable_sink)
+        return sinks.fold(*_kernels().flash_fwd(q, k, v, softmax_scale=scale, causal=causal, window_size=window,
+                                                softcap=softcap, alibi_slopes=alibi_slopes, dropout=dropout),
+                          learnable_sink)
 
     packing, inputs = _grad_inputs(q, k, v, packed)
-    if caller is not None and not torch.compiler.is_compiling() and _validate.needs_grad(inputs):
+    if caller is not None and not torch.compiler.is_compiling() and _validate.needs_grad(inputs, learnable_sink):
         options = AttnOptions(scale, causal, window, softcap, deterministic, packing, dropout=dropout)
-        out, lse = FlashAttnFunction.apply(options, run, alibi_slopes, *inputs)
+        out, lse = FlashAttnFunction.apply(options, run, alibi_slopes, learnable_sink, *inputs)
     else:
         out, lse = run(q, k, v)
     probs = _s_dmask(q, p, return_probs, dropout, (batch, nheads, seqlen_q, seqlen_k), lambda drop: s_dmask(
         q, k, v, drop, softmax_scale=scale, causal=causal, window_size=window, softcap=softcap,
         alibi_slopes=alibi_slopes))
-    return out, lse, probs, dropout
+    return _value_cols(out, d_v), lse, probs, dropout
+
+
+def _check_sink(learnable_sink, nheads, dropout_p, return_probs):
+    """A learnable sink's checks. With dropout, S_dmask holds the kernels' representation of the
+    key probabilities, which the sink's share is not in: the two are refused together."""
+    _validate.check_learnable_sink(learnable_sink, nheads)
+    if learnable_sink is not None and return_probs and dropout_p > 0:
+        raise ValueError("return_attn_probs with dropout and learnable_sink: S_dmask has no column for the sink")
 
 
 def _op_dropout(dropout):
@@ -195,16 +228,16 @@ def _op_dropout(dropout):
 def _flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, names,
                        dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                        block_table, seqused_k, caller=None, deterministic=False, packed=None, return_probs=False,
-                       leftpad_k=None):
+                       leftpad_k=None, learnable_sink=None):
     """Shared body of the variable-length functions: (out, lse, S_dmask, dropout) as
     _flash_attn's. `names` name q, k, v, the two cu_seqlens and the two max_seqlen as the caller
     spelled them; `caller` and autograd as in _flash_attn. A paged cache (block_table) has no
     gradient, as in flash-attn. `leftpad_k`: the private forward's (`_skip_left_pad`)."""
     paged = block_table is not None
     kv_dims = _PAGED_KV_DIMS if paged else _VARLEN_KV_DIMS
-    named = _check_qkv(q, k, v, names[:3], _VARLEN_Q_DIMS, kv_dims)
+    named = _check_qkv(q, k, v, names[:3], _VARLEN_Q_DIMS, kv_dims, value_dim=caller is not None)
     packing, inputs = _grad_inputs(q, k, v, packed)
-    wants_grad = caller is not None and _validate.needs_grad(inputs)
+    wants_grad = caller is not None and _validate.needs_grad(inputs, learnable_sink)
     p, window_size = _check_options(dropout_p, window_size, softcap, softmax_scale)
     _validate.check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, names[3:])
     batch = cu_seqlens_q.shape[0] - 1
@@ -216,9 +249,10 @@ def _flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
         _validate.check_block_table(block_table, batch, k, names[1])
     total_q, nheads, headdim = q.shape
     _validate.check_alibi(alibi_slopes, batch, nheads)
+    _check_sink(learnable_sink, nheads, p, return_probs)
     _validate.check_cuda(named + [
         (names[3], cu_seqlens_q), (names[4], cu_seqlens_k), ("seqused_k", seqused_k), ("leftpad_k", leftpad_k),
-        ("block_table", block_table), ("alibi_slopes", alibi_slopes),
+        ("block_table", block_table), ("alibi_slopes", alibi_slopes), ("learnable_sink", learnable_sink),
     ])
     if leftpad_k is not None:
         cu_seqlens_k, seqused_k = _skip_left_pad(cu_seqlens_k, seqused_k, leftpad_k)
@@ -231,36 +265,41 @@ def _flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
     no_keys = (k.shape[0] == 0 or max_seqlen_k == 0 or max_seqlen_q == 0
                or (paged and block_table.shape[1] == 0))
     dropout = _draw(p, q, batch and total_q and not no_keys)
+    d_v = v.shape[-1]
+    if d_v != headdim:  # v apart (packed inputs share one head dim): the padded tensors are the autograd inputs
+        q, k, v = _one_head_dim(q, k, v)
+        inputs = (q, k, v)
 
     def run(q, k, v):
         if batch == 0 or total_q == 0 or q.is_meta:
             return _empty(q, lse_shape)
         if no_keys:
-            return _no_keys(q, lse_shape)
+            return sinks.fold(*_no_keys(q, lse_shape), learnable_sink)
         if torch.compiler.is_compiling():
             return torch.ops.cute_flash.fwd_varlen(
                 q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, window[0],
-                window[1], softcap, alibi_slopes, block_table, seqused_k, deterministic, *_op_dropout(dropout))
-        return _kernels().flash_fwd_varlen(
+                window[1], softcap, alibi_slopes, block_table, seqused_k, deterministic, *_op_dropout(dropout),
+                learnable_sink)
+        return sinks.fold(*_kernels().flash_fwd_varlen(
             q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
             max_seqlen_k=max_seqlen_k, softmax_scale=scale, causal=causal, window_size=window, softcap=softcap,
-            alibi_slopes=alibi_slopes, block_table=block_table, seqused_k=seqused_k, dropout=dropout)
+            alibi_slopes=alibi_slopes, block_table=block_table, seqused_k=seqused_k, dropout=dropout), learnable_sink)
 
     if wants_grad and paged:
         out, lse = run(q, k, v)
         out = no_backward(caller, "there is no gradient through a paged KV cache (block_table), as in flash-attn",
-                          out, zip(names[:3], (q, k, v)))
+                          out, [*zip(names[:3], (q, k, v)), ("learnable_sink", learnable_sink)])
     elif wants_grad and not torch.compiler.is_compiling():
         varlen = Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k)
         options = AttnOptions(scale, causal, window, softcap, deterministic, packing, varlen, dropout)
-        out, lse = FlashAttnFunction.apply(options, run, alibi_slopes, *inputs)
+        out, lse = FlashAttnFunction.apply(options, run, alibi_slopes, learnable_sink, *inputs)
     else:
         out, lse = run(q, k, v)
     probs = _s_dmask(q, p, return_probs, dropout, (batch, nheads, max_seqlen_q, max_seqlen_k), lambda drop: (
         s_dmask_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, drop, seqused_k=seqused_k,
                        block_table=block_table, softmax_scale=scale, causal=causal, window_size=window,
                        softcap=softcap, alibi_slopes=alibi_slopes)))
-    return out, lse, probs, dropout
+    return _value_cols(out, d_v), lse, probs, dropout
 
 
 def _skip_left_pad(cu_seqlens_k, seqused_k, leftpad_k):
@@ -283,6 +322,8 @@ def flash_attn_qkvpacked_func(
     alibi_slopes: Optional[Tensor] = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    *,
+    learnable_sink: Optional[Tensor] = None,
 ) -> Union[Tensor, tuple[Tensor, Tensor, Tensor]]:
     """Attention over qkv (batch, seqlen, 3, nheads, headdim); q, k, v are views of it.
     Returns out (batch, seqlen, nheads, headdim), or (out, softmax_lse, S_dmask)."""
@@ -290,7 +331,8 @@ def flash_attn_qkvpacked_func(
     q, k, v = qkv.unbind(dim=2)
     out, lse, probs, _ = _flash_attn(q, k, v, ("qkv",) * 3, dropout_p, softmax_scale, causal, window_size,
                                      softcap, alibi_slopes, "flash_attn_qkvpacked_func", deterministic,
-                                     (Packing("qkv", 2), (qkv,)), return_probs=return_attn_probs)
+                                     (Packing("qkv", 2), (qkv,)), return_probs=return_attn_probs,
+                                     learnable_sink=learnable_sink)
     return _result(out, lse, probs, return_attn_probs)
 
 
@@ -305,6 +347,8 @@ def flash_attn_kvpacked_func(
     alibi_slopes: Optional[Tensor] = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    *,
+    learnable_sink: Optional[Tensor] = None,
 ) -> Union[Tensor, tuple[Tensor, Tensor, Tensor]]:
     """Attention of q (batch, seqlen_q, nheads, headdim) over kv (batch, seqlen_k, 2, nheads_k,
     headdim); k, v are views of kv. Returns out, or (out, softmax_lse, S_dmask)."""
@@ -312,7 +356,8 @@ def flash_attn_kvpacked_func(
     k, v = kv.unbind(dim=2)
     out, lse, probs, _ = _flash_attn(q, k, v, ("q", "kv", "kv"), dropout_p, softmax_scale, causal,
                                      window_size, softcap, alibi_slopes, "flash_attn_kvpacked_func", deterministic,
-                                     (Packing("q,kv", 2), (q, kv)), return_probs=return_attn_probs)
+                                     (Packing("q,kv", 2), (q, kv)), return_probs=return_attn_probs,
+                                     learnable_sink=learnable_sink)
     return _result(out, lse, probs, return_attn_probs)
 
 
@@ -328,15 +373,20 @@ def flash_attn_func(
     alibi_slopes: Optional[Tensor] = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    *,
+    learnable_sink: Optional[Tensor] = None,
 ) -> Union[Tensor, tuple[Tensor, Tensor, Tensor]]:
     """Attention of q (batch, seqlen_q, nheads, headdim) over k, v (batch, seqlen_k, nheads_k,
     headdim). Returns out like q, or (out, softmax_lse (batch, nheads, seqlen_q), S_dmask): with
     dropout (batch, nheads, seqlen_q and seqlen_k rounded up to 128) in flash-attn's
     representation, dropped entries negated (`cute_flash.dropout`); without it empty
-    (flash-attn's value)."""
+    (flash-attn's value). `learnable_sink` (nheads,), keyword-only (flash-attn-4's): a logit per
+    head in every row's softmax, with no value, differentiable (docs/semantics.md, Sinks); the
+    other attention functions take it too."""
     out, lse, probs, _ = _flash_attn(q, k, v, ("q", "k", "v"), dropout_p, softmax_scale, causal, window_size,
                                      softcap, alibi_slopes, "flash_attn_func", deterministic,
-                                     return_probs=return_attn_probs)
+                                     return_probs=return_attn_probs,
+                                     learnable_sink=learnable_sink)
     return _result(out, lse, probs, return_attn_probs)
 
 
@@ -352,6 +402,8 @@ def flash_attn_varlen_qkvpacked_func(
     alibi_slopes: Optional[Tensor] = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    *,
+    learnable_sink: Optional[Tensor] = None,
 ) -> Union[Tensor, tuple[Tensor, Tensor, Tensor]]:
     """Variable-length attention over qkv (total, 3, nheads, headdim), sequences delimited by
     cu_seqlens; q, k, v are views of qkv. Returns out, or (out, softmax_lse, S_dmask)."""
@@ -361,7 +413,8 @@ def flash_attn_varlen_qkvpacked_func(
     out, lse, probs, _ = _flash_attn_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, names,
                                             dropout_p, softmax_scale, causal, window_size, softcap,
                                             alibi_slopes, None, None, "flash_attn_varlen_qkvpacked_func", deterministic,
-                                            (Packing("qkv", 1), (qkv,)), return_probs=return_attn_probs)
+                                            (Packing("qkv", 1), (qkv,)), return_probs=return_attn_probs,
+                                            learnable_sink=learnable_sink)
     return _result(out, lse, probs, return_attn_probs)
 
 
@@ -380,6 +433,8 @@ def flash_attn_varlen_kvpacked_func(
     alibi_slopes: Optional[Tensor] = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    *,
+    learnable_sink: Optional[Tensor] = None,
 ) -> Union[Tensor, tuple[Tensor, Tensor, Tensor]]:
     """Variable-length attention of q (total_q, nheads, headdim) over kv (total_k, 2, nheads_k,
     headdim); k, v are views of kv. Returns out, or (out, softmax_lse, S_dmask)."""
@@ -389,7 +444,8 @@ def flash_attn_varlen_kvpacked_func(
     out, lse, probs, _ = _flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                             names, dropout_p, softmax_scale, causal, window_size, softcap,
                                             alibi_slopes, None, None, "flash_attn_varlen_kvpacked_func", deterministic,
-                                            (Packing("q,kv", 1), (q, kv)), return_probs=return_attn_probs)
+                                            (Packing("q,kv", 1), (q, kv)), return_probs=return_attn_probs,
+                                            learnable_sink=learnable_sink)
     return _result(out, lse, probs, return_attn_probs)
 
 
@@ -412,6 +468,7 @@ def flash_attn_varlen_func(
     block_table: Optional[Tensor] = None,
     *,
     seqused_k: Optional[Tensor] = None,
+    learnable_sink: Optional[Tensor] = None,
 ) -> Union[Tensor, tuple[Tensor, Tensor, Tensor]]:
     """Variable-length attention of q (total_q, nheads, headdim) over k, v (total_k, nheads_k,
     headdim), or over a paged cache (num_blocks, page_size, nheads_k, headdim) with block_table.
@@ -421,7 +478,8 @@ def flash_attn_varlen_func(
     out, lse, probs, _ = _flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                             names, dropout_p, softmax_scale, causal, window_size, softcap,
                                             alibi_slopes, block_table, seqused_k, "flash_attn_varlen_func",
-                                            deterministic, return_probs=return_attn_probs)
+                                            deterministic, return_probs=return_attn_probs,
+                                            learnable_sink=learnable_sink)
     return _result(out, lse, probs, return_attn_probs)
 
 
@@ -445,23 +503,27 @@ def flash_attn_with_kvcache(
     alibi_slopes: Optional[Tensor] = None,
     num_splits: int = 0,
     return_softmax_lse: bool = False,
+    *,
+    learnable_sink: Optional[Tensor] = None,
 ) -> Union[Tensor, tuple[Tensor, Tensor]]:
     """Attention of q (batch, seqlen_q, nheads, headdim) over a KV cache, after the kernel
     appends k, v (rotated when rotary_cos/sin are given) at cache_seqlens. All checks run
     before the launch, so a refused call leaves the caches untouched. With a block table,
     max(cache_seqlens) + seqlen_new must fit in the pages it addresses: checked on the host as
     flash-attn does (RuntimeError; a device sync), except while a CUDA graph is being captured,
-    where the kernels' own clamping is the guard. Returns out, or (out, softmax_lse (batch,
-    nheads, seqlen_q))."""
+    where the kernels' own clamping is the guard. `learnable_sink` (nheads,), keyword-only: as
+    in `flash_attn_func`. Returns out, or (out, softmax_lse (batch, nheads, seqlen_q))."""
     window_size = _validate.check_window(window_size)
     paged = block_table is not None
     compiling = torch.compiler.is_compiling()
     key = None if compiling else _validate.signature(
         q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-        block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits)
+        block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
+        learnable_sink)
     if key is None or key not in _kvcache_checked:
         _check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                       cache_leftpad, block_table, window_size, softcap, softmax_scale, alibi_slopes, num_splits)
+                       cache_leftpad, block_table, window_size, softcap, softmax_scale, alibi_slopes, num_splits,
+                       learnable_sink)
         if key is not None:
             if len(_kvcache_checked) >= _CHECKED_MAX:
                 _kvcache_checked.clear()
@@ -473,7 +535,7 @@ def flash_attn_with_kvcache(
     if batch == 0 or seqlen_q == 0 or q.is_meta:
         out, lse = _empty(q, lse_shape)
     elif seqlen_k == 0:
-        out, lse = _no_keys(q, lse_shape)
+        out, lse = sinks.fold(*_no_keys(q, lse_shape), learnable_sink)
     else:
         if paged and isinstance(cache_seqlens, torch.Tensor) and not compiling and not (
                 cache_seqlens.is_cuda and torch.cuda.is_current_stream_capturing()):
@@ -486,7 +548,7 @@ def flash_attn_with_kvcache(
                 q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, tensor_lens,
                 None if tensor_lens is not None or cache_seqlens is None else int(cache_seqlens), cache_batch_idx,
                 cache_leftpad, block_table, _scale(softmax_scale, headdim), causal, window[0], window[1],
-                float(softcap), bool(rotary_interleaved), alibi_slopes, int(num_splits))
+                float(softcap), bool(rotary_interleaved), alibi_slopes, int(num_splits), learnable_sink)
             return (out, lse) if return_softmax_lse else out
         out, lse = _kernels().flash_fwd_kvcache(
             q, k_cache, v_cache,
@@ -505,11 +567,13 @@ def flash_attn_with_kvcache(
             rotary_interleaved=bool(rotary_interleaved),
             alibi_slopes=alibi_slopes,
             num_splits=num_splits,
-            return_lse=return_softmax_lse,
+            return_lse=return_softmax_lse or learnable_sink is not None,
             signature=key,
         )
+        out, lse = sinks.fold(out, lse, learnable_sink)
     out = no_backward("flash_attn_with_kvcache", "it is inference-only and has no backward pass (as in flash-attn)",
-                      out, (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)))
+                      out, (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),
+                            ("learnable_sink", learnable_sink)))
     return (out, lse) if return_softmax_lse else out
 
 
@@ -520,7 +584,8 @@ _CHECKED_MAX = 4096
 
 
 def _check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                   cache_leftpad, block_table, window_size, softcap, softmax_scale, alibi_slopes, num_splits):
+                   cache_leftpad, block_table, window_size, softcap, softmax_scale, alibi_slopes, num_splits,
+                   learnable_sink):
     paged = block_table is not None
     named = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)]
     _validate.check_dtypes(named, optional=("k", "v"))
@@ -532,6 +597,7 @@ def _check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seql
     _validate.check_softmax_scale(softmax_scale)
     batch, seqlen_q, nheads, headdim = q.shape
     _validate.check_alibi(alibi_slopes, batch, nheads)
+    _validate.check_learnable_sink(learnable_sink, nheads)
     if paged:
         _validate.check_block_table(block_table, batch, k_cache, "k_cache")
         seqlen_k = block_table.shape[1] * k_cache.shape[1]
@@ -543,5 +609,5 @@ def _check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seql
     _validate.check_cuda(named + [
         ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin), ("cache_seqlens", cache_seqlens),
         ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad),
-        ("block_table", block_table), ("alibi_slopes", alibi_slopes),
+        ("block_table", block_table), ("alibi_slopes", alibi_slopes), ("learnable_sink", learnable_sink),
     ])

@@ -5,9 +5,10 @@ gives the outputs' shapes, dtypes and strides without running anything, so Dynam
 that calls attention into one graph. `fwd_kvcache` declares that it writes the caches
 (`mutates_args`), since it appends k/v in place. `fwd` and `fwd_varlen` have their gradients
 registered (`register_autograd`): the `bwd` / `bwd_varlen` ops, which a compiled training step
-traces into its backward graph. (`deterministic` and dropout's `dropout_p` / `rng_state` ride
-along in the forward ops for them; the caller draws rng_state before the op, so the compiled
-graph holds the draw.)
+traces into its backward graph, and a learnable sink's gradient beside them (`cute_flash.sinks`;
+the forward ops fold the sink into their outputs). (`deterministic` and dropout's `dropout_p` /
+`rng_state` ride along in the forward ops for them; the caller draws rng_state before the op, so
+the compiled graph holds the draw.)
 
 Eager calls do not go through the dispatcher: the public functions call the launchers directly
 when not compiling (`torch.compiler.is_compiling()`), so decode host time does not grow by the
@@ -22,6 +23,8 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+
+from cute_flash import sinks
 
 
 def _launch():
@@ -43,17 +46,18 @@ def _fresh(out: Tensor) -> Tensor:
 @torch.library.custom_op("cute_flash::fwd", mutates_args=())
 def fwd(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool, window_left: int, window_right: int,
         softcap: float, alibi_slopes: Optional[Tensor], deterministic: bool = False, dropout_p: float = 0.0,
-        rng_state: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+        rng_state: Optional[Tensor] = None, learnable_sink: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """Dense forward: q (b, sq, h, d), k/v (b, sk, hk, d) -> out like q, lse (b, h, sq) fp32."""
     out, lse = _launch().flash_fwd(q, k, v, softmax_scale=softmax_scale, causal=causal,
                                    window_size=(window_left, window_right), softcap=softcap,
                                    alibi_slopes=alibi_slopes, dropout=_dropout(dropout_p, rng_state))
+    out, lse = sinks.fold(out, lse, learnable_sink)
     return _fresh(out), lse
 
 
 @fwd.register_fake
 def _fwd_fake(q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, deterministic=False,
-              dropout_p=0.0, rng_state=None):
+              dropout_p=0.0, rng_state=None, learnable_sink=None):
     b, sq, h, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((b, h, sq), dtype=torch.float32)
 
@@ -63,20 +67,21 @@ def fwd_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens
                max_seqlen_k: int, softmax_scale: float, causal: bool, window_left: int, window_right: int,
                softcap: float, alibi_slopes: Optional[Tensor], block_table: Optional[Tensor],
                seqused_k: Optional[Tensor], deterministic: bool = False, dropout_p: float = 0.0,
-               rng_state: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+               rng_state: Optional[Tensor] = None, learnable_sink: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """Packed forward: q (total_q, h, d) -> out like q, lse (h, total_q) fp32."""
     out, lse = _launch().flash_fwd_varlen(
         q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
         window_size=(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes,
         block_table=block_table, seqused_k=seqused_k, dropout=_dropout(dropout_p, rng_state))
+    out, lse = sinks.fold(out, lse, learnable_sink)
     return _fresh(out), lse
 
 
 @fwd_varlen.register_fake
 def _fwd_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                      window_left, window_right, softcap, alibi_slopes, block_table, seqused_k, deterministic=False,
-                     dropout_p=0.0, rng_state=None):
+                     dropout_p=0.0, rng_state=None, learnable_sink=None):
     total_q, h, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((h, total_q), dtype=torch.float32)
 
@@ -87,7 +92,7 @@ def fwd_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor]
                 cache_seqlens_int: Optional[int], cache_batch_idx: Optional[Tensor], cache_leftpad: Optional[Tensor],
                 block_table: Optional[Tensor], softmax_scale: float, causal: bool, window_left: int,
                 window_right: int, softcap: float, rotary_interleaved: bool, alibi_slopes: Optional[Tensor],
-                num_splits: int) -> tuple[Tensor, Tensor]:
+                num_splits: int, learnable_sink: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """`flash_attn_with_kvcache`: appends k/v into the caches (in place), then attention; out
     like q, lse (b, h, sq) fp32. cache_seqlens is a tensor or, as `cache_seqlens_int`, an int."""
     out, lse = _launch().flash_fwd_kvcache(
@@ -97,13 +102,14 @@ def fwd_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor]
         softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right), softcap=softcap,
         rotary_interleaved=rotary_interleaved, alibi_slopes=alibi_slopes, num_splits=num_splits,
         return_lse=True)
+    out, lse = sinks.fold(out, lse, learnable_sink)
     return _fresh(out), lse
 
 
 @fwd_kvcache.register_fake
 def _fwd_kvcache_fake(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_seqlens_int,
                       cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, window_left, window_right,
-                      softcap, rotary_interleaved, alibi_slopes, num_splits):
+                      softcap, rotary_interleaved, alibi_slopes, num_splits, learnable_sink=None):
     b, sq, h, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((b, h, sq), dtype=torch.float32)
 
@@ -158,23 +164,33 @@ def _save(ctx, inputs, output, names):
 
 
 _FWD_OPTIONS = ("softmax_scale", "causal", "window_left", "window_right", "softcap", "alibi_slopes", "deterministic",
-                "dropout_p", "rng_state")
+                "dropout_p", "rng_state", "learnable_sink")
 _VARLEN_OPTIONS = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "softmax_scale", "causal",
                    "window_left", "window_right", "softcap", "alibi_slopes", "block_table", "seqused_k",
-                   "deterministic", "dropout_p", "rng_state")
+                   "deterministic", "dropout_p", "rng_state", "learnable_sink")
+
+
+def _sink_grad(dout, out, lse, sink):
+    """The learnable sink's gradient (`cute_flash.sinks.grad`), D from dout and the folded out."""
+    return None if sink is None else sinks.grad(lse, sinks.softmax_d(dout, out, lse), sink)
 
 
 def _fwd_backward(ctx, dout, dlse):
     q, k, v, out, lse = ctx.saved_tensors
-    return (*torch.ops.cute_flash.bwd(dout, q, k, v, out, lse, **ctx.options),) + (None,) * len(_FWD_OPTIONS)
+    o = dict(ctx.options)
+    sink = o.pop("learnable_sink")
+    grads = torch.ops.cute_flash.bwd(dout, q, k, v, out, lse, **o)
+    return (*grads,) + (None,) * (len(_FWD_OPTIONS) - 1) + (_sink_grad(dout, out, lse, sink),)
 
 
 def _fwd_varlen_backward(ctx, dout, dlse):
     q, k, v, out, lse = ctx.saved_tensors
     o = dict(ctx.options)
+    sink = o.pop("learnable_sink")
     if o.pop("block_table") is not None:
         raise NotImplementedError("no gradient through a paged KV cache (block_table), as in flash-attn")
-    return (*torch.ops.cute_flash.bwd_varlen(dout, q, k, v, out, lse, **o),) + (None,) * len(_VARLEN_OPTIONS)
+    grads = torch.ops.cute_flash.bwd_varlen(dout, q, k, v, out, lse, **o)
+    return (*grads,) + (None,) * (len(_VARLEN_OPTIONS) - 1) + (_sink_grad(dout, out, lse, sink),)
 
 
 torch.library.register_autograd("cute_flash::fwd", _fwd_backward,

@@ -28,6 +28,7 @@ def attention_ref(
     dropout_p=0.0,
     dropout_mask=None,
     return_probs=False,
+    learnable_sink=None,
 ):
     """Dense attention: q (b, sq, h, d), k/v (b, sk, hk, d) -> out (b, sq, h, d), lse (b, h, sq),
     and with ``return_probs`` the probabilities before dropout (b, h, sq, sk), float32 when upcast.
@@ -44,6 +45,10 @@ def attention_ref(
 
     ALiBi is always ``-slope * |i + sk - sq - j|`` (docs/semantics.md). flash-attn's causal kernel adds
     ``slope * j`` instead: the same softmax, but its lse differs by a per-row constant.
+
+    ``learnable_sink`` (h,): one more softmax column per row holding the head's logit (not
+    scaled), with no value: it takes its share of every row's probabilities, lse includes it,
+    and a row that sees no key gives out 0 and lse = the sink (docs/semantics.md, Sinks).
     """
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
@@ -87,9 +92,15 @@ def attention_ref(
         scores = scores - (slopes * diag.abs()).to(scores.dtype)
 
     scores = scores.masked_fill(~visible, float("-inf"))
-    empty = ~visible.any(-1)
-    lse = torch.logsumexp(scores.float(), dim=-1).masked_fill(empty, float("inf"))
-    probs = torch.softmax(scores, dim=-1).masked_fill(empty.unsqueeze(-1), 0.0)
+    if learnable_sink is None:
+        empty = ~visible.any(-1)
+        lse = torch.logsumexp(scores.float(), dim=-1).masked_fill(empty, float("inf"))
+        probs = torch.softmax(scores, dim=-1).masked_fill(empty.unsqueeze(-1), 0.0)
+    else:
+        sink = learnable_sink.to(scores.dtype).view(1, h, 1, 1).expand(b, h, sq, 1)
+        with_sink = torch.cat([scores, sink], dim=-1)
+        lse = torch.logsumexp(with_sink.float(), dim=-1)
+        probs = torch.softmax(with_sink, dim=-1)[..., :-1]
     kept = probs
     if dropout_mask is not None:
         from layouts.philox import KEEP_RANGE, keep_threshold
@@ -123,6 +134,7 @@ def attention_varlen_ref(
     alibi_slopes=None,
     upcast=True,
     return_probs=False,
+    learnable_sink=None,
 ):
     """Packed sequences: q (total_q, h, d) -> out (total_q, h, d), lse (h, total_q), and with
     ``return_probs`` each sequence's probabilities in a zero (b, h, max sq, max sk) tensor.
@@ -130,11 +142,13 @@ def attention_varlen_ref(
     Each sequence is run through :func:`attention_ref` on its own. Its keys are
     k[cu_seqlens_k[b]:][:n], or with ``block_table`` the first n rows of its pages (k/v then are
     paged caches), where n = seqused_k[b] if given, else cu_seqlens_k[b+1] - cu_seqlens_k[b].
-    Query rows outside every sequence keep out 0 and lse +inf.
+    Query rows outside every sequence keep out 0 and lse +inf (the sink, with ``learnable_sink``).
     """
     h = q.shape[1]
-    out = torch.zeros_like(q)
+    out = q.new_zeros(q.shape[:-1] + v.shape[-1:])  # v's head dim
     lse = torch.full((h, q.shape[0]), float("inf"), dtype=torch.float32, device=q.device)
+    if learnable_sink is not None:
+        lse = learnable_sink.float().view(h, 1).expand(h, q.shape[0]).clone()
     cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     lengths_q = [b - a for a, b in zip(cu_q, cu_q[1:])]
     lengths_k = seqused_k.tolist() if seqused_k is not None else [b - a for a, b in zip(cu_k, cu_k[1:])]
@@ -154,6 +168,7 @@ def attention_varlen_ref(
         o, l, *p = attention_ref(
             q[None, q0:q1], ki, vi, softmax_scale=softmax_scale, causal=causal,
             window_size=window_size, softcap=softcap, alibi_slopes=slopes, upcast=upcast, return_probs=return_probs,
+            learnable_sink=learnable_sink,
         )
         out[q0:q1] = o[0]
         lse[:, q0:q1] = l[0]
@@ -202,6 +217,7 @@ def attention_kvcache_ref(
     rotary_interleaved=True,
     alibi_slopes=None,
     upcast=True,
+    learnable_sink=None,
 ):
     """``flash_attn_with_kvcache`` without side effects -> (out, lse, k_cache_new, v_cache_new).
 
@@ -260,6 +276,6 @@ def attention_kvcache_ref(
     out, lse = attention_ref(
         q, keys, values, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
         softcap=softcap, alibi_slopes=alibi_slopes, upcast=upcast,
-        key_padding_mask=key_padding_mask, key_leftpad=cache_leftpad,
+        key_padding_mask=key_padding_mask, key_leftpad=cache_leftpad, learnable_sink=learnable_sink,
     )
     return out, lse, k_cache_new, v_cache_new

@@ -9,7 +9,8 @@ rule to its mask registry: a model then passes 2-D padding masks (or none), neve
 it does for flash-attn. Every layer runs `flash_attn_func`, or `flash_attn_varlen_func` for
 padded batches (unpadded here, padded back after) and for packed ones (`position_ids`
 restarting at 0 in a batch of one row, or transformers' `cu_seq_lens_*` arguments), with the
-layer's causal flag, scale, sliding window, softcap and dropout, forward and backward.
+layer's causal flag, scale, sliding window, softcap, attention sinks (`s_aux`, gpt-oss) and
+dropout, forward and backward.
 
 The name has no "flash" in it: transformers 5 takes any implementation whose name contains
 "flash" for a flash-attn build it must load itself (`flash_attention_N`, or a kernel from the
@@ -43,18 +44,14 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                       sliding_window: int | None = None, softcap: float | None = None, is_causal: bool | None = None,
                       s_aux: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: query (b, h, sq, d), key / value (b, hk, sk,
-    d[_v]), attention_mask a 2-D (b, sk) padding mask or None; returns (out (b, sq, h, d_v),
-    None: no attention weights)."""
-    if s_aux is not None:
-        raise NotImplementedError("cute_flash does not take attention sinks (s_aux) yet; use attn_implementation="
-                                  "'sdpa' or 'eager' for this model")
-    q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # (b, s, heads, d)
-    d_v = v.shape[-1]
-    if d_v != q.shape[-1]:  # one head dim for q, k and v: v padded (MLA's v_head_dim < qk_head_dim), O cropped
-        v = torch.nn.functional.pad(v, [0, q.shape[-1] - d_v])
+    d[_v]), attention_mask a 2-D (b, sk) padding mask or None, s_aux a model's attention sinks
+    (h,); returns (out (b, sq, h, d_v), None: no attention weights)."""
+    q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # (b, s, heads, d); v's head dim may differ (MLA)
     q, k, v = _half_precision(module, q, k, v)
     options = _options(module, k.shape[1], dropout, scaling, sliding_window, softcap, is_causal,
                        kwargs.get("deterministic"))
+    if s_aux is not None:  # attention sinks (gpt-oss): flash-attn-4's learnable_sink
+        options["learnable_sink"] = s_aux
     batch, seqlen_q = q.shape[:2]
     if attention_mask is not None:
         out = _padded(q, k, v, attention_mask, options)
@@ -66,7 +63,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         out = _packed(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, options)
     else:
         out = flash_attn_func(q, k, v, **options)
-    return out.view(batch, seqlen_q, *out.shape[-2:])[..., :d_v], None
+    return out.reshape(batch, seqlen_q, *out.shape[-2:]), None
 
 
 def _options(module, seqlen_k, dropout, scaling, sliding_window, softcap, is_causal, deterministic) -> dict:

@@ -45,10 +45,13 @@ FLASH_ATTN_2_8_3 = {  # flash_attn/flash_attn_interface.py at v2.8.3, plus our s
 
 @pytest.mark.parametrize("fn", sorted(FLASH_ATTN_2_8_3))
 def test_signatures_are_flash_attn_2_8_3(fn):
-    """Names, order, kinds and defaults as flash-attn's (ours carry type hints, which it lacks)."""
+    """Names, order, kinds and defaults as flash-attn's (ours carry type hints, which it lacks),
+    plus keyword-only additions after them: learnable_sink (flash-attn-4's)."""
     sig = inspect.signature(getattr(fi, fn))
-    bare = sig.replace(parameters=[p.replace(annotation=inspect.Parameter.empty) for p in sig.parameters.values()],
-                       return_annotation=inspect.Signature.empty)
+    added = sig.parameters["learnable_sink"]
+    assert added.kind is inspect.Parameter.KEYWORD_ONLY and added.default is None
+    bare = sig.replace(parameters=[p.replace(annotation=inspect.Parameter.empty) for p in sig.parameters.values()
+                                   if p.name != "learnable_sink"], return_annotation=inspect.Signature.empty)
     assert str(bare) == FLASH_ATTN_2_8_3[fn]
     assert fn in fi.__all__
 
@@ -171,8 +174,10 @@ def test_head_dim_at_most_256(d, name):
        name=st.sampled_from([n for n in ALL if len(HALF_ARGS[n]) > 1]))
 @settings(max_examples=30, deadline=None)
 def test_head_dims_must_match(d, name):
+    """q and k (or kv, k_cache) share one head dim; v's may differ where the call allows it
+    (tests/cpu/test_value_head_dim.py)."""
     args = valid(name)
-    arg = HALF_ARGS[name][-1]
+    arg = HALF_ARGS[name][1]
     args[arg] = rnd(*args[arg].shape[:-1], d)
     match = (rf"^{arg} head dim must equal the head dim of"
              rf" {FIRST[name]} \({D}\), got {d}")
@@ -838,7 +843,7 @@ def test_kvcache_dispatch_keywords(gpu_free, name):
     assert kc is args["k_cache"] and vc is args["v_cache"]
     assert kw.pop("signature") == _validate.signature(
         q, kc, vc, args["k"], args["v"], args["rotary_cos"], args["rotary_sin"], args["cache_seqlens"],
-        None, None, args.get("block_table"), 0.5, True, (100, -1), 0.0, False, alibi, 3)
+        None, None, args.get("block_table"), 0.5, True, (100, -1), 0.0, False, alibi, 3, None)
     assert kw == dict(
         k=args["k"], v=args["v"], rotary_cos=args["rotary_cos"], rotary_sin=args["rotary_sin"],
         cache_seqlens=args["cache_seqlens"], cache_batch_idx=None, cache_leftpad=None,

@@ -11,8 +11,9 @@ from cute_flash.integrations import transformers as integration  # noqa: E402
 from tests.helpers import models  # noqa: E402
 from tests.helpers.reference_kernels import ReferenceKernels  # noqa: E402
 
-# transformers' own attention each family is compared with: sdpa has no softcap (Gemma 2 takes eager)
-BASELINE = {"llama": "sdpa", "mistral": "sdpa", "gemma2": "eager"}
+# transformers' own attention each family is compared with: sdpa has no softcap or sinks (Gemma 2 and
+# gpt-oss take eager)
+BASELINE = {"llama": "sdpa", "mistral": "sdpa", "gemma2": "eager", "gpt_oss": "eager", "deepseek_v3": "sdpa"}
 
 
 @pytest.fixture
@@ -102,7 +103,11 @@ def test_sliding_window_reaches_the_kernel_as_flash_attn_takes_it(ref_kernels, m
     assert seen == [(-1, -1)] * 2
 
 
-def test_attention_sinks_are_refused_by_name():
-    query = torch.zeros(1, 2, 3, 8)
-    with pytest.raises(NotImplementedError, match="s_aux"):
-        integration.attention_forward(torch.nn.Linear(1, 1), query, query, query, None, s_aux=torch.zeros(2))
+def test_attention_sinks_reach_the_kernel_as_learnable_sink(ref_kernels, monkeypatch):
+    seen = []
+    monkeypatch.setattr(integration, "flash_attn_func",
+                        lambda *a, **kw: seen.append(kw["learnable_sink"]) or ref_kernels.func(*a, **kw))
+    model = models.model("gpt_oss", integration.NAME)
+    model(tokens(1, 12))
+    sinks = [layer.self_attn.sinks for layer in model.model.layers]
+    assert len(seen) == len(sinks) and all(a is b for a, b in zip(seen, sinks))

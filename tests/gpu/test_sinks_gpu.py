@@ -1,0 +1,113 @@
+"""Learnable sinks on the kernels: forward (out, LSE) and gradients (q, k, v and the sink) of the
+dense, packed and KV-cache calls against the reference with a sink column, by the criterion of
+docs/semantics.md, on the Hopper path and the SM80 one (`CUTE_FLASH_ARCH_PATH=sm80`), each test
+asserting which kernels ran; and a compiled training step against the eager one.
+tests/cpu/test_sinks.py checks the fold and its gradient on the CPU."""
+import pytest
+import torch
+
+import cute_flash
+from cute_flash.reference import attention_ref, attention_varlen_ref
+from tests.helpers.backward import GRAD_FLOOR, assert_grads_match
+from tests.helpers.gpu_utils import assert_matches_reference, cu_seqlens, on_path
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(params=["default", "sm80"])
+def path(request, monkeypatch):
+    if request.param == "sm80":
+        monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", "sm80")
+    return request.param
+
+
+def _inputs(b, sq, sk, h, hk, d, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q, dout = (torch.randn(b, sq, h, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    k, v = (torch.randn(b, sk, hk, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    sink = torch.randn(h, device="cuda", generator=g) * 2
+    return q, k, v, dout, sink
+
+
+def _backward_kind(path, d, packed):
+    """The backward `policy.takes_hopper_bwd` picks: Hopper for dense d 32 / 64 / 128 on sm_90."""
+    hopper = on_path(path, "bwd") == {"sm90_bwd"}
+    return {"sm90_bwd" if hopper and not packed and d in (32, 64, 128) else "sm80_bwd"}
+
+
+def _assert_sink_grad(got, ref_fn, q, k, v, dout, sink, **opts):
+    """dsink against the float32 reference's, within twice the bf16 reference's distance of it."""
+    grads = []
+    for dtype in (torch.float32, None):
+        leaves = [x.detach().to(dtype or x.dtype) for x in (q, k, v)]
+        s = sink.detach().clone().requires_grad_()
+        out, _ = ref_fn(*leaves, upcast=dtype is not None, learnable_sink=s, **opts)
+        out.backward(dout.to(out.dtype))
+        grads.append(s.grad.float())
+    want, lowp = grads
+    err, bar = (got.float() - want).abs().max().item(), 2 * (lowp - want).abs().max().item() + GRAD_FLOOR
+    assert err <= bar, f"dsink: max abs error {err:.3e} > {bar:.3e}"
+
+
+@pytest.mark.parametrize("b, sq, sk, h, hk, d, causal", [
+    (2, 200, 333, 8, 2, 128, True), (1, 512, 512, 4, 4, 64, False), (2, 97, 64, 6, 3, 96, True)])
+def test_dense_forward_and_backward_with_a_sink(path, kernels, b, sq, sk, h, hk, d, causal):
+    q, k, v, dout, sink = _inputs(b, sq, sk, h, hk, d, seed=sq)
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, sink)]
+    out, lse, _ = cute_flash.flash_attn_func(*leaves[:3], causal=causal, learnable_sink=leaves[3],
+                                             return_attn_probs=True)
+    assert_matches_reference(out.detach(), lse, q, k, v, causal=causal, learnable_sink=sink)
+    out.backward(dout)
+    assert_grads_match([x.grad for x in leaves[:3]], q, k, v, dout, out=out, causal=causal, learnable_sink=sink)
+    _assert_sink_grad(leaves[3].grad, attention_ref, q, k, v, dout, sink, causal=causal)
+    assert kernels == on_path(path, "fwd") | _backward_kind(path, d, packed=False)
+
+
+def test_packed_forward_and_backward_with_a_sink(path, kernels):
+    lengths = [130, 1, 257, 64]
+    cu, total = cu_seqlens(lengths), sum(lengths)
+    q, k, v, dout, sink = (x[0] if x.dim() == 4 else x for x in _inputs(1, total, total, 8, 2, 128, seed=3))
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, sink)]
+    opts = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True)
+
+    def ref_fn(q, k, v, **kw):
+        return attention_varlen_ref(q, k, v, kw.pop("cu_seqlens_q"), kw.pop("cu_seqlens_k"), **kw)
+
+    out, lse, _ = cute_flash.flash_attn_varlen_func(*leaves[:3], cu, cu, max(lengths), max(lengths), causal=True,
+                                                    learnable_sink=leaves[3], return_attn_probs=True)
+    assert_matches_reference(out.detach(), lse, q, k, v, ref_fn, learnable_sink=sink, **opts)
+    out.backward(dout)
+    assert_grads_match([x.grad for x in leaves[:3]], q, k, v, dout, out=out, ref_fn=ref_fn, learnable_sink=sink,
+                       **opts)
+    _assert_sink_grad(leaves[3].grad, ref_fn, q, k, v, dout, sink, **opts)
+    assert kernels == on_path(path, "fwd") | _backward_kind(path, 128, packed=True)
+
+
+@pytest.mark.parametrize("seqlen_q", [1, 4])
+def test_kvcache_with_a_sink(path, kernels, seqlen_q):
+    q, k_cache, v_cache, _, sink = _inputs(3, seqlen_q, 4096, 32, 8, 128, seed=seqlen_q)
+    lens = torch.tensor([4096, 1000, 17], dtype=torch.int32, device="cuda")
+    out, lse = cute_flash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, causal=True,
+                                                  return_softmax_lse=True, learnable_sink=sink)
+    keys = torch.arange(4096, device="cuda") < lens[:, None]
+    assert_matches_reference(out, lse, q, k_cache, v_cache, causal=True, key_padding_mask=keys,
+                             learnable_sink=sink)
+    assert kernels == on_path(path, "fwd")
+
+
+def test_compiled_training_step_with_a_sink_matches_eager():
+    torch._dynamo.reset()
+    q, k, v, dout, sink = _inputs(2, 256, 256, 8, 2, 64, seed=11)
+
+    def step(q, k, v, sink):
+        return cute_flash.flash_attn_func(q, k, v, causal=True, learnable_sink=sink)
+
+    results = []
+    for fn in (step, torch.compile(step, fullgraph=True)):
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, sink)]
+        out = fn(*leaves)
+        out.backward(dout)
+        results.append([out] + [x.grad for x in leaves])
+    torch._dynamo.reset()
+    for eager, compiled in zip(*results):  # the same kernels, D computed apart for the sink
+        torch.testing.assert_close(compiled.float(), eager.float(), atol=1e-3, rtol=1e-3)

@@ -1,0 +1,104 @@
+"""A stand-in for `cute_flash.launch` on the CPU, computing what the kernels compute with
+`cute_flash.reference`: the forwards' (out, lse), and the backward the kernels run, from the
+(out, lse) they are given (P = exp(S - lse), D = rowsum(dO * O), dS = P * (dP - D)), not from
+autograd. So the API above the kernels (options, autograd, sinks) runs whole on the CPU.
+No softcap or dropout in the backward (`flash_bwd` refuses them)."""
+from __future__ import annotations
+
+import sys
+import types
+
+import torch
+
+from cute_flash.reference import attention_kvcache_ref, attention_ref, attention_varlen_ref
+
+
+def _forward_options(kw):
+    return dict(softmax_scale=kw["softmax_scale"], causal=kw["causal"], window_size=kw["window_size"],
+                softcap=kw["softcap"], alibi_slopes=kw["alibi_slopes"])
+
+
+def _grads(dout, q, k, v, out, lse, kw):
+    """One sequence's gradients, (b, s, heads, d) layouts, by the kernels' formulas in float64."""
+    assert kw["softcap"] == 0.0 and kw.get("dropout") is None
+    o = _forward_options(kw)
+    _, lse_ref, probs = attention_ref(q.double(), k.double(), v.double(), return_probs=True, **o)
+    lse_ref = lse_ref.double().masked_fill(lse_ref == float("inf"), 0.0)
+    given = lse.double().masked_fill(lse == float("inf"), 0.0)
+    p = probs.double() * torch.exp(lse_ref - given).unsqueeze(-1)  # exp(S - lse) with the given lse
+    group = q.shape[2] // k.shape[2]
+    k_rep, v_rep = (x.double().repeat_interleave(group, dim=2) for x in (k, v))
+    do = dout.double()
+    d = (do * out.double()).sum(-1).permute(0, 2, 1)  # (b, h, sq)
+    dp = torch.einsum("bqhd,bkhd->bhqk", do, v_rep)
+    ds = p * (dp - d.unsqueeze(-1))
+    scale = o["softmax_scale"]
+    dq = torch.einsum("bhqk,bkhd->bqhd", ds, k_rep) * scale
+    dk = torch.einsum("bhqk,bqhd->bkhd", ds, q.double()) * scale
+    dv = torch.einsum("bhqk,bqhd->bkhd", p, do)
+    b, sk, hk, dim = k.shape
+    dk, dv = (x.view(b, sk, hk, group, dim).sum(3) for x in (dk, dv))
+    return dq, dk, dv, d.float()
+
+
+def _write(dest, value, like):
+    value = value.to(like.dtype)
+    return value if dest is None else dest.copy_(value)
+
+
+class ReferenceLaunch(types.ModuleType):
+    """`cute_flash.launch`'s entry points on CPU tensors."""
+
+    def __init__(self):
+        super().__init__("cute_flash.launch")
+        self.calls = []
+        self.backward = self  # the custom ops call `launch.backward.flash_bwd`
+
+    def flash_fwd(self, q, k, v, dropout=None, **kw):
+        assert dropout is None
+        self.calls.append("flash_fwd")
+        return attention_ref(q, k, v, **_forward_options(kw))
+
+    def flash_fwd_varlen(self, q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
+                         seqused_k, dropout=None, **kw):
+        assert dropout is None and block_table is None
+        self.calls.append("flash_fwd_varlen")
+        return attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k=seqused_k, **_forward_options(kw))
+
+    def flash_fwd_kvcache(self, q, k_cache, v_cache, *, k, v, cache_seqlens, return_lse, **kw):
+        assert k is None and v is None and kw["block_table"] is None and kw["cache_batch_idx"] is None
+        self.calls.append("flash_fwd_kvcache")
+        out, lse, *_ = attention_kvcache_ref(q, k_cache, v_cache, cache_seqlens=cache_seqlens,
+                                             **_forward_options(kw))
+        return out, lse
+
+    def flash_bwd(self, dout, q, k, v, out, lse, *, dq=None, dk=None, dv=None, **kw):
+        self.calls.append("flash_bwd")
+        gq, gk, gv, d = _grads(dout, q, k, v, out, lse, kw)
+        return _write(dq, gq, q), _write(dk, gk, k), _write(dv, gv, v), d
+
+    def flash_bwd_varlen(self, dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                         seqused_k=None, dq=None, dk=None, dv=None, **kw):
+        assert seqused_k is None
+        self.calls.append("flash_bwd_varlen")
+        gq, gk, gv = torch.zeros_like(q, dtype=torch.float64), torch.zeros_like(k, dtype=torch.float64), \
+            torch.zeros_like(v, dtype=torch.float64)
+        d = torch.zeros(lse.shape, dtype=torch.float32)
+        for i in range(cu_seqlens_q.numel() - 1):
+            qs, ks = slice(cu_seqlens_q[i], cu_seqlens_q[i + 1]), slice(cu_seqlens_k[i], cu_seqlens_k[i + 1])
+            g = _grads(dout[None, qs], q[None, qs], k[None, ks], v[None, ks], out[None, qs], lse[None, :, qs], kw)
+            gq[qs], gk[ks], gv[ks], d[:, qs] = g[0][0], g[1][0], g[2][0], g[3][0]
+        return _write(dq, gq, q), _write(dk, gk, k), _write(dv, gv, v), d
+
+
+def install(monkeypatch) -> ReferenceLaunch:
+    """Put a ReferenceLaunch in place of `cute_flash.launch` and let CPU tensors pass the CUDA
+    check, for one test."""
+    import cute_flash
+    from cute_flash import _validate
+
+    launch = ReferenceLaunch()
+    monkeypatch.setitem(sys.modules, "cute_flash.launch", launch)
+    monkeypatch.setattr(cute_flash, "launch", launch, raising=False)  # `from cute_flash import launch` (ops.py)
+    monkeypatch.setattr(_validate, "check_cuda", lambda named: None)
+    return launch
