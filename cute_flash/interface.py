@@ -25,7 +25,7 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from cute_flash import _validate, sinks
+from cute_flash import _validate, kvcache_varlen, sinks
 from cute_flash.dropout import s_dmask, s_dmask_shape, s_dmask_varlen
 from cute_flash.launch.rng import DropoutArgs
 from cute_flash.autograd import AttnOptions, FlashAttnFunction, Packing, Varlen, no_backward
@@ -505,6 +505,9 @@ def flash_attn_with_kvcache(
     return_softmax_lse: bool = False,
     *,
     learnable_sink: Optional[Tensor] = None,
+    cu_seqlens_q: Optional[Tensor] = None,
+    cu_seqlens_k_new: Optional[Tensor] = None,
+    max_seqlen_q: Optional[int] = None,
 ) -> Union[Tensor, tuple[Tensor, Tensor]]:
     """Attention of q (batch, seqlen_q, nheads, headdim) over a KV cache, after the kernel
     appends k, v (rotated when rotary_cos/sin are given) at cache_seqlens. All checks run
@@ -512,7 +515,18 @@ def flash_attn_with_kvcache(
     max(cache_seqlens) + seqlen_new must fit in the pages it addresses: checked on the host as
     flash-attn does (RuntimeError; a device sync), except while a CUDA graph is being captured,
     where the kernels' own clamping is the guard. `learnable_sink` (nheads,), keyword-only: as
-    in `flash_attn_func`. Returns out, or (out, softmax_lse (batch, nheads, seqlen_q))."""
+    in `flash_attn_func`. Returns out, or (out, softmax_lse (batch, nheads, seqlen_q)).
+    `cu_seqlens_q` / `max_seqlen_q` (FA3's, keyword-only): each sequence its own query count,
+    q packed (total_q, nheads, headdim), k / v packed (total_new, nheads_k, headdim) with
+    `cu_seqlens_k_new`; then out is (total_q, nheads, headdim) and softmax_lse (nheads, total_q)
+    (`cute_flash.kvcache_varlen`)."""
+    if cu_seqlens_q is not None:
+        return _kvcache_varlen(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                               cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
+                               rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse, learnable_sink,
+                               cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q)
+    if cu_seqlens_k_new is not None or max_seqlen_q is not None:
+        raise ValueError("cu_seqlens_k_new and max_seqlen_q go with cu_seqlens_q (queries of their own count)")
     window_size = _validate.check_window(window_size)
     paged = block_table is not None
     compiling = torch.compiler.is_compiling()
@@ -574,6 +588,59 @@ def flash_attn_with_kvcache(
     out = no_backward("flash_attn_with_kvcache", "it is inference-only and has no backward pass (as in flash-attn)",
                       out, (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),
                             ("learnable_sink", learnable_sink)))
+    return (out, lse) if return_softmax_lse else out
+
+
+def _kvcache_varlen(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                    cache_leftpad, block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved,
+                    alibi_slopes, num_splits, return_softmax_lse, learnable_sink, cu_seqlens_q, cu_seqlens_k_new,
+                    max_seqlen_q):
+    """`flash_attn_with_kvcache` over packed queries (`cute_flash.kvcache_varlen`): the appends
+    and rotary here, then the fixed-length call on the queries laid out (batch, max_seqlen_q),
+    which checks the caches and the options."""
+    if q.dim() != 3:
+        raise ValueError(f"with cu_seqlens_q, q must be 3-D (total_q, nheads, headdim), got shape {tuple(q.shape)}")
+    _validate.check_cu_seqlens(cu_seqlens_q, cu_seqlens_q if cu_seqlens_k_new is None else cu_seqlens_k_new,
+                               max_seqlen_q, 0, ("cu_seqlens_q", "cu_seqlens_k_new", "max_seqlen_q", "max_seqlen_q"))
+    if not isinstance(cache_seqlens, torch.Tensor):
+        raise ValueError("with cu_seqlens_q, cache_seqlens must be an int32 tensor (batch,): each sequence's rows "
+                         "in the cache before the appended ones")
+    batch = cu_seqlens_q.shape[0] - 1
+    _validate.check_int32_vector(cache_seqlens, "cache_seqlens", batch)
+    if cache_batch_idx is not None or cache_leftpad is not None:
+        raise ValueError("cache_batch_idx and cache_leftpad are not taken with cu_seqlens_q")
+    if (k is None) != (v is None) or (k is None) != (cu_seqlens_k_new is None):
+        raise ValueError("k, v and cu_seqlens_k_new go together (each sequence's new rows, packed)")
+    if k is not None and (k.dim() != 3 or v.shape[:-1] != k.shape[:-1] or k.shape[1:] != k_cache.shape[2:]):
+        raise ValueError(f"k and v must be (total_new, nheads_k, headdim) like the caches' rows, got shapes "
+                         f"{tuple(k.shape)} and {tuple(v.shape)}")
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError("rotary_cos and rotary_sin go together")
+    _validate.check_cuda([("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),
+                          ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k_new", cu_seqlens_k_new),
+                          ("cache_seqlens", cache_seqlens), ("block_table", block_table),
+                          ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)])
+    window = _validate.check_window(window_size)
+    _validate.check_dtypes([("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)],
+                           optional=("k", "v"))
+    rotary = None if rotary_cos is None else (rotary_cos, rotary_sin, bool(rotary_interleaved))
+    new = torch.zeros_like(cache_seqlens) if k is None else cu_seqlens_k_new[1:] - cu_seqlens_k_new[:-1]
+    lengths = (cache_seqlens + new).to(torch.int32)
+    if rotary is not None:
+        per_row = bool(causal) or window[0] >= 0 or window[1] >= 0
+        positions = kvcache_varlen.query_positions(cu_seqlens_q, q.shape[0], cache_seqlens, per_row)
+        q = kvcache_varlen.rotate(q, rotary_cos, rotary_sin, positions, rotary[2])
+    q_pad, flat = kvcache_varlen.pad_queries(q, cu_seqlens_q, max(int(max_seqlen_q), 1))
+    # every check of the fixed-length call before the appends, so that a refused call leaves the caches as they were
+    _check_kvcache(q_pad, k_cache, v_cache, None, None, None, None, lengths, None, None, block_table, window,
+                   softcap, softmax_scale, alibi_slopes, num_splits, learnable_sink)
+    if k is not None:
+        kvcache_varlen.append(k_cache, v_cache, k, v, cu_seqlens_k_new, cache_seqlens, block_table, rotary)
+    out, lse = flash_attn_with_kvcache(
+        q_pad, k_cache, v_cache, cache_seqlens=lengths, block_table=block_table,
+        softmax_scale=_scale(softmax_scale, q.shape[-1]), causal=causal, window_size=window, softcap=softcap,
+        alibi_slopes=alibi_slopes, num_splits=num_splits, return_softmax_lse=True, learnable_sink=learnable_sink)
+    out, lse = kvcache_varlen.unpad(out, lse, flat)
     return (out, lse) if return_softmax_lse else out
 
 

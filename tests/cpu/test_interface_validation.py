@@ -46,12 +46,16 @@ FLASH_ATTN_2_8_3 = {  # flash_attn/flash_attn_interface.py at v2.8.3, plus our s
 @pytest.mark.parametrize("fn", sorted(FLASH_ATTN_2_8_3))
 def test_signatures_are_flash_attn_2_8_3(fn):
     """Names, order, kinds and defaults as flash-attn's (ours carry type hints, which it lacks),
-    plus keyword-only additions after them: learnable_sink (flash-attn-4's)."""
+    plus keyword-only additions after them: learnable_sink (flash-attn-4's) everywhere, and the
+    KV-cache call's packed queries (FA3's cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q)."""
     sig = inspect.signature(getattr(fi, fn))
-    added = sig.parameters["learnable_sink"]
-    assert added.kind is inspect.Parameter.KEYWORD_ONLY and added.default is None
+    additions = ["learnable_sink"] + (["cu_seqlens_q", "cu_seqlens_k_new", "max_seqlen_q"]
+                                      if fn == "flash_attn_with_kvcache" else [])
+    assert list(sig.parameters)[-len(additions):] == additions
+    for name in additions:
+        assert sig.parameters[name].kind is inspect.Parameter.KEYWORD_ONLY and sig.parameters[name].default is None
     bare = sig.replace(parameters=[p.replace(annotation=inspect.Parameter.empty) for p in sig.parameters.values()
-                                   if p.name != "learnable_sink"], return_annotation=inspect.Signature.empty)
+                                   if p.name not in additions], return_annotation=inspect.Signature.empty)
     assert str(bare) == FLASH_ATTN_2_8_3[fn]
     assert fn in fi.__all__
 

@@ -66,10 +66,10 @@ class ReferenceLaunch(types.ModuleType):
         return attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k=seqused_k, **_forward_options(kw))
 
     def flash_fwd_kvcache(self, q, k_cache, v_cache, *, k, v, cache_seqlens, return_lse, **kw):
-        assert k is None and v is None and kw["block_table"] is None and kw["cache_batch_idx"] is None
+        assert k is None and v is None and kw["cache_batch_idx"] is None and kw["rotary_cos"] is None
         self.calls.append("flash_fwd_kvcache")
         out, lse, *_ = attention_kvcache_ref(q, k_cache, v_cache, cache_seqlens=cache_seqlens,
-                                             **_forward_options(kw))
+                                             block_table=kw["block_table"], **_forward_options(kw))
         return out, lse
 
     def flash_bwd(self, dout, q, k, v, out, lse, *, dq=None, dk=None, dv=None, **kw):

@@ -1,0 +1,80 @@
+"""`flash_attn_with_kvcache` with packed queries of their own count per sequence on the kernels
+(chunked prefill, speculative decoding): each sequence's output and LSE against the reference
+run on that sequence alone by the criterion of docs/semantics.md, and the cache rows the call
+appended, on the Hopper path and the SM80 one, contiguous and paged, with rotary and split-KV.
+tests/cpu/test_kvcache_varlen.py checks the same around a reference launcher on the CPU."""
+import pytest
+import torch
+
+import cute_flash
+from cute_flash.reference import attention_kvcache_ref
+from tests.helpers.gpu_utils import assert_matches_reference, on_path
+
+pytestmark = pytest.mark.gpu
+H, HK, D, CAPACITY = 32, 8, 128, 4096
+
+
+@pytest.fixture(params=["default", "sm80"])
+def path(request, monkeypatch):
+    if request.param == "sm80":
+        monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", "sm80")
+    return request.param
+
+
+def _case(n_q, lens, page_size, rotary, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    b = len(n_q)
+
+    def rnd(*shape):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g)
+
+    cu = torch.tensor([0, *torch.tensor(n_q).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    case = dict(q=rnd(sum(n_q), H, D), cu_seqlens_q=cu, max_seqlen_q=max(n_q), k=rnd(sum(n_q), HK, D),
+                v=rnd(sum(n_q), HK, D), cu_seqlens_k_new=cu,
+                cache_seqlens=torch.tensor(lens, dtype=torch.int32, device="cuda"))
+    if page_size is None:
+        case.update(k_cache=rnd(b, CAPACITY, HK, D), v_cache=rnd(b, CAPACITY, HK, D))
+    else:
+        pages = CAPACITY // page_size
+        case.update(k_cache=rnd(b * pages, page_size, HK, D), v_cache=rnd(b * pages, page_size, HK, D),
+                    block_table=torch.randperm(b * pages, device="cuda").to(torch.int32).view(b, pages))
+    if rotary:
+        angles = torch.rand(CAPACITY, D // 2, device="cuda") * 6.28
+        case.update(rotary_cos=angles.cos().bfloat16(), rotary_sin=angles.sin().bfloat16())
+    return case
+
+
+@pytest.mark.parametrize("page_size", [None, 256])
+@pytest.mark.parametrize("rotary", [False, True])
+def test_packed_queries_against_each_sequence_alone(path, kernels, page_size, rotary):
+    n_q = [1, 16, 3, 1, 8, 5, 2, 1]
+    lens = [4000, 0, 1234, 17, 3000, 255, 4090, 64]
+    case = _case(n_q, lens, page_size, rotary, seed=len(n_q) + (page_size or 0))
+    before = [c.clone() for c in (case["k_cache"], case["v_cache"])]
+    out, lse = cute_flash.flash_attn_with_kvcache(**case, causal=True, return_softmax_lse=True)
+    assert out.shape == case["q"].shape and lse.shape == (H, sum(n_q))
+    assert kernels == on_path(path, "fwd")
+    cu = case["cu_seqlens_q"].tolist()
+    for b in range(len(n_q)):
+        rows = slice(cu[b], cu[b + 1])
+        per_seq = dict(cache_seqlens=case["cache_seqlens"][b:b + 1], causal=True, rotary_cos=case.get("rotary_cos"),
+                       rotary_sin=case.get("rotary_sin"))
+        if page_size is None:
+            k_cache, v_cache = (c[b:b + 1] for c in before)
+        else:
+            k_cache, v_cache = before
+            per_seq.update(block_table=case["block_table"][b:b + 1])
+        _, _, k_new, _ = attention_kvcache_ref(case["q"][None, rows], k_cache, v_cache, case["k"][None, rows],
+                                               case["v"][None, rows], **per_seq)
+
+        def ref_fn(q, k, v, upcast=True, **opts):  # sequence b alone, the appends included
+            out, lse, *_ = attention_kvcache_ref(q, k, v, case["k"][None, rows], case["v"][None, rows],
+                                                 upcast=upcast, **opts)
+            return out, lse
+
+        assert_matches_reference(out[None, rows], lse[None, :, rows], case["q"][None, rows], k_cache, v_cache,
+                                 ref_fn, **per_seq)
+        if page_size is None:  # the call's appends are the reference's
+            end = lens[b] + n_q[b]
+            torch.testing.assert_close(case["k_cache"][b, lens[b]:end].float(), k_new[0, lens[b]:end].float(),
+                                       atol=1e-2, rtol=1e-2)  # rotated in fp32 by each, rounded to bf16
