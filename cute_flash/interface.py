@@ -26,9 +26,9 @@ import torch
 from torch import Tensor
 
 from cute_flash import _validate, kvcache_varlen, sinks
+from cute_flash.autograd import AttnOptions, FlashAttnFunction, Packing, Varlen, no_backward
 from cute_flash.dropout import s_dmask, s_dmask_shape, s_dmask_varlen
 from cute_flash.launch.rng import DropoutArgs
-from cute_flash.autograd import AttnOptions, FlashAttnFunction, Packing, Varlen, no_backward
 from cute_flash import ops  # noqa: F401  (registers torch.ops.cute_flash.*, used while compiling)
 
 __all__ = [

@@ -13,11 +13,11 @@ from dataclasses import replace
 
 import torch
 
-from cute_flash.kernels.sm80.bwd_preprocess import PreprocessConfig
-from cute_flash.kernels.sm90.bwd import Sm90BwdConfig
 from cute_flash.kernels.common.constants import LOG2E
 from cute_flash.kernels.sm80.bwd import BwdConfig
+from cute_flash.kernels.sm80.bwd_preprocess import PreprocessConfig
 from cute_flash.kernels.sm80.dq_convert import DQConvertConfig
+from cute_flash.kernels.sm90.bwd import Sm90BwdConfig
 from cute_flash.launch import compiled, gpu, policy
 from cute_flash.launch.align import aligned
 from cute_flash.launch.args import alibi_2d, positive_scale, scales, score_flags, window_edges

@@ -6,11 +6,11 @@ import functools
 
 import torch
 
-from cute_flash.launch.rng import DropoutArgs, rng_of
 from cute_flash.kernels.sm80.fwd import FwdConfig
 from cute_flash.launch import compiled, gpu
 from cute_flash.launch.align import aligned
 from cute_flash.launch.args import alibi_2d, positive_scale, scales, score_flags, window_edges
+from cute_flash.launch.rng import DropoutArgs, rng_of
 from cute_flash.launch.batch_chunks import (batch_chunks, chunked, lengths_of, refuse_chunked_dropout, rows_of,
                                             slopes_of)
 from cute_flash.launch.hopper import flash_fwd_sm90, flash_fwd_varlen_sm90

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import torch
 
-from cute_flash.launch.rng import DropoutArgs, rng_of
 from cute_flash.kernels.sm90.fwd import Sm90FwdConfig
 from cute_flash.launch import compiled, gpu
 from cute_flash.launch.align import aligned
 from cute_flash.launch.args import alibi_2d, scales, score_flags, window_edges
 from cute_flash.launch.per_stream import per_stream, zeroed_counters
+from cute_flash.launch.rng import DropoutArgs, rng_of
 from cute_flash.launch.policy import (kv_multicast_fits, kv_stages, prefers_persistent, section_heads,
                                       speculates_in_place, takes_kv_multicast, takes_speculative_max, takes_tall_tiles)
 from layouts.hopper import choose_hopper_traits

@@ -12,14 +12,14 @@ from dataclasses import dataclass
 
 import torch
 
+from cute_flash.kernels.common.split_kv import StreamSplit, workspace_shapes
 from cute_flash.kernels.sm80.append import AppendConfig
 from cute_flash.kernels.sm80.fwd import FwdConfig
 from cute_flash.kernels.sm90.fwd import Sm90FwdConfig
-from cute_flash.kernels.common.split_kv import StreamSplit, workspace_shapes
-from cute_flash.launch.align import aligned, is_aligned
-from cute_flash.launch.batch_chunks import batch_chunks, chunked, rows_of, slopes_of, splits_within_grid
 from cute_flash.launch import compiled, gpu
+from cute_flash.launch.align import aligned, is_aligned
 from cute_flash.launch.args import alibi_2d, positive_scale, scales, score_flags, window_edges
+from cute_flash.launch.batch_chunks import batch_chunks, chunked, rows_of, slopes_of, splits_within_grid
 from cute_flash.launch.clusters import resident_clusters
 from cute_flash.launch.per_stream import per_stream, zeroed_counters
 from cute_flash.launch.policy import (CLUSTER_MAX_SPLITS, PAGE_ROWS, cache_stages, hopper_cache_fits, split_choice,

@@ -17,8 +17,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cute_flash.tools.peers import arch_path
 from cute_flash.reference import attention_kvcache_ref
+from cute_flash.tools.peers import arch_path
 from tests.helpers.caches import ref_with, run_case
 from tests.helpers.gpu_utils import (
     assert_matches_reference,

@@ -11,8 +11,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cute_flash.tools.peers import arch_path
 from cute_flash.reference import attention_varlen_ref
+from cute_flash.tools.peers import arch_path
 from tests.helpers.caches import paged_cache
 from tests.helpers.gpu_utils import assert_matches_reference, cu_seqlens, gpu_settings, on_path, varlen_attention
 

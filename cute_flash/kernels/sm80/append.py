@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import cutlass
 import cutlass.cute as cute
 
-from cute_flash.kernels.common.seq_info import clamp
 from cute_flash.kernels.common.fake import fake_stream, fake_tensor
+from cute_flash.kernels.common.seq_info import clamp
 from layouts.traits import element_type
 
 NUM_THREADS = 128

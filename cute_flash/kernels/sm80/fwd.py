@@ -40,13 +40,13 @@ from cute_flash.kernels.common.fake import fake_stream, fake_tensor
 from cute_flash.kernels.common.flags import FLAG_LETTERS
 from cute_flash.kernels.common.gemm import MmaOperands
 from cute_flash.kernels.common.gqa_fold import fold_heads, fold_lse
-from cute_flash.kernels.sm80.kv_tiles import KVTiles
 from cute_flash.kernels.common.philox import Dropout, sm80_groups
 from cute_flash.kernels.common.score_mods import Mask, ScoreMods
 from cute_flash.kernels.common.seq_info import SeqInfo, clamp
 from cute_flash.kernels.common.softmax import OnlineSoftmax
 from cute_flash.kernels.common.split_kv import SplitKV
 from cute_flash.kernels.common.tile_copy import column_predicate, copy_tile
+from cute_flash.kernels.sm80.kv_tiles import KVTiles
 from layouts import copy as lcopy
 from layouts import mma as lmma
 from layouts import smem as lsmem

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import cutlass.cute as cute
 
+from cute_flash.kernels.common.score_mods import ScoreMods
 from cute_flash.kernels.common.seq_info import SeqInfo
 from cute_flash.kernels.common.softmax import OnlineSoftmax
-from cute_flash.kernels.common.score_mods import ScoreMods
 
 KV_MULTICAST_CTAS = 2  # Sm90FwdConfig.kv_multicast: CTAs of a cluster sharing every K / V block
 
