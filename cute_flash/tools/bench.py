@@ -907,7 +907,7 @@ def plot(rows, path):
     return path
 
 
-SECTIONS = ("grid", "extra", "varlen", "paged", "decode", "unaligned", "bwd", "dropout", "held")
+SECTIONS = ("grid", "extra", "varlen", "paged", "decode", "unaligned", "bwd", "dropout", "held", "shapes")
 
 
 def main(out_dir=None, quick=False, sections=SECTIONS):
@@ -942,6 +942,11 @@ def main(out_dir=None, quick=False, sections=SECTIONS):
     if "dropout" in sections:
         result["dropout"] = run_dropout((1024, 4096) if quick else SEQLENS)
         text += "\n" + format_dropout(result["dropout"]) + "\n"
+    if "shapes" in sections:
+        from cute_flash.tools.bench_shapes import format_shapes, run_shapes
+
+        result["shapes"] = run_shapes()
+        text += "\n" + format_shapes(result["shapes"]) + "\n"
     if "held" in sections:
         from cute_flash.tools.held import HOLD_S, format_held, run_held
 
