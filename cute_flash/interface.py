@@ -530,18 +530,9 @@ def flash_attn_with_kvcache(
     window_size = _validate.check_window(window_size)
     paged = block_table is not None
     compiling = torch.compiler.is_compiling()
-    key = None if compiling else _validate.signature(
-        q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-        block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
-        learnable_sink)
-    if key is None or key not in _kvcache_checked:
-        _check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                       cache_leftpad, block_table, window_size, softcap, softmax_scale, alibi_slopes, num_splits,
-                       learnable_sink)
-        if key is not None:
-            if len(_kvcache_checked) >= _CHECKED_MAX:
-                _kvcache_checked.clear()
-            _kvcache_checked.add(key)
+    key = _check_kvcache_once(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                              cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
+                              rotary_interleaved, alibi_slopes, num_splits, learnable_sink)
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
 
@@ -621,6 +612,7 @@ def _kvcache_varlen(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
                           ("cache_seqlens", cache_seqlens), ("block_table", block_table),
                           ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)])
     window = _validate.check_window(window_size)
+    scale = _scale(softmax_scale, q.shape[-1])
     _validate.check_dtypes([("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)],
                            optional=("k", "v"))
     rotary = None if rotary_cos is None else (rotary_cos, rotary_sin, bool(rotary_interleaved))
@@ -631,15 +623,16 @@ def _kvcache_varlen(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
         positions = kvcache_varlen.query_positions(cu_seqlens_q, q.shape[0], cache_seqlens, per_row)
         q = kvcache_varlen.rotate(q, rotary_cos, rotary_sin, positions, rotary[2])
     q_pad, flat = kvcache_varlen.pad_queries(q, cu_seqlens_q, max(int(max_seqlen_q), 1))
-    # every check of the fixed-length call before the appends, so that a refused call leaves the caches as they were
-    _check_kvcache(q_pad, k_cache, v_cache, None, None, None, None, lengths, None, None, block_table, window,
-                   softcap, softmax_scale, alibi_slopes, num_splits, learnable_sink)
+    # the fixed-length call's checks, before the appends (a refused call leaves the caches as they were), under the
+    # signature of that call's arguments below, which then finds them done
+    _check_kvcache_once(q_pad, k_cache, v_cache, None, None, None, None, lengths, None, None, block_table, scale,
+                        causal, window, softcap, True, alibi_slopes, num_splits, learnable_sink)
     if k is not None:
         kvcache_varlen.append(k_cache, v_cache, k, v, cu_seqlens_k_new, cache_seqlens, block_table, rotary)
     out, lse = flash_attn_with_kvcache(
-        q_pad, k_cache, v_cache, cache_seqlens=lengths, block_table=block_table,
-        softmax_scale=_scale(softmax_scale, q.shape[-1]), causal=causal, window_size=window, softcap=softcap,
-        alibi_slopes=alibi_slopes, num_splits=num_splits, return_softmax_lse=True, learnable_sink=learnable_sink)
+        q_pad, k_cache, v_cache, cache_seqlens=lengths, block_table=block_table, softmax_scale=scale, causal=causal,
+        window_size=window, softcap=softcap, alibi_slopes=alibi_slopes, num_splits=num_splits,
+        return_softmax_lse=True, learnable_sink=learnable_sink)
     out, lse = kvcache_varlen.unpad(out, lse, flat)
     return (out, lse) if return_softmax_lse else out
 
@@ -648,6 +641,26 @@ def _kvcache_varlen(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
 # call shape, and its checks cost more host time than the launch.
 _kvcache_checked: set = set()
 _CHECKED_MAX = 4096
+
+
+def _check_kvcache_once(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                        cache_leftpad, block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved,
+                        alibi_slopes, num_splits, learnable_sink):
+    """Every check of a `flash_attn_with_kvcache` call, run once per signature of its arguments
+    (while compiling, every time); returns the signature, None while compiling."""
+    key = None if torch.compiler.is_compiling() else _validate.signature(
+        q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+        block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
+        learnable_sink)
+    if key is None or key not in _kvcache_checked:
+        _check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                       cache_leftpad, block_table, window_size, softcap, softmax_scale, alibi_slopes, num_splits,
+                       learnable_sink)
+        if key is not None:
+            if len(_kvcache_checked) >= _CHECKED_MAX:
+                _kvcache_checked.clear()
+            _kvcache_checked.add(key)
+    return key
 
 
 def _check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,

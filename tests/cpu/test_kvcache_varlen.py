@@ -145,3 +145,16 @@ def test_appends_past_the_cache_stay_inside_it(launch):
     case = _case([4, 1], [4, 1], [CAPACITY - 2, 0])
     cute_flash.flash_attn_with_kvcache(**case, causal=True)
     assert launch.calls == ["flash_fwd_kvcache"]
+
+
+def test_checks_run_once_per_signature(launch, monkeypatch):
+    """The fixed-length call's checks, run before the appends, are the call's only ones: the
+    signature they are kept under is the inner call's, so a decode loop checks once."""
+    from cute_flash import interface
+
+    checks = []
+    monkeypatch.setattr(interface, "_kvcache_checked", set())
+    monkeypatch.setattr(interface, "_check_kvcache", lambda *args: checks.append(args[0].shape))
+    for _ in range(2):
+        cute_flash.flash_attn_with_kvcache(**_case([2, 3], [2, 3], [4, 9]), causal=True)
+    assert checks == [(2, 3, H, D)]  # the padded queries' call, once
