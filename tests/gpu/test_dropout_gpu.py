@@ -22,22 +22,16 @@ def _mask(seed, offset, b, h, sq, sk, p):
     return torch.from_numpy(philox.keep_mask(seed, offset, b, h, sq, sk, p)).cuda()
 
 
-@pytest.mark.parametrize("path", ["default", "sm80"])
 @pytest.mark.parametrize("p", [0.1, 0.5])
 @pytest.mark.parametrize("b, sq, sk, h, hk, d, opts", [
     (2, 257, 300, 4, 2, 64, {}),
     (1, 513, 129, 6, 3, 128, dict(causal=True)),
     (3, 100, 700, 8, 1, 96, dict(window_size=(200, 30), softcap=15.0)),
 ], ids=["d64-gqa", "d128-causal", "d96-window-softcap"])
-def test_dense_dropout_matches_reference(p, b, sq, sk, h, hk, d, opts, path, monkeypatch, kernels):
+def test_dense_dropout_matches_reference(p, b, sq, sk, h, hk, d, opts, arch_path, kernels):
     """The default path (the Hopper forward on sm_90) and the SM80 kernel."""
     from cute_flash.launch.dense import flash_fwd
     from cute_flash.launch.rng import DropoutArgs
-
-    if path == "sm80":
-        monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", "sm80")
-    else:
-        monkeypatch.delenv("CUTE_FLASH_ARCH_PATH", raising=False)
 
     seed, offset = 0x1234_5678_9ABC, 40
     q = torch.randn(b, sq, h, d, device="cuda", dtype=torch.bfloat16)
@@ -47,7 +41,7 @@ def test_dense_dropout_matches_reference(p, b, sq, sk, h, hk, d, opts, path, mon
     torch.cuda.synchronize()
     ref = functools.partial(attention_ref, dropout_p=p, dropout_mask=_mask(seed, offset, b, h, sq, sk, p))
     assert_matches_reference(out, lse, q, k, v, ref_fn=ref, **opts)
-    assert kernels == on_path(path, "fwd")
+    assert kernels == on_path(arch_path, "fwd")
 
 
 def test_varlen_dropout_counts_rows_and_columns_per_sequence():
@@ -312,10 +306,9 @@ def _sequences(drop, lq, lk, h):
         q0, k0 = q0 + sq, k0 + sk
 
 
-@pytest.mark.parametrize("path", ["default", "sm80"])
 @pytest.mark.parametrize("opts", [dict(causal=True), dict(window_size=(40, 7), softcap=10.0)],
                          ids=["causal", "window-softcap"])
-def test_varlen_dropout_grads_match_reference_per_sequence(opts, path, monkeypatch, kernels):
+def test_varlen_dropout_grads_match_reference_per_sequence(opts, arch_path, kernels):
     """The packed forward and backward with dropout, each sequence against the reference with
     its part of the mask (the forward on either kernel; the packed backward is the SM80 one)."""
     from cute_flash.launch.rng import DropoutArgs
@@ -323,10 +316,6 @@ def test_varlen_dropout_grads_match_reference_per_sequence(opts, path, monkeypat
     from cute_flash.launch.dense import flash_fwd_varlen
     from tests.helpers.backward import assert_grads_match
 
-    if path == "sm80":
-        monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", "sm80")
-    else:
-        monkeypatch.delenv("CUTE_FLASH_ARCH_PATH", raising=False)
     lq, lk, h, hk, d, p = [70, 1, 200], [90, 130, 33], 4, 2, 64, 0.2
     q, k, v, dout = _varlen_inputs(lq, lk, h, hk, d)
     cu_q, cu_k = cu_seqlens(lq), cu_seqlens(lk)
@@ -336,7 +325,7 @@ def test_varlen_dropout_grads_match_reference_per_sequence(opts, path, monkeypat
     poison_allocator()
     dq, dk, dv, _ = flash_bwd_varlen(dout, q, k, v, out, lse, **lens, dropout=drop, **opts)
     torch.cuda.synchronize()
-    assert kernels == on_path(path, "fwd") | {"sm80_bwd"}
+    assert kernels == on_path(arch_path, "fwd") | {"sm80_bwd"}
     for rq, rk, mask in _sequences(drop, lq, lk, h):
         ref = functools.partial(attention_ref, dropout_p=p, dropout_mask=mask, softmax_scale=0.125)
         sq_ = (q[rq][None], k[rk][None], v[rk][None])

@@ -14,13 +14,6 @@ pytestmark = pytest.mark.gpu
 H, HK, D, CAPACITY = 32, 8, 128, 4096
 
 
-@pytest.fixture(params=["default", "sm80"])
-def path(request, monkeypatch):
-    if request.param == "sm80":
-        monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", "sm80")
-    return request.param
-
-
 def _case(n_q, lens, page_size, rotary, seed):
     g = torch.Generator(device="cuda").manual_seed(seed)
     b = len(n_q)
@@ -46,14 +39,14 @@ def _case(n_q, lens, page_size, rotary, seed):
 
 @pytest.mark.parametrize("page_size", [None, 256])
 @pytest.mark.parametrize("rotary", [False, True])
-def test_packed_queries_against_each_sequence_alone(path, kernels, page_size, rotary):
+def test_packed_queries_against_each_sequence_alone(arch_path, kernels, page_size, rotary):
     n_q = [1, 16, 3, 1, 8, 5, 2, 1]
     lens = [4000, 0, 1234, 17, 3000, 255, 4090, 64]
     case = _case(n_q, lens, page_size, rotary, seed=len(n_q) + (page_size or 0))
     before = [c.clone() for c in (case["k_cache"], case["v_cache"])]
     out, lse = cute_flash.flash_attn_with_kvcache(**case, causal=True, return_softmax_lse=True)
     assert out.shape == case["q"].shape and lse.shape == (H, sum(n_q))
-    assert kernels == on_path(path, "fwd")
+    assert kernels == on_path(arch_path, "fwd")
     cu = case["cu_seqlens_q"].tolist()
     for b in range(len(n_q)):
         rows = slice(cu[b], cu[b + 1])

@@ -26,20 +26,15 @@ def _run(fn, dout, *inputs, **opts):
     return out.detach(), lse, [x.grad for x in leaves]
 
 
-@pytest.mark.parametrize("path", ["default", "sm80"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("scale", SCALES)
-def test_dense(scale, causal, path, monkeypatch, kernels):
+def test_dense(scale, causal, arch_path, kernels):
     """d 64 dense: on an H200 the default path is the Hopper forward and backward."""
-    if path == "sm80":
-        monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", "sm80")
-    else:
-        monkeypatch.delenv("CUTE_FLASH_ARCH_PATH", raising=False)
     q, dout = (torch.randn(2, 200, 4, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     k, v = (torch.randn(2, 150, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     opts = dict(softmax_scale=scale, causal=causal)
     out, lse, grads = _run(flash_attn_func, dout, q, k, v, **opts)
-    assert kernels == on_path(path, "fwd", "bwd")
+    assert kernels == on_path(arch_path, "fwd", "bwd")
     assert_matches_reference(out, lse, q, k, v, **opts)
     assert_grads_match(grads, q, k, v, dout, out=out, **opts)
     if scale == 0:

@@ -9,16 +9,9 @@ import torch
 import cute_flash
 from cute_flash.reference import attention_ref, attention_varlen_ref
 from tests.helpers.backward import GRAD_FLOOR, assert_grads_match
-from tests.helpers.gpu_utils import assert_matches_reference, cu_seqlens, on_path
+from tests.helpers.gpu_utils import assert_matches_reference, backward_on_path, cu_seqlens, on_path
 
 pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(params=["default", "sm80"])
-def path(request, monkeypatch):
-    if request.param == "sm80":
-        monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", "sm80")
-    return request.param
 
 
 def _inputs(b, sq, sk, h, hk, d, seed):
@@ -27,12 +20,6 @@ def _inputs(b, sq, sk, h, hk, d, seed):
     k, v = (torch.randn(b, sk, hk, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
     sink = torch.randn(h, device="cuda", generator=g) * 2
     return q, k, v, dout, sink
-
-
-def _backward_kind(path, d, packed):
-    """The backward `policy.takes_hopper_bwd` picks: Hopper for dense d 32 / 64 / 128 on sm_90."""
-    hopper = on_path(path, "bwd") == {"sm90_bwd"}
-    return {"sm90_bwd" if hopper and not packed and d in (32, 64, 128) else "sm80_bwd"}
 
 
 def _assert_sink_grad(got, ref_fn, q, k, v, dout, sink, **opts):
@@ -51,7 +38,7 @@ def _assert_sink_grad(got, ref_fn, q, k, v, dout, sink, **opts):
 
 @pytest.mark.parametrize("b, sq, sk, h, hk, d, causal", [
     (2, 200, 333, 8, 2, 128, True), (1, 512, 512, 4, 4, 64, False), (2, 97, 64, 6, 3, 96, True)])
-def test_dense_forward_and_backward_with_a_sink(path, kernels, b, sq, sk, h, hk, d, causal):
+def test_dense_forward_and_backward_with_a_sink(arch_path, kernels, b, sq, sk, h, hk, d, causal):
     q, k, v, dout, sink = _inputs(b, sq, sk, h, hk, d, seed=sq)
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, sink)]
     out, lse, _ = cute_flash.flash_attn_func(*leaves[:3], causal=causal, learnable_sink=leaves[3],
@@ -60,31 +47,29 @@ def test_dense_forward_and_backward_with_a_sink(path, kernels, b, sq, sk, h, hk,
     out.backward(dout)
     assert_grads_match([x.grad for x in leaves[:3]], q, k, v, dout, out=out, causal=causal, learnable_sink=sink)
     _assert_sink_grad(leaves[3].grad, attention_ref, q, k, v, dout, sink, causal=causal)
-    assert kernels == on_path(path, "fwd") | _backward_kind(path, d, packed=False)
+    assert kernels == on_path(arch_path, "fwd") | backward_on_path(arch_path, d)
 
 
-def test_packed_forward_and_backward_with_a_sink(path, kernels):
+def test_packed_forward_and_backward_with_a_sink(arch_path, kernels):
     lengths = [130, 1, 257, 64]
     cu, total = cu_seqlens(lengths), sum(lengths)
     q, k, v, dout, sink = (x[0] if x.dim() == 4 else x for x in _inputs(1, total, total, 8, 2, 128, seed=3))
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, sink)]
-    opts = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True)
-
-    def ref_fn(q, k, v, **kw):
-        return attention_varlen_ref(q, k, v, kw.pop("cu_seqlens_q"), kw.pop("cu_seqlens_k"), **kw)
+    def ref_fn(q, k, v, **opts):
+        return attention_varlen_ref(q, k, v, cu, cu, **opts)
 
     out, lse, _ = cute_flash.flash_attn_varlen_func(*leaves[:3], cu, cu, max(lengths), max(lengths), causal=True,
                                                     learnable_sink=leaves[3], return_attn_probs=True)
-    assert_matches_reference(out.detach(), lse, q, k, v, ref_fn, learnable_sink=sink, **opts)
+    assert_matches_reference(out.detach(), lse, q, k, v, ref_fn, causal=True, learnable_sink=sink)
     out.backward(dout)
-    assert_grads_match([x.grad for x in leaves[:3]], q, k, v, dout, out=out, ref_fn=ref_fn, learnable_sink=sink,
-                       **opts)
-    _assert_sink_grad(leaves[3].grad, ref_fn, q, k, v, dout, sink, **opts)
-    assert kernels == on_path(path, "fwd") | _backward_kind(path, 128, packed=True)
+    assert_grads_match([x.grad for x in leaves[:3]], q, k, v, dout, out=out, ref_fn=ref_fn, causal=True,
+                       learnable_sink=sink)
+    _assert_sink_grad(leaves[3].grad, ref_fn, q, k, v, dout, sink, causal=True)
+    assert kernels == on_path(arch_path, "fwd") | backward_on_path(arch_path, 128, packed=True)
 
 
 @pytest.mark.parametrize("seqlen_q", [1, 4])
-def test_kvcache_with_a_sink(path, kernels, seqlen_q):
+def test_kvcache_with_a_sink(arch_path, kernels, seqlen_q):
     q, k_cache, v_cache, _, sink = _inputs(3, seqlen_q, 4096, 32, 8, 128, seed=seqlen_q)
     lens = torch.tensor([4096, 1000, 17], dtype=torch.int32, device="cuda")
     out, lse = cute_flash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, causal=True,
@@ -92,7 +77,7 @@ def test_kvcache_with_a_sink(path, kernels, seqlen_q):
     keys = torch.arange(4096, device="cuda") < lens[:, None]
     assert_matches_reference(out, lse, q, k_cache, v_cache, causal=True, key_padding_mask=keys,
                              learnable_sink=sink)
-    assert kernels == on_path(path, "fwd")
+    assert kernels == on_path(arch_path, "fwd")
 
 
 def test_compiled_training_step_with_a_sink_matches_eager():

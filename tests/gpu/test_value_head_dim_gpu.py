@@ -8,16 +8,9 @@ import torch
 import cute_flash
 from cute_flash.reference import attention_varlen_ref
 from tests.helpers.backward import assert_grads_match
-from tests.helpers.gpu_utils import assert_matches_reference, cu_seqlens, on_path
+from tests.helpers.gpu_utils import assert_matches_reference, backward_on_path, cu_seqlens, on_path
 
 pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(params=["default", "sm80"])
-def path(request, monkeypatch):
-    if request.param == "sm80":
-        monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", "sm80")
-    return request.param
 
 
 def _inputs(shape_q, shape_k, d, d_v, seed):
@@ -29,14 +22,8 @@ def _inputs(shape_q, shape_k, d, d_v, seed):
     return q, k, v, dout
 
 
-def _kernel_dim_backward(path, d, d_v, packed):
-    """The backward the padded head dim takes (`policy.takes_hopper_bwd`)."""
-    hopper = on_path(path, "bwd") == {"sm90_bwd"}
-    return {"sm90_bwd" if hopper and not packed and max(d, d_v) in (32, 64, 128) else "sm80_bwd"}
-
-
 @pytest.mark.parametrize("d, d_v, causal", [(192, 128, True), (192, 128, False), (64, 128, True), (128, 64, False)])
-def test_dense_call_with_a_value_head_dim_of_its_own(path, kernels, d, d_v, causal):
+def test_dense_call_with_a_value_head_dim_of_its_own(arch_path, kernels, d, d_v, causal):
     q, k, v, dout = _inputs((2, 300, 16), (2, 300, 4), d, d_v, seed=d + d_v)
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     out, lse, _ = cute_flash.flash_attn_func(*leaves, causal=causal, return_attn_probs=True)
@@ -44,22 +31,20 @@ def test_dense_call_with_a_value_head_dim_of_its_own(path, kernels, d, d_v, caus
     assert_matches_reference(out.detach(), lse, q, k, v, causal=causal)
     out.backward(dout)
     assert_grads_match([x.grad for x in leaves], q, k, v, dout, out=out, causal=causal)
-    assert kernels == on_path(path, "fwd") | _kernel_dim_backward(path, d, d_v, packed=False)
+    assert kernels == on_path(arch_path, "fwd") | backward_on_path(arch_path, max(d, d_v))
 
 
-def test_packed_call_with_a_value_head_dim_of_its_own(path, kernels):
+def test_packed_call_with_a_value_head_dim_of_its_own(arch_path, kernels):
     lengths = [300, 1, 129, 64]
     cu, total = cu_seqlens(lengths), sum(lengths)
     q, k, v, dout = _inputs((total, 16), (total, 4), 192, 128, seed=5)
-    opts = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True)
-
-    def ref_fn(q, k, v, **kw):
-        return attention_varlen_ref(q, k, v, kw.pop("cu_seqlens_q"), kw.pop("cu_seqlens_k"), **kw)
+    def ref_fn(q, k, v, **opts):
+        return attention_varlen_ref(q, k, v, cu, cu, **opts)
 
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     out, lse, _ = cute_flash.flash_attn_varlen_func(*leaves, cu, cu, max(lengths), max(lengths), causal=True,
                                                     return_attn_probs=True)
-    assert_matches_reference(out.detach(), lse, q, k, v, ref_fn, **opts)
+    assert_matches_reference(out.detach(), lse, q, k, v, ref_fn, causal=True)
     out.backward(dout)
-    assert_grads_match([x.grad for x in leaves], q, k, v, dout, out=out, ref_fn=ref_fn, **opts)
-    assert kernels == on_path(path, "fwd") | _kernel_dim_backward(path, 192, 128, packed=True)
+    assert_grads_match([x.grad for x in leaves], q, k, v, dout, out=out, ref_fn=ref_fn, causal=True)
+    assert kernels == on_path(arch_path, "fwd") | backward_on_path(arch_path, 192, packed=True)

@@ -1,0 +1,13 @@
+"""Fixtures of the GPU tests."""
+import pytest
+
+
+@pytest.fixture(params=["default", "sm80"])
+def arch_path(request, monkeypatch) -> str:
+    """Each test twice: on the default path (the Hopper kernels on an sm_90 GPU) and on the SM80
+    kernels (`CUTE_FLASH_ARCH_PATH=sm80`); the path's name, for `gpu_utils.on_path`."""
+    if request.param == "sm80":
+        monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", "sm80")
+    else:
+        monkeypatch.delenv("CUTE_FLASH_ARCH_PATH", raising=False)
+    return request.param
