@@ -11,9 +11,6 @@ from cute_flash.integrations import transformers as integration  # noqa: E402
 from tests.helpers import models  # noqa: E402
 from tests.helpers.reference_kernels import ReferenceKernels  # noqa: E402
 
-# transformers' own attention each family is compared with: sdpa has no softcap or sinks (Gemma 2 and
-# gpt-oss take eager)
-BASELINE = {"llama": "sdpa", "mistral": "sdpa", "gemma2": "eager", "gpt_oss": "eager", "deepseek_v3": "sdpa"}
 
 
 @pytest.fixture
@@ -34,7 +31,7 @@ def tokens(batch, seqlen, seed=1):
 def test_dense_batch_matches_transformers_attention(ref_kernels, family):
     ids = tokens(2, 24)
     ours = models.model(family, integration.NAME)(ids).logits
-    theirs = models.model(family, BASELINE[family])(ids).logits
+    theirs = models.model(family, models.BASELINE[family])(ids).logits
     torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=2e-5)
     assert set(ref_kernels.calls) == {"func"}
 
@@ -50,7 +47,7 @@ def test_padded_batch_matches_transformers_attention_on_its_valid_rows(ref_kerne
         else:
             mask[row, 20 - pad:] = 0
     ours = models.model(family, integration.NAME)(ids, attention_mask=mask).logits
-    theirs = models.model(family, BASELINE[family])(ids, attention_mask=mask).logits
+    theirs = models.model(family, models.BASELINE[family])(ids, attention_mask=mask).logits
     valid = mask.bool()
     torch.testing.assert_close(ours[valid], theirs[valid], atol=2e-5, rtol=2e-5)
     assert "varlen" in ref_kernels.calls
@@ -87,7 +84,7 @@ def test_greedy_generation_gives_transformers_tokens(ref_kernels, family):
     mask[1, :2] = 0  # left padding, as generation pads
     settings = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
     ours = models.model(family, integration.NAME).generate(ids, **settings)
-    theirs = models.model(family, BASELINE[family]).generate(ids, **settings)
+    theirs = models.model(family, models.BASELINE[family]).generate(ids, **settings)
     assert torch.equal(ours, theirs)
     assert "varlen" in ref_kernels.calls
 

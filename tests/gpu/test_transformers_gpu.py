@@ -11,9 +11,6 @@ from tests.helpers import models
 pytestmark = pytest.mark.gpu
 transformers = pytest.importorskip("transformers")
 
-# transformers' own attention each family is compared with: sdpa has no softcap or sinks (Gemma 2 and
-# gpt-oss take eager)
-BASELINE = {"llama": "sdpa", "mistral": "sdpa", "gemma2": "eager", "gpt_oss": "eager", "deepseek_v3": "sdpa"}
 DTYPE = torch.bfloat16
 
 
@@ -48,7 +45,7 @@ def test_dense_and_padded_batches_match_transformers_attention(registered, famil
     mask[2, 150:] = 0
     for attention_mask in (None, mask):
         ours = model(family, integration.NAME)(ids, attention_mask=attention_mask).logits
-        theirs = model(family, BASELINE[family])(ids, attention_mask=attention_mask).logits
+        theirs = model(family, models.BASELINE[family])(ids, attention_mask=attention_mask).logits
         valid = torch.ones_like(ids, dtype=torch.bool) if attention_mask is None else mask.bool()
         assert_logits_close(ours[valid], theirs[valid])
     assert "sm90_fwd" in registered or "sm80_fwd" in registered
@@ -69,7 +66,7 @@ def test_packed_batch_equals_its_sequences_run_one_by_one(family):
 def test_gradients_match_transformers_attention(registered, family):
     ids = tokens(2, 160)
     grads = []
-    for impl in (integration.NAME, BASELINE[family]):
+    for impl in (integration.NAME, models.BASELINE[family]):
         lm = model(family, impl)
         lm(ids, labels=ids).loss.backward()
         grads.append({n: p.grad.float() for n, p in lm.named_parameters() if p.grad is not None})
@@ -92,7 +89,7 @@ def test_greedy_generation_takes_transformers_best_tokens(family):
     out = model(family, integration.NAME).generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False,
                                                   pad_token_id=0)
     full_mask = torch.cat([mask, torch.ones_like(out[:, ids.shape[1]:])], dim=1)
-    logits = model(family, BASELINE[family])(out, attention_mask=full_mask).logits.float()
+    logits = model(family, models.BASELINE[family])(out, attention_mask=full_mask).logits.float()
     steps = logits[:, ids.shape[1] - 1:-1]  # the logits each generated token was chosen from
     chosen = steps.gather(-1, out[:, ids.shape[1]:, None]).squeeze(-1)
     best = steps.max(-1).values

@@ -7,6 +7,9 @@ from __future__ import annotations
 import torch
 
 FAMILIES = ("llama", "mistral", "gemma2", "gpt_oss", "deepseek_v3")
+# transformers' own attention each family is compared with: sdpa has no softcap or sinks (Gemma 2 and
+# gpt-oss take eager)
+BASELINE = {"llama": "sdpa", "mistral": "sdpa", "gemma2": "eager", "gpt_oss": "eager", "deepseek_v3": "sdpa"}
 
 
 def config(family: str, **overrides):
