@@ -122,9 +122,10 @@ def _padded(q, k, v, attention_mask, options):
     with a KV cache: sq < sk, the valid queries right-aligned as transformers pads left)."""
     batch, seqlen_q = q.shape[:2]
     mask_k = attention_mask.bool()
-    mask_q = mask_k[:, -seqlen_q:]
     rows_k, cu_k, max_k = _unpad_indices(mask_k)
-    rows_q, cu_q, max_q = _unpad_indices(mask_q)
+    # queries over all the keys (prefill, training) share the keys' rows: one more pass and host sync spared
+    rows_q, cu_q, max_q = ((rows_k, cu_k, max_k) if seqlen_q == mask_k.shape[1]
+                           else _unpad_indices(mask_k[:, -seqlen_q:]))
     out_rows = flash_attn_varlen_func(q.reshape(-1, *q.shape[-2:])[rows_q], k.reshape(-1, *k.shape[-2:])[rows_k],
                                       v.reshape(-1, *v.shape[-2:])[rows_k], cu_q, cu_k, max_q, max_k, **options)
     out = out_rows.new_zeros(batch * seqlen_q, *out_rows.shape[-2:])
