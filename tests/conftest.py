@@ -38,12 +38,13 @@ def kernels(monkeypatch):
     which memoises the SM80 forward per call signature) is recorded by its config's type (the
     preprocess, dQ-convert and append kernels are not attention kernels: not recorded). A test
     that names a path asserts with it that the path ran, so a silent fall back to the other
-    kernel fails (`tests.helpers.gpu_utils.on_path`)."""
+    kernel fails (`tests.helpers.gpu_utils.on_path`). The KV-cache dispatch kept per call
+    signature starts empty, so a test's first call of each signature looks its kernel up."""
     from cute_flash.kernels.sm80.bwd import BwdConfig
     from cute_flash.kernels.sm80.fwd import FwdConfig
     from cute_flash.kernels.sm90.bwd import Sm90BwdConfig
     from cute_flash.kernels.sm90.fwd import Sm90FwdConfig
-    from cute_flash.launch import compiled, dense
+    from cute_flash.launch import compiled, dense, kvcache
 
     kinds = {Sm90FwdConfig: "sm90_fwd", FwdConfig: "sm80_fwd", Sm90BwdConfig: "sm90_bwd", BwdConfig: "sm80_bwd"}
     ran = set()
@@ -56,6 +57,7 @@ def kernels(monkeypatch):
 
     monkeypatch.setattr(compiled, "kernel_for", recording(compiled.kernel_for, lambda config: kinds.get(type(config))))
     monkeypatch.setattr(dense, "fwd_kernel", recording(dense.fwd_kernel, lambda _: "sm80_fwd"))
+    monkeypatch.setattr(kvcache, "_calls", {})
     return ran
 
 

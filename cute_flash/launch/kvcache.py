@@ -3,8 +3,8 @@ append launch, then one attention launch (split partials merged inside it).
 
 A decode loop repeats one signature (the interface's summary of every argument's metadata and
 options), and deciding from the arguments costs more host time than launching, so what a call
-decides from metadata alone is kept per signature (`KVCacheCall`): the config and its compiled
-kernel, the split count, the scalars. Workspaces are kept per (call, stream).
+decides from metadata alone is kept per signature and kernel path (`KVCacheCall`): the config
+and its compiled kernel, the split count, the scalars. Workspaces are kept per (call, stream).
 """
 from __future__ import annotations
 
@@ -22,8 +22,9 @@ from cute_flash.launch.args import alibi_2d, positive_scale, scales, score_flags
 from cute_flash.launch.batch_chunks import batch_chunks, chunked, rows_of, slopes_of, splits_within_grid
 from cute_flash.launch.clusters import resident_clusters
 from cute_flash.launch.per_stream import per_stream, zeroed_counters
-from cute_flash.launch.policy import (CLUSTER_MAX_SPLITS, PAGE_ROWS, cache_stages, hopper_cache_fits, split_choice,
-                                      takes_dependent_launch, takes_hopper_path, takes_pack_gqa, takes_two_ctas_per_sm)
+from cute_flash.launch.policy import (CLUSTER_MAX_SPLITS, PAGE_ROWS, arch_path, cache_stages, hopper_cache_fits,
+                                      split_choice, takes_dependent_launch, takes_hopper_path, takes_pack_gqa,
+                                      takes_two_ctas_per_sm)
 from layouts.hopper import choose_hopper_cache_traits
 from layouts.traits import ALIGN, choose_decode_traits, tile_arch
 
@@ -93,7 +94,8 @@ def flash_fwd_kvcache(q, k_cache, v_cache, *, k=None, v=None, rotary_cos=None, r
                                 rotary_interleaved=rotary_interleaved, alibi_slopes=alibi_slopes,
                                 num_splits=num_splits, return_lse=return_lse, hopper_variant=hopper_variant)
     q, softmax_scale, _ = positive_scale(q, softmax_scale)  # rotary is linear: it commutes with -q
-    call = _calls.get(signature) if signature is not None else None
+    key = None if signature is None else (signature, arch_path())  # the path picks the kernel
+    call = _calls.get(key) if key is not None else None
     if call is None:
         if not (is_aligned(k_cache) and is_aligned(v_cache)):
             # Caches whose rows break 128-bit copies (a head dim not a multiple of 8, strides
@@ -117,10 +119,10 @@ def flash_fwd_kvcache(q, k_cache, v_cache, *, k=None, v=None, rotary_cos=None, r
         call = _kvcache_call(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
                              softmax_scale, causal, window_size, softcap, alibi_slopes, rotary_cos, num_splits,
                              hopper_variant)
-        if signature is not None:
+        if key is not None:
             if len(_calls) >= _CALLS_MAX:
                 _calls.clear()
-            _calls[signature] = call
+            _calls[key] = call
     plan, index = call.plan, call.index
     if call.realign:
         q = aligned(q)

@@ -19,12 +19,18 @@ from layouts.traits import SMEM_LIMIT, BwdTraits, tile_arch
 PAGE_ROWS = 16  # pages of a multiple of this many rows take the page-run / shared-page-id copies
 
 
+def arch_path() -> str | None:
+    """`CUTE_FLASH_ARCH_PATH` ("sm80" takes the SM80 kernels on any GPU), read on every call so
+    that a change mid-process takes effect."""
+    return os.environ.get("CUTE_FLASH_ARCH_PATH")
+
+
 def takes_hopper_path(index: int) -> bool:
     """Dense forwards, packed batches (over pages of a multiple of its key block too) and KV
     caches (those `hopper_cache_fits`) on sm_90 GPUs take the Hopper kernel, which leads the SM80
     one there, unless `CUTE_FLASH_ARCH_PATH=sm80` selects the SM80 kernel, which every other GPU
     runs (docs/tuning/policy.md; docs/tuning/hopper-forward.md, "Hopper forward")."""
-    return os.environ.get("CUTE_FLASH_ARCH_PATH") != "sm80" and gpu.device_arch(index) == 90
+    return arch_path() != "sm80" and gpu.device_arch(index) == 90
 
 
 def takes_hopper_bwd(config: BwdConfig, index: int) -> bool:

@@ -57,20 +57,14 @@ def sdpa(q, k, v, backend, causal, enable_gqa=False):
 
 @contextlib.contextmanager
 def arch_path(path):
-    """Our calls inside take the `CUTE_FLASH_ARCH_PATH=path` kernels. The KV-cache dispatch
-    kept per call signature (`launch.kvcache`) depends on the path: it starts empty inside and
-    again after."""
+    """Our calls inside take the `CUTE_FLASH_ARCH_PATH=path` kernels."""
     import os
-
-    from cute_flash.launch import kvcache
 
     before = os.environ.get("CUTE_FLASH_ARCH_PATH")
     os.environ["CUTE_FLASH_ARCH_PATH"] = path
-    kvcache._calls.clear()
     try:
         yield
     finally:
-        kvcache._calls.clear()
         if before is None:
             del os.environ["CUTE_FLASH_ARCH_PATH"]
         else:

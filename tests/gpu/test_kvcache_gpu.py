@@ -127,9 +127,8 @@ def test_unaligned_cache_is_updated_in_place(layout, d, paged):
 @pytest.fixture
 def hopper_cache_entry(kernels):
     """KV-cache calls take the Hopper kernel's KV-cache entry on sm_90 (the SM80 kernel
-    elsewhere) whatever the environment says: `arch_path` sets the variable and empties the
-    per-signature dispatch cache, so no earlier call's dispatch is reused; afterwards, that the
-    Hopper kernel and no other ran."""
+    elsewhere) whatever the environment says; afterwards, that the Hopper kernel and no other
+    ran (`kernels` starts with no dispatch kept from an earlier test)."""
     with arch_path("sm90"):
         yield
     assert kernels == on_path("sm90", "fwd")
@@ -264,7 +263,7 @@ def test_hopper_stream_k(case, ctas, hopper_cache_entry):
                               signature=signature, **opts) for _ in range(2)]
     torch.cuda.synchronize()
     if gpu.device_arch(torch.cuda.current_device()) == 90:
-        assert kvcache._calls[signature].plan.config.stream_k
+        assert kvcache._calls[signature, "sm90"].plan.config.stream_k
     assert_matches_reference(*outs[0], q, *clean, ref_fn=ref_with(None, None), **opts)
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
