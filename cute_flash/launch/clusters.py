@@ -62,8 +62,8 @@ def _query(index: int, ctas_per_sm: int, max_size: int) -> tuple[int, ...]:
     try:
         module = _value(driver.cuModuleLoadData(_PTX))
         kernel = _value(driver.cuModuleGetFunction(module, b"cluster_probe"))
-        _value(driver.cuFuncSetAttribute(kernel, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                         smem))
+        max_smem = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        _value(driver.cuFuncSetAttribute(kernel, max_smem, smem))
         return tuple(_value(driver.cuOccupancyMaxActiveClusters(kernel, _config(size, smem)))
                      for size in range(1, max_size + 1))
     finally:

@@ -134,8 +134,8 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
                         out.append(Sm90FwdConfig(t, 3, persistent=True, **kinds, **flags))
                     masked = flags["has_left"] or flags["has_right"]
                     # multicast as the launcher takes it: two query blocks, long keys, persistent
-                    if Sm90FwdConfig.fits_persistent(t) and takes_kv_multicast(t, 2 * t.block_m, KV_MULTICAST_MIN_SEQLEN_K,
-                                                                               masked, True, dropout):
+                    if Sm90FwdConfig.fits_persistent(t) and takes_kv_multicast(
+                            t, 2 * t.block_m, KV_MULTICAST_MIN_SEQLEN_K, masked, True, dropout):
                         out.append(Sm90FwdConfig(t, persistent=True, kv_multicast=True, **kinds, **flags))
                 if t.warpgroups != 3:
                     out += [Sm90FwdConfig(t, varlen=True, has_seqused_k=u, paged=p, **flags)

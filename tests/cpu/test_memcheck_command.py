@@ -34,10 +34,12 @@ def fake_machine(tmp_path, monkeypatch):
     bin_dir, record = tmp_path / "bin", tmp_path / "record"
     bin_dir.mkdir()
     record.mkdir()
-    # Drop the sanitizer's options (through --error-exitcode N), run the command, report like compute-sanitizer: the tool's
-    # summary with FINDINGS (default 0) findings, none where NO_SUMMARY is set.
+    # Drop the sanitizer's options (through --error-exitcode N), run the command, report like
+    # compute-sanitizer: the tool's summary with FINDINGS (default 0) findings, none where
+    # NO_SUMMARY is set.
     _script(bin_dir / "compute-sanitizer",
-            'tool=$2; while [ "$1" != --error-exitcode ]; do shift; done; shift 2; "$@"; rc=$?; n=${FINDINGS:-0}; [ -n "$NO_SUMMARY" ] && exit $rc\n'
+            'tool=$2; while [ "$1" != --error-exitcode ]; do shift; done; shift 2\n'
+            '"$@"; rc=$?; n=${FINDINGS:-0}; [ -n "$NO_SUMMARY" ] && exit $rc\n'
             'if [ "$tool" = racecheck ]; then\n'
             '  echo "========= RACECHECK SUMMARY: $n hazards displayed ($n errors, 0 warnings)"\n'
             'else echo "========= ERROR SUMMARY: $n errors"; fi; exit $rc\n')
