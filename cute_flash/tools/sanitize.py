@@ -31,10 +31,17 @@ class Tool:
     name: str
     options: tuple
     summary: str  # a regex whose group 1 is the process's count of findings
+    canary: str | None = None  # a module whose run must report findings: the tool sees our kernels
 
     def command(self, sanitizer: str, shard: list) -> list:
+        return self._under(sanitizer, ["pytest", "-m", "gpu", *shard])
+
+    def canary_command(self, sanitizer: str) -> list:
+        return self._under(sanitizer, [self.canary])
+
+    def _under(self, sanitizer: str, module_args: list) -> list:
         return [sanitizer, "--tool", self.name, *self.options, "--error-exitcode", "86",
-                sys.executable, "-m", "pytest", "-m", "gpu", *shard]
+                sys.executable, "-m", *module_args]
 
 
 OUR_KERNELS = "kernel_cutlass_"  # the prefix of every kernel the DSL compiles
@@ -42,10 +49,10 @@ OUR_KERNELS = "kernel_cutlass_"  # the prefix of every kernel the DSL compiles
 TOOLS = {
     "memcheck": Tool("memcheck", ("--report-api-errors", "no"), r"ERROR SUMMARY: (\d+) error"),
     # `analysis`: one line per pair of racing instructions (kernel + offset), hazards counted beside it.
-    # Only our kernels (the DSL names each `kernel_cutlass_...`): racechecking the tests' torch reference
-    # GEMMs too left no test of tests/gpu/test_bwd_sm90_gpu.py finished in 230 s on an H100
+    # Our kernels alone: the tests' torch references (cuBLAS GEMMs) under racecheck too made a test
+    # take minutes (docs/tuning/gpu-suite.md)
     "racecheck": Tool("racecheck", ("--racecheck-report", "analysis", "--kernel-name", f"kns={OUR_KERNELS}"),
-                      r"RACECHECK SUMMARY: (\d+) hazard"),
+                      r"RACECHECK SUMMARY: (\d+) hazard", canary="cute_flash.tools.race_canary"),
 }
 
 
@@ -56,11 +63,14 @@ def sanitizer_path() -> str:
 def run(tool_name: str, pytest_args: list, jobs: int = 1) -> int:
     """The GPU tests (default: all of `tests`) under `tool_name`; prints every process's output
     and the sum of their findings. Fails on any finding, a failed test or a process with no
-    summary (a sanitizer that did not run)."""
+    summary (a sanitizer that did not run), and, for a tool with a canary, on a canary it
+    reports nothing for."""
     tool = TOOLS[tool_name]
     sanitizer = sanitizer_path()
     # CUTE_FLASH_MEMCHECK=1 tells the tests they are sanitized (hypothesis draws fewer shapes)
     env = dict(os.environ, CUTE_FLASH_MEMCHECK="1", PYTORCH_NO_CUDA_MEMORY_CACHING="1")
+    if tool.canary and not _canary_sings(tool, sanitizer, env):
+        return 1
     pytest_args = pytest_args or ["tests"]
     shards = [pytest_args]
     if jobs > 1:
@@ -99,6 +109,18 @@ def run(tool_name: str, pytest_args: list, jobs: int = 1) -> int:
     noun = "hazards" if tool.name == "racecheck" else "errors"
     print(f"{tool.name}: {len(summaries)} sanitized processes, {found} {noun}; pytest/sanitizer exits {codes}")
     return 1 if found or any(codes) or len(summaries) < len(shards) else 0
+
+
+def _canary_sings(tool: Tool, sanitizer: str, env: dict) -> bool:
+    """Run the tool's canary, a kernel with hazards on purpose: True when the tool reports them."""
+    done = subprocess.run(tool.canary_command(sanitizer), capture_output=True, text=True, env=env)
+    found = re.search(tool.summary, done.stdout)
+    count = int(found.group(1)) if found else 0
+    print(f"{tool.name} canary ({tool.canary}, hazards on purpose): {count} reported", flush=True)
+    if not count:
+        print(done.stdout[-4000:] + done.stderr[-4000:])
+        print(f"{tool.name}: the canary reported nothing, so the tool does not see our kernels; no test was run")
+    return count > 0
 
 
 def _visible_gpus():

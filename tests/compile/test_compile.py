@@ -15,6 +15,8 @@ from cute_flash.compile.registry import arch_option, build
 from cute_flash.kernels.common.flags import CACHE_FLAGS, SCORE_FLAGS
 from cute_flash.kernels.sm80.fwd import FwdConfig
 from cute_flash.launch.variants import BWD_FLAGS, append_variants, bwd_variants, fwd_variants, sm90_bwd_variants
+from cute_flash.tools.race_canary import compile_race
+from cute_flash.tools.sanitize import OUR_KERNELS
 from layouts.traits import SMEM_LIMIT, shipped_fwd_traits
 from tests.helpers.roundtrip import OPERANDS, TileRoundTrip
 
@@ -24,12 +26,14 @@ def _cases(variants, full):
 
 
 def _assert_one_kernel_for(arch, ptx_dir):
-    """The compile kept one PTX file, holding one kernel entry, for `arch`'s target."""
+    """The compile kept one PTX file, holding one kernel entry, for `arch`'s target, named as
+    racecheck's kernel filter expects (`sanitize.OUR_KERNELS`)."""
     from layouts.traits import sm_name
 
     (ptx,) = ptx_dir.glob("*.ptx")
     text = ptx.read_text()
     assert text.count(".entry ") == 1 and f".target {sm_name(arch)}" in text
+    assert re.search(r"\.entry (\w+)\(", text).group(1).startswith(OUR_KERNELS)
 
 
 def _compile(arch, config, tmp_path):
@@ -316,3 +320,13 @@ def test_hopper_backward_compiles_to_wgmma(config, tmp_path):
 def test_hopper_backward_full_sweep(config, tmp_path):
     build(config, 90, f"--keep-ptx --dump-dir={tmp_path}")
     _assert_one_kernel_for(90, tmp_path)
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+def test_race_canary_compiles_with_shared_memory_accesses(arch, tmp_path):
+    """racecheck's canary (`tools/race_canary.py`): one kernel, named as ours, whose shared-memory
+    store and load survive compilation (nothing for racecheck to see otherwise)."""
+    compile_race(arch, f"--keep-ptx --dump-dir={tmp_path}")
+    _assert_one_kernel_for(arch, tmp_path)
+    text = next(tmp_path.glob("*.ptx")).read_text()
+    assert "st.shared" in text and "ld.shared" in text and "bar.sync" not in text

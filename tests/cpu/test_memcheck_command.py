@@ -36,9 +36,12 @@ def fake_machine(tmp_path, monkeypatch):
     record.mkdir()
     # Drop the sanitizer's options (through --error-exitcode N), run the command, report like
     # compute-sanitizer: the tool's summary with FINDINGS (default 0) findings, none where
-    # NO_SUMMARY is set.
+    # NO_SUMMARY is set. racecheck's canary is not run (it needs a GPU): CANARY_FINDINGS
+    # (default 3) hazards.
     _script(bin_dir / "compute-sanitizer",
             'tool=$2; while [ "$1" != --error-exitcode ]; do shift; done; shift 2\n'
+            'case "$*" in *race_canary*) n=${CANARY_FINDINGS:-3}\n'
+            '  echo "========= RACECHECK SUMMARY: $n hazards displayed ($n errors, 0 warnings)"; exit 86;; esac\n'
             '"$@"; rc=$?; n=${FINDINGS:-0}; [ -n "$NO_SUMMARY" ] && exit $rc\n'
             'if [ "$tool" = racecheck ]; then\n'
             '  echo "========= RACECHECK SUMMARY: $n hazards displayed ($n errors, 0 warnings)"\n'
@@ -84,3 +87,20 @@ def test_a_process_without_a_summary_fails_the_command(fake_machine, monkeypatch
     tests, _ = fake_machine
     monkeypatch.setenv("NO_SUMMARY", "1")
     assert sanitize.run("racecheck", ["-q", "-p", "no:cacheprovider", tests], jobs=2) == 1
+
+
+def test_racecheck_shows_its_canary_first(fake_machine, capsys):
+    tests, _ = fake_machine
+    assert sanitize.run("racecheck", ["-q", "-p", "no:cacheprovider", tests], jobs=2) == 0
+    out = capsys.readouterr().out
+    assert "racecheck canary (cute_flash.tools.race_canary, hazards on purpose): 3 reported" in out
+    assert out.index("canary") < out.index("sanitized processes")
+
+
+def test_a_silent_canary_fails_racecheck_before_any_test(fake_machine, monkeypatch, capsys):
+    """A kernel filter that matches none of our kernels would report 0 hazards on any suite."""
+    tests, record = fake_machine
+    monkeypatch.setenv("CANARY_FINDINGS", "0")
+    assert sanitize.run("racecheck", ["-q", "-p", "no:cacheprovider", tests], jobs=2) == 1
+    assert "does not see our kernels; no test was run" in capsys.readouterr().out
+    assert not list(record.iterdir())
