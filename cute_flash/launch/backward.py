@@ -1,7 +1,7 @@
 """The backward pass on validated CUDA tensors: D = rowsum(dO * O) (preprocess kernel), the
 main kernel (dK, dV, and dQ accumulated in fp32), dQ converted (`DQConvert`), GQA heads summed.
-The main kernel is the Hopper one (kernels/sm90/bwd.py) for dense calls on sm_90 where it
-exists (`takes_hopper_bwd`), the SM80 one (kernels/sm80/bwd.py) otherwise.
+The main kernel is the Hopper one (kernels/sm90/bwd.py) on sm_90 where it exists
+(`takes_hopper_bwd`), dense and packed, the SM80 one (kernels/sm80/bwd.py) otherwise.
 
 Extra memory is O(seqlen): dQaccum (fp32, one slice, or one per split when deterministic; its
 layout is `kernels/common/dq_accum.py`'s), D, and with GQA per-query-head dK/dV before the group sum
@@ -116,6 +116,57 @@ def _flash_bwd_sm90(dout, q, k, v, out, lse, config: BwdConfig, index, softmax_s
     return _finish(dq_out, dk_h, dv_h, d, hk, grads, dot)
 
 
+def padded_rows(cu_seqlens_q: torch.Tensor, total_q: int, block_m: int) -> torch.Tensor:
+    """Where each packed query row goes in rows padded per sequence to whole query blocks (the
+    dQaccum tiles' rows: sequence b from row (cu_seqlens_q[b] // block_m + b) * block_m, as
+    `varlen_dq_tiles` lays them out). Rows no sequence covers go to the last tile, which no
+    sequence reaches. Computed on the device, no sync; every index inside the padded rows
+    whatever the prefix sums hold."""
+    batch = cu_seqlens_q.shape[0] - 1
+    rows = torch.arange(total_q, device=cu_seqlens_q.device)
+    cu = cu_seqlens_q.long().clamp(0, total_q)
+    seq = torch.searchsorted(cu[1:], rows, right=True)  # the sequence of each row (batch: none)
+    covered = (seq < batch) & (rows >= cu[0])
+    seq = seq.clamp(max=batch - 1)
+    pos = (cu[seq] // block_m + seq) * block_m + rows - cu[seq]
+    last = varlen_dq_tiles(total_q, batch, block_m) * block_m - 1
+    return torch.where(covered, pos, last).clamp(0, last)
+
+
+def _flash_bwd_sm90_varlen(dout, q, k, v, out, lse, config: BwdConfig, index, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                           max_seqlen_q, max_seqlen_k, softmax_scale, softcap, alibi_slopes, left, right, grads, d,
+                           dropout):
+    """The Hopper backward of a packed batch on aligned tensors: LSE (times log2 e), D and
+    dQaccum in rows padded per sequence to whole query blocks (`padded_rows`: +inf, 0 and 0
+    past each sequence), so the kernel's bulk copies need no bounds, as in the dense call."""
+    total_q, h, d_pad = q.shape
+    total_k, hk = k.shape[0], k.shape[1]
+    batch = cu_seqlens_q.shape[0] - 1
+    t = choose_hopper_bwd_traits(config.traits.head_dim, config.traits.dtype)
+    tiles = varlen_dq_tiles(total_q, batch, t.block_m)
+    dot = torch.empty((h, total_q), dtype=torch.float32, device=q.device)
+    compiled.kernel_for(PreprocessConfig(t.head_dim, t.dtype, config.even_k, True), index)(
+        out, dout, dot, cu_seqlens_q, max_seqlen_q)
+    where = padded_rows(cu_seqlens_q, total_q, t.block_m)
+    lse_log2 = torch.full((h, tiles * t.block_m), float("inf"), dtype=torch.float32, device=q.device)
+    lse_log2[:, where] = lse * LOG2E
+    dot_pad = torch.zeros((h, tiles * t.block_m), dtype=torch.float32, device=q.device)
+    dot_pad[:, where] = dot
+    dq_accum = torch.zeros((1, h, tiles, t.block_m * t.head_dim), dtype=torch.float32, device=q.device)
+    dk_h = torch.zeros((total_k, h, d_pad), dtype=q.dtype, device=q.device)  # keys no sequence covers (or past
+    dv_h = torch.zeros((total_k, h, d_pad), dtype=q.dtype, device=q.device)  # seqused_k) get a zero gradient
+    sm90 = Sm90BwdConfig(t, config.has_left, config.has_right, config.has_alibi, config.has_softcap,
+                         config.has_dropout, varlen=True, has_seqused_k=seqused_k is not None)
+    compiled.kernel_for(sm90, index)(q, k, v, dout, lse_log2, dot_pad, dq_accum, dk_h, dv_h,
+                                     alibi_2d(alibi_slopes, batch, h), rng_of(dropout, q.device), cu_seqlens_q,
+                                     cu_seqlens_k, seqused_k, max_seqlen_k, softmax_scale,
+                                     *scales(softmax_scale, softcap), left, right)
+    dq_out = torch.zeros((total_q, h, d_pad), dtype=q.dtype, device=q.device)  # rows no sequence covers: 0
+    compiled.kernel_for(DQConvertConfig(t, config.even_k, True, 4, hopper=True), index)(
+        dq_accum, dq_out, cu_seqlens_q, max_seqlen_q, softmax_scale)
+    return _finish(dq_out, dk_h, dv_h, d, hk, grads, dot)
+
+
 def flash_bwd(dout, q, k, v, out, lse, *, softmax_scale, causal=False, window_size=(-1, -1), softcap=0.0,
               alibi_slopes=None, deterministic=False, dq=None, dk=None, dv=None, variant=None,
               dropout: DropoutArgs | None = None):
@@ -189,6 +240,10 @@ def flash_bwd_varlen(dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max
                      dropout)
     cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     seqused = None if seqused_k is None else seqused_k.contiguous()
+    if policy.takes_hopper_bwd(config, index) and not chunked(batch):
+        return _signed_dq(_flash_bwd_sm90_varlen(dout, q, k, v, out, lse, config, index, cu_seqlens_q, cu_seqlens_k,
+                                                 seqused, max_seqlen_q, max_seqlen_k, softmax_scale, softcap,
+                                                 alibi_slopes, left, right, (dq, dk, dv), d, dropout), dq_sign)
     grid_x = _grid_x(config, max_seqlen_k, batch, h, index)
     t = config.traits
     dot = torch.empty((h, total_q), dtype=torch.float32, device=q.device)

@@ -34,12 +34,11 @@ def takes_hopper_path(index: int) -> bool:
 
 
 def takes_hopper_bwd(config: BwdConfig, index: int) -> bool:
-    """Dense backwards on sm_90 take the Hopper kernel (kernels/sm90/bwd.py) where it exists:
-    head-dim buckets 32, 64, 128 (`layouts.hopper.BWD_HEAD_DIMS`), not deterministic (its dQ
-    adds are unordered bulk reduces); `CUTE_FLASH_ARCH_PATH=sm80` selects the SM80 kernel.
+    """Dense and packed backwards on sm_90 take the Hopper kernel (kernels/sm90/bwd.py) where it
+    exists: head-dim buckets 32, 64, 128 (`layouts.hopper.BWD_HEAD_DIMS`), not deterministic (its
+    dQ adds are unordered bulk reduces); `CUTE_FLASH_ARCH_PATH=sm80` selects the SM80 kernel.
     docs/tuning/backward.md lists what falls back and why."""
-    return (takes_hopper_path(index) and config.traits.head_dim in BWD_HEAD_DIMS and not config.deterministic
-            and not config.varlen)
+    return takes_hopper_path(index) and config.traits.head_dim in BWD_HEAD_DIMS and not config.deterministic
 
 
 PERSISTENT_MAX_KEY_BLOCKS = 64

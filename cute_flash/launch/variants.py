@@ -239,22 +239,29 @@ def bwd_variants(arch: int, full: bool = False) -> list:
 def sm90_bwd_variants(full: bool = False) -> list:
     """Hopper backward configs (main kernel and its dQ convert) the dispatcher can choose.
 
-    full: every head-dim bucket it takes x dtype x every score-flag combination. Otherwise, for
-    CI: every bucket causal (bf16), at d 128 no flag, each other flag alone, all together, and
-    fp16; the converts of every bucket's tiles, and with a padded head dim at d 128."""
+    full: every head-dim bucket it takes x dtype x every score-flag combination, dense and packed
+    (with and without seqused_k). Otherwise, for CI: every bucket causal (bf16), at d 128 no
+    flag, each other flag alone, all together, and fp16; packed, every bucket causal and d 128
+    with every flag and seqused_k; the converts of every bucket's tiles, dense and packed, and
+    with a padded head dim at d 128."""
     flags = ("has_left", "has_right", "has_alibi", "has_softcap", "has_dropout")
     if full:
         traits = [choose_hopper_bwd_traits(d, dt) for d in BWD_HEAD_DIMS for dt in DTYPES]
-        mains = [Sm90BwdConfig(t, **dict(zip(flags, bits))) for t in traits
-                 for bits in itertools.product((False, True), repeat=len(flags))]
-        return mains + [DQConvertConfig(t, e, False, 4, hopper=True) for t in traits for e in (False, True)]
+        mains = [Sm90BwdConfig(t, **dict(zip(flags, bits)), varlen=varlen, has_seqused_k=used) for t in traits
+                 for bits in itertools.product((False, True), repeat=len(flags))
+                 for varlen, used in ((False, False), (True, False), (True, True))]
+        return mains + [DQConvertConfig(t, e, v, 4, hopper=True) for t in traits for e in (False, True)
+                        for v in (False, True)]
     traits = [choose_hopper_bwd_traits(d) for d in BWD_HEAD_DIMS]
     pivot = choose_hopper_bwd_traits(128)
     mains = [Sm90BwdConfig(t, has_right=True) for t in traits]
     mains += [Sm90BwdConfig(pivot)] + [Sm90BwdConfig(pivot, **{f: True}) for f in flags if f != "has_right"]
     mains += [Sm90BwdConfig(pivot, **{f: True for f in flags}), Sm90BwdConfig(choose_hopper_bwd_traits(128, "fp16"))]
-    converts = [DQConvertConfig(t, True, False, 4, hopper=True) for t in traits]
-    return mains + converts + [DQConvertConfig(pivot, False, False, 4, hopper=True)]
+    # packed batches: every bucket causal, and at d 128 seqused_k with every flag
+    mains += [Sm90BwdConfig(t, has_right=True, varlen=True) for t in traits]
+    mains += [Sm90BwdConfig(pivot, **{f: True for f in flags}, varlen=True, has_seqused_k=True)]
+    converts = [DQConvertConfig(t, True, v, 4, hopper=True) for t in traits for v in (False, True)]
+    return mains + converts + [DQConvertConfig(pivot, False, v, 4, hopper=True) for v in (False, True)]
 
 
 def every_variant(archs, full: bool = False) -> list[tuple[int, object]]:

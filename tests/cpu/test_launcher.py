@@ -437,6 +437,61 @@ def test_dense_backwards_on_sm90_default_to_the_hopper_kernel(recorder, monkeypa
     assert [type(c) for c in mains] == [BwdConfig] * 4
 
 
+def test_packed_backwards_on_sm90_take_the_hopper_kernel(recorder, monkeypatch):
+    """Without CUTE_FLASH_ARCH_PATH an sm_90 packed backward launches the packed preprocess, the
+    Hopper kernel's `call_varlen` and the packed Hopper dQ convert, with LSE (times log2 e) and
+    D in rows padded per sequence to whole query blocks (sequence b from row (cu_seqlens_q[b] //
+    128 + b) * 128; +inf and 0 elsewhere); deterministic takes the SM80 kernel."""
+    from cute_flash.kernels.common.constants import LOG2E
+    from cute_flash.kernels.sm80.bwd import BwdConfig
+    from cute_flash.kernels.sm80.bwd_preprocess import PreprocessConfig
+    from cute_flash.kernels.sm80.dq_convert import DQConvertConfig
+    from cute_flash.kernels.sm90.bwd import Sm90BwdConfig
+    from cute_flash.launch.backward import flash_bwd_varlen
+
+    q, dout = (torch.randn(75, 4, 20, dtype=torch.bfloat16) for _ in range(2))
+    k = torch.randn(90, 2, 20, dtype=torch.bfloat16)
+    cu_q, cu_k = torch.tensor([0, 70, 70, 75], dtype=torch.int32), torch.tensor([0, 50, 60, 90], dtype=torch.int32)
+    lse = torch.randn(4, 75)
+    monkeypatch.delenv("CUTE_FLASH_ARCH_PATH")
+    lens = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=70, max_seqlen_k=50, softmax_scale=0.5)
+    dq, dk, dv, softmax_d = flash_bwd_varlen(dout, q, k, k, q, lse, causal=True, **lens)
+    pre, main, convert = recorder.launches
+    assert [type(x.config) for x in (pre, main, convert)] == [PreprocessConfig, Sm90BwdConfig, DQConvertConfig]
+    assert main.config.varlen and main.config.has_right and not main.config.has_seqused_k
+    assert pre.config.varlen and convert.config.varlen and convert.config.hopper
+    assert main["mCuSeqlensQ"] is cu_q and main["mCuSeqlensK"] is cu_k and main["max_seqlen_k"] == 50
+    tiles = 75 // 128 + 3 + 1
+    assert main["mLSE"].shape == main["mD"].shape == (4, tiles * 128)
+    rows = list(range(70)) + list(range(256, 261))  # sequence 2 (rows 70..74) from tile 70 // 128 + 2
+    assert torch.equal(main["mLSE"][:, rows], lse * LOG2E)
+    others = torch.ones(tiles * 128, dtype=torch.bool)
+    others[rows] = False
+    assert (main["mLSE"][:, others] == float("inf")).all() and (main["mD"][:, others] == 0).all()
+    assert pre["mD"].shape == (4, 75) and softmax_d.data_ptr() == pre["mD"].data_ptr()
+    assert main["mdQaccum"].shape == (1, 4, tiles, 128 * 32) and convert["mdQaccum"] is main["mdQaccum"]
+    assert main["mdK"].shape == (90, 4, 24)  # per query head, summed over the group after
+    assert dq.shape == q.shape and dk.shape == dv.shape == k.shape
+
+    flash_bwd_varlen(dout, q, k, k, q, lse, deterministic=True, **lens)
+    assert [type(x.config) for x in recorder.launches[3:]] == [PreprocessConfig, BwdConfig, DQConvertConfig]
+
+
+def test_padded_rows_stay_inside_whatever_the_prefix_sums_hold():
+    """Each packed row's place in the per-sequence padded rows; rows no sequence covers, and
+    every row under bad prefix sums, land inside the padded rows (the last tile, which no
+    sequence reaches, takes the uncovered ones)."""
+    from cute_flash.launch.backward import padded_rows, varlen_dq_tiles
+
+    cu = torch.tensor([0, 3, 3, 130], dtype=torch.int32)
+    assert padded_rows(cu, 130, 64).tolist() == [0, 1, 2] + list(range(2 * 64, 2 * 64 + 127))  # 3 // 64 + 2
+    last = varlen_dq_tiles(140, 3, 64) * 64 - 1
+    assert padded_rows(cu, 140, 64).tolist()[130:] == [last] * 10  # past the last sequence
+    for bad in ([5, 3, 200, 1], [-4, 0, 7, 2 ** 30], [0, 0, 0, 0]):
+        where = padded_rows(torch.tensor(bad, dtype=torch.int32), 140, 64)
+        assert 0 <= where.min() and where.max() <= last
+
+
 @pytest.mark.parametrize("arch", [86, 89, 120, 121])
 def test_99_kb_gpus_get_tiles_that_fit(recorder, monkeypatch, arch):
     """On GPUs with 99 KB of shared memory per block (sm_86 / sm_89, and consumer Blackwell,

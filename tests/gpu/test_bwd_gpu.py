@@ -7,14 +7,14 @@ this module selects the SM80 kernels (`CUTE_FLASH_ARCH_PATH=sm80`, the path of e
 sm_80/86/89 GPU); tests/gpu/test_bwd_sm90_gpu.py runs the dense shape tests on the Hopper one."""
 import pytest
 import torch
-from hypothesis import assume, given
+from hypothesis import given
 from hypothesis import strategies as st
 
 from cute_flash import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func, flash_attn_varlen_func,
                         flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func)
-from cute_flash.reference import attention_varlen_ref
-from tests.helpers.backward import (assert_grads_match, check_private_backward, check_score_modifiers, heads, inputs,
-                                    lengths, ours)
+from tests.helpers.backward import (VARLEN_MOD_IDS, VARLEN_MODS, assert_grads_match, check_private_backward,
+                                    check_score_modifiers, check_varlen_grads, check_varlen_score_modifiers, heads,
+                                    inputs, lengths, ours, varlen_lengths)
 from tests.helpers.gpu_utils import cu_seqlens, gpu_settings, poison_allocator
 
 pytestmark = pytest.mark.gpu
@@ -61,44 +61,16 @@ def test_score_modifiers_with_gqa(rng, mod, sq, sk, hh, d, data):
 
 @pytest.mark.parametrize("causal", [False, True])
 @gpu_settings(8)
-@given(rng=st.random_module(), lens=st.lists(st.tuples(st.integers(0, 300), st.integers(0, 300)), min_size=1,
-                                             max_size=4), hh=heads,
-       d=st.sampled_from([32, 64, 128, 72]), used=st.booleans())
+@given(rng=st.random_module(), lens=varlen_lengths, hh=heads, d=st.sampled_from([32, 64, 128, 72]), used=st.booleans())
 def test_varlen_grads_match_reference(rng, lens, hh, d, causal, used):
-    lq, lk = [a for a, _ in lens], [b for _, b in lens]
-    assume(sum(lq) > 0 and sum(lk) > 0)
-    h, hk = hh
-    q, k, v = (torch.randn(sum(n), heads, d, device="cuda", dtype=torch.bfloat16)
-               for n, heads in ((lq, h), (lk, hk), (lk, hk)))
-    dout = torch.randn_like(q)
-    cu_q, cu_k = cu_seqlens(lq), cu_seqlens(lk)
-    seqused = torch.tensor([n // 2 for n in lk], device="cuda", dtype=torch.int32) if used else None
-    opts = dict(causal=causal)
-    out, grads = ours(lambda q, k, v, **o: flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lq), max(lk),
-                                                                  seqused_k=seqused, **o), dout, q, k, v, **opts)
-    assert_grads_match(grads, q, k, v, dout, out=out, ref_fn=lambda q, k, v, **o: attention_varlen_ref(
-        q, k, v, cu_q, cu_k, seqused_k=seqused, **o), **opts)
+    check_varlen_grads(lens, hh, d, causal, used)
 
 
-@pytest.mark.parametrize("opts", [dict(window_size=(50, 9)), dict(alibi=True, causal=True), dict(softcap=8.0),
-                                  dict(window_size=(30, 0), alibi=True, softcap=20.0)],
-                         ids=["window", "alibi-causal", "softcap", "all"])
+@pytest.mark.parametrize("opts", VARLEN_MODS, ids=VARLEN_MOD_IDS)
 def test_varlen_grads_with_score_modifiers(opts):
     """The packed backward with each score modifier (ALiBi slopes per sequence and head), GQA,
     an empty sequence and seqused_k."""
-    lq, lk, h, hk, d = [0, 77, 300, 1], [40, 129, 257, 60], 6, 2, 64
-    q, k, v = (torch.randn(sum(n), heads, d, device="cuda", dtype=torch.bfloat16)
-               for n, heads in ((lq, h), (lk, hk), (lk, hk)))
-    dout = torch.randn_like(q)
-    cu_q, cu_k = cu_seqlens(lq), cu_seqlens(lk)
-    seqused = torch.tensor([40, 100, 257, 1], device="cuda", dtype=torch.int32)
-    opts = dict(opts)
-    if opts.pop("alibi", False):
-        opts["alibi_slopes"] = torch.rand(len(lq), h, device="cuda", dtype=torch.float32)
-    out, grads = ours(lambda q, k, v, **o: flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lq), max(lk),
-                                                                  seqused_k=seqused, **o), dout, q, k, v, **opts)
-    assert_grads_match(grads, q, k, v, dout, out=out, ref_fn=lambda q, k, v, **o: attention_varlen_ref(
-        q, k, v, cu_q, cu_k, seqused_k=seqused, **o), **opts)
+    check_varlen_score_modifiers(opts)
 
 
 @pytest.mark.parametrize("d", [32, 64, 96, 128, 160])

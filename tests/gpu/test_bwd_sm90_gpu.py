@@ -9,8 +9,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cute_flash import flash_attn_func
-from tests.helpers.backward import (assert_grads_match, check_private_backward, check_score_modifiers, heads, inputs,
-                                    lengths, ours)
+from tests.helpers.backward import (VARLEN_MOD_IDS, VARLEN_MODS, assert_grads_match, check_private_backward,
+                                    check_score_modifiers, check_varlen_grads, check_varlen_score_modifiers, heads,
+                                    inputs, lengths, ours, varlen_lengths)
 from tests.helpers.gpu_utils import gpu_settings
 
 pytestmark = pytest.mark.gpu
@@ -96,3 +97,22 @@ def test_dropout_grads_match_reference_with_the_philox_mask(d, sq, sk, opts):
     mask = torch.from_numpy(philox.keep_mask(seed, offset, 2, 12, sq, sk, p)).cuda()
     assert_grads_match([dq, dk, dv], q, k, v, dout, out=out, ref_fn=functools.partial(attention_ref, dropout_p=p,
                                                                              dropout_mask=mask), **opts)
+
+
+# tests/gpu/test_bwd_gpu.py's packed-batch tests, here on the Hopper kernel (`call_varlen`)
+@pytest.mark.parametrize("causal", [False, True])
+@gpu_settings(8)
+@given(rng=st.random_module(), lens=varlen_lengths, hh=heads, d=hopper_dims, used=st.booleans())
+def test_varlen_grads_match_reference(rng, lens, hh, d, causal, used):
+    check_varlen_grads(lens, hh, d, causal, used)
+
+
+@pytest.mark.parametrize("opts", VARLEN_MODS, ids=VARLEN_MOD_IDS)
+def test_varlen_grads_with_score_modifiers(opts):
+    check_varlen_score_modifiers(opts)
+
+
+def test_varlen_long_and_short_sequences():
+    """One sequence of 3000 rows beside short ones, causal, GQA: key-block CTAs past a short
+    sequence's keys walk nothing, and the long one's pipelines wrap many times."""
+    check_varlen_grads([(3000, 3000), (5, 200), (130, 1), (64, 64)], (8, 2), 128, True, False)

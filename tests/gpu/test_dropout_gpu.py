@@ -13,7 +13,8 @@ import cute_flash
 from cute_flash import flash_attn_interface as fai
 from layouts import philox
 from cute_flash.reference import attention_ref
-from tests.helpers.gpu_utils import assert_matches_reference, captures_graph, cu_seqlens, on_path, poison_allocator
+from tests.helpers.gpu_utils import (assert_matches_reference, backward_on_path, captures_graph, cu_seqlens, on_path,
+                                    poison_allocator)
 
 pytestmark = pytest.mark.gpu
 
@@ -310,7 +311,7 @@ def _sequences(drop, lq, lk, h):
                          ids=["causal", "window-softcap"])
 def test_varlen_dropout_grads_match_reference_per_sequence(opts, arch_path, kernels):
     """The packed forward and backward with dropout, each sequence against the reference with
-    its part of the mask (the forward on either kernel; the packed backward is the SM80 one)."""
+    its part of the mask, on either path."""
     from cute_flash.launch.rng import DropoutArgs
     from cute_flash.launch.backward import flash_bwd_varlen
     from cute_flash.launch.dense import flash_fwd_varlen
@@ -325,7 +326,7 @@ def test_varlen_dropout_grads_match_reference_per_sequence(opts, arch_path, kern
     poison_allocator()
     dq, dk, dv, _ = flash_bwd_varlen(dout, q, k, v, out, lse, **lens, dropout=drop, **opts)
     torch.cuda.synchronize()
-    assert kernels == on_path(arch_path, "fwd") | {"sm80_bwd"}
+    assert kernels == on_path(arch_path, "fwd") | backward_on_path(arch_path, d)
     for rq, rk, mask in _sequences(drop, lq, lk, h):
         ref = functools.partial(attention_ref, dropout_p=p, dropout_mask=mask, softmax_scale=0.125)
         sq_ = (q[rq][None], k[rk][None], v[rk][None])

@@ -65,7 +65,7 @@ def test_packed_forward_and_backward_with_a_sink(arch_path, kernels):
     assert_grads_match([x.grad for x in leaves[:3]], q, k, v, dout, out=out, ref_fn=ref_fn, causal=True,
                        learnable_sink=sink)
     _assert_sink_grad(leaves[3].grad, ref_fn, q, k, v, dout, sink, causal=True)
-    assert kernels == on_path(arch_path, "fwd") | backward_on_path(arch_path, 128, packed=True)
+    assert kernels == on_path(arch_path, "fwd") | backward_on_path(arch_path, 128)
 
 
 @pytest.mark.parametrize("seqlen_q", [1, 4])

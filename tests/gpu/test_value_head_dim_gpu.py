@@ -47,4 +47,4 @@ def test_packed_call_with_a_value_head_dim_of_its_own(arch_path, kernels):
     assert_matches_reference(out.detach(), lse, q, k, v, ref_fn, causal=True)
     out.backward(dout)
     assert_grads_match([x.grad for x in leaves], q, k, v, dout, out=out, ref_fn=ref_fn, causal=True)
-    assert kernels == on_path(arch_path, "fwd") | backward_on_path(arch_path, 192, packed=True)
+    assert kernels == on_path(arch_path, "fwd") | backward_on_path(arch_path, 192)

@@ -6,9 +6,9 @@ tests that tests/gpu/test_bwd_gpu.py (SM80) and test_bwd_sm90_gpu.py (Hopper) bo
 import torch
 from hypothesis import strategies as st
 
-from cute_flash import flash_attn_func
-from cute_flash.reference import attention_ref
-from tests.helpers.gpu_utils import assert_output_matches, poison_allocator
+from cute_flash import flash_attn_func, flash_attn_varlen_func
+from cute_flash.reference import attention_ref, attention_varlen_ref
+from tests.helpers.gpu_utils import assert_output_matches, cu_seqlens, poison_allocator
 
 ODD_LENGTHS = [1, 2, 17, 63, 64, 65, 127, 128, 129, 255, 257]
 GRAD_FLOOR = 1e-4
@@ -91,6 +91,47 @@ def check_score_modifiers(mod, sq, sk, hh, d, data):
         opts["softcap"] = data.draw(st.sampled_from([5.0, 30.0]))
     out, grads = ours(flash_attn_func, dout, q, k, v, **opts)
     assert_grads_match(grads, q, k, v, dout, out=out, **opts)
+
+
+def check_varlen_grads(lens, hh, d, causal, used):
+    """Packed gradients of sequences of (query, key) lengths `lens` (zeros allowed), seqused_k
+    half of each key length when `used`, against the reference per sequence."""
+    lq, lk = [a for a, _ in lens], [b for _, b in lens]
+    h, hk = hh
+    q, k, v = (torch.randn(sum(n), heads, d, device="cuda", dtype=torch.bfloat16)
+               for n, heads in ((lq, h), (lk, hk), (lk, hk)))
+    dout = torch.randn_like(q)
+    cu_q, cu_k = cu_seqlens(lq), cu_seqlens(lk)
+    seqused = torch.tensor([n // 2 for n in lk], device="cuda", dtype=torch.int32) if used else None
+    out, grads = ours(lambda q, k, v, **o: flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lq), max(lk),
+                                                                  seqused_k=seqused, **o), dout, q, k, v, causal=causal)
+    assert_grads_match(grads, q, k, v, dout, out=out, causal=causal, ref_fn=lambda q, k, v, **o: attention_varlen_ref(
+        q, k, v, cu_q, cu_k, seqused_k=seqused, **o))
+
+
+def check_varlen_score_modifiers(opts):
+    """The packed backward with score modifiers `opts` (alibi=True: slopes per sequence and
+    head), GQA, an empty sequence and seqused_k, against the reference."""
+    lq, lk, h, hk, d = [0, 77, 300, 1], [40, 129, 257, 60], 6, 2, 64
+    q, k, v = (torch.randn(sum(n), heads, d, device="cuda", dtype=torch.bfloat16)
+               for n, heads in ((lq, h), (lk, hk), (lk, hk)))
+    dout = torch.randn_like(q)
+    cu_q, cu_k = cu_seqlens(lq), cu_seqlens(lk)
+    seqused = torch.tensor([40, 100, 257, 1], device="cuda", dtype=torch.int32)
+    opts = dict(opts)
+    if opts.pop("alibi", False):
+        opts["alibi_slopes"] = torch.rand(len(lq), h, device="cuda", dtype=torch.float32)
+    out, grads = ours(lambda q, k, v, **o: flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lq), max(lk),
+                                                                  seqused_k=seqused, **o), dout, q, k, v, **opts)
+    assert_grads_match(grads, q, k, v, dout, out=out, ref_fn=lambda q, k, v, **o: attention_varlen_ref(
+        q, k, v, cu_q, cu_k, seqused_k=seqused, **o), **opts)
+
+
+VARLEN_MODS = [dict(window_size=(50, 9)), dict(alibi=True, causal=True), dict(softcap=8.0),
+               dict(window_size=(30, 0), alibi=True, softcap=20.0)]
+VARLEN_MOD_IDS = ["window", "alibi-causal", "softcap", "all"]
+varlen_lengths = st.lists(st.tuples(st.integers(0, 300), st.integers(0, 300)), min_size=1, max_size=4).filter(
+    lambda lens: sum(a for a, _ in lens) > 0 and sum(b for _, b in lens) > 0)
 
 
 def check_private_backward():

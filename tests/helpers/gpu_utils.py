@@ -20,14 +20,14 @@ def on_path(path: str, *parts: str) -> set:
     return {f"{'sm90' if hopper else 'sm80'}_{part}" for part in parts}
 
 
-def backward_on_path(path: str, head_dim: int, packed: bool = False) -> set:
-    """What the `kernels` fixture records for a backward on `path` whose kernels take
-    `head_dim`: the Hopper backward for dense calls in its buckets (`layouts.hopper.BWD_HEAD_DIMS`)
+def backward_on_path(path: str, head_dim: int) -> set:
+    """What the `kernels` fixture records for a backward (dense or packed) on `path` whose
+    kernels take `head_dim`: the Hopper backward in its buckets (`layouts.hopper.BWD_HEAD_DIMS`)
     where `on_path` takes the Hopper kernels, the SM80 one otherwise."""
     from layouts.hopper import BWD_HEAD_DIMS
     from layouts.traits import head_dim_bucket
 
-    hopper = on_path(path, "bwd") == {"sm90_bwd"} and not packed and head_dim_bucket(head_dim) in BWD_HEAD_DIMS
+    hopper = on_path(path, "bwd") == {"sm90_bwd"} and head_dim_bucket(head_dim) in BWD_HEAD_DIMS
     return {"sm90_bwd" if hopper else "sm80_bwd"}
 
 

@@ -28,6 +28,13 @@ the sequence need no test: TMA zero-fills their Q and dO, and drops dK / dV rows
 dQaccum holds each query tile in warpgroup-run order (kernels/common/dq_accum.py), converted by
 `DQConvert` with `hopper=True`. With GQA every query head writes its own dK / dV rows and the
 host sums a group's heads, as on the SM80 path.
+
+Packed batches (`call_varlen`): a CTA per (key block of max_seqlen_k, head, sequence); one past
+its sequence's keys walks no query block and stores nothing. Its loads start at the sequence's
+first row, so rows past the sequence are the next sequence's: query rows among them get P = 0
+from the padded LSE, key rows are masked in the last key block, and dK / dV go out by a
+row-predicated copy (`store_dkv_rows`) in place of TMA. LSE, D and dQaccum rows are padded per
+sequence to whole query blocks (`kernels/common/dq_accum.py:first_tile`).
 """
 from __future__ import annotations
 
@@ -39,7 +46,7 @@ from cutlass import pipeline
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from cute_flash.kernels.common.block_range import BlockRange, QueryBlocks, Window
-from cute_flash.kernels.common.dq_accum import bulk_add_run, fake_dq_accum, stage_run
+from cute_flash.kernels.common.dq_accum import bulk_add_run, fake_dq_accum, first_tile, stage_run, tiles_of
 from cute_flash.kernels.common.fake import fake_stream, fake_tensor
 from cute_flash.kernels.common.flags import score_letters
 from cute_flash.kernels.common.gemm import wgmma_issue
@@ -47,7 +54,7 @@ from cute_flash.kernels.common.philox import Dropout, keep_bit
 from cute_flash.kernels.common.score_mods import BwdScalars, Mask, apply_alibi, softcap_with_derivative
 from cute_flash.kernels.common.seq_info import SeqInfo
 from cute_flash.kernels.sm90.barriers import BwdBarrier
-from cute_flash.kernels.sm90.pipeline import seq_first, use_state
+from cute_flash.kernels.sm90.pipeline import seq_first, tma_rows, use_state
 from layouts import hopper
 from layouts.dq import HOPPER_VEC, chunk_index
 from layouts import mma as lmma
@@ -69,10 +76,14 @@ class Sm90BwdConfig:
     has_alibi: bool = False
     has_softcap: bool = False
     has_dropout: bool = False  # the forward's Philox mask, recomputed (kernels/common/philox.py)
+    varlen: bool = False       # packed batches (`call_varlen`)
+    has_seqused_k: bool = False
 
     def __post_init__(self):
         if self.traits.block_n != 128 or self.traits.block_m % 64:
             raise ValueError("the Hopper backward takes 128 keys per CTA and query blocks of 64 rows or more")
+        if self.has_seqused_k and not self.varlen:
+            raise ValueError("has_seqused_k belongs to packed batches (varlen)")
 
     @property
     def num_threads(self) -> int:
@@ -90,7 +101,8 @@ class Sm90BwdConfig:
     @property
     def name(self) -> str:
         t = self.traits
-        return f"sm90_bwd_d{t.head_dim}_m{t.block_m}_n{t.block_n}_{t.dtype}-{score_letters(self)}"
+        packed = "-V" if self.varlen else ""
+        return f"sm90_bwd_d{t.head_dim}_m{t.block_m}_n{t.block_n}_{t.dtype}-{score_letters(self)}{packed}"
 
 
 @dataclass(frozen=True)
@@ -111,18 +123,29 @@ class Sm90BwdRecipe:
 
 
 @dataclass(frozen=True)
+class Sm90BwdVarlen:
+    """A packed batch's metadata, and dK / dV as tensors (their rows are copied, not TMA-stored)."""
+    mCuSeqlensQ: cute.Tensor  # (batch + 1,) int32
+    mCuSeqlensK: cute.Tensor  # (batch + 1,) int32
+    mSeqUsedK: object         # (batch,) int32 or None
+    mdK: cute.Tensor          # (total_k, heads, d): per query head
+    mdV: cute.Tensor
+
+
+@dataclass(frozen=True)
 class Sm90BwdTensors:
-    tma_mQ: cute.Tensor    # (seqlen_q, d, heads, batch) TMA coordinates
-    tma_mK: cute.Tensor    # (seqlen_k, d, heads_k, batch)
+    tma_mQ: cute.Tensor    # (seqlen_q, d, heads, batch) TMA coordinates; packed (total_q, d, heads)
+    tma_mK: cute.Tensor    # (seqlen_k, d, heads_k, batch); packed (total_k, d, heads_k)
     tma_mV: cute.Tensor
     tma_mdO: cute.Tensor   # like tma_mQ
     tma_mdK: cute.Tensor   # (seqlen_k, d, heads, batch): per query head
     tma_mdV: cute.Tensor
-    mLSE: cute.Tensor      # (batch, heads, seqlen_q_pad) fp32: LSE * log2(e), +inf past seqlen_q
-    mD: cute.Tensor        # (batch, heads, seqlen_q_pad) fp32: rowsum(dO * O), 0 past seqlen_q
-    mdQaccum: cute.Tensor  # (1, batch, heads, tiles, bm * d) fp32, zeroed
+    mLSE: cute.Tensor      # (batch, heads, seqlen_q_pad) fp32: LSE * log2(e), +inf past seqlen_q; packed (heads, rows)
+    mD: cute.Tensor        # (batch, heads, seqlen_q_pad) fp32: rowsum(dO * O), 0 past seqlen_q; packed (heads, rows)
+    mdQaccum: cute.Tensor  # (1, batch, heads, tiles, bm * d) fp32, zeroed; packed (1, heads, tiles, bm * d)
     mAlibi: object         # (batch, heads) fp32 slopes
     mRng: object           # (4,) uint32: dropout's Philox key, offset and keep threshold
+    varlen: object         # Sm90BwdVarlen, or None (dense)
 
 
 @dataclass(frozen=True)
@@ -171,6 +194,30 @@ class FlashBwdSm90:
         (batch, seqlen_k, heads, d), mLSE / mD (batch, heads, seqlen_q_pad) fp32 (see
         Sm90BwdTensors), mdQaccum (1, batch, heads, seqlen_q_pad / bm, bm * d) fp32 zeroed; mRng
         (4,) uint32, the forward's dropout state, or None."""
+        grid = (cute.ceil_div(mK.shape[1], self.t.block_n), mQ.shape[2], mQ.shape[0])
+        self.launch(mQ, mK, mV, mdO, mLSE, mD, mdQaccum, mdK, mdV, mAlibi, mRng, None, grid,
+                    BwdScalars(softmax_scale, scale_log2, score_premul, alibi_div, window_left, window_right), stream)
+
+    @cute.jit
+    def call_varlen(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
+                    mD: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, mAlibi, mRng,
+                    mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, mSeqUsedK, max_seqlen_k: cutlass.Int32,
+                    softmax_scale: cutlass.Float32, scale_log2: cutlass.Float32, score_premul: cutlass.Float32,
+                    alibi_div: cutlass.Float32, window_left: cutlass.Int32, window_right: cutlass.Int32, stream):
+        """Packed batches: mQ / mdO (total_q, heads, d), mK / mV (total_k, heads_k, d), mdK / mdV
+        (total_k, heads, d) zeroed, mLSE / mD (heads, tiles * bm) and mdQaccum (1, heads, tiles, bm
+        * d) in rows padded per sequence to whole query blocks (launch/backward.py:padded_rows),
+        cu_seqlens (batch + 1,) int32, seqused_k (batch,) int32 or None."""
+        varlen = Sm90BwdVarlen(mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mdK, mdV)
+        grid = (cute.ceil_div(max_seqlen_k, self.t.block_n), mQ.shape[1], mCuSeqlensQ.shape[0] - 1)
+        self.launch(mQ, mK, mV, mdO, mLSE, mD, mdQaccum, mdK, mdV, mAlibi, mRng, varlen, grid,
+                    BwdScalars(softmax_scale, scale_log2, score_premul, alibi_div, window_left, window_right), stream)
+
+    @cute.jit
+    def launch(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
+               mD: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, mAlibi, mRng, varlen,
+               grid, scalars: BwdScalars, stream):
+        """The TMA atoms, shared storage and recipe of either entry, then the kernel on `grid`."""
         t = self.t
         bm, bn, d = t.block_m, t.block_n, t.head_dim
         sQ_layout = hopper.smem_layout_staged(t, bm, STAGES)
@@ -196,11 +243,11 @@ class FlashBwdSm90:
 
         recipe = Sm90BwdRecipe(sQ_layout, sKV_layout, sdS_layout, tma_q, tma_do, tma_k, tma_v, tma_dk, tma_dv,
                                hopper.tiled_mma_sdp_t(t), hopper.tiled_mma_dkv(t), hopper.tiled_mma_dq(t))
-        args = Sm90BwdTensors(tma_mQ, tma_mK, tma_mV, tma_mdO, tma_mdK, tma_mdV, mLSE, mD, mdQaccum, mAlibi, mRng)
-        scalars = BwdScalars(softmax_scale, scale_log2, score_premul, alibi_div, window_left, window_right)
+        args = Sm90BwdTensors(tma_mQ, tma_mK, tma_mV, tma_mdO, tma_mdK, tma_mdV, mLSE, mD, mdQaccum, mAlibi, mRng,
+                              varlen)
         self.kernel(args, scalars, recipe, SharedStorage).launch(
-            grid=(cute.ceil_div(mK.shape[1], bn), mQ.shape[2], mQ.shape[0]), block=[self.config.num_threads, 1, 1],
-            smem=SharedStorage.size_in_bytes(), stream=stream, min_blocks_per_mp=1)
+            grid=grid, block=[self.config.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream,
+            min_blocks_per_mp=1)
 
     @cute.kernel
     def kernel(self, args: Sm90BwdTensors, scalars: BwdScalars, recipe: Sm90BwdRecipe,
@@ -237,10 +284,19 @@ class FlashBwdSm90:
             storage.sLSE.get_tensor(stat_layout), storage.sD.get_tensor(stat_layout),
             storage.sdQaccum.get_tensor(cute.make_layout(t.block_m * t.head_dim)))
 
-        seq = SeqInfo.make(bidb, args.tma_mQ.shape[0], args.tma_mK.shape[0])
         window = Window(scalars.window_left, scalars.window_right, cfg.has_left, cfg.has_right)
-        blocks = QueryBlocks.make(seq, n_block, t.block_m, t.block_n, window)
-        tile = KeyTile(n_block, bidh, bidb, seq, blocks.m_block_min, blocks.m_block_max)
+        if cutlass.const_expr(args.varlen is None):
+            seq = SeqInfo.make(bidb, args.tma_mQ.shape[0], args.tma_mK.shape[0])
+            blocks = QueryBlocks.make(seq, n_block, t.block_m, t.block_n, window)
+            tile = KeyTile(n_block, bidh, bidb, seq, blocks.m_block_min, blocks.m_block_max)
+        else:
+            seq = SeqInfo.make(bidb, args.tma_mQ.shape[0], args.tma_mK.shape[0], args.varlen.mCuSeqlensQ,
+                               args.varlen.mCuSeqlensK, args.varlen.mSeqUsedK)
+            blocks = QueryBlocks.make(seq, n_block, t.block_m, t.block_n, window)
+            m_block_max = blocks.m_block_max  # a block past the sequence's keys walks no query block
+            if n_block * t.block_n >= seq.seqlen_k:
+                m_block_max = blocks.m_block_min
+            tile = KeyTile(n_block, bidh, bidb, seq, blocks.m_block_min, m_block_max)
 
         producer_regs, consumer_regs = REGISTERS
         if warp < 4:
@@ -266,19 +322,20 @@ class FlashBwdSm90:
             cute.arch.mbarrier_arrive_and_expect_tx(pipes.kv_full,
                                                     2 * cute.size_in_bytes(self.dtype, recipe.sKV_layout))
         for atom, src, dst in ((recipe.tma_k, args.tma_mK, smem.sK), (recipe.tma_v, args.tma_mV, smem.sV)):
-            g = cute.local_tile(src[None, None, bidh_kv, tile.bidb], (bn, d), (tile.n_block, 0))  # (bn, d)
+            g = cute.local_tile(tma_rows(src, tile.seq.sum_s_k, bidh_kv, tile.bidb), (bn, d),
+                                (tile.n_block, 0))  # (bn, d)
             tXsX, tXgX = cpasync.tma_partition(atom, 0, one, cute.group_modes(dst, 0, 2),
                                                cute.group_modes(g, 0, 2))  # (TMA,), (TMA,)
             cute.copy(atom, tXgX, tXsX, tma_bar_ptr=pipes.kv_full)
 
-        gQ = cute.local_tile(args.tma_mQ[None, None, tile.bidh, tile.bidb], (bm, d), (None, 0))  # (bm, d, m_blocks)
-        gdO = cute.local_tile(args.tma_mdO[None, None, tile.bidh, tile.bidb], (bm, d), (None, 0))
+        gQ = cute.local_tile(tma_rows(args.tma_mQ, tile.seq.sum_s_q, tile.bidh, tile.bidb), (bm, d),
+                             (None, 0))  # (bm, d, m_blocks)
+        gdO = cute.local_tile(tma_rows(args.tma_mdO, tile.seq.sum_s_q, tile.bidh, tile.bidb), (bm, d), (None, 0))
         tQsQ, tQgQ = cpasync.tma_partition(recipe.tma_q, 0, one, cute.group_modes(smem.sQ, 0, 2),
                                            cute.group_modes(gQ, 0, 2))  # (TMA, stages), (TMA, m_blocks)
         tdOsdO, tdOgdO = cpasync.tma_partition(recipe.tma_do, 0, one, cute.group_modes(smem.sdO, 0, 2),
                                                cute.group_modes(gdO, 0, 2))  # (TMA, stages), (TMA, m_blocks)
-        lse_row = args.mLSE[tile.bidb, tile.bidh, None]  # (seqlen_q_pad,)
-        d_row = args.mD[tile.bidb, tile.bidh, None]
+        lse_row, d_row = self.stat_rows(args.mLSE, tile), self.stat_rows(args.mD, tile)  # (seqlen_q_pad,)
         for i in cutlass.range(tile.m_block_max - tile.m_block_min, unroll=1):
             m_block = tile.m_block_min + i
             write = use_state(i, STAGES, producer=True)
@@ -290,6 +347,15 @@ class FlashBwdSm90:
             bar = pipes.do.producer_get_barrier(write)
             cute.copy(recipe.tma_do, tdOgdO[None, m_block], tdOsdO[None, write.index], tma_bar_ptr=bar)
             self.bulk_load(d_row, smem.sD, m_block, write.index, bar)
+
+    def stat_rows(self, mX: cute.Tensor, tile: KeyTile) -> cute.Tensor:
+        """This (sequence, head)'s padded LSE or D row: dense (batch, heads, seqlen_q_pad) indexed,
+        packed (heads, rows) from the sequence's first tile (a multiple of block_m floats: the
+        bulk copies stay 16-byte aligned)."""
+        if cutlass.const_expr(tile.seq.sum_s_q is None):
+            return mX[tile.bidb, tile.bidh, None]
+        return cute.domain_offset((first_tile(tile.seq, tile.bidb, self.t.block_m) * self.t.block_m,),
+                                  mX[tile.bidh, None])
 
     @cute.jit
     def bulk_load(self, row: cute.Tensor, s: cute.Tensor, m_block, stage, bar):
@@ -396,10 +462,17 @@ class FlashBwdSm90:
                         accumulate=True)
             warpgroup.wait_group(1)  # dV and dQ landed; dK runs under dQ's staging and bulk add
             self.release(pipes.do, read)
-            self.add_dq(acc_dq, args.mdQaccum[0, tile.bidb, tile.bidh, m_block, None], smem.sdQaccum, mma_tidx)
+            self.add_dq(acc_dq, self.dq_chunk(args.mdQaccum, tile, m_block), smem.sdQaccum, mma_tidx)
             warpgroup.wait_group(0)
             self.release(pipes.q, read)
         self.store_dkv(acc_dk, acc_dv, scalars, recipe, args, smem, tile, mma_tidx)
+
+    def dq_chunk(self, mdQaccum: cute.Tensor, tile: KeyTile, m_block) -> cute.Tensor:
+        """(bm * d,) dQaccum floats of query block m_block of this (sequence, head)."""
+        if cutlass.const_expr(tile.seq.sum_s_q is None):
+            return mdQaccum[0, tile.bidb, tile.bidh, m_block, None]
+        return tiles_of(mdQaccum, 0, tile.bidb, tile.bidh, True)[first_tile(tile.seq, tile.bidb, self.t.block_m)
+                                                                 + m_block, None]
 
     @cute.jit
     def release(self, pipe, read):
@@ -487,7 +560,9 @@ class FlashBwdSm90:
             cute.autovec_copy(r, c_dkv.partition_C(dst))
         cute.arch.fence_view_async_shared()  # the generic-proxy writes, before TMA (async proxy) reads them
         cute.arch.barrier(barrier_id=BwdBarrier.STORE + wg_idx, number_of_threads=128)
-        if mma_tidx % 128 < 32:
+        if cutlass.const_expr(args.varlen is not None):
+            self.store_dkv_rows(smem, args.varlen, tile, wg_idx, mma_tidx % 128)
+        elif mma_tidx % 128 < 32:
             rows = (tile.n_block * self.wgs + wg_idx, 0)
             for atom, src, dst in ((recipe.tma_dk, smem.sK, args.tma_mdK), (recipe.tma_dv, smem.sV, args.tma_mdV)):
                 s_wg = cute.local_tile(src, (hopper.WGMMA_M, d), (wg_idx, 0))  # (64, d) this warpgroup's rows
@@ -499,24 +574,49 @@ class FlashBwdSm90:
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # shared memory outlives the bulk reads
 
 
+    @cute.jit
+    def store_dkv_rows(self, smem: Sm90BwdSmem, varlen: Sm90BwdVarlen, tile: KeyTile, wg_idx, wg_tidx):
+        """Packed batches: warpgroup wg_idx's 64 rows of dK and dV from sK / sV into mdK / mdV
+        (total_k, heads, d), 16 bytes a copy, leaving out rows past the sequence's keys (the next
+        sequence's) and columns past the tensors' head dim (a multiple of 8)."""
+        d = self.t.head_dim
+        vec = 16 // ELEMENT_BYTES
+        row0 = tile.n_block * self.t.block_n + wg_idx * hopper.WGMMA_M  # this warpgroup's first key
+        rows = tile.seq.seqlen_k - row0
+        for src, mX in ((smem.sK, varlen.mdK), (smem.sV, varlen.mdV)):
+            g = cute.domain_offset((tile.seq.sum_s_k, 0), mX[None, tile.bidh, None])  # (seqlen_k, d) this head
+            for i in cutlass.range_constexpr(hopper.o_copy_steps(d)):
+                row, chunk = hopper.o_copy_coord(wg_tidx, i, d)
+                if row < rows and chunk * vec < mX.shape[2]:
+                    s_vec = cute.local_tile(src[wg_idx * hopper.WGMMA_M + row, None], (vec,), (chunk,))  # (vec,)
+                    g_vec = cute.local_tile(g[row0 + row, None], (vec,), (chunk,))  # (vec,)
+                    cute.autovec_copy(s_vec, g_vec)
+
+
 def transposed(t: cute.Tensor) -> cute.Tensor:
     """A rank-2 register or coordinate view with its modes swapped."""
     return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 0]))
 
 
 def entry(config: Sm90BwdConfig):
-    """The jit function `config` compiles."""
-    return FlashBwdSm90(config)
+    """The jit function `config` compiles: `__call__` (dense) or `call_varlen`."""
+    kernel = FlashBwdSm90(config)
+    return kernel.call_varlen if config.varlen else kernel
 
 
 def fake_args(config: Sm90BwdConfig) -> list:
-    """Placeholders for `FlashBwdSm90.__call__`: LSE and D rows padded to whole query blocks
-    (strides multiples of 4 floats: 16 bytes, what their bulk copies need)."""
+    """Placeholders for `FlashBwdSm90.__call__` / `call_varlen`: LSE and D rows padded to whole
+    query blocks (strides multiples of 4 floats: 16 bytes, what their bulk copies need)."""
     dtype = element_type(config.traits)
-    elems = [fake_tensor(dtype, 4, ALIGN, COPY_BYTES) for _ in range(4)]
-    stats = [fake_tensor(cutlass.Float32, 3, 4, COPY_BYTES) for _ in range(2)]
-    grads = [fake_tensor(dtype, 4, ALIGN, COPY_BYTES) for _ in range(2)]
+    rank = 3 if config.varlen else 4
+    elems = [fake_tensor(dtype, rank, ALIGN, COPY_BYTES) for _ in range(4)]
+    stats = [fake_tensor(cutlass.Float32, rank - 1, 4, COPY_BYTES) for _ in range(2)]
+    grads = [fake_tensor(dtype, rank, ALIGN, COPY_BYTES) for _ in range(2)]
     alibi = fake_tensor(cutlass.Float32, 2) if config.has_alibi else None
     rng = fake_tensor(cutlass.Uint32, 1) if config.has_dropout else None
-    return (elems + stats + [fake_dq_accum(config.traits, False)] + grads
-            + [alibi, rng, 1.0, 1.0, 1.0, 1.0, -1, -1, fake_stream()])
+    packed = []
+    if config.varlen:
+        seqused = fake_tensor(cutlass.Int32, 1) if config.has_seqused_k else None
+        packed = [fake_tensor(cutlass.Int32, 1), fake_tensor(cutlass.Int32, 1), seqused, 1]
+    return (elems + stats + [fake_dq_accum(config.traits, config.varlen)] + grads + [alibi, rng] + packed
+            + [1.0, 1.0, 1.0, 1.0, -1, -1, fake_stream()])

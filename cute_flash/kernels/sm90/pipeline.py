@@ -21,3 +21,11 @@ def seq_first(t: cute.Tensor) -> cute.Tensor:
     (total, d, heads): a TMA box is a (rows, d) tile and the trailing modes are coordinates."""
     modes = [1, 3, 2, 0] if cute.rank(t) == 4 else [0, 2, 1]
     return cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes))
+
+
+def tma_rows(tma_mX: cute.Tensor, start, bidh, bidb) -> cute.Tensor:
+    """(rows, d) TMA coordinates of one head of one sequence: dense (rows, d, heads, batch)
+    indexed, packed (total, d, heads) shifted to the sequence's first row `start`."""
+    if start is None:
+        return tma_mX[None, None, bidh, bidb]
+    return cute.domain_offset((start, 0), tma_mX[None, None, bidh])

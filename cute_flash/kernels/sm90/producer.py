@@ -8,7 +8,7 @@ from cutlass.cute.nvgpu import cpasync
 
 from cute_flash.kernels.common.seq_info import clamp
 from cute_flash.kernels.sm90.fwd_state import KV_MULTICAST_CTAS, Pipes, Sm90Recipe, Sm90Scalars, Sm90Tensors, Tile
-from cute_flash.kernels.sm90.pipeline import use_state
+from cute_flash.kernels.sm90.pipeline import tma_rows, use_state
 from cute_flash.kernels.sm90.scheduler import Schedule
 
 
@@ -99,11 +99,11 @@ class Producer:
         kv_bidb = tile.bidb
         if cutlass.const_expr(self.config.paged):
             kv_bidb = 0  # page 0 stands in: only the stages' side of its partition is used
-        gQ = cute.local_tile(self.rows(args.tma_mQ, tile.seq.sum_s_q, tile.bidh, tile.bidb), (bm, d),
+        gQ = cute.local_tile(tma_rows(args.tma_mQ, tile.seq.sum_s_q, tile.bidh, tile.bidb), (bm, d),
                              (tile.m_block, 0))  # (bm, d)
-        gK = cute.local_tile(self.rows(args.tma_mK, tile.seq.sum_s_k, bidh_kv, kv_bidb), (bn, d),
+        gK = cute.local_tile(tma_rows(args.tma_mK, tile.seq.sum_s_k, bidh_kv, kv_bidb), (bn, d),
                              (None, 0))  # (bn, d, n_blocks)
-        gV = cute.local_tile(self.rows(args.tma_mV, tile.seq.sum_s_k, bidh_kv, kv_bidb), (bn, d),
+        gV = cute.local_tile(tma_rows(args.tma_mV, tile.seq.sum_s_k, bidh_kv, kv_bidb), (bn, d),
                              (None, 0))  # (bn, d, n_blocks)
         one = cute.make_layout(1)
         tQsQ, tQgQ = cpasync.tma_partition(recipe.tma_q, 0, one, cute.group_modes(sQ, 0, 2),
@@ -157,14 +157,6 @@ class Producer:
     def block_table(args: Sm90Tensors) -> cute.Tensor:
         """Paged keys' (batch, max_blocks) int32 block table: the KV cache's or the packed batch's."""
         return args.varlen.mBlockTable if args.cache is None else args.cache.mBlockTable
-
-    @staticmethod
-    def rows(tma_mX: cute.Tensor, start, bidh, bidb) -> cute.Tensor:
-        """(rows, d) TMA coordinates of one head of one sequence: dense (rows, d, heads, batch)
-        indexed, packed (total, d, heads) shifted to the sequence's first row `start`."""
-        if start is None:
-            return tma_mX[None, None, bidh, bidb]
-        return cute.domain_offset((start, 0), tma_mX[None, None, bidh])
 
     @cute.jit
     def load_q(self, recipe: Sm90Recipe, pipes: Pipes, tQgQ, tQsQ, tile: Tile, tile_idx, q_loads):
