@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from cute_flash import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func, flash_attn_varlen_func,
                         flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func)
 from tests.helpers.backward import (VARLEN_MOD_IDS, VARLEN_MODS, assert_grads_match, check_private_backward,
-                                    check_score_modifiers, check_varlen_grads, check_varlen_score_modifiers, heads,
-                                    inputs, lengths, ours, varlen_lengths)
+                                    check_score_modifiers, check_varlen_grads, check_varlen_nan_stays_in_its_sequence,
+                                    check_varlen_score_modifiers, heads, inputs, lengths, ours, varlen_lengths)
 from tests.helpers.gpu_utils import cu_seqlens, gpu_settings, poison_allocator
 
 pytestmark = pytest.mark.gpu
@@ -71,6 +71,10 @@ def test_varlen_grads_with_score_modifiers(opts):
     """The packed backward with each score modifier (ALiBi slopes per sequence and head), GQA,
     an empty sequence and seqused_k."""
     check_varlen_score_modifiers(opts)
+
+
+def test_varlen_a_sequences_nan_stays_in_it():
+    check_varlen_nan_stays_in_its_sequence()
 
 
 @pytest.mark.parametrize("d", [32, 64, 96, 128, 160])

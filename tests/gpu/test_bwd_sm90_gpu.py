@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from cute_flash import flash_attn_func
 from tests.helpers.backward import (VARLEN_MOD_IDS, VARLEN_MODS, assert_grads_match, check_private_backward,
-                                    check_score_modifiers, check_varlen_grads, check_varlen_score_modifiers, heads,
-                                    inputs, lengths, ours, varlen_lengths)
+                                    check_score_modifiers, check_varlen_grads, check_varlen_nan_stays_in_its_sequence,
+                                    check_varlen_score_modifiers, heads, inputs, lengths, ours, varlen_lengths)
 from tests.helpers.gpu_utils import gpu_settings
 
 pytestmark = pytest.mark.gpu
@@ -116,3 +116,7 @@ def test_varlen_long_and_short_sequences():
     """One sequence of 3000 rows beside short ones, causal, GQA: key-block CTAs past a short
     sequence's keys walk nothing, and the long one's pipelines wrap many times."""
     check_varlen_grads([(3000, 3000), (5, 200), (130, 1), (64, 64)], (8, 2), 128, True, False)
+
+
+def test_varlen_a_sequences_nan_stays_in_it():
+    check_varlen_nan_stays_in_its_sequence()

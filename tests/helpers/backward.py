@@ -127,6 +127,25 @@ def check_varlen_score_modifiers(opts):
         q, k, v, cu_q, cu_k, seqused_k=seqused, **o), **opts)
 
 
+def check_varlen_nan_stays_in_its_sequence():
+    """NaN in the first rows of sequence 1's q, k, v and dout: sequence 0's last query block
+    (70 rows) and key block (100 keys) reach into them, where P = 0 or dS = 0 must not meet a
+    NaN. Sequence 0's gradients match its reference alone."""
+    lq, lk, h, hk, d = [70, 30], [100, 60], 4, 2, 64
+    q, k, v = (torch.randn(sum(n), heads, d, device="cuda", dtype=torch.bfloat16)
+               for n, heads in ((lq, h), (lk, hk), (lk, hk)))
+    dout = torch.randn_like(q)
+    for x, start in ((q, lq[0]), (k, lk[0]), (v, lk[0]), (dout, lq[0])):
+        x[start:start + 3] = float("nan")
+    cu_q, cu_k = cu_seqlens(lq), cu_seqlens(lk)
+    a, b = lq[0], lk[0]
+    for causal in (False, True):
+        out, (dq, dk, dv) = ours(lambda q, k, v, **o: flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lq), max(lk),
+                                                                             **o), dout, q, k, v, causal=causal)
+        assert_grads_match((dq[None, :a], dk[None, :b], dv[None, :b]), q[None, :a], k[None, :b], v[None, :b],
+                           dout[None, :a], out=out[None, :a], causal=causal)
+
+
 VARLEN_MODS = [dict(window_size=(50, 9)), dict(alibi=True, causal=True), dict(softcap=8.0),
                dict(window_size=(30, 0), alibi=True, softcap=20.0)]
 VARLEN_MOD_IDS = ["window", "alibi-causal", "softcap", "all"]

@@ -16,3 +16,4 @@ class BwdBarrier(IntEnum):
     DQ = 2         # 2, 3: consumer warpgroup 0's / 1's dQ staging run
     KV_DONE = 4    # both consumer warpgroups are done reading sK / sV
     STORE = 5      # 5, 6: consumer warpgroup 0's / 1's dK / dV rows are in shared memory
+    CLEAR = 7      # packed batches: both consumer warpgroups' zeroing of the next sequence's rows

@@ -31,9 +31,10 @@ host sums a group's heads, as on the SM80 path.
 
 Packed batches (`call_varlen`): a CTA per (key block of max_seqlen_k, head, sequence); one past
 its sequence's keys walks no query block and stores nothing. Its loads start at the sequence's
-first row, so rows past the sequence are the next sequence's: query rows among them get P = 0
-from the padded LSE, key rows are masked in the last key block, and dK / dV go out by a
-row-predicated copy (`store_dkv_rows`) in place of TMA. LSE, D and dQaccum rows are padded per
+first row, so rows past the sequence are the next sequence's, which may hold NaN: the consumers
+zero them in shared memory (`clear_rows`: the key block's last K / V rows once, the last query
+block's Q / dO rows) before a wgmma reads them, and dK / dV go out by a row-predicated copy
+(`store_dkv_rows`) in place of TMA. LSE, D and dQaccum rows are padded per
 sequence to whole query blocks (`kernels/common/dq_accum.py:first_tile`).
 """
 from __future__ import annotations
@@ -405,6 +406,12 @@ class FlashBwdSm90:
         if cutlass.const_expr(cfg.has_dropout):
             dropout = Dropout.load(args.mRng, tile.bidb, tile.bidh, args.tma_mQ.shape[2])
         cute.arch.mbarrier_wait(pipes.kv_full, 0)
+        packed = cutlass.const_expr(args.varlen is not None)
+        if cutlass.const_expr(packed):  # the next sequence's keys in the block's last rows: zeroed
+            keys = tile.seq.seqlen_k - tile.n_block * bn
+            if keys < bn:
+                if tile.m_block_max > tile.m_block_min:  # (a block past the keys walks nothing)
+                    self.clear_rows((smem.sK, smem.sV), keys, bn, mma_tidx)
         for i in cutlass.range(tile.m_block_max - tile.m_block_min, unroll=1):
             m_block = tile.m_block_min + i
             read = use_state(i, STAGES, producer=False)
@@ -413,6 +420,12 @@ class FlashBwdSm90:
             mma_s, mma_dp = hopper.tiled_mma_sdp_t(t), hopper.tiled_mma_sdp_t(t)
             mma_dv, mma_dk, mma_dq = hopper.tiled_mma_dkv(t), hopper.tiled_mma_dkv(t), hopper.tiled_mma_dq(t)
             pipes.q.consumer_wait(read)
+            if cutlass.const_expr(packed):  # the next sequence's queries in the block's last rows: zeroed
+                pipes.do.consumer_wait(read)
+                queries = tile.seq.seqlen_q - m_block * bm
+                if queries < bm:
+                    self.clear_rows((smem.sQ[None, None, read.index], smem.sdO[None, None, read.index]), queries,
+                                    bm, mma_tidx)
             wgmma_issue(mma_s, acc_s, tSrK, tSrQ[None, None, None, read.index])
             pipes.do.consumer_wait(read)
             wgmma_issue(mma_dp, acc_dp, tdPrV, tdPrdO[None, None, None, read.index])
@@ -473,6 +486,22 @@ class FlashBwdSm90:
             return mdQaccum[0, tile.bidb, tile.bidh, m_block, None]
         return tiles_of(mdQaccum, 0, tile.bidb, tile.bidh, True)[first_tile(tile.seq, tile.bidb, self.t.block_m)
                                                                  + m_block, None]
+
+    @cute.jit
+    def clear_rows(self, tiles, first_row, rows: cutlass.Constexpr, mma_tidx):
+        """Packed batches: zero rows first_row .. rows - 1 of each (rows, d) shared-memory tile in
+        `tiles` (rows of the next sequence, which may hold NaN: P = 0 or dS = 0 times a NaN is
+        NaN), 16 bytes at a time by every consumer thread, then meet before any wgmma reads them."""
+        vec = 16 // ELEMENT_BYTES
+        chunks = self.t.head_dim // vec
+        zeros = cute.make_rmem_tensor((vec,), self.dtype)
+        zeros.fill(0.0)
+        for s in tiles:
+            for c in cutlass.range(mma_tidx, (rows - first_row) * chunks, 128 * self.wgs, unroll=1):
+                chunk = cute.local_tile(s[first_row + c // chunks, None], (vec,), (c % chunks,))  # (vec,)
+                cute.autovec_copy(zeros, chunk)
+        cute.arch.fence_view_async_shared()  # generic-proxy writes, before wgmma (async proxy) reads
+        cute.arch.barrier(barrier_id=BwdBarrier.CLEAR, number_of_threads=128 * self.wgs)
 
     @cute.jit
     def release(self, pipe, read):
@@ -547,7 +576,8 @@ class FlashBwdSm90:
                   args: Sm90BwdTensors, smem: Sm90BwdSmem, tile: KeyTile, mma_tidx):
         """dK (times the softmax scale) and dV into this warpgroup's rows of sK and sV (their
         own swizzle atoms) once both warpgroups are done reading them, then one warp's TMA
-        stores of them (TMA drops rows past seqlen_k and columns past the tensors' head dim)."""
+        stores of them (TMA drops rows past seqlen_k and columns past the tensors' head dim;
+        packed batches: `store_dkv_rows`)."""
         d = self.t.head_dim
         wg_idx = mma_tidx // 128
         for j in cutlass.range(cute.size(acc_dk), unroll_full=True):
@@ -572,7 +602,6 @@ class FlashBwdSm90:
                 cute.copy(atom, tXsX, tXgX)
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # shared memory outlives the bulk reads
-
 
     @cute.jit
     def store_dkv_rows(self, smem: Sm90BwdSmem, varlen: Sm90BwdVarlen, tile: KeyTile, wg_idx, wg_tidx):
