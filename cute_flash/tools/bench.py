@@ -907,7 +907,8 @@ def plot(rows, path):
     return path
 
 
-SECTIONS = ("grid", "extra", "varlen", "paged", "decode", "unaligned", "bwd", "dropout", "held", "shapes")
+SECTIONS = ("grid", "extra", "varlen", "paged", "decode", "unaligned", "bwd", "dropout", "held", "shapes",
+            "train_varlen")
 
 
 def main(out_dir=None, quick=False, sections=SECTIONS):
@@ -947,6 +948,11 @@ def main(out_dir=None, quick=False, sections=SECTIONS):
 
         result["shapes"] = run_shapes()
         text += "\n" + format_shapes(result["shapes"]) + "\n"
+    if "train_varlen" in sections:
+        from cute_flash.tools.bench_train_varlen import format_train_varlen, run_train_varlen
+
+        result["train_varlen"] = run_train_varlen((128,) if quick else (64, 128))
+        text += "\n" + format_train_varlen(result["train_varlen"]) + "\n"
     if "held" in sections:
         from cute_flash.tools.held import HOLD_S, format_held, run_held
 

@@ -90,3 +90,27 @@ def test_shapes_tables_give_each_bar_its_ratio():
     assert "| 4096 | True | 4x16 | 500 | 400 | - | 300 | 350 | - | 1.250 | 0.857 |" in lines
     assert "| 4096 | True | 4x32 | 1.000 | 1.020 | - | 1.020 | 3.000 | 3.300 | 2.900 | 1.100 |" in lines
     assert "| 64 | 4096 | 500 | 3600 | 4000 | 0.900 |" in lines
+
+
+def test_packed_training_lengths_hold_the_tokens_and_their_mean():
+    """`bench_train_varlen.exponential_lengths`: seeded, at least 1 each, summing to the tokens,
+    a mean near the one drawn from (16k tokens: 32 draws at 512, 8 at 2048)."""
+    from cute_flash.tools.bench_train_varlen import TOKENS, exponential_lengths
+
+    for mean in (512, 2048):
+        lengths = exponential_lengths(mean)
+        assert lengths == exponential_lengths(mean) and min(lengths) >= 1 and sum(lengths) == TOKENS
+        assert 0.5 * mean <= TOKENS / len(lengths) <= 2 * mean
+
+
+def test_packed_training_table_gives_each_bar_its_ratio():
+    """`format_train_varlen` on hand-made rows: ours over FA4 and over our dense call on equal
+    lengths; a column that did not run shows '-'."""
+    from cute_flash.tools.bench_train_varlen import format_train_varlen
+
+    rows = [dict(d=128, mean=512, causal=True, sequences=31, longest=2900, ours=400.0, sm80=200.0, fa4=320.0,
+                 dense_equal=500.0),
+            dict(d=64, mean=2048, causal=False, sequences=8, longest=5000, ours=300.0, fa4=None, dense_equal=310.0)]
+    lines = format_train_varlen(rows).splitlines()
+    assert lines[-2] == "| 128 | True | 512 | 31 (2900) | 400 | 200 | 320 | 500 | 1.250 | 0.800 |"
+    assert lines[-1] == "| 64 | False | 2048 | 8 (5000) | 300 | - | - | 310 | - | 0.968 |"
