@@ -249,13 +249,14 @@ def main(argv=None):
     b = command("bench", "TFLOP/s against torch SDPA FLASH and CUDNN (GPU)")
     b.add_argument("--quick", action="store_true")
     b.add_argument("--out", default=None, help="directory for bench.json, bench.md, bench.png")
-    b.add_argument("--sections", default="grid,extra,varlen,paged,decode,unaligned,bwd,dropout,held,shapes,"
-                                         "train_varlen",
+    b.add_argument("--sections", default="grid,extra,varlen,paged,decode,unaligned,bwd,bwd_dims,dropout,held,"
+                                         "shapes,train_varlen",
                    help="comma-separated: grid (the forward grid), extra (window/softcap), varlen, paged, "
                         "decode, unaligned (caches served through aligned copies), bwd (backward alone and "
-                        "forward + backward), dropout, held (d 128 8k / 16k and a cuBLAS GEMM held for "
-                        "seconds at the board's power cap), shapes (MLA's v head dim, learnable sinks, packed "
-                        "queries in the KV-cache call), train_varlen (packed batches forward + backward)")
+                        "forward + backward), bwd_dims (the same at d 96 / 192 / 256, 4k), dropout, held (d "
+                        "128 8k / 16k and a cuBLAS GEMM held for seconds at the board's power cap), shapes "
+                        "(MLA's v head dim, learnable sinks, packed queries in the KV-cache call), "
+                        "train_varlen (packed batches forward + backward)")
     command("overhead", "host cost of a cached call vs SDPA (GPU)")
     command("coldstart", "first calls of a fresh process, empty vs warm compile cache (GPU)")
     t = command("tune", "TFLOP/s of each tile candidate per head dim (GPU)")

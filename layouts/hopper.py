@@ -203,6 +203,9 @@ def acc_as_operand_a(acc):
 
 BWD_STAGES = 2  # Q and dO pipelines, and dS^T
 BWD_HEAD_DIMS = (32, 64, 128)  # d 96's dQ tile (48 columns per warpgroup) splits its 32-column swizzle atoms
+# head-dim bucket -> the Hopper backward bucket that runs it: 96 on the d 128 tiles, its columns past
+# the head dim zero (as d 97..127 run there)
+BWD_SERVES = {32: 32, 64: 64, 96: 128, 128: 128}
 
 
 @functools.lru_cache(maxsize=None)
@@ -210,10 +213,12 @@ def choose_hopper_bwd_traits(head_dim: int, dtype: str = "bf16") -> BwdTraits:
     """The Hopper backward's tiles (BwdTraits; its SM80 warp grids only shape the dQ convert's
     copies): 128 keys per CTA; query blocks of 128 rows at d 32, 64 above, the faster of the two
     at each (at d 64, 128 rows' S^T and dP^T tiles push ptxas to serialize the wgmmas;
-    docs/tuning/backward.md, "The Hopper backward")."""
-    d = head_dim_bucket(head_dim)
-    if d not in BWD_HEAD_DIMS:
-        raise ValueError(f"the Hopper backward takes head-dim buckets {BWD_HEAD_DIMS}, not {d}")
+    docs/tuning/backward.md, "The Hopper backward"); the bucket 96 on the d 128 tiles
+    (`BWD_SERVES`)."""
+    d = BWD_SERVES.get(head_dim_bucket(head_dim))
+    if d is None:
+        raise ValueError(f"the Hopper backward takes head-dim buckets {tuple(BWD_SERVES)}, not "
+                         f"{head_dim_bucket(head_dim)}")
     if d == 32:
         return BwdTraits(d, 128, 128, 8, 4, 4, 4, dtype=dtype)
     return BwdTraits(d, 64, 128, 8, 2, 4, 4 if d == 64 else 2, dtype=dtype)

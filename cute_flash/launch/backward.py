@@ -96,10 +96,11 @@ def _flash_bwd_sm90(dout, q, k, v, out, lse, config: BwdConfig, index, softmax_s
     b, sq, h, d_pad = q.shape
     sk, hk = k.shape[1], k.shape[2]
     t = choose_hopper_bwd_traits(config.traits.head_dim, config.traits.dtype)
+    even_k = d_pad == t.head_dim  # the bucket 96 runs on the d 128 tiles
     sq_pad = -(-sq // t.block_m) * t.block_m
     dot_pad = torch.zeros((b, h, sq_pad), dtype=torch.float32, device=q.device)
     dot = dot_pad[..., :sq]
-    compiled.kernel_for(PreprocessConfig(t.head_dim, t.dtype, config.even_k), index)(out, dout, dot)
+    compiled.kernel_for(PreprocessConfig(t.head_dim, t.dtype, even_k), index)(out, dout, dot)
     lse_log2 = torch.nn.functional.pad(lse * LOG2E, (0, sq_pad - sq), value=float("inf"))
     dq_accum = torch.zeros((1, b, h, sq_pad // t.block_m, t.block_m * t.head_dim), dtype=torch.float32,
                            device=q.device)
@@ -111,7 +112,7 @@ def _flash_bwd_sm90(dout, q, k, v, out, lse, config: BwdConfig, index, softmax_s
                                          alibi_2d(alibi_slopes, b, h), rng_of(dropout, q.device), softmax_scale,
                                          *scales(softmax_scale, softcap), left, right)
     dq_out = torch.empty((b, sq, h, d_pad), dtype=q.dtype, device=q.device)
-    compiled.kernel_for(DQConvertConfig(t, config.even_k, False, 4, hopper=True), index)(
+    compiled.kernel_for(DQConvertConfig(t, even_k, False, 4, hopper=True), index)(
         dq_accum, dq_out, softmax_scale)
     return _finish(dq_out, dk_h, dv_h, d, hk, grads, dot)
 
@@ -143,9 +144,10 @@ def _flash_bwd_sm90_varlen(dout, q, k, v, out, lse, config: BwdConfig, index, cu
     total_k, hk = k.shape[0], k.shape[1]
     batch = cu_seqlens_q.shape[0] - 1
     t = choose_hopper_bwd_traits(config.traits.head_dim, config.traits.dtype)
+    even_k = d_pad == t.head_dim  # the bucket 96 runs on the d 128 tiles
     tiles = varlen_dq_tiles(total_q, batch, t.block_m)
     dot = torch.empty((h, total_q), dtype=torch.float32, device=q.device)
-    compiled.kernel_for(PreprocessConfig(t.head_dim, t.dtype, config.even_k, True), index)(
+    compiled.kernel_for(PreprocessConfig(t.head_dim, t.dtype, even_k, True), index)(
         out, dout, dot, cu_seqlens_q, max_seqlen_q)
     where = padded_rows(cu_seqlens_q, total_q, t.block_m)
     lse_log2 = torch.full((h, tiles * t.block_m), float("inf"), dtype=torch.float32, device=q.device)
@@ -162,7 +164,7 @@ def _flash_bwd_sm90_varlen(dout, q, k, v, out, lse, config: BwdConfig, index, cu
                                      cu_seqlens_k, seqused_k, max_seqlen_k, softmax_scale,
                                      *scales(softmax_scale, softcap), left, right)
     dq_out = torch.zeros((total_q, h, d_pad), dtype=q.dtype, device=q.device)  # rows no sequence covers: 0
-    compiled.kernel_for(DQConvertConfig(t, config.even_k, True, 4, hopper=True), index)(
+    compiled.kernel_for(DQConvertConfig(t, even_k, True, 4, hopper=True), index)(
         dq_accum, dq_out, cu_seqlens_q, max_seqlen_q, softmax_scale)
     return _finish(dq_out, dk_h, dv_h, d, hk, grads, dot)
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from cute_flash.kernels.sm80.bwd import DQ_STAGE_BYTES, BwdConfig
 from cute_flash.kernels.sm90.fwd import Sm90FwdConfig
 from cute_flash.launch import gpu
-from layouts.hopper import (BWD_HEAD_DIMS, TALL_D64_MIN_SEQLEN_K, TALL_D64_UNMASKED_MIN_SEQLEN_K, TWO_CTAS_MAX_HEAD_DIM,
+from layouts.hopper import (BWD_SERVES, TALL_D64_MIN_SEQLEN_K, TALL_D64_UNMASKED_MIN_SEQLEN_K, TWO_CTAS_MAX_HEAD_DIM,
                             choose_hopper_traits)
 from layouts.traits import SMEM_LIMIT, BwdTraits, tile_arch
 
@@ -35,10 +35,10 @@ def takes_hopper_path(index: int) -> bool:
 
 def takes_hopper_bwd(config: BwdConfig, index: int) -> bool:
     """Dense and packed backwards on sm_90 take the Hopper kernel (kernels/sm90/bwd.py) where it
-    exists: head-dim buckets 32, 64, 128 (`layouts.hopper.BWD_HEAD_DIMS`), not deterministic (its
+    exists: head-dim buckets 32, 64, 96, 128 (`layouts.hopper.BWD_SERVES`), not deterministic (its
     dQ adds are unordered bulk reduces); `CUTE_FLASH_ARCH_PATH=sm80` selects the SM80 kernel.
     docs/tuning/backward.md lists what falls back and why."""
-    return takes_hopper_path(index) and config.traits.head_dim in BWD_HEAD_DIMS and not config.deterministic
+    return takes_hopper_path(index) and config.traits.head_dim in BWD_SERVES and not config.deterministic
 
 
 PERSISTENT_MAX_KEY_BLOCKS = 64

@@ -907,8 +907,9 @@ def plot(rows, path):
     return path
 
 
-SECTIONS = ("grid", "extra", "varlen", "paged", "decode", "unaligned", "bwd", "dropout", "held", "shapes",
+SECTIONS = ("grid", "extra", "varlen", "paged", "decode", "unaligned", "bwd", "bwd_dims", "dropout", "held", "shapes",
             "train_varlen")
+BWD_DIMS = (96, 192, 256)  # the head dims of issue 61's table, at 4k tokens a sequence
 
 
 def main(out_dir=None, quick=False, sections=SECTIONS):
@@ -940,6 +941,9 @@ def main(out_dir=None, quick=False, sections=SECTIONS):
     if "bwd" in sections:
         result["bwd"] = run_bwd((1024, 4096) if quick else SEQLENS)
         text += "\n" + format_bwd(result["bwd"]) + "\n"
+    if "bwd_dims" in sections:
+        result["bwd_dims"] = run_bwd((4096,), BWD_DIMS[:1] if quick else BWD_DIMS)
+        text += "\n" + format_bwd(result["bwd_dims"]) + "\n"
     if "dropout" in sections:
         result["dropout"] = run_dropout((1024, 4096) if quick else SEQLENS)
         text += "\n" + format_dropout(result["dropout"]) + "\n"

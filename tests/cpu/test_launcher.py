@@ -388,8 +388,9 @@ def test_dense_backwards_on_sm90_default_to_the_hopper_kernel(recorder, monkeypa
     """Without CUTE_FLASH_ARCH_PATH an sm_90 dense backward launches the preprocess, the Hopper
     kernel and the Hopper dQ convert, with LSE (times log2 e) and D in rows padded to whole
     query blocks (+inf and 0 past seqlen_q; the preprocess writes D into the padded rows), and
-    with dropout too (given the forward's Philox state); deterministic, a head dim the Hopper
-    kernel does not take (bucket 96), sm80 in the variable, or another GPU take the SM80
+    with dropout too (given the forward's Philox state), the bucket 96 on the d 128 tiles (the
+    preprocess and the convert predicating the columns); deterministic, a head dim the Hopper
+    kernel does not take (bucket 160), sm80 in the variable, or another GPU take the SM80
     kernel."""
     from cute_flash.launch.rng import DropoutArgs
     from cute_flash.kernels.sm80.bwd_preprocess import PreprocessConfig
@@ -424,10 +425,15 @@ def test_dense_backwards_on_sm90_default_to_the_hopper_kernel(recorder, monkeypa
     pre, main, convert = recorder.launches[3:6]
     assert [type(x.config) for x in (pre, main, convert)] == [PreprocessConfig, Sm90BwdConfig, DQConvertConfig]
     assert main.config.has_dropout and main["mRng"] is not None
-    del recorder.launches[3:6]  # the calls below all take the SM80 kernel
-    flash_bwd(dout, q, k, v, q, lse, softmax_scale=0.5, deterministic=True)
     q96 = torch.randn(2, 70, 4, 96, dtype=torch.bfloat16)
     flash_bwd(q96, q96, q96, q96, q96, lse, softmax_scale=0.5)
+    pre, main, convert = recorder.launches[6:9]
+    assert main.config.traits.head_dim == 128 and main["mQ"].shape[-1] == 96
+    assert pre.config.head_dim == 128 and not pre.config.even_k and not convert.config.even_k
+    del recorder.launches[3:9]  # the calls below all take the SM80 kernel
+    flash_bwd(dout, q, k, v, q, lse, softmax_scale=0.5, deterministic=True)
+    q160 = torch.randn(2, 70, 4, 160, dtype=torch.bfloat16)
+    flash_bwd(q160, q160, q160, q160, q160, lse, softmax_scale=0.5)
     monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", "sm80")
     flash_bwd(dout, q, k, v, q, lse, softmax_scale=0.5)
     monkeypatch.delenv("CUTE_FLASH_ARCH_PATH")

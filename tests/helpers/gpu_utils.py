@@ -22,12 +22,13 @@ def on_path(path: str, *parts: str) -> set:
 
 def backward_on_path(path: str, head_dim: int) -> set:
     """What the `kernels` fixture records for a backward (dense or packed) on `path` whose
-    kernels take `head_dim`: the Hopper backward in its buckets (`layouts.hopper.BWD_HEAD_DIMS`)
-    where `on_path` takes the Hopper kernels, the SM80 one otherwise."""
-    from layouts.hopper import BWD_HEAD_DIMS
+    kernels take `head_dim`: the Hopper backward in the buckets it serves
+    (`layouts.hopper.BWD_SERVES`) where `on_path` takes the Hopper kernels, the SM80 one
+    otherwise."""
+    from layouts.hopper import BWD_SERVES
     from layouts.traits import head_dim_bucket
 
-    hopper = on_path(path, "bwd") == {"sm90_bwd"} and head_dim_bucket(head_dim) in BWD_HEAD_DIMS
+    hopper = on_path(path, "bwd") == {"sm90_bwd"} and head_dim_bucket(head_dim) in BWD_SERVES
     return {"sm90_bwd" if hopper else "sm80_bwd"}
 
 
