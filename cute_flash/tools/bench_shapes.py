@@ -13,7 +13,7 @@ backward (the other sections' convention).
 """
 from __future__ import annotations
 
-from cute_flash.tools.peers import time_ms, visible_pairs
+from cute_flash.tools.peers import grad_ms, time_ms, visible_pairs
 
 MLA_CELLS = ((4096, True), (4096, False), (16384, True))  # (seqlen, causal), 16k tokens, 128 heads' worth
 SINK_CELLS = ((4096, True), (16384, True), (4096, False))
@@ -31,13 +31,8 @@ def _fa4():
 
 def _fwd_bwd_ms(fn, leaves, dout):
     """(forward ms, forward + backward ms) of fn(*leaves) -> out, or None where it refuses."""
-    import torch
-
-    try:
-        fn(*leaves)
-    except (RuntimeError, AssertionError, ValueError, TypeError):
-        return None
-    return time_ms(lambda: fn(*leaves)), time_ms(lambda: torch.autograd.grad(fn(*leaves), leaves, dout))
+    both = grad_ms(fn, leaves, dout)
+    return None if both is None else (time_ms(lambda: fn(*leaves)), both)
 
 
 def run_mla(cells=MLA_CELLS, d=192, d_v=128, tokens=16384, nheads=16):

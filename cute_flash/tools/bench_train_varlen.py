@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import random
 
-from cute_flash.tools.peers import arch_path, hopper_gpu, time_ms, visible_pairs
+from cute_flash.tools.peers import arch_path, grad_ms, hopper_gpu, visible_pairs
 
 TOKENS = 16384
 HIDDEN = 2048
@@ -41,17 +41,6 @@ def _fa4_varlen():
         q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=smax, max_seqlen_k=smax, causal=causal)[0]
 
 
-def _fwd_bwd_ms(fn, leaves, dout):
-    """Forward + backward ms of fn(*leaves) -> out through autograd, or None where it refuses."""
-    import torch
-
-    try:
-        fn(*leaves)
-    except (RuntimeError, AssertionError, ValueError, TypeError):
-        return None
-    return time_ms(lambda: torch.autograd.grad(fn(*leaves), leaves, dout))
-
-
 def bench_cell(d: int, mean: int, causal: bool) -> dict:
     import torch
 
@@ -72,17 +61,17 @@ def bench_cell(d: int, mean: int, causal: bool) -> dict:
     def tflops(ms, work=flops):
         return work / ms / 1e9 if ms else None
 
-    row["ours"] = tflops(_fwd_bwd_ms(ours, leaves, dout))
+    row["ours"] = tflops(grad_ms(ours, leaves, dout))
     if hopper_gpu():
         with arch_path("sm80"):
-            row["sm80"] = tflops(_fwd_bwd_ms(ours, leaves, dout))
+            row["sm80"] = tflops(grad_ms(ours, leaves, dout))
     fa4 = _fa4_varlen()
-    row["fa4"] = tflops(_fwd_bwd_ms(lambda q, k, v: fa4(q, k, v, cu, smax, causal), leaves, dout)) if fa4 else None
+    row["fa4"] = tflops(grad_ms(lambda q, k, v: fa4(q, k, v, cu, smax, causal), leaves, dout)) if fa4 else None
     batch = TOKENS // mean
     dense = [x.view(batch, mean, nheads, d) for x in (q.detach(), k.detach(), v.detach(), dout)]
     dense_leaves = [x.clone().requires_grad_() for x in dense[:3]]
     dense_flops = 3.5 * batch * 4 * nheads * d * visible_pairs(mean, mean, causal)
-    row["dense_equal"] = tflops(_fwd_bwd_ms(lambda q, k, v: flash_attn_func(q, k, v, causal=causal), dense_leaves,
+    row["dense_equal"] = tflops(grad_ms(lambda q, k, v: flash_attn_func(q, k, v, causal=causal), dense_leaves,
                                             dense[3]), dense_flops)
     print(row, flush=True)
     return row

@@ -24,6 +24,18 @@ def time_ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
 
 
+def grad_ms(fn, leaves, dout):
+    """Forward + backward ms of fn(*leaves) -> out through autograd (`torch.autograd.grad`), or
+    None where fn refuses the inputs."""
+    import torch
+
+    try:
+        fn(*leaves)
+    except (RuntimeError, AssertionError, ValueError, TypeError):
+        return None
+    return time_ms(lambda: torch.autograd.grad(fn(*leaves), leaves, dout))
+
+
 def graph_time_ms(fn):
     """Median time of `fn` replayed from a CUDA graph (`triton.testing.do_bench_cudagraph`: it
     warms `fn` up outside the capture): the GPU's time without the host's, as a decode loop

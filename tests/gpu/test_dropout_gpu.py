@@ -291,12 +291,6 @@ def test_compiled_training_step_with_dropout():
 # --- packed batches with dropout: backward, pages, the SM80 kernel on sm_90 ------------------
 
 
-def _varlen_inputs(lq, lk, h, hk, d, dtype=torch.bfloat16):
-    q, dout = (torch.randn(sum(lq), h, d, device="cuda", dtype=dtype) for _ in range(2))
-    k, v = (torch.randn(sum(lk), hk, d, device="cuda", dtype=dtype) for _ in range(2))
-    return q, k, v, dout
-
-
 def _sequences(drop, lq, lk, h):
     """Per sequence i: its query rows, its key rows (slices of the packed tensors) and its keep
     mask (1, h, lq[i], lk[i]), whose rows and columns count from the sequence's start."""
@@ -315,10 +309,10 @@ def test_varlen_dropout_grads_match_reference_per_sequence(opts, arch_path, kern
     from cute_flash.launch.rng import DropoutArgs
     from cute_flash.launch.backward import flash_bwd_varlen
     from cute_flash.launch.dense import flash_fwd_varlen
-    from tests.helpers.backward import assert_grads_match
+    from tests.helpers.backward import assert_grads_match, packed_inputs
 
     lq, lk, h, hk, d, p = [70, 1, 200], [90, 130, 33], 4, 2, 64, 0.2
-    q, k, v, dout = _varlen_inputs(lq, lk, h, hk, d)
+    q, k, v, dout = packed_inputs(lq, lk, h, hk, d)
     cu_q, cu_k = cu_seqlens(lq), cu_seqlens(lk)
     drop = DropoutArgs.seeded(p, 777, 5, "cuda")
     lens = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lq), max_seqlen_k=max(lk), softmax_scale=0.125)

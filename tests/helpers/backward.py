@@ -93,14 +93,19 @@ def check_score_modifiers(mod, sq, sk, hh, d, data):
     assert_grads_match(grads, q, k, v, dout, out=out, **opts)
 
 
+def packed_inputs(lq, lk, h, hk, d, dtype=torch.bfloat16):
+    """q, k, v, dout of a packed batch of query lengths lq and key lengths lk (lists)."""
+    q, dout = (torch.randn(sum(lq), h, d, device="cuda", dtype=dtype) for _ in range(2))
+    k, v = (torch.randn(sum(lk), hk, d, device="cuda", dtype=dtype) for _ in range(2))
+    return q, k, v, dout
+
+
 def check_varlen_grads(lens, hh, d, causal, used):
     """Packed gradients of sequences of (query, key) lengths `lens` (zeros allowed), seqused_k
     half of each key length when `used`, against the reference per sequence."""
     lq, lk = [a for a, _ in lens], [b for _, b in lens]
     h, hk = hh
-    q, k, v = (torch.randn(sum(n), heads, d, device="cuda", dtype=torch.bfloat16)
-               for n, heads in ((lq, h), (lk, hk), (lk, hk)))
-    dout = torch.randn_like(q)
+    q, k, v, dout = packed_inputs(lq, lk, h, hk, d)
     cu_q, cu_k = cu_seqlens(lq), cu_seqlens(lk)
     seqused = torch.tensor([n // 2 for n in lk], device="cuda", dtype=torch.int32) if used else None
     out, grads = ours(lambda q, k, v, **o: flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lq), max(lk),
@@ -113,9 +118,7 @@ def check_varlen_score_modifiers(opts):
     """The packed backward with score modifiers `opts` (alibi=True: slopes per sequence and
     head), GQA, an empty sequence and seqused_k, against the reference."""
     lq, lk, h, hk, d = [0, 77, 300, 1], [40, 129, 257, 60], 6, 2, 64
-    q, k, v = (torch.randn(sum(n), heads, d, device="cuda", dtype=torch.bfloat16)
-               for n, heads in ((lq, h), (lk, hk), (lk, hk)))
-    dout = torch.randn_like(q)
+    q, k, v, dout = packed_inputs(lq, lk, h, hk, d)
     cu_q, cu_k = cu_seqlens(lq), cu_seqlens(lk)
     seqused = torch.tensor([40, 100, 257, 1], device="cuda", dtype=torch.int32)
     opts = dict(opts)
@@ -132,9 +135,7 @@ def check_varlen_nan_stays_in_its_sequence():
     (70 rows) and key block (100 keys) reach into them, where P = 0 or dS = 0 must not meet a
     NaN. Sequence 0's gradients match its reference alone."""
     lq, lk, h, hk, d = [70, 30], [100, 60], 4, 2, 64
-    q, k, v = (torch.randn(sum(n), heads, d, device="cuda", dtype=torch.bfloat16)
-               for n, heads in ((lq, h), (lk, hk), (lk, hk)))
-    dout = torch.randn_like(q)
+    q, k, v, dout = packed_inputs(lq, lk, h, hk, d)
     for x, start in ((q, lq[0]), (k, lk[0]), (v, lk[0]), (dout, lq[0])):
         x[start:start + 3] = float("nan")
     cu_q, cu_k = cu_seqlens(lq), cu_seqlens(lk)
