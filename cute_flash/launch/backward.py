@@ -88,6 +88,14 @@ def varlen_dq_tiles(total_q: int, batch: int, block_m: int) -> int:
     return total_q // block_m + batch + 1
 
 
+def _semaphores(config: Sm90BwdConfig, dq_accum: torch.Tensor):
+    """Deterministic mode: one zeroed int32 count of dQ adds per dQaccum tile (the kernel's
+    `DqTurn`s: key blocks add in increasing order); None otherwise."""
+    if not config.deterministic:
+        return None
+    return torch.zeros(dq_accum.shape[1:-1], dtype=torch.int32, device=dq_accum.device)
+
+
 def _flash_bwd_sm90(dout, q, k, v, out, lse, config: BwdConfig, index, softmax_scale, softcap, alibi_slopes, left,
                     right, grads, d, dropout):
     """The Hopper backward on aligned tensors. LSE (times log2 e) and D go in rows padded to
@@ -107,10 +115,11 @@ def _flash_bwd_sm90(dout, q, k, v, out, lse, config: BwdConfig, index, softmax_s
     dk_h = torch.empty((b, sk, h, d_pad), dtype=q.dtype, device=q.device)
     dv_h = torch.empty((b, sk, h, d_pad), dtype=q.dtype, device=q.device)
     sm90 = Sm90BwdConfig(t, config.has_left, config.has_right, config.has_alibi, config.has_softcap,
-                         config.has_dropout)
+                         config.has_dropout, deterministic=config.deterministic)
     compiled.kernel_for(sm90, index)(q, k, v, dout, lse_log2, dot_pad, dq_accum, dk_h, dv_h,
-                                         alibi_2d(alibi_slopes, b, h), rng_of(dropout, q.device), softmax_scale,
-                                         *scales(softmax_scale, softcap), left, right)
+                                     alibi_2d(alibi_slopes, b, h), rng_of(dropout, q.device),
+                                     _semaphores(sm90, dq_accum), softmax_scale,
+                                     *scales(softmax_scale, softcap), left, right)
     dq_out = torch.empty((b, sq, h, d_pad), dtype=q.dtype, device=q.device)
     compiled.kernel_for(DQConvertConfig(t, even_k, False, 4, hopper=True), index)(
         dq_accum, dq_out, softmax_scale)
@@ -158,9 +167,11 @@ def _flash_bwd_sm90_varlen(dout, q, k, v, out, lse, config: BwdConfig, index, cu
     dk_h = torch.zeros((total_k, h, d_pad), dtype=q.dtype, device=q.device)  # keys no sequence covers (or past
     dv_h = torch.zeros((total_k, h, d_pad), dtype=q.dtype, device=q.device)  # seqused_k) get a zero gradient
     sm90 = Sm90BwdConfig(t, config.has_left, config.has_right, config.has_alibi, config.has_softcap,
-                         config.has_dropout, varlen=True, has_seqused_k=seqused_k is not None)
+                         config.has_dropout, varlen=True, has_seqused_k=seqused_k is not None,
+                         deterministic=config.deterministic)
     compiled.kernel_for(sm90, index)(q, k, v, dout, lse_log2, dot_pad, dq_accum, dk_h, dv_h,
-                                     alibi_2d(alibi_slopes, batch, h), rng_of(dropout, q.device), cu_seqlens_q,
+                                     alibi_2d(alibi_slopes, batch, h), rng_of(dropout, q.device),
+                                     _semaphores(sm90, dq_accum), cu_seqlens_q,
                                      cu_seqlens_k, seqused_k, max_seqlen_k, softmax_scale,
                                      *scales(softmax_scale, softcap), left, right)
     dq_out = torch.zeros((total_q, h, d_pad), dtype=q.dtype, device=q.device)  # rows no sequence covers: 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+from dataclasses import replace
 
 from cute_flash.kernels.common.flags import CACHE_FLAGS, SCORE_FLAGS
 from cute_flash.kernels.sm80.append import AppendConfig
@@ -240,9 +241,10 @@ def sm90_bwd_variants(full: bool = False) -> list:
     """Hopper backward configs (main kernel and its dQ convert) the dispatcher can choose.
 
     full: every head-dim bucket it takes x dtype x every score-flag combination, dense and packed
-    (with and without seqused_k). Otherwise, for CI: every bucket causal (bf16), at d 128 no
-    flag, each other flag alone, all together, and fp16; packed, every bucket causal and d 128
-    with every flag and seqused_k; the converts of every bucket's tiles, dense and packed, and
+    (with and without seqused_k), each also deterministic. Otherwise, for CI: every bucket causal
+    (bf16), at d 128 no flag, each other flag alone, all together, and fp16; packed, every bucket
+    causal and d 128 with every flag and seqused_k; deterministic at d 64 causal and d 128 with
+    every flag, dense and packed; the converts of every bucket's tiles, dense and packed, and
     with a padded head dim at d 128."""
     flags = ("has_left", "has_right", "has_alibi", "has_softcap", "has_dropout")
     if full:
@@ -250,6 +252,7 @@ def sm90_bwd_variants(full: bool = False) -> list:
         mains = [Sm90BwdConfig(t, **dict(zip(flags, bits)), varlen=varlen, has_seqused_k=used) for t in traits
                  for bits in itertools.product((False, True), repeat=len(flags))
                  for varlen, used in ((False, False), (True, False), (True, True))]
+        mains += [replace(c, deterministic=True) for c in mains]
         return mains + [DQConvertConfig(t, e, v, 4, hopper=True) for t in traits for e in (False, True)
                         for v in (False, True)]
     traits = [choose_hopper_bwd_traits(d) for d in BWD_HEAD_DIMS]
@@ -260,6 +263,9 @@ def sm90_bwd_variants(full: bool = False) -> list:
     # packed batches: every bucket causal, and at d 128 seqused_k with every flag
     mains += [Sm90BwdConfig(t, has_right=True, varlen=True) for t in traits]
     mains += [Sm90BwdConfig(pivot, **{f: True for f in flags}, varlen=True, has_seqused_k=True)]
+    # deterministic: causal at d 64, every flag dense and packed at d 128
+    mains += [Sm90BwdConfig(choose_hopper_bwd_traits(64), has_right=True, deterministic=True)]
+    mains += [Sm90BwdConfig(pivot, **{f: True for f in flags}, varlen=v, deterministic=True) for v in (False, True)]
     converts = [DQConvertConfig(t, True, v, 4, hopper=True) for t in traits for v in (False, True)]
     return mains + converts + [DQConvertConfig(pivot, False, v, 4, hopper=True) for v in (False, True)]
 

@@ -389,9 +389,9 @@ def test_dense_backwards_on_sm90_default_to_the_hopper_kernel(recorder, monkeypa
     kernel and the Hopper dQ convert, with LSE (times log2 e) and D in rows padded to whole
     query blocks (+inf and 0 past seqlen_q; the preprocess writes D into the padded rows), and
     with dropout too (given the forward's Philox state), the bucket 96 on the d 128 tiles (the
-    preprocess and the convert predicating the columns); deterministic, a head dim the Hopper
-    kernel does not take (bucket 160), sm80 in the variable, or another GPU take the SM80
-    kernel."""
+    preprocess and the convert predicating the columns), deterministic (with one zeroed
+    semaphore per dQaccum tile); a head dim the Hopper kernel does not take (bucket 160), sm80
+    in the variable, or another GPU take the SM80 kernel."""
     from cute_flash.launch.rng import DropoutArgs
     from cute_flash.kernels.sm80.bwd_preprocess import PreprocessConfig
     from cute_flash.kernels.sm90.bwd import Sm90BwdConfig
@@ -424,14 +424,18 @@ def test_dense_backwards_on_sm90_default_to_the_hopper_kernel(recorder, monkeypa
     flash_bwd(dout, q, k, v, q, lse, softmax_scale=0.5, dropout=DropoutArgs.seeded(0.1, 1, 2, "cpu"))
     pre, main, convert = recorder.launches[3:6]
     assert [type(x.config) for x in (pre, main, convert)] == [PreprocessConfig, Sm90BwdConfig, DQConvertConfig]
-    assert main.config.has_dropout and main["mRng"] is not None
+    assert main.config.has_dropout and main["mRng"] is not None and main["mSemaphore"] is None
     q96 = torch.randn(2, 70, 4, 96, dtype=torch.bfloat16)
     flash_bwd(q96, q96, q96, q96, q96, lse, softmax_scale=0.5)
     pre, main, convert = recorder.launches[6:9]
     assert main.config.traits.head_dim == 128 and main["mQ"].shape[-1] == 96
     assert pre.config.head_dim == 128 and not pre.config.even_k and not convert.config.even_k
-    del recorder.launches[3:9]  # the calls below all take the SM80 kernel
     flash_bwd(dout, q, k, v, q, lse, softmax_scale=0.5, deterministic=True)
+    main = recorder.launches[10]
+    assert isinstance(main.config, Sm90BwdConfig) and main.config.deterministic
+    assert main["mSemaphore"].dtype == torch.int32 and main["mSemaphore"].shape == (2, 4, 1)
+    assert not main["mSemaphore"].any()
+    del recorder.launches[3:12]  # the calls below all take the SM80 kernel
     q160 = torch.randn(2, 70, 4, 160, dtype=torch.bfloat16)
     flash_bwd(q160, q160, q160, q160, q160, lse, softmax_scale=0.5)
     monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", "sm80")
@@ -440,16 +444,16 @@ def test_dense_backwards_on_sm90_default_to_the_hopper_kernel(recorder, monkeypa
     monkeypatch.setattr(gpu, "device_arch", lambda index: 80)
     flash_bwd(dout, q, k, v, q, lse, softmax_scale=0.5)
     mains = [x.config for x in recorder.launches[3:] if not isinstance(x.config, (PreprocessConfig, DQConvertConfig))]
-    assert [type(c) for c in mains] == [BwdConfig] * 4
+    assert [type(c) for c in mains] == [BwdConfig] * 3
 
 
 def test_packed_backwards_on_sm90_take_the_hopper_kernel(recorder, monkeypatch):
     """Without CUTE_FLASH_ARCH_PATH an sm_90 packed backward launches the packed preprocess, the
     Hopper kernel's `call_varlen` and the packed Hopper dQ convert, with LSE (times log2 e) and
     D in rows padded per sequence to whole query blocks (sequence b from row (cu_seqlens_q[b] //
-    128 + b) * 128; +inf and 0 elsewhere); deterministic takes the SM80 kernel."""
+    128 + b) * 128; +inf and 0 elsewhere); deterministic too, with one zeroed semaphore per
+    dQaccum tile."""
     from cute_flash.kernels.common.constants import LOG2E
-    from cute_flash.kernels.sm80.bwd import BwdConfig
     from cute_flash.kernels.sm80.bwd_preprocess import PreprocessConfig
     from cute_flash.kernels.sm80.dq_convert import DQConvertConfig
     from cute_flash.kernels.sm90.bwd import Sm90BwdConfig
@@ -480,7 +484,10 @@ def test_packed_backwards_on_sm90_take_the_hopper_kernel(recorder, monkeypatch):
     assert dq.shape == q.shape and dk.shape == dv.shape == k.shape
 
     flash_bwd_varlen(dout, q, k, k, q, lse, deterministic=True, **lens)
-    assert [type(x.config) for x in recorder.launches[3:]] == [PreprocessConfig, BwdConfig, DQConvertConfig]
+    assert [type(x.config) for x in recorder.launches[3:]] == [PreprocessConfig, Sm90BwdConfig, DQConvertConfig]
+    main = recorder.launches[4]
+    assert main.config.deterministic and main.config.varlen and main["mSemaphore"].shape == (4, tiles)
+    assert main["mSemaphore"].dtype == torch.int32 and not main["mSemaphore"].any()
 
 
 def test_padded_rows_stay_inside_whatever_the_prefix_sums_hold():

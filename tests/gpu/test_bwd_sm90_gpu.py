@@ -8,11 +8,13 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cute_flash import flash_attn_func
+from cute_flash import flash_attn_func, flash_attn_varlen_func
+from cute_flash.reference import attention_varlen_ref
 from tests.helpers.backward import (VARLEN_MOD_IDS, VARLEN_MODS, assert_grads_match, check_private_backward,
                                     check_score_modifiers, check_varlen_grads, check_varlen_nan_stays_in_its_sequence,
-                                    check_varlen_score_modifiers, heads, inputs, lengths, ours, varlen_lengths)
-from tests.helpers.gpu_utils import gpu_settings
+                                    check_varlen_score_modifiers, heads, inputs, lengths, ours, packed_inputs,
+                                    varlen_lengths)
+from tests.helpers.gpu_utils import cu_seqlens, gpu_settings
 
 pytestmark = pytest.mark.gpu
 
@@ -120,3 +122,37 @@ def test_varlen_long_and_short_sequences():
 
 def test_varlen_a_sequences_nan_stays_in_it():
     check_varlen_nan_stays_in_its_sequence()
+
+
+@pytest.mark.parametrize("opts", [dict(causal=True), dict(window_size=(300, 40), softcap=10.0), {}],
+                         ids=["causal", "window-softcap", "none"])
+def test_deterministic_grads_are_bitwise_repeatable(opts):
+    """deterministic=True on the Hopper kernel (`DqTurn`: dQ's adds in key-block order): three
+    runs equal bit for bit and within the rule, with 16 key blocks adding into each query tile,
+    GQA, and a left window edge (its key blocks counted from the tile's first, not 0)."""
+    q, k, v, dout = inputs(2, 1000, 2000, 8, 2, 128)
+    out, grads = ours(flash_attn_func, dout, q, k, v, deterministic=True, **opts)
+    for _ in range(2):
+        for a, b in zip(grads, ours(flash_attn_func, dout, q, k, v, deterministic=True, **opts)[1]):
+            assert torch.equal(a, b)
+    assert_grads_match(grads, q, k, v, dout, out=out, **opts)
+
+
+def test_varlen_deterministic_grads_are_bitwise_repeatable():
+    """Packed batches, deterministic, with a window: equal bit for bit over three runs, and the
+    reference rule per sequence."""
+    lq, lk = [1500, 3, 0, 700], [1700, 90, 20, 700]
+    q, k, v, dout = packed_inputs(lq, lk, 8, 2, 64)
+    cu_q, cu_k = cu_seqlens(lq), cu_seqlens(lk)
+    opts = dict(window_size=(500, 0), deterministic=True)
+
+    def run():
+        return ours(lambda q, k, v, **o: flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lq), max(lk), **o), dout,
+                    q, k, v, **opts)
+
+    out, grads = run()
+    for _ in range(2):
+        for a, b in zip(grads, run()[1]):
+            assert torch.equal(a, b)
+    assert_grads_match(grads, q, k, v, dout, out=out, window_size=opts["window_size"],
+                       ref_fn=lambda q, k, v, **o: attention_varlen_ref(q, k, v, cu_q, cu_k, **o))

@@ -79,6 +79,7 @@ class Sm90BwdConfig:
     has_dropout: bool = False  # the forward's Philox mask, recomputed (kernels/common/philox.py)
     varlen: bool = False       # packed batches (`call_varlen`)
     has_seqused_k: bool = False
+    deterministic: bool = False  # dQ's adds in key-block order (`DqTurn`): bitwise repeatable
 
     def __post_init__(self):
         if self.traits.block_n != 128 or self.traits.block_m % 64:
@@ -102,8 +103,8 @@ class Sm90BwdConfig:
     @property
     def name(self) -> str:
         t = self.traits
-        packed = "-V" if self.varlen else ""
-        return f"sm90_bwd_d{t.head_dim}_m{t.block_m}_n{t.block_n}_{t.dtype}-{score_letters(self)}{packed}"
+        modes = ("-V" if self.varlen else "") + ("-D" if self.deterministic else "")
+        return f"sm90_bwd_d{t.head_dim}_m{t.block_m}_n{t.block_n}_{t.dtype}-{score_letters(self)}{modes}"
 
 
 @dataclass(frozen=True)
@@ -146,6 +147,7 @@ class Sm90BwdTensors:
     mdQaccum: cute.Tensor  # (1, batch, heads, tiles, bm * d) fp32, zeroed; packed (1, heads, tiles, bm * d)
     mAlibi: object         # (batch, heads) fp32 slopes
     mRng: object           # (4,) uint32: dropout's Philox key, offset and keep threshold
+    mSemaphore: object     # (batch, heads, tiles) int32 zeroed, packed (heads, tiles): deterministic's `DqTurn`s
     varlen: object         # Sm90BwdVarlen, or None (dense)
 
 
@@ -169,6 +171,15 @@ class Sm90BwdPipes:
 
 
 @dataclass(frozen=True)
+class DqTurn:
+    """Deterministic mode: when this CTA's warpgroups may add their dQ into one query tile.
+    The tile's semaphore counts the warpgroup adds done; key blocks add in increasing order, so
+    a warpgroup waits until every warpgroup of the tile's earlier key blocks has added."""
+    semaphore: object  # pointer to the tile's int32 count
+    before: object     # adds that come first: warpgroups x the key blocks of this tile before this one
+
+
+@dataclass(frozen=True)
 class KeyTile:
     """This CTA's key block and the query blocks [m_block_min, m_block_max) that see it."""
     n_block: object
@@ -188,36 +199,38 @@ class FlashBwdSm90:
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
-                 mD: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, mAlibi, mRng,
+                 mD: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, mAlibi, mRng, mSemaphore,
                  softmax_scale: cutlass.Float32, scale_log2: cutlass.Float32, score_premul: cutlass.Float32,
                  alibi_div: cutlass.Float32, window_left: cutlass.Int32, window_right: cutlass.Int32, stream):
         """mQ / mdO (batch, seqlen_q, heads, d), mK / mV (batch, seqlen_k, heads_k, d), mdK / mdV
         (batch, seqlen_k, heads, d), mLSE / mD (batch, heads, seqlen_q_pad) fp32 (see
         Sm90BwdTensors), mdQaccum (1, batch, heads, seqlen_q_pad / bm, bm * d) fp32 zeroed; mRng
-        (4,) uint32, the forward's dropout state, or None."""
+        (4,) uint32, the forward's dropout state, or None; mSemaphore (batch, heads, seqlen_q_pad /
+        bm) int32 zeroed when deterministic, else None."""
         grid = (cute.ceil_div(mK.shape[1], self.t.block_n), mQ.shape[2], mQ.shape[0])
-        self.launch(mQ, mK, mV, mdO, mLSE, mD, mdQaccum, mdK, mdV, mAlibi, mRng, None, grid,
+        self.launch(mQ, mK, mV, mdO, mLSE, mD, mdQaccum, mdK, mdV, mAlibi, mRng, mSemaphore, None, grid,
                     BwdScalars(softmax_scale, scale_log2, score_premul, alibi_div, window_left, window_right), stream)
 
     @cute.jit
     def call_varlen(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
                     mD: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, mAlibi, mRng,
-                    mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, mSeqUsedK, max_seqlen_k: cutlass.Int32,
+                    mSemaphore, mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, mSeqUsedK, max_seqlen_k: cutlass.Int32,
                     softmax_scale: cutlass.Float32, scale_log2: cutlass.Float32, score_premul: cutlass.Float32,
                     alibi_div: cutlass.Float32, window_left: cutlass.Int32, window_right: cutlass.Int32, stream):
         """Packed batches: mQ / mdO (total_q, heads, d), mK / mV (total_k, heads_k, d), mdK / mdV
         (total_k, heads, d) zeroed, mLSE / mD (heads, tiles * bm) and mdQaccum (1, heads, tiles, bm
         * d) in rows padded per sequence to whole query blocks (launch/backward.py:padded_rows),
-        cu_seqlens (batch + 1,) int32, seqused_k (batch,) int32 or None."""
+        cu_seqlens (batch + 1,) int32, seqused_k (batch,) int32 or None, mSemaphore (heads, tiles)
+        int32 zeroed when deterministic."""
         varlen = Sm90BwdVarlen(mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mdK, mdV)
         grid = (cute.ceil_div(max_seqlen_k, self.t.block_n), mQ.shape[1], mCuSeqlensQ.shape[0] - 1)
-        self.launch(mQ, mK, mV, mdO, mLSE, mD, mdQaccum, mdK, mdV, mAlibi, mRng, varlen, grid,
+        self.launch(mQ, mK, mV, mdO, mLSE, mD, mdQaccum, mdK, mdV, mAlibi, mRng, mSemaphore, varlen, grid,
                     BwdScalars(softmax_scale, scale_log2, score_premul, alibi_div, window_left, window_right), stream)
 
     @cute.jit
     def launch(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
-               mD: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, mAlibi, mRng, varlen,
-               grid, scalars: BwdScalars, stream):
+               mD: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, mAlibi, mRng, mSemaphore,
+               varlen, grid, scalars: BwdScalars, stream):
         """The TMA atoms, shared storage and recipe of either entry, then the kernel on `grid`."""
         t = self.t
         bm, bn, d = t.block_m, t.block_n, t.head_dim
@@ -245,7 +258,7 @@ class FlashBwdSm90:
         recipe = Sm90BwdRecipe(sQ_layout, sKV_layout, sdS_layout, tma_q, tma_do, tma_k, tma_v, tma_dk, tma_dv,
                                hopper.tiled_mma_sdp_t(t), hopper.tiled_mma_dkv(t), hopper.tiled_mma_dq(t))
         args = Sm90BwdTensors(tma_mQ, tma_mK, tma_mV, tma_mdO, tma_mdK, tma_mdV, mLSE, mD, mdQaccum, mAlibi, mRng,
-                              varlen)
+                              mSemaphore, varlen)
         self.kernel(args, scalars, recipe, SharedStorage).launch(
             grid=grid, block=[self.config.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream,
             min_blocks_per_mp=1)
@@ -475,7 +488,8 @@ class FlashBwdSm90:
                         accumulate=True)
             warpgroup.wait_group(1)  # dV and dQ landed; dK runs under dQ's staging and bulk add
             self.release(pipes.do, read)
-            self.add_dq(acc_dq, self.dq_chunk(args.mdQaccum, tile, m_block), smem.sdQaccum, mma_tidx)
+            self.add_dq(acc_dq, self.dq_chunk(args.mdQaccum, tile, m_block), smem.sdQaccum, mma_tidx,
+                        self.dq_turn(args, tile, m_block, window))
             warpgroup.wait_group(0)
             self.release(pipes.q, read)
         self.store_dkv(acc_dk, acc_dv, scalars, recipe, args, smem, tile, mma_tidx)
@@ -486,6 +500,20 @@ class FlashBwdSm90:
             return mdQaccum[0, tile.bidb, tile.bidh, m_block, None]
         return tiles_of(mdQaccum, 0, tile.bidb, tile.bidh, True)[first_tile(tile.seq, tile.bidb, self.t.block_m)
                                                                  + m_block, None]
+
+    def dq_turn(self, args: Sm90BwdTensors, tile: KeyTile, m_block, window: Window):
+        """Deterministic mode: this CTA's `DqTurn` at query block m_block, whose key blocks are
+        [n_block_min, ...) (`BlockRange`, exactly the blocks whose `QueryBlocks` hold m_block, from
+        below); None otherwise."""
+        if cutlass.const_expr(not self.config.deterministic):
+            return None
+        if cutlass.const_expr(tile.seq.sum_s_q is None):
+            row = args.mSemaphore[tile.bidb, tile.bidh, None]
+        else:
+            row = args.mSemaphore[tile.bidh, None]
+        index = first_tile(tile.seq, tile.bidb, self.t.block_m) + m_block
+        first = BlockRange.make(tile.seq, m_block, self.t.block_m, self.t.block_n, window).n_block_min
+        return DqTurn(cute.domain_offset((index,), row).iterator, (tile.n_block - first) * self.wgs)
 
     @cute.jit
     def clear_rows(self, tiles, first_row, rows: cutlass.Constexpr, mma_tidx):
@@ -556,10 +584,11 @@ class FlashBwdSm90:
                 mask.apply(acc_qk, tScS, row0, col0)
 
     @cute.jit
-    def add_dq(self, acc_dq: cute.Tensor, chunk: cute.Tensor, sdQaccum: cute.Tensor, mma_tidx):
+    def add_dq(self, acc_dq: cute.Tensor, chunk: cute.Tensor, sdQaccum: cute.Tensor, mma_tidx, turn):
         """This warpgroup's dQ values -> its run of sdQaccum (16-byte stores, a warp's covering
         512 consecutive bytes) -> one bulk reduce-add of the run into the same run of `chunk`,
-        issued by the warpgroup's first thread once the previous one has read the run."""
+        issued by the warpgroup's first thread once the previous one has read the run; with a
+        `DqTurn` (deterministic), in its turn, and counted once the adds are done."""
         run = cute.size(acc_dq) * 128  # floats
         wg_idx = mma_tidx // 128
         first = mma_tidx % 128 == 0
@@ -569,7 +598,11 @@ class FlashBwdSm90:
         stage_run(acc_dq, sdQaccum, chunk_index(0, mma_tidx, cute.size(acc_dq), HOPPER_VEC, 128), HOPPER_VEC, 128)
         cute.arch.barrier(barrier_id=BwdBarrier.DQ + wg_idx, number_of_threads=128)
         if first:
+            if cutlass.const_expr(turn is not None):
+                wait_turn(turn)
             bulk_add_run(chunk, sdQaccum, wg_idx * run, run)
+            if cutlass.const_expr(turn is not None):
+                end_turn(turn)
 
     @cute.jit
     def store_dkv(self, acc_dk: cute.Tensor, acc_dv: cute.Tensor, scalars: BwdScalars, recipe: Sm90BwdRecipe,
@@ -622,6 +655,25 @@ class FlashBwdSm90:
                     cute.autovec_copy(s_vec, g_vec)
 
 
+@cute.jit
+def wait_turn(turn: DqTurn):
+    """Spin until the tile's semaphore reaches turn.before (acquire: the earlier adds, then
+    ours), then order that before this thread's bulk adds (async proxy)."""
+    seen = cute.arch.load(turn.semaphore, cutlass.Int32, sem="acquire", scope="gpu")
+    while seen < turn.before:
+        seen = cute.arch.load(turn.semaphore, cutlass.Int32, sem="acquire", scope="gpu")
+    cute.arch.fence_proxy("async.global")
+
+
+@cute.jit
+def end_turn(turn: DqTurn):
+    """Wait until this thread's bulk adds are done (written, not just read), then count them
+    with a release the next key block's acquire pairs with."""
+    cute.arch.cp_async_bulk_wait_group(0)
+    cute.arch.fence_proxy("async.global")
+    cute.arch.atomic_add(turn.semaphore, cutlass.Int32(1), sem="release", scope="gpu")
+
+
 def transposed(t: cute.Tensor) -> cute.Tensor:
     """A rank-2 register or coordinate view with its modes swapped."""
     return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 0]))
@@ -643,9 +695,10 @@ def fake_args(config: Sm90BwdConfig) -> list:
     grads = [fake_tensor(dtype, rank, ALIGN, COPY_BYTES) for _ in range(2)]
     alibi = fake_tensor(cutlass.Float32, 2) if config.has_alibi else None
     rng = fake_tensor(cutlass.Uint32, 1) if config.has_dropout else None
+    semaphore = fake_tensor(cutlass.Int32, rank - 1) if config.deterministic else None
     packed = []
     if config.varlen:
         seqused = fake_tensor(cutlass.Int32, 1) if config.has_seqused_k else None
         packed = [fake_tensor(cutlass.Int32, 1), fake_tensor(cutlass.Int32, 1), seqused, 1]
-    return (elems + stats + [fake_dq_accum(config.traits, config.varlen)] + grads + [alibi, rng] + packed
+    return (elems + stats + [fake_dq_accum(config.traits, config.varlen)] + grads + [alibi, rng, semaphore] + packed
             + [1.0, 1.0, 1.0, 1.0, -1, -1, fake_stream()])
