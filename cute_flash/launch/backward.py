@@ -24,6 +24,7 @@ from cute_flash.launch.args import alibi_2d, positive_scale, scales, score_flags
 from cute_flash.launch.batch_chunks import (batch_chunks, chunked, lengths_of, refuse_chunked_dropout, rows_of,
                                             slopes_of)
 from cute_flash.launch.rng import DropoutArgs, rng_of
+from cute_flash.launch.varlen_order import key_blocks_longest_first
 from layouts.hopper import choose_hopper_bwd_traits
 from layouts.traits import choose_bwd_traits, tile_arch
 
@@ -144,11 +145,12 @@ def padded_rows(cu_seqlens_q: torch.Tensor, total_q: int, block_m: int) -> torch
 
 
 def _flash_bwd_sm90_varlen(dout, q, k, v, out, lse, config: BwdConfig, index, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                           max_seqlen_q, max_seqlen_k, softmax_scale, softcap, alibi_slopes, left, right, grads, d,
+                           max_seqlen_q, softmax_scale, softcap, alibi_slopes, left, right, grads, d,
                            dropout):
     """The Hopper backward of a packed batch on aligned tensors: LSE (times log2 e), D and
     dQaccum in rows padded per sequence to whole query blocks (`padded_rows`: +inf, 0 and 0
-    past each sequence), so the kernel's bulk copies need no bounds, as in the dense call."""
+    past each sequence), so the kernel's bulk copies need no bounds, as in the dense call; its
+    CTAs take the key blocks longest first (`varlen_order`)."""
     total_q, h, d_pad = q.shape
     total_k, hk = k.shape[0], k.shape[1]
     batch = cu_seqlens_q.shape[0] - 1
@@ -171,8 +173,9 @@ def _flash_bwd_sm90_varlen(dout, q, k, v, out, lse, config: BwdConfig, index, cu
                          deterministic=config.deterministic)
     compiled.kernel_for(sm90, index)(q, k, v, dout, lse_log2, dot_pad, dq_accum, dk_h, dv_h,
                                      alibi_2d(alibi_slopes, batch, h), rng_of(dropout, q.device),
-                                     _semaphores(sm90, dq_accum), cu_seqlens_q,
-                                     cu_seqlens_k, seqused_k, max_seqlen_k, softmax_scale,
+                                     _semaphores(sm90, dq_accum), cu_seqlens_q, cu_seqlens_k, seqused_k,
+                                     key_blocks_longest_first(cu_seqlens_q, cu_seqlens_k, total_k, t.block_m,
+                                                              t.block_n, right), softmax_scale,
                                      *scales(softmax_scale, softcap), left, right)
     dq_out = torch.zeros((total_q, h, d_pad), dtype=q.dtype, device=q.device)  # rows no sequence covers: 0
     compiled.kernel_for(DQConvertConfig(t, even_k, True, 4, hopper=True), index)(
@@ -255,7 +258,7 @@ def flash_bwd_varlen(dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max
     seqused = None if seqused_k is None else seqused_k.contiguous()
     if policy.takes_hopper_bwd(config, index) and not chunked(batch):
         return _signed_dq(_flash_bwd_sm90_varlen(dout, q, k, v, out, lse, config, index, cu_seqlens_q, cu_seqlens_k,
-                                                 seqused, max_seqlen_q, max_seqlen_k, softmax_scale, softcap,
+                                                 seqused, max_seqlen_q, softmax_scale, softcap,
                                                  alibi_slopes, left, right, (dq, dk, dv), d, dropout), dq_sign)
     grid_x = _grid_x(config, max_seqlen_k, batch, h, index)
     t = config.traits

@@ -81,8 +81,8 @@ def bench_cell(d, seqlen, causal=False, window=(-1, -1), softcap=0.0, peers=True
 
 def bench_bwd_cell(d, seqlen, causal=False):
     """Backward alone (`bwd`: 2.5x the forward's FLOPs) and forward + backward (`fwd+bwd`: 3.5x),
-    each side through autograd (`torch.autograd.grad` on a kept graph), ours and SDPA's FLASH
-    and CUDNN backends on the same inputs."""
+    each side through autograd (`torch.autograd.grad` on a kept graph), ours (also with
+    deterministic=True) and SDPA's FLASH and CUDNN backends on the same inputs."""
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -113,7 +113,8 @@ def bench_bwd_cell(d, seqlen, causal=False):
         return (time_ms(lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)),
                 time_ms(lambda: torch.autograd.grad(fwd(*leaves), leaves, dout)))
 
-    peers = [("ours", ours_fwd), ("flash", sdpa_fwd(SDPBackend.FLASH_ATTENTION)),
+    peers = [("ours", ours_fwd), ("det", lambda q, k, v: flash_attn_func(q, k, v, causal=causal, deterministic=True)),
+             ("flash", sdpa_fwd(SDPBackend.FLASH_ATTENTION)),
              ("cudnn", sdpa_fwd(SDPBackend.CUDNN_ATTENTION))]
     if hopper_gpu():
         peers.insert(1, ("sm80", ours_fwd))
@@ -146,16 +147,19 @@ def ratio_summary(ratios) -> str:
 
 
 def format_bwd(rows) -> str:
-    """ours (the default path: the Hopper backward on sm_90 where it applies), SM80 (our SM80
-    kernels, sm_90 only), the peers, and ours over FLASH and over the best of CUDNN and FA4."""
+    """ours (the default path: the Hopper backward on sm_90 where it applies), ours with
+    deterministic=True, SM80 (our SM80 kernels, sm_90 only), the peers, and ours over FLASH and
+    over the best of CUDNN and FA4; deterministic over ours closes each table."""
     out = []
     for key, title in (("bwd", "backward alone (FLOPs 2.5x forward)"), ("fwdbwd", "forward + backward (3.5x)")):
-        out += [f"{title}, TFLOP/s:", "", "| d | causal | seqlen | batch x heads | ours | SM80 | FLASH | CUDNN | FA4 "
-                "| ours/FLASH | ours/best peer |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-        ratios, vs_peers = [], []
+        out += [f"{title}, TFLOP/s:", "", "| d | causal | seqlen | batch x heads | ours | deterministic | SM80 "
+                "| FLASH | CUDNN | FA4 | ours/FLASH | ours/best peer |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        ratios, vs_peers, det = [], [], []
         for r in rows:
-            ours, sm80, flash, cudnn, fa4 = (r.get(f"{name}_{key}") for name in ("ours", "sm80", "flash", "cudnn",
-                                                                                 "fa4"))
+            ours, det_, sm80, flash, cudnn, fa4 = (r.get(f"{name}_{key}") for name in ("ours", "det", "sm80", "flash",
+                                                                                       "cudnn", "fa4"))
+            if ours and det_:
+                det.append(det_ / ours)
             best = max((x for x in (cudnn, fa4) if x), default=None)
             rf = ours / flash if ours and flash else math.nan
             rp = ours / best if ours and best else math.nan
@@ -163,13 +167,15 @@ def format_bwd(rows) -> str:
                 ratios.append(rf)
             if not math.isnan(rp):
                 vs_peers.append(rp)
-            cells = [f"{x:.0f}" if x else "-" for x in (ours, sm80, flash, cudnn, fa4)]
+            cells = [f"{x:.0f}" if x else "-" for x in (ours, det_, sm80, flash, cudnn, fa4)]
             out.append(f"| {r['d']} | {r['causal']} | {r['seqlen']} | {r['batch']}x{r['nheads']} | "
                        f"{' | '.join(cells)} | {rf:.3f} | {rp:.3f} |")
         if ratios:
             out.append(ratio_summary(ratios))
         if vs_peers:
             out.append(ratio_line("ours / max(CUDNN, FA4)", vs_peers))
+        if det:
+            out.append(ratio_line("deterministic / ours", det))
         out.append("")
     return "\n".join(out)
 

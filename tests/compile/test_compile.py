@@ -300,7 +300,8 @@ def test_hopper_backward_compiles_to_wgmma(config, tmp_path):
     convert build for sm_90a and fit in shared memory. The main kernel's five GEMMs are wgmma,
     one per 16-wide k step: S^T and dP^T over the head dim, dV and dK over the query block, dQ
     over the 128 keys. With dropout each Philox call's four words are decided by four bf16x2
-    compares to masks (`Dropout.pair_keep_bits`)."""
+    compares to masks (`Dropout.pair_keep_bits`). Deterministic variants order dQ's adds with an
+    acquire load and a release add (`DqTurn`), the others have neither."""
     from cute_flash.kernels.sm90.bwd import Sm90BwdConfig
 
     assert config.smem_bytes <= SMEM_LIMIT[90]
@@ -313,6 +314,8 @@ def test_hopper_backward_compiles_to_wgmma(config, tmp_path):
         assert text.count("wgmma.mma_async") == 2 * t.head_dim // 16 + 2 * t.block_m // 16 + t.block_n // 16
         compares = text.count("set.lt.u32.bf16x2")
         assert (compares > 0) == config.has_dropout and compares % 4 == 0
+        # deterministic: each warpgroup's first thread spins on its tile's count, then counts its adds
+        assert ("ld.acquire.gpu.global" in text) == ("atom.global.release.add" in text) == config.deterministic
 
 
 @pytest.mark.slow

@@ -470,7 +470,9 @@ def test_packed_backwards_on_sm90_take_the_hopper_kernel(recorder, monkeypatch):
     assert [type(x.config) for x in (pre, main, convert)] == [PreprocessConfig, Sm90BwdConfig, DQConvertConfig]
     assert main.config.varlen and main.config.has_right and not main.config.has_seqused_k
     assert pre.config.varlen and convert.config.varlen and convert.config.hopper
-    assert main["mCuSeqlensQ"] is cu_q and main["mCuSeqlensK"] is cu_k and main["max_seqlen_k"] == 50
+    assert main["mCuSeqlensQ"] is cu_q and main["mCuSeqlensK"] is cu_k
+    # (sequence, key block), those seen by the most query blocks first: sequence 1 has no query
+    assert main["mTiles"].tolist() == [[0, 0], [2, 0], [1, 0]]  # 90 // 128 + 3 entries, all listed
     tiles = 75 // 128 + 3 + 1
     assert main["mLSE"].shape == main["mD"].shape == (4, tiles * 128)
     rows = list(range(70)) + list(range(256, 261))  # sequence 2 (rows 70..74) from tile 70 // 128 + 2

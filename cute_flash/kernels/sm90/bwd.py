@@ -29,8 +29,9 @@ dQaccum holds each query tile in warpgroup-run order (kernels/common/dq_accum.py
 `DQConvert` with `hopper=True`. With GQA every query head writes its own dK / dV rows and the
 host sums a group's heads, as on the SM80 path.
 
-Packed batches (`call_varlen`): a CTA per (key block of max_seqlen_k, head, sequence); one past
-its sequence's keys walks no query block and stores nothing. Its loads start at the sequence's
+Packed batches (`call_varlen`): a CTA per (key block, head) of a list of the batch's key blocks
+in launch order (`VarlenTiles`: the host puts those with the most query blocks first); an entry
+past its sequence's keys walks no query block and stores nothing. Its loads start at the sequence's
 first row, so rows past the sequence are the next sequence's, which may hold NaN: the consumers
 zero them in shared memory (`clear_rows`: the key block's last K / V rows once, the last query
 block's Q / dO rows) before a wgmma reads them, and dK / dV go out by a row-predicated copy
@@ -54,6 +55,7 @@ from cute_flash.kernels.common.gemm import wgmma_issue
 from cute_flash.kernels.common.philox import Dropout, keep_bit
 from cute_flash.kernels.common.score_mods import BwdScalars, Mask, apply_alibi, softcap_with_derivative
 from cute_flash.kernels.common.seq_info import SeqInfo
+from cute_flash.kernels.common.varlen_tiles import VarlenTiles, fake_tiles
 from cute_flash.kernels.sm90.barriers import BwdBarrier
 from cute_flash.kernels.sm90.pipeline import seq_first, tma_rows, use_state
 from layouts import hopper
@@ -132,6 +134,7 @@ class Sm90BwdVarlen:
     mSeqUsedK: object         # (batch,) int32 or None
     mdK: cute.Tensor          # (total_k, heads, d): per query head
     mdV: cute.Tensor
+    tiles: VarlenTiles        # (sequence, key block) of each CTA
 
 
 @dataclass(frozen=True)
@@ -174,7 +177,9 @@ class Sm90BwdPipes:
 class DqTurn:
     """Deterministic mode: when this CTA's warpgroups may add their dQ into one query tile.
     The tile's semaphore counts the warpgroup adds done; key blocks add in increasing order, so
-    a warpgroup waits until every warpgroup of the tile's earlier key blocks has added."""
+    a warpgroup waits until every warpgroup of the tile's earlier key blocks has added. Those
+    CTAs were launched before this one (dense: lower x; packed: earlier in `VarlenTiles`), so
+    they run or are done: no wait is on a CTA that waits for a slot."""
     semaphore: object  # pointer to the tile's int32 count
     before: object     # adds that come first: warpgroups x the key blocks of this tile before this one
 
@@ -214,16 +219,17 @@ class FlashBwdSm90:
     @cute.jit
     def call_varlen(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
                     mD: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, mAlibi, mRng,
-                    mSemaphore, mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, mSeqUsedK, max_seqlen_k: cutlass.Int32,
+                    mSemaphore, mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, mSeqUsedK, mTiles: cute.Tensor,
                     softmax_scale: cutlass.Float32, scale_log2: cutlass.Float32, score_premul: cutlass.Float32,
                     alibi_div: cutlass.Float32, window_left: cutlass.Int32, window_right: cutlass.Int32, stream):
         """Packed batches: mQ / mdO (total_q, heads, d), mK / mV (total_k, heads_k, d), mdK / mdV
         (total_k, heads, d) zeroed, mLSE / mD (heads, tiles * bm) and mdQaccum (1, heads, tiles, bm
         * d) in rows padded per sequence to whole query blocks (launch/backward.py:padded_rows),
         cu_seqlens (batch + 1,) int32, seqused_k (batch,) int32 or None, mSemaphore (heads, tiles)
-        int32 zeroed when deterministic."""
-        varlen = Sm90BwdVarlen(mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mdK, mdV)
-        grid = (cute.ceil_div(max_seqlen_k, self.t.block_n), mQ.shape[1], mCuSeqlensQ.shape[0] - 1)
+        int32 zeroed when deterministic, mTiles (entries, 2) int32 (sequence, key block) in launch
+        order (`VarlenTiles`; deterministic: a sequence's key blocks in increasing order)."""
+        varlen = Sm90BwdVarlen(mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mdK, mdV, VarlenTiles(mTiles, mQ.shape[1]))
+        grid = (varlen.tiles.ctas(), 1, 1)
         self.launch(mQ, mK, mV, mdO, mLSE, mD, mdQaccum, mdK, mdV, mAlibi, mRng, mSemaphore, varlen, grid,
                     BwdScalars(softmax_scale, scale_log2, score_premul, alibi_div, window_left, window_right), stream)
 
@@ -268,8 +274,11 @@ class FlashBwdSm90:
                SharedStorage: cutlass.Constexpr):
         cfg, t = self.config, self.t
         tidx, _, _ = cute.arch.thread_idx()
-        n_block, bidh, bidb = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if cutlass.const_expr(args.varlen is None):
+            n_block, bidh, bidb = cute.arch.block_idx()
+        else:
+            bidb, n_block, bidh = args.varlen.tiles.at(cute.arch.block_idx()[0])
 
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         kv_full = storage.kv_barrier.data_ptr()
@@ -699,6 +708,6 @@ def fake_args(config: Sm90BwdConfig) -> list:
     packed = []
     if config.varlen:
         seqused = fake_tensor(cutlass.Int32, 1) if config.has_seqused_k else None
-        packed = [fake_tensor(cutlass.Int32, 1), fake_tensor(cutlass.Int32, 1), seqused, 1]
+        packed = [fake_tensor(cutlass.Int32, 1), fake_tensor(cutlass.Int32, 1), seqused, fake_tiles()]
     return (elems + stats + [fake_dq_accum(config.traits, config.varlen)] + grads + [alibi, rng, semaphore] + packed
             + [1.0, 1.0, 1.0, 1.0, -1, -1, fake_stream()])
