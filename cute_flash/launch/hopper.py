@@ -20,6 +20,7 @@ from cute_flash.launch.align import aligned
 from cute_flash.launch.args import alibi_2d, scales, score_flags, window_edges
 from cute_flash.launch.per_stream import per_stream, zeroed_counters
 from cute_flash.launch.rng import DropoutArgs, rng_of
+from cute_flash.launch.varlen_order import query_blocks_longest_first
 from cute_flash.launch.policy import (kv_multicast_fits, kv_stages, prefers_persistent, section_heads,
                                       speculates_in_place, takes_kv_multicast, takes_speculative_max, takes_tall_tiles)
 from layouts.hopper import choose_hopper_traits
@@ -83,19 +84,22 @@ def flash_fwd_varlen_sm90(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     (num_pages, page_size, hk, d) through block_table (`hopper_pages_fit`), int32 prefix sums,
     seqused_k (batch,) int32 key lengths or None; returns (out (total_q, h, d), lse (h,
     total_q)) as `flash_fwd_varlen` does.
-    One CTA per tile (the persistent schedule's tile numbering assumes equal lengths), and
-    128-row tiles at every d (192-row ones ran at half speed with one CTA per tile)."""
+    One CTA per tile, the tiles with the most key blocks first (`varlen_order`), and 128-row
+    tiles at every d (192-row ones ran at half speed with one CTA per tile)."""
     total_q, h, d = q.shape
     q, k, v = aligned(q), aligned(k), aligned(v)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((h, total_q), dtype=torch.float32, device=q.device)
     left, right = window_edges(causal, window_size)
-    config = Sm90FwdConfig(choose_hopper_traits(q.shape[-1], gpu.DTYPE_NAMES[q.dtype]), varlen=True,
+    traits = choose_hopper_traits(q.shape[-1], gpu.DTYPE_NAMES[q.dtype])
+    config = Sm90FwdConfig(traits, varlen=True,
                            has_seqused_k=seqused_k is not None, paged=block_table is not None,
                            **score_flags(left, right, alibi_slopes, softcap, dropout))
     cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     seqused = None if seqused_k is None else seqused_k.contiguous()
     compiled.kernel_for(config, gpu.device_index(q.device))(
         q, k, v, out, lse, alibi_2d(alibi_slopes, cu_seqlens_q.shape[0] - 1, h), rng_of(dropout, q.device),
-        cu_seqlens_q, cu_seqlens_k, seqused, block_table, max_seqlen_q, *scales(softmax_scale, softcap), left, right)
+        cu_seqlens_q, cu_seqlens_k, seqused, block_table,
+        query_blocks_longest_first(cu_seqlens_q, cu_seqlens_k, total_q, traits.block_m, traits.block_n, right),
+        *scales(softmax_scale, softcap), left, right)
     return (out if out.shape[-1] == d else out[..., :d]), lse

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+PAST = 1 << 20  # the block an entry past the batch's blocks names: past any sequence's end
+
 
 def tile_bound(total: int, batch: int, block: int) -> int:
     """Entries of the list: sum over sequences of ceil(length / block) is at most
@@ -18,32 +20,57 @@ def tile_bound(total: int, batch: int, block: int) -> int:
     return total // block + batch
 
 
-def key_blocks_longest_first(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_k: int, block_m: int,
-                             block_n: int, right: int) -> torch.Tensor:
-    """(entries, 2) int32 (sequence, key block) for the backward: each key block of each sequence,
-    ordered by the query blocks that see it (most first; the right window edge `right`, -1 for
-    none, cuts them, the left edge is left out so that the count never grows with the key block),
-    ties in (sequence, key block) order, so each sequence's key blocks stay in increasing order
-    (what deterministic mode's `DqTurn` waits rely on). Entries past the batch's blocks name
-    key block 2**20 of sequence 0, past any sequence's keys."""
-    batch = cu_seqlens_q.shape[0] - 1
-    entries = tile_bound(total_k, batch, block_n)
-    lq = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long().clamp(min=0)
-    lk = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).long().clamp(min=0)
-    blocks = (lk + block_n - 1) // block_n
+def _lengths(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    return (cu_seqlens[1:] - cu_seqlens[:-1]).long().clamp(min=0)
+
+
+def _longest_first(lengths: torch.Tensor, total: int, block: int, work) -> torch.Tensor:
+    """(entries, 2) int32 (sequence, block): each block of each sequence (`lengths` rows,
+    `block` rows a block), ordered by work(sequence, block) (most first), ties in (sequence,
+    block) order; entries past the batch's blocks name block PAST of sequence 0, last."""
+    batch = lengths.shape[0]
+    blocks = (lengths + block - 1) // block
     ends = torch.cumsum(blocks, 0)
-    j = torch.arange(entries, device=cu_seqlens_k.device)
+    j = torch.arange(tile_bound(total, batch, block), device=lengths.device)
     seq = torch.searchsorted(ends, j, right=True)
     listed = seq < batch
     seq = seq.clamp(max=batch - 1)
-    n_block = j - (ends - blocks)[seq]
-    m_blocks = (lq[seq] + block_m - 1) // block_m
-    work = m_blocks
-    if right >= 0:  # query blocks before the one holding the first row that sees the block's first key
-        first_row = (n_block * block_n - (lk[seq] - lq[seq]) - right).clamp(min=0)
-        work = (m_blocks - first_row // block_m).clamp(min=0)
-    work = torch.where(listed, work, -1)
-    order = torch.sort(work, descending=True, stable=True).indices
-    n_block = torch.where(listed, n_block, 1 << 20)
+    index = j - (ends - blocks)[seq]
+    order = torch.sort(torch.where(listed, work(seq, index), -1), descending=True, stable=True).indices
+    index = torch.where(listed, index, PAST)
     seq = torch.where(listed, seq, 0)
-    return torch.stack([seq[order], n_block[order]], 1).to(torch.int32)
+    return torch.stack([seq[order], index[order]], 1).to(torch.int32)
+
+
+def key_blocks_longest_first(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_k: int, block_m: int,
+                             block_n: int, right: int) -> torch.Tensor:
+    """The backward's list: (sequence, key block), ordered by the query blocks that see the key
+    block (the right window edge `right`, -1 for none, cuts them; the left edge is left out so
+    that the count never grows with the key block, which keeps each sequence's key blocks in
+    increasing order: what deterministic mode's `DqTurn` waits rely on)."""
+    lq, lk = _lengths(cu_seqlens_q), _lengths(cu_seqlens_k)
+
+    def work(seq, n_block):
+        m_blocks = (lq[seq] + block_m - 1) // block_m
+        if right < 0:
+            return m_blocks
+        first_row = (n_block * block_n - (lk[seq] - lq[seq]) - right).clamp(min=0)  # the first that sees the block
+        return (m_blocks - first_row // block_m).clamp(min=0)
+
+    return _longest_first(lk, total_k, block_n, work)
+
+
+def query_blocks_longest_first(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_q: int, block_m: int,
+                               block_n: int, right: int) -> torch.Tensor:
+    """The forward's list: (sequence, query block), ordered by the key blocks the query block
+    visits (cut by the right window edge `right`, -1 for none; the left edge left out)."""
+    lq, lk = _lengths(cu_seqlens_q), _lengths(cu_seqlens_k)
+
+    def work(seq, m_block):
+        n_blocks = (lk[seq] + block_n - 1) // block_n
+        if right < 0:
+            return n_blocks
+        last = ((m_block + 1) * block_m + lk[seq] - lq[seq] + right).clamp(min=0)  # past the last visible key
+        return torch.minimum(n_blocks, (last + block_n - 1) // block_n)
+
+    return _longest_first(lq, total_q, block_m, work)

@@ -106,8 +106,8 @@ def test_dense_forwards_on_sm90_default_to_the_hopper_kernel(recorder, monkeypat
 def test_packed_forwards_on_sm90_default_to_the_hopper_kernel(recorder, monkeypatch):
     """Without CUTE_FLASH_ARCH_PATH (or with sm90) an sm_90 packed forward over contiguous keys
     launches the Hopper kernel's varlen entry (one CTA per tile, 128-row tiles even for d 64's
-    long keys) with the prefix sums, seqused_k and max_seqlen_q; pages, sm80 in the variable, or
-    another GPU take the SM80 kernel."""
+    long keys) with the prefix sums, seqused_k and the list of query blocks, the most key blocks
+    first; pages, sm80 in the variable, or another GPU take the SM80 kernel."""
     from cute_flash.kernels.sm80.fwd import FwdConfig
     from cute_flash.kernels.sm90.fwd import Sm90FwdConfig
     from cute_flash.launch import flash_fwd_varlen
@@ -125,7 +125,9 @@ def test_packed_forwards_on_sm90_default_to_the_hopper_kernel(recorder, monkeypa
     config = first.config
     assert isinstance(config, Sm90FwdConfig) and config.varlen and not config.persistent
     assert config.traits.block_m == 128 and config.has_right and not config.has_left and not config.has_seqused_k
-    assert first["mCuSeqlensQ"] is cu_q and first["mCuSeqlensK"] is cu_k and first["max_seqlen_q"] == 5
+    assert first["mCuSeqlensQ"] is cu_q and first["mCuSeqlensK"] is cu_k
+    # (sequence, query block): one block each (9 // 128 + 2 entries), both visiting all 20 key blocks
+    assert first["mTiles"].tolist() == [[0, 0], [1, 0]]
     assert first["mSeqUsedK"] is None
     assert first["mO"].shape == (9, 4, 64) and first["mLSE"].shape == (4, 9) and lse is first["mLSE"]
     assert out.data_ptr() == first["mO"].data_ptr()

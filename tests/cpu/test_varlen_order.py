@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cute_flash.launch.varlen_order import key_blocks_longest_first, tile_bound
+from cute_flash.launch.varlen_order import PAST, key_blocks_longest_first, query_blocks_longest_first, tile_bound
 
 
 def prefix(lengths):
@@ -19,9 +19,9 @@ def test_every_key_block_once_heaviest_first(lens, block_m, right):
     lq, lk = [a for a, _ in lens], [b for _, b in lens]
     table = key_blocks_longest_first(prefix(lq), prefix(lk), sum(lk), block_m, 128, right)
     assert table.dtype == torch.int32 and table.shape == (tile_bound(sum(lk), len(lens), 128), 2)
-    listed = [(s, n) for s, n in table.tolist() if n != 1 << 20]
+    listed = [(s, n) for s, n in table.tolist() if n != PAST]
     assert sorted(listed) == [(s, n) for s in range(len(lens)) for n in range(-(-lk[s] // 128))]
-    assert table[len(listed):].tolist() == [[0, 1 << 20]] * (len(table) - len(listed))  # the rest last
+    assert table[len(listed):].tolist() == [[0, PAST]] * (len(table) - len(listed))  # the rest last
 
     def work(s, n):  # query blocks holding a row that sees key n * 128 (right edge only)
         blocks = -(-lq[s] // block_m)
@@ -34,3 +34,23 @@ def test_every_key_block_once_heaviest_first(lens, block_m, right):
     for s in range(len(lens)):
         mine = [n for t, n in listed if t == s]
         assert mine == sorted(mine)
+
+
+@settings(max_examples=200, deadline=None)
+@given(lens=st.lists(st.tuples(st.integers(0, 700), st.integers(0, 700)), min_size=1, max_size=12),
+       right=st.sampled_from([-1, 0, 37]))
+def test_every_query_block_once_most_key_blocks_first(lens, right):
+    lq, lk = [a for a, _ in lens], [b for _, b in lens]
+    table = query_blocks_longest_first(prefix(lq), prefix(lk), sum(lq), 128, 128, right)
+    assert table.shape == (tile_bound(sum(lq), len(lens), 128), 2)
+    listed = [(s, m) for s, m in table.tolist() if m != PAST]
+    assert sorted(listed) == [(s, m) for s in range(len(lens)) for m in range(-(-lq[s] // 128))]
+
+    def work(s, m):  # key blocks holding a key some row of query block m sees (right edge only)
+        blocks = -(-lk[s] // 128)
+        if right < 0:
+            return blocks
+        return min(blocks, -(-max((m + 1) * 128 + lk[s] - lq[s] + right, 0) // 128))
+
+    works = [work(s, m) for s, m in listed]
+    assert works == sorted(works, reverse=True)

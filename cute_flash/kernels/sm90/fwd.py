@@ -33,7 +33,8 @@ the other's GEMMs occupy the tensor cores (ping-pong). TMA zero-fills what lies 
 end (rows past seqlen, columns past a padded head dim), so no load needs a predicate; the first
 block processed (the last one) and blocks a window edge crosses run the mask.
 
-Packed batches (`call_varlen`, one CTA per tile over max_seqlen_q's blocks; key lengths from the
+Packed batches (`call_varlen`, one CTA per tile of a list of the batch's query blocks, the most
+key blocks first (`VarlenTiles`); key lengths from the
 prefix sums or seqused_k): the TMA boxes of a tile start at its sequence's first row, so loads
 past the sequence's end read the next sequence's rows instead of zeros. Q's extra rows are never
 stored and K's extra columns are masked, but P = 0 times a NaN in the next sequence's V is NaN,
@@ -64,6 +65,7 @@ from cute_flash.kernels.common.fake import fake_stream, fake_tensor
 from cute_flash.kernels.common.flags import score_letters
 from cute_flash.kernels.common.gqa_fold import fold_heads, fold_lse
 from cute_flash.kernels.common.split_kv import ClusterMerge, cluster_sync
+from cute_flash.kernels.common.varlen_tiles import VarlenTiles, fake_tiles
 from cute_flash.kernels.sm90.epilogue import Epilogue
 from cute_flash.kernels.sm90.fwd_state import (KV_MULTICAST_CTAS, Pipes, Sm90Cache, Sm90Recipe, Sm90Scalars, Sm90Split,
                                                Sm90Tensors, Sm90Varlen)
@@ -266,7 +268,7 @@ class FlashFwdSm90(TileScheduler, Producer, Consumer, Epilogue):
     @cute.jit
     def call_varlen(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
                     mAlibi, mRng, mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, mSeqUsedK, mBlockTable,
-                    max_seqlen_q: cutlass.Int32,
+                    mTiles: cute.Tensor,
                     scale_log2: cutlass.Float32, score_premul: cutlass.Float32, alibi_div: cutlass.Float32,
                     window_left: cutlass.Int32, window_right: cutlass.Int32, stream):
         """Packed batches, with the SM80 kernel's `call_varlen` parameters: mQ / mO (total_q,
@@ -274,10 +276,10 @@ class FlashFwdSm90(TileScheduler, Producer, Consumer, Epilogue):
         with mBlockTable (batch, max_blocks) int32 (`Sm90FwdConfig.paged`; page_size a multiple
         of block_n; the prefix sums of the keys then only give lengths), mLSE (heads, total_q)
         fp32, int32 prefix sums mCuSeqlens* (batch + 1,), mSeqUsedK (batch,) int32 key lengths
-        or None; one CTA per tile of max_seqlen_q's query blocks, those past a sequence's end
-        storing nothing."""
+        or None; mTiles (entries, 2) int32 (sequence, query block) of each CTA's tile, in launch
+        order (`VarlenTiles`), entries past a sequence's end storing nothing."""
         scalars = Sm90Scalars(scale_log2, score_premul, alibi_div, window_left, window_right, 1)
-        varlen = Sm90Varlen(mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, max_seqlen_q, mO, mBlockTable)
+        varlen = Sm90Varlen(mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, VarlenTiles(mTiles, mQ.shape[1]), mO, mBlockTable)
         self.launch(mQ, mK, mV, mO, mLSE, mAlibi, mRng, None, varlen, None, scalars, 0, stream)
 
     @cute.jit
@@ -411,7 +413,7 @@ def fake_args(config: Sm90FwdConfig) -> list:
             fake_tensor(cutlass.Float32, 2), fake_tensor(cutlass.Float32, 2) if config.has_alibi else None,
             fake_tensor(cutlass.Uint32, 1) if config.has_dropout else None, fake_tensor(cutlass.Int32, 1),
             fake_tensor(cutlass.Int32, 1), fake_tensor(cutlass.Int32, 1) if config.has_seqused_k else None,
-            fake_tensor(cutlass.Int32, 2) if config.paged else None, 1, 1.0, 1.0, 1.0, -1, -1, fake_stream()]
+            fake_tensor(cutlass.Int32, 2) if config.paged else None, fake_tiles(), 1.0, 1.0, 1.0, -1, -1, fake_stream()]
     if config.kvcache:
         split = [fake_tensor(cutlass.Float32, 5, ALIGN, COPY_BYTES, last_extent=config.traits.head_dim),
                  fake_tensor(cutlass.Float32, 4), fake_tensor(cutlass.Int32, 1)] \

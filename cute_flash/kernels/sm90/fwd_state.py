@@ -44,7 +44,7 @@ class Sm90Varlen:
     mCuSeqlensQ: cute.Tensor  # (batch + 1,) int32
     mCuSeqlensK: cute.Tensor  # (batch + 1,) int32
     mSeqUsedK: object         # (batch,) int32 key lengths overriding the prefix sums', or None
-    max_seqlen_q: object      # Int32: the grid covers its query blocks
+    tiles: object             # VarlenTiles: (sequence, query block) of each CTA, the longest first
     mO: cute.Tensor           # (total_q, heads, d)
     mBlockTable: object       # (batch, max_blocks) int32: keys in pages (`Sm90FwdConfig.paged`), or None
 

@@ -28,7 +28,10 @@ class TileScheduler:
 
     def num_tiles(self, args: Sm90Tensors):
         """Work tiles: (batch, head, query block) tiles, times the splits of a split launch (a
-        stream-K launch counts tiles alone: its CTAs are `Sm90Split.num_splits`)."""
+        stream-K launch counts tiles alone: its CTAs are `Sm90Split.num_splits`); a packed
+        batch's are its list's (`VarlenTiles`)."""
+        if cutlass.const_expr(args.varlen is not None):
+            return args.varlen.tiles.ctas()
         tiles = cute.ceil_div(self.rows_q(args), self.t.block_m) * args.tma_mQ.shape[2] * self.batch(args)
         if cutlass.const_expr(self.config.split and not self.config.stream_k):
             tiles = tiles * args.cache.split.num_splits
@@ -36,12 +39,12 @@ class TileScheduler:
 
     @staticmethod
     def rows_q(args: Sm90Tensors):
-        """Query rows the grid covers per (batch, head): seqlen_q, or packed max_seqlen_q."""
-        return args.tma_mQ.shape[0] if args.varlen is None else args.varlen.max_seqlen_q
+        """Query rows the grid covers per (batch, head): seqlen_q (dense batches and KV caches)."""
+        return args.tma_mQ.shape[0]
 
     @staticmethod
     def batch(args: Sm90Tensors):
-        return args.tma_mQ.shape[3] if args.varlen is None else args.varlen.mCuSeqlensQ.shape[0] - 1
+        return args.tma_mQ.shape[3]
 
     @cute.jit
     def tile(self, args: Sm90Tensors, scalars: Sm90Scalars, tile_idx) -> Tile:
@@ -51,8 +54,11 @@ class TileScheduler:
         decreasing length under a causal mask, while the K / V the CTAs in flight read stay
         those of one section (the host sizes it for L2). section_heads 1: one pair's blocks,
         last first, then the next pair's. (KV caches take theirs from the block index:
-        `cache_tile`, or stream-K's `stream_tile`.)"""
+        `cache_tile`, or stream-K's `stream_tile`; packed batches from their list, `VarlenTiles`.)"""
         t = self.t
+        if cutlass.const_expr(args.varlen is not None):
+            bidb, m_block, bidh = args.varlen.tiles.at(tile_idx)
+            return self.tile_at(args, scalars, m_block, bidh, bidb)
         heads = args.tma_mQ.shape[2]
         pairs = heads * self.batch(args)
         m_blocks = cute.ceil_div(self.rows_q(args), t.block_m)
