@@ -308,6 +308,26 @@ def check_learnable_sink(sink, nheads):
     if tuple(sink.shape) != (nheads,):
         raise ValueError(f"learnable_sink must have shape (nheads,) = ({nheads},), got {tuple(sink.shape)}")
 
+
+def check_mods(score_mod, mask_mod, aux_tensors, softcap, alibi_slopes, return_probs):
+    """Python-written mods (kernels/common/user_mods.py): callables; aux_tensors a list or tuple of
+    tensors, given with a mod; a score_mod sees the scaled score itself, so softcap and ALiBi
+    (which rescale it) are written into it instead; S_dmask is computed without mods."""
+    for name, mod in (("score_mod", score_mod), ("mask_mod", mask_mod)):
+        if mod is not None and not callable(mod):
+            raise TypeError(f"{name} must be a callable (a cute.jit function), got {type(mod).__name__}")
+    if aux_tensors is not None:
+        if score_mod is None and mask_mod is None:
+            raise ValueError("aux_tensors are read by a score_mod or mask_mod; none was given")
+        if not isinstance(aux_tensors, (list, tuple)):
+            raise TypeError(f"aux_tensors must be a list of tensors, got {type(aux_tensors).__name__}")
+        for i, t in enumerate(aux_tensors):
+            _require_tensor(t, f"aux_tensors[{i}]")
+    if score_mod is not None and (softcap > 0 or alibi_slopes is not None):
+        raise ValueError("softcap and alibi_slopes do not compose with a score_mod: write them into the mod")
+    if (score_mod is not None or mask_mod is not None) and return_probs:
+        raise ValueError("return_attn_probs is not available with a score_mod or mask_mod")
+
 # --- variable length ------------------------------------------------------------------------
 
 

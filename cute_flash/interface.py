@@ -20,7 +20,7 @@ with dropout flash-attn's representation of the probabilities, dropped entries n
 import importlib
 import math
 import sys
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -165,19 +165,22 @@ def _grad_inputs(q, k, v, packed):
 
 def _flash_attn(q, k, v, names, dropout_p, softmax_scale, causal, window_size, softcap,
                 alibi_slopes, caller=None, deterministic=False, packed=None, return_probs=False,
-                learnable_sink=None):
+                learnable_sink=None, mods=(None, None, None)):
     """Shared body of the fixed-length functions: (out, lse, S_dmask, dropout), S_dmask empty
     unless `return_probs` with dropout, dropout the call's DropoutArgs or None. `names` are the
     caller's argument names; `caller` is the public function's name, None for the private
     forward, which has no autograd in flash-attn either. With grad mode on and an input
     requiring grad, eager calls go through `FlashAttnFunction` (compiled ones through the op's
-    registered gradient). `learnable_sink` is folded into the kernels' output (`cute_flash.sinks`)."""
+    registered gradient). `learnable_sink` is folded into the kernels' output (`cute_flash.sinks`).
+    `mods`: (score_mod, mask_mod, aux_tensors), Python-written (`_user_mods`)."""
     named = _check_qkv(q, k, v, names, _Q_DIMS, _KV_DIMS, value_dim=caller is not None)
     p, window_size = _check_options(dropout_p, window_size, softcap, softmax_scale)
     batch, seqlen_q, nheads, headdim = q.shape
     _validate.check_alibi(alibi_slopes, batch, nheads)
     _check_sink(learnable_sink, nheads, p, return_probs)
-    _validate.check_cuda(named + [("alibi_slopes", alibi_slopes), ("learnable_sink", learnable_sink)])
+    _validate.check_mods(*mods, softcap, alibi_slopes, return_probs)
+    _validate.check_cuda(named + [("alibi_slopes", alibi_slopes), ("learnable_sink", learnable_sink)]
+                         + _aux_named(mods[2]))
 
     seqlen_k = k.shape[1]
     lse_shape = (batch, nheads, seqlen_q)
@@ -194,14 +197,16 @@ def _flash_attn(q, k, v, names, dropout_p, softmax_scale, causal, window_size, s
         if seqlen_k == 0:
             return sinks.fold(*_no_keys(q, lse_shape), learnable_sink)
         if torch.compiler.is_compiling():  # one graph node (cute_flash/ops.py), gradient registered
+            _refuse_compiled_mods(mods)
             return torch.ops.cute_flash.fwd(q, k, v, scale, causal, window[0], window[1], softcap, alibi_slopes,
                                             deterministic, *_op_dropout(dropout), learnable_sink)
         return sinks.fold(*_kernels().flash_fwd(q, k, v, softmax_scale=scale, causal=causal, window_size=window,
-                                                softcap=softcap, alibi_slopes=alibi_slopes, dropout=dropout),
-                          learnable_sink)
+                                                softcap=softcap, alibi_slopes=alibi_slopes, dropout=dropout,
+                                                mods=_user_mods(mods)), learnable_sink)
 
     packing, inputs = _grad_inputs(q, k, v, packed)
     if caller is not None and not torch.compiler.is_compiling() and _validate.needs_grad(inputs, learnable_sink):
+        _refuse_mod_grads(mods, caller)
         options = AttnOptions(scale, causal, window, softcap, deterministic, packing, dropout=dropout)
         out, lse = FlashAttnFunction.apply(options, run, alibi_slopes, learnable_sink, *inputs)
     else:
@@ -210,6 +215,27 @@ def _flash_attn(q, k, v, names, dropout_p, softmax_scale, causal, window_size, s
         q, k, v, drop, softmax_scale=scale, causal=causal, window_size=window, softcap=softcap,
         alibi_slopes=alibi_slopes))
     return _value_cols(out, d_v), lse, probs, dropout
+
+
+def _aux_named(aux_tensors) -> list:
+    return [(f"aux_tensors[{i}]", t) for i, t in enumerate(aux_tensors or ())]
+
+
+def _user_mods(mods):
+    """(score_mod, mask_mod, aux_tensors) for the launchers (`launch/mods.ModArgs.of`), or None."""
+    return None if mods[0] is None and mods[1] is None else mods
+
+
+def _refuse_compiled_mods(mods):
+    if mods[0] is not None or mods[1] is not None:
+        raise NotImplementedError("score_mod / mask_mod under torch.compile: the custom ops carry no callables yet; "
+                                  "call the function outside the compiled region")
+
+
+def _refuse_mod_grads(mods, caller):
+    if mods[0] is not None or mods[1] is not None:
+        raise NotImplementedError(f"{caller}: the backward of a score_mod / mask_mod is not built yet "
+                                  "(forward only: call it on tensors that do not require grad)")
 
 
 def _check_sink(learnable_sink, nheads, dropout_p, return_probs):
@@ -228,7 +254,7 @@ def _op_dropout(dropout):
 def _flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, names,
                        dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                        block_table, seqused_k, caller=None, deterministic=False, packed=None, return_probs=False,
-                       leftpad_k=None, learnable_sink=None):
+                       leftpad_k=None, learnable_sink=None, mods=(None, None, None)):
     """Shared body of the variable-length functions: (out, lse, S_dmask, dropout) as
     _flash_attn's. `names` name q, k, v, the two cu_seqlens and the two max_seqlen as the caller
     spelled them; `caller` and autograd as in _flash_attn. A paged cache (block_table) has no
@@ -250,10 +276,11 @@ def _flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
     total_q, nheads, headdim = q.shape
     _validate.check_alibi(alibi_slopes, batch, nheads)
     _check_sink(learnable_sink, nheads, p, return_probs)
+    _validate.check_mods(*mods, softcap, alibi_slopes, return_probs)
     _validate.check_cuda(named + [
         (names[3], cu_seqlens_q), (names[4], cu_seqlens_k), ("seqused_k", seqused_k), ("leftpad_k", leftpad_k),
         ("block_table", block_table), ("alibi_slopes", alibi_slopes), ("learnable_sink", learnable_sink),
-    ])
+    ] + _aux_named(mods[2]))
     if leftpad_k is not None:
         cu_seqlens_k, seqused_k = _skip_left_pad(cu_seqlens_k, seqused_k, leftpad_k)
 
@@ -276,6 +303,7 @@ def _flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
         if no_keys:
             return sinks.fold(*_no_keys(q, lse_shape), learnable_sink)
         if torch.compiler.is_compiling():
+            _refuse_compiled_mods(mods)
             return torch.ops.cute_flash.fwd_varlen(
                 q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, window[0],
                 window[1], softcap, alibi_slopes, block_table, seqused_k, deterministic, *_op_dropout(dropout),
@@ -283,13 +311,15 @@ def _flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
         return sinks.fold(*_kernels().flash_fwd_varlen(
             q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
             max_seqlen_k=max_seqlen_k, softmax_scale=scale, causal=causal, window_size=window, softcap=softcap,
-            alibi_slopes=alibi_slopes, block_table=block_table, seqused_k=seqused_k, dropout=dropout), learnable_sink)
+            alibi_slopes=alibi_slopes, block_table=block_table, seqused_k=seqused_k, dropout=dropout,
+            mods=_user_mods(mods)), learnable_sink)
 
     if wants_grad and paged:
         out, lse = run(q, k, v)
         out = no_backward(caller, "there is no gradient through a paged KV cache (block_table), as in flash-attn",
                           out, [*zip(names[:3], (q, k, v)), ("learnable_sink", learnable_sink)])
     elif wants_grad and not torch.compiler.is_compiling():
+        _refuse_mod_grads(mods, caller)
         varlen = Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k)
         options = AttnOptions(scale, causal, window, softcap, deterministic, packing, varlen, dropout)
         out, lse = FlashAttnFunction.apply(options, run, alibi_slopes, learnable_sink, *inputs)
@@ -375,6 +405,9 @@ def flash_attn_func(
     return_attn_probs: bool = False,
     *,
     learnable_sink: Optional[Tensor] = None,
+    score_mod: Optional[Callable] = None,
+    mask_mod: Optional[Callable] = None,
+    aux_tensors: Optional[Sequence[Tensor]] = None,
 ) -> Union[Tensor, tuple[Tensor, Tensor, Tensor]]:
     """Attention of q (batch, seqlen_q, nheads, headdim) over k, v (batch, seqlen_k, nheads_k,
     headdim). Returns out like q, or (out, softmax_lse (batch, nheads, seqlen_q), S_dmask): with
@@ -382,11 +415,13 @@ def flash_attn_func(
     representation, dropped entries negated (`cute_flash.dropout`); without it empty
     (flash-attn's value). `learnable_sink` (nheads,), keyword-only (flash-attn-4's): a logit per
     head in every row's softmax, with no value, differentiable (docs/semantics.md, Sinks); the
-    other attention functions take it too."""
+    other attention functions take it too. `score_mod`, `mask_mod`, `aux_tensors`, keyword-only
+    (flash-attn-4's conventions): Python-written modifiers compiled into the kernel, forward only
+    for now (docs/semantics.md, Score and mask mods)."""
     out, lse, probs, _ = _flash_attn(q, k, v, ("q", "k", "v"), dropout_p, softmax_scale, causal, window_size,
                                      softcap, alibi_slopes, "flash_attn_func", deterministic,
                                      return_probs=return_attn_probs,
-                                     learnable_sink=learnable_sink)
+                                     learnable_sink=learnable_sink, mods=(score_mod, mask_mod, aux_tensors))
     return _result(out, lse, probs, return_attn_probs)
 
 
@@ -469,17 +504,22 @@ def flash_attn_varlen_func(
     *,
     seqused_k: Optional[Tensor] = None,
     learnable_sink: Optional[Tensor] = None,
+    score_mod: Optional[Callable] = None,
+    mask_mod: Optional[Callable] = None,
+    aux_tensors: Optional[Sequence[Tensor]] = None,
 ) -> Union[Tensor, tuple[Tensor, Tensor, Tensor]]:
     """Variable-length attention of q (total_q, nheads, headdim) over k, v (total_k, nheads_k,
     headdim), or over a paged cache (num_blocks, page_size, nheads_k, headdim) with block_table.
     seqused_k (batch,) int32, keyword-only (not in flash-attn 2.8.3's Python API), caps the keys
-    used per sequence. Returns out, or (out, softmax_lse (nheads, total_q), S_dmask)."""
+    used per sequence; score_mod / mask_mod / aux_tensors as in `flash_attn_func` (q_idx and
+    kv_idx count from each sequence's start). Returns out, or (out, softmax_lse (nheads, total_q),
+    S_dmask)."""
     names = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
     out, lse, probs, _ = _flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                             names, dropout_p, softmax_scale, causal, window_size, softcap,
                                             alibi_slopes, block_table, seqused_k, "flash_attn_varlen_func",
                                             deterministic, return_probs=return_attn_probs,
-                                            learnable_sink=learnable_sink)
+                                            learnable_sink=learnable_sink, mods=(score_mod, mask_mod, aux_tensors))
     return _result(out, lse, probs, return_attn_probs)
 
 

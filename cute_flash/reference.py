@@ -29,6 +29,8 @@ def attention_ref(
     dropout_mask=None,
     return_probs=False,
     learnable_sink=None,
+    score_mod=None,
+    mask_mod=None,
 ):
     """Dense attention: q (b, sq, h, d), k/v (b, sk, hk, d) -> out (b, sq, h, d), lse (b, h, sq),
     and with ``return_probs`` the probabilities before dropout (b, h, sq, sk), float32 when upcast.
@@ -49,6 +51,10 @@ def attention_ref(
     ``learnable_sink`` (h,): one more softmax column per row holding the head's logit (not
     scaled), with no value: it takes its share of every row's probabilities, lse includes it,
     and a row that sees no key gives out 0 and lse = the sink (docs/semantics.md, Sinks).
+
+    ``score_mod(score, b, h, q_idx, kv_idx)`` and ``mask_mod(b, h, q_idx, kv_idx)`` (FlexAttention's
+    torch conventions, on broadcast index tensors) rewrite the scaled scores and hide those the
+    mask returns False for (docs/semantics.md, Score and mask mods).
     """
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
@@ -91,6 +97,13 @@ def attention_ref(
         slopes = alibi_slopes.float().expand(b, h).reshape(b, h, 1, 1)
         scores = scores - (slopes * diag.abs()).to(scores.dtype)
 
+    if score_mod is not None or mask_mod is not None:
+        b_idx = torch.arange(b, device=dev).view(b, 1, 1, 1)
+        h_idx = torch.arange(h, device=dev).view(1, h, 1, 1)
+        if score_mod is not None:
+            scores = score_mod(scores, b_idx, h_idx, row, col)
+        if mask_mod is not None:
+            visible = visible & mask_mod(b_idx, h_idx, row, col)
     scores = scores.masked_fill(~visible, float("-inf"))
     if learnable_sink is None:
         empty = ~visible.any(-1)
@@ -135,6 +148,8 @@ def attention_varlen_ref(
     upcast=True,
     return_probs=False,
     learnable_sink=None,
+    score_mod=None,
+    mask_mod=None,
 ):
     """Packed sequences: q (total_q, h, d) -> out (total_q, h, d), lse (h, total_q), and with
     ``return_probs`` each sequence's probabilities in a zero (b, h, max sq, max sk) tensor.
@@ -143,6 +158,7 @@ def attention_varlen_ref(
     k[cu_seqlens_k[b]:][:n], or with ``block_table`` the first n rows of its pages (k/v then are
     paged caches), where n = seqused_k[b] if given, else cu_seqlens_k[b+1] - cu_seqlens_k[b].
     Query rows outside every sequence keep out 0 and lse +inf (the sink, with ``learnable_sink``).
+    ``score_mod`` / ``mask_mod`` see sequence b as batch index b, positions from its start.
     """
     h = q.shape[1]
     out = q.new_zeros(q.shape[:-1] + v.shape[-1:])  # v's head dim
@@ -168,13 +184,25 @@ def attention_varlen_ref(
         o, l, *p = attention_ref(
             q[None, q0:q1], ki, vi, softmax_scale=softmax_scale, causal=causal,
             window_size=window_size, softcap=softcap, alibi_slopes=slopes, upcast=upcast, return_probs=return_probs,
-            learnable_sink=learnable_sink,
+            learnable_sink=learnable_sink, score_mod=_at_batch(score_mod, i, 1), mask_mod=_at_batch(mask_mod, i, 0),
         )
         out[q0:q1] = o[0]
         lse[:, q0:q1] = l[0]
         if return_probs:
             probs[i, :, : q1 - q0, :n] = p[0][0]
     return (out, lse, probs) if return_probs else (out, lse)
+
+
+def _at_batch(mod, b, position):
+    """`mod` with its batch index (argument `position`) taken as b: a sequence run alone."""
+    if mod is None:
+        return None
+
+    def at(*args):
+        args = list(args)
+        args[position] = args[position] + b
+        return mod(*args)
+    return at
 
 
 def apply_rotary_ref(x, cos, sin, *, seqlen_offsets=0, interleaved=False):

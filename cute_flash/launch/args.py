@@ -22,10 +22,13 @@ def positive_scale(q, softmax_scale):
     return q, softmax_scale, 1
 
 
-def scales(softmax_scale, softcap):
+def scales(softmax_scale, softcap, score_mod: bool = False):
     """(scale_log2, score_premul, alibi_div): with softcap the kernel applies tanh(s * scale /
     softcap) and exponentiates softcap * log2(e) * tanh; ALiBi slopes are divided by the
-    multiplier so the bias lands on the scaled score."""
+    multiplier so the bias lands on the scaled score. With a score_mod the kernel hands the mod
+    scale * s and exponentiates its result times log2(e) (kernels/common/user_mods.py)."""
+    if score_mod:
+        return LOG2E, softmax_scale, 1.0 / softmax_scale
     if softcap > 0:
         return softcap * LOG2E, softmax_scale / softcap, 1.0 / softcap
     return softmax_scale * LOG2E, 1.0, 1.0 / softmax_scale

@@ -14,6 +14,7 @@ from cute_flash.launch.rng import DropoutArgs, rng_of
 from cute_flash.launch.batch_chunks import (batch_chunks, chunked, lengths_of, refuse_chunked_dropout, rows_of,
                                             slopes_of)
 from cute_flash.launch.hopper import flash_fwd_sm90, flash_fwd_varlen_sm90
+from cute_flash.launch.mods import ModArgs, aux_of, has_score_mod, mod_flags, refuse_chunked_mods
 from cute_flash.launch.policy import PAGE_ROWS, hopper_pages_fit, takes_hopper_path
 from layouts.traits import FwdTraits, choose_fwd_traits, tile_arch
 
@@ -29,15 +30,18 @@ def fwd_kernel(d_pad: int, dtype, device_index: int, causal: bool, traits: FwdTr
 
 
 def flash_fwd(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1), softcap=0.0,
-              alibi_slopes=None, traits: FwdTraits | None = None, dropout: DropoutArgs | None = None):
+              alibi_slopes=None, traits: FwdTraits | None = None, dropout: DropoutArgs | None = None,
+              mods: ModArgs | None = None):
     """Dense forward: q (b, sq, h, d), k/v (b, sk, hk, d); returns (out, lse (b, h, sq)).
     On sm_90 the Hopper kernel (`takes_hopper_path`). `traits` (SM80 tiles) overrides the
     heuristic and selects the SM80 kernel (tile tuning, `python -m cute_flash tune`); `dropout`
     drops P's elements by the Philox mask (cute_flash/dropout.py), the same mask on either
-    kernel."""
+    kernel; `mods` the call's Python-written score / mask mods and their aux tensors (`ModArgs.of`)."""
     b, sq, h, d = q.shape
+    mods = ModArgs.of(mods)
     if chunked(b):  # launch/batch_chunks.py
         refuse_chunked_dropout(dropout, b)
+        refuse_chunked_mods(mods, b)
         parts = [flash_fwd(q[s], k[s], v[s], softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                            softcap=softcap, alibi_slopes=slopes_of(alibi_slopes, s), traits=traits)
                  for s in batch_chunks(b)]
@@ -46,21 +50,22 @@ def flash_fwd(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1), sof
     q, softmax_scale, _ = positive_scale(q, softmax_scale)
     if traits is None and takes_hopper_path(index):
         return flash_fwd_sm90(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                              softcap=softcap, alibi_slopes=alibi_slopes, dropout=dropout)
+                              softcap=softcap, alibi_slopes=alibi_slopes, dropout=dropout, mods=mods)
     q, k, v = aligned(q), aligned(k), aligned(v)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
     left, right = window_edges(causal, window_size)
     kernel = fwd_kernel(q.shape[-1], q.dtype, index, causal, traits,
-                        tuple(score_flags(left, right, alibi_slopes, softcap, dropout).items()))
-    kernel(q, k, v, out, lse, alibi_2d(alibi_slopes, b, h), rng_of(dropout, q.device), *scales(softmax_scale, softcap),
-           left, right)
+                        tuple(score_flags(left, right, alibi_slopes, softcap, dropout).items()) + mod_flags(mods))
+    kernel(q, k, v, out, lse, alibi_2d(alibi_slopes, b, h), rng_of(dropout, q.device), aux_of(mods),
+           *scales(softmax_scale, softcap, has_score_mod(mods)), left, right)
     return (out if out.shape[-1] == d else out[..., :d]), lse
 
 
 def flash_fwd_varlen(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                      causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                     block_table=None, seqused_k=None, dropout: DropoutArgs | None = None):
+                     block_table=None, seqused_k=None, dropout: DropoutArgs | None = None,
+                     mods: ModArgs | None = None):
     """Packed-batch forward: q (total_q, h, d), k/v (total_k, hk, d) or pages (num_blocks,
     page_size, hk, d) through block_table; returns (out (total_q, h, d), lse (h, total_q)).
     Dropout's rows and columns count from each sequence's start. On sm_90 the Hopper kernel
@@ -69,6 +74,8 @@ def flash_fwd_varlen(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     total_q, h, d = q.shape
     batch = cu_seqlens_q.shape[0] - 1
     refuse_chunked_dropout(dropout, batch)
+    mods = ModArgs.of(mods)
+    refuse_chunked_mods(mods, batch)
     paged = block_table is not None
     q, softmax_scale, _ = positive_scale(q, softmax_scale)
     index = gpu.device_index(q.device)
@@ -77,7 +84,7 @@ def flash_fwd_varlen(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
             return flash_fwd_varlen_sm90(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                                          max_seqlen_q=max_seqlen_q, softmax_scale=softmax_scale, causal=causal,
                                          window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                                         seqused_k=seqused_k, block_table=block_table, dropout=dropout)
+                                         seqused_k=seqused_k, block_table=block_table, dropout=dropout, mods=mods)
     q, k, v = aligned(q), aligned(k), aligned(v)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((h, total_q), dtype=torch.float32, device=q.device)
@@ -85,11 +92,12 @@ def flash_fwd_varlen(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     kernel = fwd_kernel(q.shape[-1], q.dtype, index, causal, None, (
         *score_flags(left, right, alibi_slopes, softcap, dropout).items(), ("varlen", True),
         ("has_seqused_k", seqused_k is not None), ("paged", paged),
-        ("any_page_size", paged and k.shape[1] % PAGE_ROWS != 0)))
+        ("any_page_size", paged and k.shape[1] % PAGE_ROWS != 0)) + mod_flags(mods))
     cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     seqused = None if seqused_k is None else seqused_k.contiguous()
     alibi, rng = alibi_2d(alibi_slopes, batch, h), rng_of(dropout, q.device)
     for s in batch_chunks(batch):  # one launch unless past GRID_MAX_BATCH sequences (launch/batch_chunks.py)
-        kernel(q, k, v, out, lse, rows_of(alibi, s), rng, lengths_of(cu_seqlens_q, s), lengths_of(cu_seqlens_k, s),
-               rows_of(seqused, s), rows_of(block_table, s), max_seqlen_q, *scales(softmax_scale, softcap), left, right)
+        kernel(q, k, v, out, lse, rows_of(alibi, s), rng, aux_of(mods), lengths_of(cu_seqlens_q, s),
+               lengths_of(cu_seqlens_k, s), rows_of(seqused, s), rows_of(block_table, s), max_seqlen_q,
+               *scales(softmax_scale, softcap, has_score_mod(mods)), left, right)
     return (out if out.shape[-1] == d else out[..., :d]), lse

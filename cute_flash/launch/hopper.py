@@ -19,6 +19,7 @@ from cute_flash.launch import compiled, gpu
 from cute_flash.launch.align import aligned
 from cute_flash.launch.args import alibi_2d, scales, score_flags, window_edges
 from cute_flash.launch.per_stream import per_stream, zeroed_counters
+from cute_flash.launch.mods import ModArgs, aux_of, has_score_mod, mod_flags
 from cute_flash.launch.rng import DropoutArgs, rng_of
 from cute_flash.launch.varlen_order import query_blocks_longest_first
 from cute_flash.launch.policy import (kv_multicast_fits, kv_stages, prefers_persistent, section_heads,
@@ -35,13 +36,14 @@ def tile_counter(device: torch.device) -> torch.Tensor:
 
 def flash_fwd_sm90(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                    dropout: DropoutArgs | None = None, traits=None, persistent=None, sections=None,
-                   speculative_max=None, speculative_in_place=None, stages=None, kv_multicast=None):
+                   speculative_max=None, speculative_in_place=None, stages=None, kv_multicast=None,
+                   mods: ModArgs | None = None):
     """Dense forward on the Hopper kernel: q (b, sq, h, d), k/v (b, sk, hk, d); returns (out,
     lse (b, h, sq)) as `flash_fwd` does. `traits` (HopperTileTraits), `persistent`,
     `sections` (pairs per scheduling section), `speculative_max`, `speculative_in_place` and
     `stages` (K / V pipeline depth) override the kernel's choices (`tune --sm90`);
     `kv_multicast` (sharing each K / V block between a cluster's two tiles) too, where
-    `kv_multicast_fits`."""
+    `kv_multicast_fits`. `mods`: the call's Python-written mods (no speculative maxima then)."""
     b, sq, h, d = q.shape
     q, k, v = aligned(q), aligned(k), aligned(v)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -53,8 +55,8 @@ def flash_fwd_sm90(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1)
     if persistent is None:
         persistent = prefers_persistent(traits, k.shape[1], masked)
     if speculative_max is None:
-        speculative_max = takes_speculative_max(traits, k.shape[1], left >= 0, right >= 0, dropout,
-                                                alibi_slopes is not None)
+        speculative_max = mods is None and takes_speculative_max(traits, k.shape[1], left >= 0, right >= 0, dropout,
+                                                                 alibi_slopes is not None)
     if speculative_in_place is None:
         speculative_in_place = speculative_max and speculates_in_place(traits)
     if stages is None:
@@ -66,20 +68,21 @@ def flash_fwd_sm90(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1)
                          "mask, an even number of query blocks")
     config = Sm90FwdConfig(traits, stages, persistent=persistent, speculative_max=speculative_max,
                            speculative_in_place=speculative_in_place, kv_multicast=kv_multicast,
-                           **score_flags(left, right, alibi_slopes, softcap, dropout))
+                           **score_flags(left, right, alibi_slopes, softcap, dropout), **dict(mod_flags(mods)))
     index = gpu.device_index(q.device)
     num_sms = gpu.num_sms(index)
     if sections is None:
         sections = section_heads(q, k, persistent and masked, traits.block_m, num_sms)
     compiled.kernel_for(config, index)(q, k, v, out, lse, alibi_2d(alibi_slopes, b, h), rng_of(dropout, q.device),
-                                       tile_counter(q.device), *scales(softmax_scale, softcap), left, right,
+                                       aux_of(mods), tile_counter(q.device),
+                                       *scales(softmax_scale, softcap, has_score_mod(mods)), left, right,
                                        sections, num_sms)
     return (out if out.shape[-1] == d else out[..., :d]), lse
 
 
 def flash_fwd_varlen_sm90(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale, causal=False,
                           window_size=(-1, -1), softcap=0.0, alibi_slopes=None, seqused_k=None, block_table=None,
-                          dropout: DropoutArgs | None = None):
+                          dropout: DropoutArgs | None = None, mods: ModArgs | None = None):
     """Packed batches on the Hopper kernel: q (total_q, h, d), k/v (total_k, hk, d) or pages
     (num_pages, page_size, hk, d) through block_table (`hopper_pages_fit`), int32 prefix sums,
     seqused_k (batch,) int32 key lengths or None; returns (out (total_q, h, d), lse (h,
@@ -94,12 +97,12 @@ def flash_fwd_varlen_sm90(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     traits = choose_hopper_traits(q.shape[-1], gpu.DTYPE_NAMES[q.dtype])
     config = Sm90FwdConfig(traits, varlen=True,
                            has_seqused_k=seqused_k is not None, paged=block_table is not None,
-                           **score_flags(left, right, alibi_slopes, softcap, dropout))
+                           **score_flags(left, right, alibi_slopes, softcap, dropout), **dict(mod_flags(mods)))
     cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     seqused = None if seqused_k is None else seqused_k.contiguous()
     compiled.kernel_for(config, gpu.device_index(q.device))(
         q, k, v, out, lse, alibi_2d(alibi_slopes, cu_seqlens_q.shape[0] - 1, h), rng_of(dropout, q.device),
-        cu_seqlens_q, cu_seqlens_k, seqused, block_table,
+        aux_of(mods), cu_seqlens_q, cu_seqlens_k, seqused, block_table,
         query_blocks_longest_first(cu_seqlens_q, cu_seqlens_k, total_q, traits.block_m, traits.block_n, right),
-        *scales(softmax_scale, softcap), left, right)
+        *scales(softmax_scale, softcap, has_score_mod(mods)), left, right)
     return (out if out.shape[-1] == d else out[..., :d]), lse

@@ -89,6 +89,7 @@ class ScoreMods:
     has_alibi: bool
     tile_mn: tuple        # (block_m, block_n): the S tile
     mma_tidx: object = None  # the thread's index in the MMA (None: its thread index)
+    user: object = None   # ModCall: Python-written mods (kernels/common/user_mods.py), on every tile
 
     @cute.jit
     def apply(self, tiled_mma: cute.TiledMma, acc_s: cute.Tensor, m_block, n_block, masked: cutlass.Constexpr):
@@ -103,7 +104,7 @@ class ScoreMods:
         # (row, col) of each S element this thread holds; built here, not hoisted out of the
         # loop, so the coordinates are rematerialised instead of occupying registers.
         tScS_mn = None
-        if cutlass.const_expr(masked or self.has_alibi):
+        if cutlass.const_expr(masked or self.has_alibi or self.user is not None):
             tidx = self.mma_tidx
             if cutlass.const_expr(tidx is None):
                 tidx, _, _ = cute.arch.thread_idx()
@@ -111,6 +112,8 @@ class ScoreMods:
             tScS_mn = lmma.acc_mn_view(tiled_mma.get_slice(tidx).partition_C(cS))
         if cutlass.const_expr(self.has_alibi):
             apply_alibi(acc_s_mn, tScS_mn, row0, col0, self.mask.seqlen_k - self.mask.seqlen_q, self.slope)
+        if cutlass.const_expr(self.user is not None):
+            self.user.apply(acc_s_mn, tScS_mn, row0, col0)
         if cutlass.const_expr(masked):
             self.mask.apply(acc_s_mn, tScS_mn, row0, col0)
         return acc_s_mn

@@ -46,6 +46,7 @@ from cute_flash.kernels.common.seq_info import SeqInfo, clamp
 from cute_flash.kernels.common.softmax import OnlineSoftmax
 from cute_flash.kernels.common.split_kv import SplitKV
 from cute_flash.kernels.common.tile_copy import column_predicate, copy_tile
+from cute_flash.kernels.common.user_mods import ModCall, check_mods
 from cute_flash.kernels.sm80.kv_tiles import KVTiles
 from layouts import copy as lcopy
 from layouts import mma as lmma
@@ -76,6 +77,7 @@ class FwdConfig:
     has_leftpad: bool = False     # kvcache: cache_leftpad
     has_batch_idx: bool = False   # kvcache: cache_batch_idx
     pack_gqa: bool = False        # kvcache, one query row: a GQA group's heads become query rows
+    mods: object = None           # UserMods: Python-written score / mask mods (kernels/common/user_mods.py)
 
     def __post_init__(self):
         if self.kvcache and self.varlen:
@@ -94,6 +96,7 @@ class FwdConfig:
             raise ValueError("a KV cache is read without dropout (flash-attn's flash_attn_with_kvcache has none)")
         if self.pack_gqa and not (self.kvcache and not (self.has_left or self.has_right or self.has_alibi)):
             raise ValueError("pack_gqa folds single-row decode queries: kvcache, no window, no ALiBi")
+        check_mods(self.mods, self.kvcache, self.has_softcap, self.has_alibi)
 
     @property
     def entry(self) -> str:
@@ -169,6 +172,7 @@ class FwdTensors:
     mBatchIdx: object  # (batch,) int32: cache row of each sequence
     mBlockTable: object  # (batch, max_blocks) int32
     mRng: object = None  # (4,) uint32: dropout's Philox key, offset and keep threshold
+    aux: object = None   # the mods' aux tensors (a list)
 
 
 @dataclass(frozen=True)
@@ -206,6 +210,7 @@ class CtaTensors:
     mTable: object     # (max_blocks,) this sequence's pages (paged)
     mAlibi: object
     head_dim: object   # the run-time head dim d <= kHeadDim
+    aux: object = None  # the mods' aux tensors
 
 
 @dataclass(frozen=True)
@@ -244,20 +249,21 @@ class FlashFwd:
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
-                 mLSE: cute.Tensor, mAlibi, mRng,
+                 mLSE: cute.Tensor, mAlibi, mRng, aux_tensors,
                  scale_log2: cutlass.Float32, score_premul: cutlass.Float32, alibi_div: cutlass.Float32,
                  window_left: cutlass.Int32, window_right: cutlass.Int32, stream):
         """mQ/mO (batch, seqlen_q, heads, d), mK/mV (batch, seqlen_k, heads_k, d) with strides the
         compiler may take as multiples of 8 (one 128-bit copy per 8 elements); mLSE (batch, heads,
-        seqlen_q) fp32; mAlibi (batch, heads) fp32 slopes; mRng (4,) uint32 dropout state. In every
-        entry, a tensor the config does not read is None (compiled as absent)."""
-        args = FwdTensors(mQ, mK, mV, mO, mLSE, None, mAlibi, None, None, None, None, None, None, mRng)
+        seqlen_q) fp32; mAlibi (batch, heads) fp32 slopes; mRng (4,) uint32 dropout state;
+        aux_tensors: the mods' tensors (a list). In every entry, a tensor the config does not read
+        is None (compiled as absent)."""
+        args = FwdTensors(mQ, mK, mV, mO, mLSE, None, mAlibi, None, None, None, None, None, None, mRng, aux_tensors)
         self.launch(args, FwdScalars(0, 1, scale_log2, score_premul, alibi_div, window_left, window_right),
                     (cute.ceil_div(mQ.shape[1], self.t.block_m), mQ.shape[0], mQ.shape[2]), stream)
 
     @cute.jit
     def call_varlen(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
-                    mLSE: cute.Tensor, mAlibi, mRng, mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor,
+                    mLSE: cute.Tensor, mAlibi, mRng, aux_tensors, mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor,
                     mSeqUsedK, mBlockTable,
                     max_seqlen_q: cutlass.Int32,
                     scale_log2: cutlass.Float32, score_premul: cutlass.Float32, alibi_div: cutlass.Float32,
@@ -267,7 +273,7 @@ class FlashFwd:
         (heads, total_q), int32 prefix sums mCuSeqlens* (batch + 1,) and mSeqUsedK (batch,)
         (has_seqused_k). The grid covers max_seqlen_q; CTAs past a sequence's end exit."""
         args = FwdTensors(mQ, mK, mV, mO, mLSE, None, mAlibi, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, None, None,
-                          mBlockTable, mRng)
+                          mBlockTable, mRng, aux_tensors)
         self.launch(args, FwdScalars(0, 1, scale_log2, score_premul, alibi_div, window_left, window_right),
                     (cute.ceil_div(max_seqlen_q, self.t.block_m), mCuSeqlensQ.shape[0] - 1, mQ.shape[1]), stream)
 
@@ -384,7 +390,8 @@ class FlashFwd:
                 bidb_kv = clamp(args.mBatchIdx[bidb], 0, mK.shape[0] - 1)
             mK_s = cute.domain_offset((seq.leftpad_k, 0), mK[bidb_kv, None, bidh_kv, None])  # (seqlen_k, d)
             mV_s = cute.domain_offset((seq.leftpad_k, 0), mV[bidb_kv, None, bidh_kv, None])
-        return seq, CtaTensors(mQ_s, mK_s, mV_s, mO_s, mLSE_s, mTable, args.mAlibi, mQ.shape[head_axis + 1])
+        return seq, CtaTensors(mQ_s, mK_s, mV_s, mO_s, mLSE_s, mTable, args.mAlibi, mQ.shape[head_axis + 1],
+                               args.aux)
 
     @cute.jit
     def attend(self, cta: CtaTile, seq: SeqInfo, views: CtaTensors, scalars: FwdScalars, recipe: TileRecipe,
@@ -448,7 +455,10 @@ class FlashFwd:
         slope = cutlass.Float32(0.0)
         if cutlass.const_expr(cfg.has_alibi):
             slope = views.mAlibi[cta.bidb, cta.bidh] * scalars.alibi_div
-        mods = ScoreMods(mask, scalars.score_premul, slope, cfg.has_softcap, cfg.has_alibi, (bm, bn))
+        user = None
+        if cutlass.const_expr(cfg.mods is not None):
+            user = ModCall.make(cfg.mods, cta.bidb, cta.bidh, seq, views.aux, scalars.score_premul)
+        mods = ScoreMods(mask, scalars.score_premul, slope, cfg.has_softcap, cfg.has_alibi, (bm, bn), user=user)
 
         if blocks.n_block_max > blocks.n_block_min:
             loop = LoopState(mma, kv, tKsK, tVsV, acc_o, acc_o_mn, softmax, mods, m_block, blocks.n_block_min,
@@ -574,7 +584,7 @@ class FlashFwd:
                 cute.arch.cp_async_commit_group()
 
         acc_s_mn = loop.mods.apply(mma.tiled_mma, acc_s, loop.m_block, n_block, masked)
-        loop.softmax.step(acc_s_mn, loop.acc_o_mn, is_first, masked)
+        loop.softmax.step(acc_s_mn, loop.acc_o_mn, is_first, masked or loop.mods.user is not None)
         if cutlass.const_expr(cfg.has_dropout):  # after the row sums: they are taken before dropout
             tidx, _, _ = cute.arch.thread_idx()
             loop.dropout.apply(mma.tiled_mma, acc_s, sm80_groups(acc_s.shape), tidx, loop.m_block * t.block_m,
@@ -619,9 +629,10 @@ def fake_args(config: FwdConfig) -> list:
     scalars = [1.0, 1.0, 1.0, -1, -1, fake_stream()]  # scales, window edges, stream
     alibi = f32(2, config.has_alibi)
     rng = fake_tensor(cutlass.Uint32, 1) if config.has_dropout else None
+    aux = config.mods.fake_aux() if config.mods is not None else None
     if config.entry == "varlen":
         kv_rank = 4 if config.paged else 3
-        return ([elems(3), elems(kv_rank), elems(kv_rank), elems(3), f32(2), alibi, rng, i32(1), i32(1)]
+        return ([elems(3), elems(kv_rank), elems(kv_rank), elems(3), f32(2), alibi, rng, aux, i32(1), i32(1)]
                 + [i32(1, config.has_seqused_k), i32(2, config.paged), 1] + scalars)
     if config.entry == "kvcache":
         split = config.split
@@ -629,4 +640,4 @@ def fake_args(config: FwdConfig) -> list:
                  if split else None)
         return ([elems(4), elems(4), elems(4), elems(4), f32(3), accum, f32(4, split), i32(1, split), alibi, i32(1)]
                 + [i32(1, config.has_leftpad), i32(1, config.has_batch_idx), i32(2, config.paged), 0, 1] + scalars)
-    return [elems(4) for _ in range(4)] + [f32(3), alibi, rng] + scalars
+    return [elems(4) for _ in range(4)] + [f32(3), alibi, rng, aux] + scalars

@@ -65,6 +65,7 @@ from cute_flash.kernels.common.fake import fake_stream, fake_tensor
 from cute_flash.kernels.common.flags import score_letters
 from cute_flash.kernels.common.gqa_fold import fold_heads, fold_lse
 from cute_flash.kernels.common.split_kv import ClusterMerge, cluster_sync
+from cute_flash.kernels.common.user_mods import check_mods
 from cute_flash.kernels.common.varlen_tiles import VarlenTiles, fake_tiles
 from cute_flash.kernels.sm90.epilogue import Epilogue
 from cute_flash.kernels.sm90.fwd_state import (KV_MULTICAST_CTAS, Pipes, Sm90Cache, Sm90Recipe, Sm90Scalars, Sm90Split,
@@ -115,6 +116,7 @@ class Sm90FwdConfig:
                                 # launch/policy.py:kv_multicast_fits)
     dependent_launch: bool = False  # KV caches: a programmatic dependent launch (PDL), unless one wave leaves
                                     # SMs idle and a CTA's keys are many (launch/policy.py:takes_dependent_launch)
+    mods: object = None        # UserMods: Python-written score / mask mods (kernels/common/user_mods.py)
 
     def __post_init__(self):
         if (self.varlen or self.kvcache) and self.persistent:
@@ -133,6 +135,9 @@ class Sm90FwdConfig:
             raise ValueError("the cluster merge is split-KV's (split)")
         if self.stream_k and not (self.split and not self.cluster_merge):
             raise ValueError("stream-K is split-KV's (split), merged through the workspace (not cluster_merge)")
+        check_mods(self.mods, self.kvcache, self.has_softcap, self.has_alibi)
+        if self.mods is not None and self.speculative_max:
+            raise ValueError("speculative maxima assume a score only moves by the built-in modifiers")
         if (self.split or self.pack_gqa) and not self.kvcache:
             raise ValueError("split-KV and the GQA fold belong to KV caches (kvcache)")
         if self.paged and not (self.kvcache or self.varlen):
@@ -206,7 +211,9 @@ class Sm90FwdConfig:
         schedule += "i" if self.speculative_in_place else ""
         schedule += "k" if self.kv_multicast else ""
         schedule += "d" if self.dependent_launch else ""
-        return f"{self.traits.name}_s{self.stages}{schedule}-{score_letters(self)}"
+        mods = "" if self.mods is None else "-M" + "".join(
+            m.digest for m in (self.mods.score_mod, self.mods.mask_mod) if m is not None)
+        return f"{self.traits.name}_s{self.stages}{schedule}-{score_letters(self)}{mods}"
 
 
 class FlashFwdSm90(TileScheduler, Producer, Consumer, Epilogue):
@@ -221,16 +228,17 @@ class FlashFwdSm90(TileScheduler, Producer, Consumer, Epilogue):
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
-                 mAlibi, mRng, mTileCounter: cute.Tensor, scale_log2: cutlass.Float32, score_premul: cutlass.Float32,
+                 mAlibi, mRng, aux_tensors, mTileCounter: cute.Tensor, scale_log2: cutlass.Float32, score_premul: cutlass.Float32,
                  alibi_div: cutlass.Float32, window_left: cutlass.Int32, window_right: cutlass.Int32,
                  section_heads: cutlass.Int32, max_ctas: cutlass.Int32, stream):
         """mQ / mO (batch, seqlen_q, heads, d), mK / mV (batch, seqlen_k, heads_k, d), mLSE
         (batch, heads, seqlen_q) fp32, mAlibi (batch, heads) fp32 or None, mRng (4,) uint32 (the
-        dropout state, `Dropout.load`) or None; mTileCounter (2,) int32, zero before a persistent
+        dropout state, `Dropout.load`) or None; aux_tensors the mods' tensors (a list) or None; mTileCounter (2,) int32, zero before a persistent
         launch and left zero by it; section_heads: see `tile`; max_ctas: the SMs a persistent
         variant spreads its tiles over."""
         scalars = Sm90Scalars(scale_log2, score_premul, alibi_div, window_left, window_right, section_heads)
-        self.launch(mQ, mK, mV, mO, mLSE, mAlibi, mRng, mTileCounter, None, None, scalars, max_ctas, stream)
+        self.launch(mQ, mK, mV, mO, mLSE, mAlibi, mRng, mTileCounter, None, None, scalars, max_ctas, stream,
+                    aux_tensors)
 
     @cute.jit
     def call_kvcache(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
@@ -267,7 +275,7 @@ class FlashFwdSm90(TileScheduler, Producer, Consumer, Epilogue):
 
     @cute.jit
     def call_varlen(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
-                    mAlibi, mRng, mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, mSeqUsedK, mBlockTable,
+                    mAlibi, mRng, aux_tensors, mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, mSeqUsedK, mBlockTable,
                     mTiles: cute.Tensor,
                     scale_log2: cutlass.Float32, score_premul: cutlass.Float32, alibi_div: cutlass.Float32,
                     window_left: cutlass.Int32, window_right: cutlass.Int32, stream):
@@ -280,11 +288,11 @@ class FlashFwdSm90(TileScheduler, Producer, Consumer, Epilogue):
         order (`VarlenTiles`), entries past a sequence's end storing nothing."""
         scalars = Sm90Scalars(scale_log2, score_premul, alibi_div, window_left, window_right, 1)
         varlen = Sm90Varlen(mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, VarlenTiles(mTiles, mQ.shape[1]), mO, mBlockTable)
-        self.launch(mQ, mK, mV, mO, mLSE, mAlibi, mRng, None, varlen, None, scalars, 0, stream)
+        self.launch(mQ, mK, mV, mO, mLSE, mAlibi, mRng, None, varlen, None, scalars, 0, stream, aux_tensors)
 
     @cute.jit
     def launch(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, mAlibi,
-               mRng, mTileCounter, varlen, cache, scalars: Sm90Scalars, max_ctas, stream):
+               mRng, mTileCounter, varlen, cache, scalars: Sm90Scalars, max_ctas, stream, aux_tensors=None):
         t, stages = self.t, self.config.stages
         sQ_layout = hopper.smem_layout(t, t.block_m)
         sKV_layout = hopper.smem_layout_staged(t, t.block_n, stages)
@@ -308,7 +316,8 @@ class FlashFwdSm90(TileScheduler, Producer, Consumer, Epilogue):
 
         recipe = Sm90Recipe(sQ_layout, sKV_layout, tma_q, tma_k, tma_v, tma_o, hopper.tiled_mma_qk(t),
                             hopper.tiled_mma_pv(t))
-        args = Sm90Tensors(tma_mQ, tma_mK, tma_mV, tma_mO, mLSE, mAlibi, mRng, mTileCounter, varlen, cache)
+        args = Sm90Tensors(tma_mQ, tma_mK, tma_mV, tma_mO, mLSE, mAlibi, mRng, mTileCounter, varlen, cache,
+                           aux_tensors)
         tiles = self.num_tiles(args)
         ctas = cutlass.min(tiles, max_ctas) if cutlass.const_expr(self.config.persistent) else tiles
         if cutlass.const_expr(self.config.kv_multicast):  # whole clusters; the host gives an even tile count
@@ -407,11 +416,12 @@ def fake_args(config: Sm90FwdConfig) -> list:
     """Placeholders for `config`'s entry, in its parameter order (as the SM80 forward's
     `fake_args`)."""
     dtype = element_type(config.traits)
+    aux = config.mods.fake_aux() if config.mods is not None else None
     if config.varlen:  # keys packed (total_k, heads_k, d) or in pages (num_pages, page_size, heads_k, d)
         kv_rank = 4 if config.paged else 3
         return [fake_tensor(dtype, r, ALIGN, COPY_BYTES) for r in (3, kv_rank, kv_rank, 3)] + [
             fake_tensor(cutlass.Float32, 2), fake_tensor(cutlass.Float32, 2) if config.has_alibi else None,
-            fake_tensor(cutlass.Uint32, 1) if config.has_dropout else None, fake_tensor(cutlass.Int32, 1),
+            fake_tensor(cutlass.Uint32, 1) if config.has_dropout else None, aux, fake_tensor(cutlass.Int32, 1),
             fake_tensor(cutlass.Int32, 1), fake_tensor(cutlass.Int32, 1) if config.has_seqused_k else None,
             fake_tensor(cutlass.Int32, 2) if config.paged else None, fake_tiles(), 1.0, 1.0, 1.0, -1, -1, fake_stream()]
     if config.kvcache:
@@ -426,5 +436,5 @@ def fake_args(config: Sm90FwdConfig) -> list:
                 + [1.0, 1.0, 1.0, -1, -1, fake_stream()])
     return [fake_tensor(dtype, 4, ALIGN, COPY_BYTES) for _ in range(4)] + [
         fake_tensor(cutlass.Float32, 3), fake_tensor(cutlass.Float32, 2) if config.has_alibi else None,
-        fake_tensor(cutlass.Uint32, 1) if config.has_dropout else None, fake_tensor(cutlass.Int32, 1),
+        fake_tensor(cutlass.Uint32, 1) if config.has_dropout else None, aux, fake_tensor(cutlass.Int32, 1),
         1.0, 1.0, 1.0, -1, -1, 1, 132, fake_stream()]

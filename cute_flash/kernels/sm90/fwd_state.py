@@ -85,6 +85,7 @@ class Sm90Tensors:
     mTileCounter: cute.Tensor  # (2,) int32: tiles claimed past the first wave, CTAs finished
     varlen: object       # Sm90Varlen for packed batches, else None
     cache: object        # Sm90Cache for KV caches, else None
+    aux: object = None   # the mods' aux tensors (a list), or None
 
 
 @dataclass(frozen=True)

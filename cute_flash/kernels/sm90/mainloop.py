@@ -15,6 +15,7 @@ from cute_flash.kernels.common.gemm import wgmma, wgmma_issue
 from cute_flash.kernels.common.philox import Dropout, wgmma_groups
 from cute_flash.kernels.common.score_mods import Mask, ScoreMods
 from cute_flash.kernels.common.softmax import OnlineSoftmax
+from cute_flash.kernels.common.user_mods import ModCall
 from cute_flash.kernels.sm90.barriers import FwdBarrier
 from cute_flash.kernels.sm90.fwd_state import Pipes, Sm90Loop, Sm90Recipe, Sm90Scalars, Sm90Tensors, Tile
 from cute_flash.kernels.sm90.pipeline import use_state
@@ -113,8 +114,11 @@ class Consumer:
         if cutlass.const_expr(cfg.has_alibi):
             slope = args.mAlibi[tile.bidb, tile.bidh] * scalars.alibi_div
         window = Window(scalars.window_left, scalars.window_right, cfg.has_left, cfg.has_right)
+        user = None
+        if cutlass.const_expr(cfg.mods is not None):
+            user = ModCall.make(cfg.mods, tile.bidb, tile.bidh, tile.seq, args.aux, scalars.score_premul)
         mods = ScoreMods(Mask(tile.seq.seqlen_q, tile.seq.seqlen_k, window), scalars.score_premul, slope,
-                         cfg.has_softcap, cfg.has_alibi, (bm, bn), mma_tidx=mma_tidx)
+                         cfg.has_softcap, cfg.has_alibi, (bm, bn), mma_tidx=mma_tidx, user=user)
         lo, hi = BlockRange.unmasked(tile.seq, tile.m_block, bm, bn, window)
         dropout = None
         if cutlass.const_expr(cfg.has_dropout):
@@ -247,7 +251,7 @@ class Consumer:
         eager = is_first or not cfg.speculative_max or (cfg.speculative_in_place and masked and not cfg.has_left)
         if cutlass.const_expr(eager):
             dst_mn = None if cutlass.const_expr(loop.acc_p is None) else lmma.acc_mn_view(loop.acc_p)
-            loop.softmax.update(acc_s_mn, loop.row_scale, is_first, masked, dst_mn=dst_mn)
+            loop.softmax.update(acc_s_mn, loop.row_scale, is_first, masked or cfg.mods is not None, dst_mn=dst_mn)
         elif cutlass.const_expr(cfg.speculative_in_place):
             loop.softmax.update_speculative(
                 acc_s_mn, None, loop.row_scale, masked,
