@@ -46,11 +46,14 @@ FLASH_ATTN_2_8_3 = {  # flash_attn/flash_attn_interface.py at v2.8.3, plus our s
 @pytest.mark.parametrize("fn", sorted(FLASH_ATTN_2_8_3))
 def test_signatures_are_flash_attn_2_8_3(fn):
     """Names, order, kinds and defaults as flash-attn's (ours carry type hints, which it lacks),
-    plus keyword-only additions after them: learnable_sink (flash-attn-4's) everywhere, and the
-    KV-cache call's packed queries (FA3's cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q)."""
+    plus keyword-only additions after them: learnable_sink (flash-attn-4's) everywhere, the
+    KV-cache call's packed queries (FA3's cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q), and
+    flash-attn-4's score_mod, mask_mod, aux_tensors on the two unpacked functions."""
     sig = inspect.signature(getattr(fi, fn))
     additions = ["learnable_sink"] + (["cu_seqlens_q", "cu_seqlens_k_new", "max_seqlen_q"]
                                       if fn == "flash_attn_with_kvcache" else [])
+    if fn in ("flash_attn_func", "flash_attn_varlen_func"):
+        additions += ["score_mod", "mask_mod", "aux_tensors"]
     assert list(sig.parameters)[-len(additions):] == additions
     for name in additions:
         assert sig.parameters[name].kind is inspect.Parameter.KEYWORD_ONLY and sig.parameters[name].default is None
@@ -710,7 +713,7 @@ def test_dense_dispatch_passes_inputs_and_defaults(gpu_free):
     assert fn == "flash_fwd"
     assert q is args["q"] and k is args["k"] and v is args["v"]
     assert kw == dict(softmax_scale=D ** -0.5, causal=False, window_size=(-1, -1), softcap=0.0,
-                      alibi_slopes=None, dropout=None)
+                      alibi_slopes=None, dropout=None, mods=None)
     assert out.shape == args["q"].shape and bool((out == 7).all())
 
 
@@ -828,7 +831,7 @@ def test_varlen_dispatch_keywords(gpu_free, name):
         cu_seqlens_q=args["cu_seqlens_q"], cu_seqlens_k=args["cu_seqlens_k"],
         max_seqlen_q=3, max_seqlen_k=args["max_seqlen_k"], softmax_scale=D ** -0.5, causal=True,
         window_size=(left, 0), softcap=5.0, alibi_slopes=None,
-        block_table=args.get("block_table"), seqused_k=args.get("seqused_k"), dropout=None,
+        block_table=args.get("block_table"), seqused_k=args.get("seqused_k"), dropout=None, mods=None,
     )
     for key in ("cu_seqlens_q", "cu_seqlens_k", "block_table", "seqused_k"):
         assert kw[key] is args.get(key)
