@@ -116,6 +116,11 @@ def _record(key):
         return
     from filelock import FileLock
 
+    try:
+        _encode(key)
+    except TypeError:  # a caller's Python-written mod: its code is not data a keys file could hold
+        log.debug("%s not recorded in %s: its key holds code", variant_name(key), path)
+        return
     with FileLock(f"{path}.lock"):
         keys = read_keys(path) if os.path.exists(path) else []
         if key not in keys:

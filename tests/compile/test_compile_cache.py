@@ -167,3 +167,34 @@ def test_recorded_keys_are_what_compile_keys_builds(cache_dir, monkeypatch, tmp_
     assert cmd_compile([80], False, 1, str(record)) == 0
     assert sorted(fresh.rglob("*.o")) == sorted(compile_cache.entry_path(k) for k in [(PLAIN, 90), (ROTARY, 90)])
     assert "2 compiled, 0 already cached" in capsys.readouterr().out
+
+
+def test_a_mod_is_found_again_by_its_code_and_a_changed_one_compiles(cache_dir, caplog, monkeypatch, tmp_path):
+    """A kernel with a Python-written mod (kernels/common/user_mods.py) goes to disk under its
+    mod's digest: the same mod, made anew (as in a fresh process), loads it; a mod capturing
+    another constant compiles its own. A key holding a mod is left out of a CUTE_FLASH_RECORD
+    keys file (its code is not data), and the call goes on."""
+    import cutlass.cute as cute
+
+    from cute_flash.kernels.common.user_mods import UserMod, UserMods
+    from cute_flash.kernels.sm80.fwd import FwdConfig
+    from layouts.traits import choose_fwd_traits
+
+    def scaled(factor):
+        @cute.jit
+        def mod(score, b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
+            return score * factor
+        return mod
+
+    def config(factor):
+        return FwdConfig(choose_fwd_traits(64, "bf16", 80), mods=UserMods(UserMod.of(scaled(factor))))
+
+    caplog.set_level("DEBUG", logger="cute_flash")
+    monkeypatch.setenv("CUTE_FLASH_RECORD", str(tmp_path / "keys.json"))
+    cached(config(0.5), 90)
+    compile_cache.clear_memory()
+    cached(config(0.5), 90)
+    assert len(_compiles(caplog)) == 1 and any(r.getMessage().startswith("loaded ") for r in caplog.records)
+    cached(config(0.25), 90)
+    assert len(_compiles(caplog)) == 2
+    assert not (tmp_path / "keys.json").exists()
