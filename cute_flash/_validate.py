@@ -309,13 +309,16 @@ def check_learnable_sink(sink, nheads):
         raise ValueError(f"learnable_sink must have shape (nheads,) = ({nheads},), got {tuple(sink.shape)}")
 
 
-def check_mods(score_mod, mask_mod, aux_tensors, softcap, alibi_slopes, return_probs):
+def check_mods(score_mod, mask_mod, aux_tensors, score_mod_bwd, softcap, alibi_slopes, return_probs):
     """Python-written mods (kernels/common/user_mods.py): callables; aux_tensors a list or tuple of
-    tensors, given with a mod; a score_mod sees the scaled score itself, so softcap and ALiBi
-    (which rescale it) are written into it instead; S_dmask is computed without mods."""
-    for name, mod in (("score_mod", score_mod), ("mask_mod", mask_mod)):
+    tensors, given with a mod; score_mod_bwd with a score_mod; a score_mod sees the scaled score
+    itself, so softcap and ALiBi (which rescale it) are written into it instead; S_dmask is
+    computed without mods."""
+    for name, mod in (("score_mod", score_mod), ("mask_mod", mask_mod), ("score_mod_bwd", score_mod_bwd)):
         if mod is not None and not callable(mod):
             raise TypeError(f"{name} must be a callable (a cute.jit function), got {type(mod).__name__}")
+    if score_mod_bwd is not None and score_mod is None:
+        raise ValueError("score_mod_bwd is the backward of a score_mod; none was given")
     if aux_tensors is not None:
         if score_mod is None and mask_mod is None:
             raise ValueError("aux_tensors are read by a score_mod or mask_mod; none was given")

@@ -67,6 +67,7 @@ class AttnOptions:
     packing: Packing
     varlen: Optional[Varlen] = None
     dropout: Optional[DropoutArgs] = None
+    mods: Optional[tuple] = None  # (score_mod, mask_mod, aux_tensors, score_mod_bwd): Python-written mods
 
 
 def _launch():
@@ -103,7 +104,7 @@ class FlashAttnFunction(torch.autograd.Function):
         else:
             common = dict(softmax_scale=o.softmax_scale, causal=o.causal, window_size=o.window, softcap=o.softcap,
                           alibi_slopes=ctx.alibi_slopes, deterministic=o.deterministic, dropout=o.dropout,
-                          dq=dq, dk=dk, dv=dv)
+                          dq=dq, dk=dk, dv=dv, **({} if o.mods is None else dict(mods=o.mods)))
             if o.varlen is None:
                 qkv_grads = _launch().flash_bwd(dout, q, k, v, out, lse, **common)
             else:

@@ -165,14 +165,14 @@ def _grad_inputs(q, k, v, packed):
 
 def _flash_attn(q, k, v, names, dropout_p, softmax_scale, causal, window_size, softcap,
                 alibi_slopes, caller=None, deterministic=False, packed=None, return_probs=False,
-                learnable_sink=None, mods=(None, None, None)):
+                learnable_sink=None, mods=(None, None, None, None)):
     """Shared body of the fixed-length functions: (out, lse, S_dmask, dropout), S_dmask empty
     unless `return_probs` with dropout, dropout the call's DropoutArgs or None. `names` are the
     caller's argument names; `caller` is the public function's name, None for the private
     forward, which has no autograd in flash-attn either. With grad mode on and an input
     requiring grad, eager calls go through `FlashAttnFunction` (compiled ones through the op's
     registered gradient). `learnable_sink` is folded into the kernels' output (`cute_flash.sinks`).
-    `mods`: (score_mod, mask_mod, aux_tensors), Python-written (`_user_mods`)."""
+    `mods`: (score_mod, mask_mod, aux_tensors, score_mod_bwd), Python-written (`_user_mods`)."""
     named = _check_qkv(q, k, v, names, _Q_DIMS, _KV_DIMS, value_dim=caller is not None)
     p, window_size = _check_options(dropout_p, window_size, softcap, softmax_scale)
     batch, seqlen_q, nheads, headdim = q.shape
@@ -207,7 +207,8 @@ def _flash_attn(q, k, v, names, dropout_p, softmax_scale, causal, window_size, s
     packing, inputs = _grad_inputs(q, k, v, packed)
     if caller is not None and not torch.compiler.is_compiling() and _validate.needs_grad(inputs, learnable_sink):
         _refuse_mod_grads(mods, caller)
-        options = AttnOptions(scale, causal, window, softcap, deterministic, packing, dropout=dropout)
+        options = AttnOptions(scale, causal, window, softcap, deterministic, packing, dropout=dropout,
+                              mods=_user_mods(mods))
         out, lse = FlashAttnFunction.apply(options, run, alibi_slopes, learnable_sink, *inputs)
     else:
         out, lse = run(q, k, v)
@@ -222,7 +223,8 @@ def _aux_named(aux_tensors) -> list:
 
 
 def _user_mods(mods):
-    """(score_mod, mask_mod, aux_tensors) for the launchers (`launch/mods.ModArgs.of`), or None."""
+    """(score_mod, mask_mod, aux_tensors, score_mod_bwd) for the launchers (`launch/mods.ModArgs.of`),
+    or None."""
     return None if mods[0] is None and mods[1] is None else mods
 
 
@@ -233,9 +235,10 @@ def _refuse_compiled_mods(mods):
 
 
 def _refuse_mod_grads(mods, caller):
-    if mods[0] is not None or mods[1] is not None:
-        raise NotImplementedError(f"{caller}: the backward of a score_mod / mask_mod is not built yet "
-                                  "(forward only: call it on tensors that do not require grad)")
+    """A gradient through a score_mod needs its derivative, which the caller writes (score_mod_bwd)."""
+    if mods[0] is not None and mods[3] is None:
+        raise ValueError(f"{caller}: a gradient through a score_mod needs its score_mod_bwd (the mod's "
+                         "derivative, flash-attn-4's convention); pass it, or call on tensors that do not require grad")
 
 
 def _check_sink(learnable_sink, nheads, dropout_p, return_probs):
@@ -254,7 +257,7 @@ def _op_dropout(dropout):
 def _flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, names,
                        dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                        block_table, seqused_k, caller=None, deterministic=False, packed=None, return_probs=False,
-                       leftpad_k=None, learnable_sink=None, mods=(None, None, None)):
+                       leftpad_k=None, learnable_sink=None, mods=(None, None, None, None)):
     """Shared body of the variable-length functions: (out, lse, S_dmask, dropout) as
     _flash_attn's. `names` name q, k, v, the two cu_seqlens and the two max_seqlen as the caller
     spelled them; `caller` and autograd as in _flash_attn. A paged cache (block_table) has no
@@ -321,7 +324,8 @@ def _flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
     elif wants_grad and not torch.compiler.is_compiling():
         _refuse_mod_grads(mods, caller)
         varlen = Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k)
-        options = AttnOptions(scale, causal, window, softcap, deterministic, packing, varlen, dropout)
+        options = AttnOptions(scale, causal, window, softcap, deterministic, packing, varlen, dropout,
+                              _user_mods(mods))
         out, lse = FlashAttnFunction.apply(options, run, alibi_slopes, learnable_sink, *inputs)
     else:
         out, lse = run(q, k, v)
@@ -408,6 +412,7 @@ def flash_attn_func(
     score_mod: Optional[Callable] = None,
     mask_mod: Optional[Callable] = None,
     aux_tensors: Optional[Sequence[Tensor]] = None,
+    score_mod_bwd: Optional[Callable] = None,
 ) -> Union[Tensor, tuple[Tensor, Tensor, Tensor]]:
     """Attention of q (batch, seqlen_q, nheads, headdim) over k, v (batch, seqlen_k, nheads_k,
     headdim). Returns out like q, or (out, softmax_lse (batch, nheads, seqlen_q), S_dmask): with
@@ -415,13 +420,14 @@ def flash_attn_func(
     representation, dropped entries negated (`cute_flash.dropout`); without it empty
     (flash-attn's value). `learnable_sink` (nheads,), keyword-only (flash-attn-4's): a logit per
     head in every row's softmax, with no value, differentiable (docs/semantics.md, Sinks); the
-    other attention functions take it too. `score_mod`, `mask_mod`, `aux_tensors`, keyword-only
-    (flash-attn-4's conventions): Python-written modifiers compiled into the kernel, forward only
-    for now (docs/semantics.md, Score and mask mods)."""
+    other attention functions take it too. `score_mod`, `mask_mod`, `aux_tensors`, `score_mod_bwd`,
+    keyword-only (flash-attn-4's conventions): Python-written modifiers compiled into the kernels,
+    forward and backward (docs/semantics.md, Score and mask mods)."""
     out, lse, probs, _ = _flash_attn(q, k, v, ("q", "k", "v"), dropout_p, softmax_scale, causal, window_size,
                                      softcap, alibi_slopes, "flash_attn_func", deterministic,
                                      return_probs=return_attn_probs,
-                                     learnable_sink=learnable_sink, mods=(score_mod, mask_mod, aux_tensors))
+                                     learnable_sink=learnable_sink,
+                                     mods=(score_mod, mask_mod, aux_tensors, score_mod_bwd))
     return _result(out, lse, probs, return_attn_probs)
 
 
@@ -507,19 +513,21 @@ def flash_attn_varlen_func(
     score_mod: Optional[Callable] = None,
     mask_mod: Optional[Callable] = None,
     aux_tensors: Optional[Sequence[Tensor]] = None,
+    score_mod_bwd: Optional[Callable] = None,
 ) -> Union[Tensor, tuple[Tensor, Tensor, Tensor]]:
     """Variable-length attention of q (total_q, nheads, headdim) over k, v (total_k, nheads_k,
     headdim), or over a paged cache (num_blocks, page_size, nheads_k, headdim) with block_table.
     seqused_k (batch,) int32, keyword-only (not in flash-attn 2.8.3's Python API), caps the keys
-    used per sequence; score_mod / mask_mod / aux_tensors as in `flash_attn_func` (q_idx and
-    kv_idx count from each sequence's start). Returns out, or (out, softmax_lse (nheads, total_q),
+    used per sequence; score_mod / mask_mod / aux_tensors / score_mod_bwd as in `flash_attn_func`
+    (q_idx and kv_idx count from each sequence's start). Returns out, or (out, softmax_lse (nheads, total_q),
     S_dmask)."""
     names = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
     out, lse, probs, _ = _flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                             names, dropout_p, softmax_scale, causal, window_size, softcap,
                                             alibi_slopes, block_table, seqused_k, "flash_attn_varlen_func",
                                             deterministic, return_probs=return_attn_probs,
-                                            learnable_sink=learnable_sink, mods=(score_mod, mask_mod, aux_tensors))
+                                            learnable_sink=learnable_sink,
+                                            mods=(score_mod, mask_mod, aux_tensors, score_mod_bwd))
     return _result(out, lse, probs, return_attn_probs)
 
 

@@ -26,12 +26,14 @@ class ModSpec:
     score_mod: object = None
     mask_mod: object = None
     aux_tensors: tuple = ()
+    score_mod_bwd: object = None  # the score_mod's derivative (its gradient's way back)
     ref_score_mod: object = field(default=None, repr=False)  # (score, b, h, q_idx, kv_idx) -> score
     ref_mask_mod: object = field(default=None, repr=False)   # (b, h, q_idx, kv_idx) -> bool
 
     def kwargs(self) -> dict:
         """The attention functions' keyword arguments."""
-        return dict(score_mod=self.score_mod, mask_mod=self.mask_mod, aux_tensors=list(self.aux_tensors) or None)
+        return dict(score_mod=self.score_mod, mask_mod=self.mask_mod, aux_tensors=list(self.aux_tensors) or None,
+                    score_mod_bwd=self.score_mod_bwd)
 
     def ref_kwargs(self) -> dict:
         """`cute_flash.reference.attention_ref`'s keyword arguments."""
@@ -100,9 +102,9 @@ def relative_bias(table: torch.Tensor) -> ModSpec:
         return score + _splat(aux_tensors[0][h_idx[0], dist + reach])
 
     def ref(score, b, h, q, k):
-        return score + table[h, (q - k).clamp(-reach, reach) + reach]
+        return score + table[h, (q - k).clamp(-reach, reach) + reach].to(score.dtype)
 
-    return ModSpec(score_mod=add_bias, aux_tensors=(table,), ref_score_mod=ref)
+    return ModSpec(score_mod=add_bias, aux_tensors=(table,), score_mod_bwd=_through, ref_score_mod=ref)
 
 
 def alibi(slopes: torch.Tensor) -> ModSpec:
@@ -118,9 +120,9 @@ def alibi(slopes: torch.Tensor) -> ModSpec:
 
     def ref(score, b, h, q, k):
         sq, sk = score.shape[-2], score.shape[-1]
-        return score - slopes[h] * (q + sk - sq - k).abs()
+        return score - (slopes[h] * (q + sk - sq - k).abs()).to(score.dtype)
 
-    return ModSpec(score_mod=alibi_bias, aux_tensors=(slopes,), ref_score_mod=ref)
+    return ModSpec(score_mod=alibi_bias, aux_tensors=(slopes,), score_mod_bwd=_through, ref_score_mod=ref)
 
 
 def softcap(cap: float) -> ModSpec:
@@ -131,10 +133,21 @@ def softcap(cap: float) -> ModSpec:
     def capped(score, b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
         return _splat(cap * cute.math.tanh(score[0] / cap))
 
+    @cute.jit
+    def capped_bwd(grad, score, b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
+        th = cute.math.tanh(score[0] / cap)
+        return _splat(grad[0] * (1.0 - th * th))
+
     def ref(score, b, h, q, k):
         return cap * torch.tanh(score / cap)
 
-    return ModSpec(score_mod=capped, ref_score_mod=ref)
+    return ModSpec(score_mod=capped, score_mod_bwd=capped_bwd, ref_score_mod=ref)
+
+
+@cute.jit
+def _through(grad, score, b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
+    """The backward of a score_mod that adds a bias: the gradient passes unchanged."""
+    return grad
 
 
 def _splat(value):

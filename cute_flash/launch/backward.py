@@ -23,6 +23,7 @@ from cute_flash.launch.align import aligned
 from cute_flash.launch.args import alibi_2d, positive_scale, scales, score_flags, window_edges
 from cute_flash.launch.batch_chunks import (batch_chunks, chunked, lengths_of, refuse_chunked_dropout, rows_of,
                                             slopes_of)
+from cute_flash.launch.mods import ModArgs, aux_of, has_score_mod, mod_flags, refuse_chunked_mods
 from cute_flash.launch.rng import DropoutArgs, rng_of
 from cute_flash.launch.varlen_order import key_blocks_longest_first
 from layouts.hopper import choose_hopper_bwd_traits
@@ -30,12 +31,13 @@ from layouts.traits import choose_bwd_traits, tile_arch
 
 
 def _config(d_pad, dtype, index, left, right, alibi_slopes, softcap, varlen, seqused_k, deterministic,
-            dropout=None):
+            dropout=None, mods: ModArgs | None = None):
     arch = gpu.device_arch(index)
     traits = choose_bwd_traits(d_pad, gpu.DTYPE_NAMES[dtype], tile_arch(arch))
     return BwdConfig(traits, **score_flags(left, right, alibi_slopes, softcap, dropout),
                      even_k=d_pad == traits.head_dim, varlen=varlen, has_seqused_k=seqused_k is not None,
-                     deterministic=deterministic, **policy.dq_reduction(traits, arch, deterministic))
+                     deterministic=deterministic, **policy.dq_reduction(traits, arch, deterministic),
+                     **dict(mod_flags(mods, backward=True)))
 
 
 def _grid_x(config: BwdConfig, max_seqlen_k, batch, nheads, index):
@@ -98,7 +100,7 @@ def _semaphores(config: Sm90BwdConfig, dq_accum: torch.Tensor):
 
 
 def _flash_bwd_sm90(dout, q, k, v, out, lse, config: BwdConfig, index, softmax_scale, softcap, alibi_slopes, left,
-                    right, grads, d, dropout):
+                    right, grads, d, dropout, mods: ModArgs | None = None):
     """The Hopper backward on aligned tensors. LSE (times log2 e) and D go in rows padded to
     whole query blocks, +inf and 0 past seqlen_q, so the kernel's bulk copies of a block's
     values need no bounds and its rows past the sequence get P = 0."""
@@ -116,11 +118,11 @@ def _flash_bwd_sm90(dout, q, k, v, out, lse, config: BwdConfig, index, softmax_s
     dk_h = torch.empty((b, sk, h, d_pad), dtype=q.dtype, device=q.device)
     dv_h = torch.empty((b, sk, h, d_pad), dtype=q.dtype, device=q.device)
     sm90 = Sm90BwdConfig(t, config.has_left, config.has_right, config.has_alibi, config.has_softcap,
-                         config.has_dropout, deterministic=config.deterministic)
+                         config.has_dropout, deterministic=config.deterministic, mods=config.mods)
     compiled.kernel_for(sm90, index)(q, k, v, dout, lse_log2, dot_pad, dq_accum, dk_h, dv_h,
                                      alibi_2d(alibi_slopes, b, h), rng_of(dropout, q.device),
-                                     _semaphores(sm90, dq_accum), softmax_scale,
-                                     *scales(softmax_scale, softcap), left, right)
+                                     _semaphores(sm90, dq_accum), aux_of(mods), softmax_scale,
+                                     *scales(softmax_scale, softcap, has_score_mod(mods)), left, right)
     dq_out = torch.empty((b, sq, h, d_pad), dtype=q.dtype, device=q.device)
     compiled.kernel_for(DQConvertConfig(t, even_k, False, 4, hopper=True), index)(
         dq_accum, dq_out, softmax_scale)
@@ -146,7 +148,7 @@ def padded_rows(cu_seqlens_q: torch.Tensor, total_q: int, block_m: int) -> torch
 
 def _flash_bwd_sm90_varlen(dout, q, k, v, out, lse, config: BwdConfig, index, cu_seqlens_q, cu_seqlens_k, seqused_k,
                            max_seqlen_q, softmax_scale, softcap, alibi_slopes, left, right, grads, d,
-                           dropout):
+                           dropout, mods: ModArgs | None = None):
     """The Hopper backward of a packed batch on aligned tensors: LSE (times log2 e), D and
     dQaccum in rows padded per sequence to whole query blocks (`padded_rows`: +inf, 0 and 0
     past each sequence), so the kernel's bulk copies need no bounds, as in the dense call; its
@@ -170,13 +172,13 @@ def _flash_bwd_sm90_varlen(dout, q, k, v, out, lse, config: BwdConfig, index, cu
     dv_h = torch.zeros((total_k, h, d_pad), dtype=q.dtype, device=q.device)  # seqused_k) get a zero gradient
     sm90 = Sm90BwdConfig(t, config.has_left, config.has_right, config.has_alibi, config.has_softcap,
                          config.has_dropout, varlen=True, has_seqused_k=seqused_k is not None,
-                         deterministic=config.deterministic)
+                         deterministic=config.deterministic, mods=config.mods)
     compiled.kernel_for(sm90, index)(q, k, v, dout, lse_log2, dot_pad, dq_accum, dk_h, dv_h,
                                      alibi_2d(alibi_slopes, batch, h), rng_of(dropout, q.device),
-                                     _semaphores(sm90, dq_accum), cu_seqlens_q, cu_seqlens_k, seqused_k,
+                                     _semaphores(sm90, dq_accum), aux_of(mods), cu_seqlens_q, cu_seqlens_k, seqused_k,
                                      key_blocks_longest_first(cu_seqlens_q, cu_seqlens_k, total_k, t.block_m,
                                                               t.block_n, right), softmax_scale,
-                                     *scales(softmax_scale, softcap), left, right)
+                                     *scales(softmax_scale, softcap, has_score_mod(mods)), left, right)
     dq_out = torch.zeros((total_q, h, d_pad), dtype=q.dtype, device=q.device)  # rows no sequence covers: 0
     compiled.kernel_for(DQConvertConfig(t, even_k, True, 4, hopper=True), index)(
         dq_accum, dq_out, cu_seqlens_q, max_seqlen_q, softmax_scale)
@@ -185,18 +187,21 @@ def _flash_bwd_sm90_varlen(dout, q, k, v, out, lse, config: BwdConfig, index, cu
 
 def flash_bwd(dout, q, k, v, out, lse, *, softmax_scale, causal=False, window_size=(-1, -1), softcap=0.0,
               alibi_slopes=None, deterministic=False, dq=None, dk=None, dv=None, variant=None,
-              dropout: DropoutArgs | None = None):
+              dropout: DropoutArgs | None = None, mods=None):
     """Gradients of the dense forward: q/dout/out (b, sq, h, d), k/v (b, sk, hk, d), lse
     (b, h, sq) from the forward; returns (dq, dk, dv, softmax_d), the gradients written into
     dq/dk/dv when given; softmax_d (b, h, sq) fp32 is D = rowsum(dO * O). `variant`: BwdConfig
     fields replacing the dispatcher's choice (traits, dq_bulk: `python -m cute_flash tune --bwd`).
-    `dropout`: the forward's (the same seed and offset recompute its mask)."""
+    `dropout`: the forward's (the same seed and offset recompute its mask); `mods`: the forward's
+    Python-written mods with the score_mod's backward (`ModArgs.of`)."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
+    mods = ModArgs.of(mods)
     if b == 0 or sq == 0 or sk == 0:
         return _zeros(q, k, v, (b, h, sq), (dq, dk, dv))
     if chunked(b):  # launch/batch_chunks.py: each chunk writes its rows of the gradients
         refuse_chunked_dropout(dropout, b)
+        refuse_chunked_mods(mods, b)
         dq, dk, dv = (torch.empty_like(x) if g is None else g for g, x in zip((dq, dk, dv), (q, k, v)))
         dot = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
         for s in batch_chunks(b):
@@ -211,10 +216,10 @@ def flash_bwd(dout, q, k, v, out, lse, *, softmax_scale, causal=False, window_si
     index = gpu.device_index(q.device)
     left, right = window_edges(causal, window_size)
     config = _config(d_pad, q.dtype, index, left, right, alibi_slopes, softcap, False, None, deterministic,
-                     dropout)
+                     dropout, mods)
     if variant is None and policy.takes_hopper_bwd(config, index):
         return _signed_dq(_flash_bwd_sm90(dout, q, k, v, out, lse, config, index, softmax_scale, softcap,
-                                          alibi_slopes, left, right, (dq, dk, dv), d, dropout), dq_sign)
+                                          alibi_slopes, left, right, (dq, dk, dv), d, dropout, mods), dq_sign)
     config = replace(config, **(variant or {}))
     dot = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
     compiled.kernel_for(PreprocessConfig(config.traits.head_dim, config.traits.dtype, config.even_k),
@@ -227,7 +232,7 @@ def flash_bwd(dout, q, k, v, out, lse, *, softmax_scale, causal=False, window_si
     dv_h = torch.empty((b, sk, h, d_pad), dtype=q.dtype, device=q.device)
     compiled.kernel_for(config, index)(
         q, k, v, dout, lse, dot, dq_accum, dk_h, dv_h, alibi_2d(alibi_slopes, b, h), rng_of(dropout, q.device),
-        softmax_scale, *scales(softmax_scale, softcap), left, right, grid_x)
+        aux_of(mods), softmax_scale, *scales(softmax_scale, softcap, has_score_mod(mods)), left, right, grid_x)
     dq_out = torch.empty((b, sq, h, d_pad), dtype=q.dtype, device=q.device)
     compiled.kernel_for(DQConvertConfig(t, config.even_k, False, config.dq_vec), index)(
         dq_accum, dq_out, softmax_scale)
@@ -237,15 +242,17 @@ def flash_bwd(dout, q, k, v, out, lse, *, softmax_scale, causal=False, window_si
 def flash_bwd_varlen(dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                      softmax_scale, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                      seqused_k=None, deterministic=False, dq=None, dk=None, dv=None,
-                     dropout: DropoutArgs | None = None):
+                     dropout: DropoutArgs | None = None, mods=None):
     """Gradients of the packed forward: q/dout/out (total_q, h, d), k/v (total_k, hk, d), lse
-    (h, total_q); returns (dq, dk, dv, softmax_d (h, total_q)). `dropout`: the forward's."""
+    (h, total_q); returns (dq, dk, dv, softmax_d (h, total_q)). `dropout`, `mods`: the forward's."""
     total_q, h, d = q.shape
     total_k, hk = k.shape[0], k.shape[1]
     batch = cu_seqlens_q.shape[0] - 1
     if batch == 0 or total_q == 0 or total_k == 0 or max_seqlen_q == 0 or max_seqlen_k == 0:
         return _zeros(q, k, v, (h, total_q), (dq, dk, dv))  # the forward computed nothing either
     refuse_chunked_dropout(dropout, batch)
+    mods = ModArgs.of(mods)
+    refuse_chunked_mods(mods, batch)
     q, softmax_scale, dq_sign = positive_scale(q, softmax_scale)
     q, k, v, out, dout = (aligned(x) for x in (q, k, v, out, dout))
     lse = lse.contiguous()  # a caller's view (ring-flash-attn's is transposed): the kernels read it dense
@@ -253,13 +260,14 @@ def flash_bwd_varlen(dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max
     index = gpu.device_index(q.device)
     left, right = window_edges(causal, window_size)
     config = _config(d_pad, q.dtype, index, left, right, alibi_slopes, softcap, True, seqused_k, deterministic,
-                     dropout)
+                     dropout, mods)
     cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     seqused = None if seqused_k is None else seqused_k.contiguous()
     if policy.takes_hopper_bwd(config, index) and not chunked(batch):
         return _signed_dq(_flash_bwd_sm90_varlen(dout, q, k, v, out, lse, config, index, cu_seqlens_q, cu_seqlens_k,
                                                  seqused, max_seqlen_q, softmax_scale, softcap,
-                                                 alibi_slopes, left, right, (dq, dk, dv), d, dropout), dq_sign)
+                                                 alibi_slopes, left, right, (dq, dk, dv), d, dropout, mods),
+                          dq_sign)
     grid_x = _grid_x(config, max_seqlen_k, batch, h, index)
     t = config.traits
     dot = torch.empty((h, total_q), dtype=torch.float32, device=q.device)
@@ -276,8 +284,9 @@ def flash_bwd_varlen(dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max
         compiled.kernel_for(PreprocessConfig(t.head_dim, t.dtype, config.even_k, True), index)(
             out, dout, dot, cu_q, max_seqlen_q)
         compiled.kernel_for(config, index)(
-            q, k, v, dout, lse, dot, dq_accum, dk_h, dv_h, rows_of(alibi, s), rng, cu_q, cu_k, rows_of(seqused, s),
-            softmax_scale, *scales(softmax_scale, softcap), left, right, grid_x)
+            q, k, v, dout, lse, dot, dq_accum, dk_h, dv_h, rows_of(alibi, s), rng, aux_of(mods), cu_q, cu_k,
+            rows_of(seqused, s), softmax_scale, *scales(softmax_scale, softcap, has_score_mod(mods)), left, right,
+            grid_x)
         compiled.kernel_for(DQConvertConfig(t, config.even_k, True, config.dq_vec), index)(
             dq_accum, dq_out, cu_q, max_seqlen_q, softmax_scale)
     return _signed_dq(_finish(dq_out, dk_h, dv_h, d, hk, (dq, dk, dv), dot), dq_sign)

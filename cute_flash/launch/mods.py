@@ -10,17 +10,23 @@ from cute_flash.launch.batch_chunks import chunked
 
 @dataclass(frozen=True)
 class ModArgs:
-    mods: UserMods
+    mods: UserMods      # the forward's
     aux_tensors: tuple  # CUDA tensors, in the order the mods index them
+    score_mod_bwd: UserMod | None = None
+
+    @property
+    def bwd_mods(self) -> UserMods:
+        """The backward's: the forward's mods (to recompute P) and the score_mod's backward."""
+        return UserMods(self.mods.score_mod, self.mods.mask_mod, self.mods.aux, self.score_mod_bwd)
 
     @staticmethod
     def of(mods) -> "ModArgs | None":
         """A launcher's `mods` argument: None, a ModArgs, or the API's (score_mod, mask_mod,
-        aux_tensors)."""
+        aux_tensors[, score_mod_bwd])."""
         return mods if mods is None or isinstance(mods, ModArgs) else ModArgs.make(*mods)
 
     @staticmethod
-    def make(score_mod, mask_mod, aux_tensors) -> "ModArgs | None":
+    def make(score_mod, mask_mod, aux_tensors, score_mod_bwd=None) -> "ModArgs | None":
         if score_mod is None and mask_mod is None:
             return None
         aux = tuple(t if t.stride(-1) == 1 else t.contiguous() for t in aux_tensors or ())  # as the kernels read them
@@ -28,12 +34,14 @@ class ModArgs:
         for name, _ in kinds:
             if name not in AUX_DTYPES:
                 raise ValueError(f"aux_tensors: dtype {name} is not one of {sorted(AUX_DTYPES)}")
-        return ModArgs(UserMods(UserMod.of(score_mod), UserMod.of(mask_mod), kinds), aux)
+        return ModArgs(UserMods(UserMod.of(score_mod), UserMod.of(mask_mod), kinds), aux, UserMod.of(score_mod_bwd))
 
 
-def mod_flags(mods: ModArgs | None) -> tuple:
+def mod_flags(mods: ModArgs | None, backward: bool = False) -> tuple:
     """The kernel configs' `mods` field as (name, value) pairs: empty without mods."""
-    return () if mods is None else (("mods", mods.mods),)
+    if mods is None:
+        return ()
+    return (("mods", mods.bwd_mods if backward else mods.mods),)
 
 
 def aux_of(mods: ModArgs | None):

@@ -18,6 +18,11 @@ def rel_bias(score, b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
 
 
 @cute.jit
+def rel_bias_bwd(grad, score, b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
+    return grad
+
+
+@cute.jit
 def causal(b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
     return operator.ge(q_idx, kv_idx)
 
@@ -88,6 +93,7 @@ def test_launchers_pass_the_mods_aux_tensors_and_scales(recorder, monkeypatch, p
     (dict(mask_mod=causal, aux_tensors=torch.zeros(2)), "list of tensors"),
     (dict(score_mod=rel_bias, softcap=5.0), "do not compose with a score_mod"),
     (dict(mask_mod=causal, return_attn_probs=True), "return_attn_probs"),
+    (dict(mask_mod=causal, score_mod_bwd=rel_bias_bwd), "score_mod_bwd is the backward of a score_mod"),
 ])
 @pytest.mark.parametrize("name", ["func", "varlen"])
 def test_bad_mods_are_refused(gpu_free, name, over, error):
@@ -97,14 +103,48 @@ def test_bad_mods_are_refused(gpu_free, name, over, error):
 
 
 @pytest.mark.parametrize("name", ["func", "varlen"])
-def test_mods_reach_the_launcher_and_refuse_gradients(gpu_free, name):
-    """Forward only for now: a call with mods on tensors that require grad is refused, not run
-    without them; without grad the launcher gets (score_mod, mask_mod, aux_tensors)."""
+def test_mods_reach_both_launchers_and_a_score_mod_gradient_needs_its_backward(gpu_free, name):
+    """The forward and the backward launchers get (score_mod, mask_mod, aux_tensors,
+    score_mod_bwd); a gradient through a score_mod without score_mod_bwd is refused before any
+    launch (a mask_mod alone needs none)."""
     table = torch.zeros(3)
-    call(name, **with_(name, score_mod=rel_bias, mask_mod=causal, aux_tensors=[table]))
-    (_, _, kw), = gpu_free.calls
-    assert kw["mods"] == (rel_bias, causal, [table])
-    args = with_(name, mask_mod=causal)
+    args = with_(name, score_mod=rel_bias, mask_mod=causal, aux_tensors=[table], score_mod_bwd=rel_bias_bwd)
     args["q"] = args["q"].clone().requires_grad_()
-    with pytest.raises(NotImplementedError, match="backward of a score_mod"):
-        call(name, **args)
+    out = call(name, **args)
+    out.sum().backward()
+    (fwd, _, fwd_kw), (bwd, _, bwd_kw) = gpu_free.calls
+    assert fwd.startswith("flash_fwd") and bwd.startswith("flash_bwd")
+    assert fwd_kw["mods"] == bwd_kw["mods"] == (rel_bias, causal, [table], rel_bias_bwd)
+    for mods, ok in ((dict(mask_mod=causal), True), (dict(score_mod=rel_bias), False)):
+        args = with_(name, **mods)
+        args["q"] = args["q"].clone().requires_grad_()
+        if ok:
+            call(name, **args)
+        else:
+            with pytest.raises(ValueError, match="needs its score_mod_bwd"):
+                call(name, **args)
+
+
+@pytest.mark.parametrize("path", ["sm80", "sm90"])
+def test_backward_launchers_pass_the_mods_with_their_backward(recorder, monkeypatch, path):
+    """The backward kernels' configs carry the forward's mods and score_mod_bwd, their launches
+    the aux tensors and the score_mod's scales, dense and packed, on either path."""
+    from cute_flash.launch.backward import flash_bwd, flash_bwd_varlen
+
+    if path == "sm90":
+        monkeypatch.delenv("CUTE_FLASH_ARCH_PATH")
+    q = torch.randn(2, 70, 4, 64, dtype=torch.bfloat16)
+    lse = torch.randn(2, 4, 70)
+    table = torch.randn(4, 300)
+    flash_bwd(q, q, q, q, q, lse, softmax_scale=0.5, mods=(rel_bias, causal, [table], rel_bias_bwd))
+    cu = torch.tensor([0, 70, 140], dtype=torch.int32)
+    p = q.flatten(0, 1)
+    flash_bwd_varlen(p, p, p, p, p, lse.transpose(0, 1).flatten(1), cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=70,
+                     max_seqlen_k=70, softmax_scale=0.5, mods=(None, causal, None, None))
+    mains = [x for x in recorder.launches if hasattr(x.config, "mods")]
+    dense, packed = mains
+    assert dense.config.mods.score_mod_bwd == UserMod.of(rel_bias_bwd) and dense["aux_tensors"] == [table]
+    assert dense["scale_log2"] == LOG2E and dense["score_premul"] == 0.5
+    assert packed.config.mods.mask_mod == UserMod.of(causal) and packed.config.mods.score_mod_bwd is None
+    assert packed["aux_tensors"] is None and packed["scale_log2"] == pytest.approx(0.5 * LOG2E)
+    assert type(dense.config).__name__ == ("Sm90BwdConfig" if path == "sm90" else "BwdConfig")

@@ -1,8 +1,8 @@
-"""Python-written mods (`score_mod` / `mask_mod`, kernels/common/user_mods.py): every variant of the
-library (`cute_flash.mods`) against `cute_flash.reference` with its torch twin, on both forward
-kernels, dense and packed, by the criterion of docs/semantics.md; ALiBi and softcap as mods
-against the built-in flags; a mod written as flash-attn-4 writes one. Each test asserts the
-path that ran."""
+"""Python-written mods (`score_mod` / `mask_mod` / `score_mod_bwd`, kernels/common/user_mods.py):
+every variant of the library (`cute_flash.mods`) against `cute_flash.reference` with its torch
+twin, forward and gradients, on both paths' kernels, dense and packed, by the criteria of
+docs/semantics.md; ALiBi and softcap as mods against the built-in flags; a mod written as
+flash-attn-4 writes one. Each test asserts the path that ran."""
 import operator
 
 import cutlass
@@ -12,6 +12,7 @@ import torch
 
 from cute_flash import flash_attn_func, flash_attn_varlen_func, mods
 from cute_flash.reference import attention_varlen_ref
+from tests.helpers.backward import assert_grads_match, ours
 from tests.helpers.gpu_utils import assert_matches_reference, cu_seqlens, on_path, poison_allocator
 
 pytestmark = pytest.mark.gpu
@@ -103,3 +104,37 @@ def test_a_flash_attn_4_score_mod_runs_unchanged(path):
         return torch.where(qi >= ki, score - (qi - ki) * 0.05, score - 1.0)
 
     assert_matches_reference(out, lse, q, k, v, score_mod=ref)
+
+
+@pytest.fixture(params=["sm80", "default"])
+def grad_path(request, monkeypatch, kernels):
+    if request.param == "sm80":
+        monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", "sm80")
+    else:
+        monkeypatch.delenv("CUTE_FLASH_ARCH_PATH", raising=False)
+    yield request.param
+    assert kernels == on_path(request.param, "fwd", "bwd"), f"the kernels that ran: {sorted(kernels)}"
+
+
+@pytest.mark.parametrize("name", list(library("cpu")))
+@pytest.mark.parametrize("d", [64, 128])
+def test_library_mod_gradients_match_reference(grad_path, name, d):
+    """dq, dk, dv through each library mod (score_mod_bwd where it has a score_mod) against the
+    reference's autograd, by the backward's rule."""
+    spec = library()[name]
+    q, k, v = inputs(d)
+    dout = torch.randn_like(q)
+    out, grads = ours(lambda q, k, v: flash_attn_func(q, k, v, **spec.kwargs()), dout, q, k, v)
+    assert_grads_match(grads, q, k, v, dout, out=out, **spec.ref_kwargs())
+
+
+def test_packed_gradients_see_positions_per_sequence(grad_path):
+    lens = [300, 1, 700, 129]
+    spec = mods.prefix_lm(torch.tensor([50, 1, 0, 200], dtype=torch.int32, device="cuda"))
+    torch.manual_seed(2)
+    q, k, v, dout = (torch.randn(sum(lens), h, 64, device="cuda", dtype=torch.bfloat16) for h in (H, HK, HK, H))
+    cu = cu_seqlens(lens)
+    out, grads = ours(lambda q, k, v: flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), **spec.kwargs()),
+                      dout, q, k, v)
+    assert_grads_match(grads, q, k, v, dout, out=out, ref_fn=lambda q, k, v, **o: attention_varlen_ref(
+        q, k, v, cu, cu, **o), **spec.ref_kwargs())

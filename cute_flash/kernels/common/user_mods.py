@@ -4,6 +4,8 @@ as part of its variant.
 
     score_mod(score, b_idx, h_idx, q_idx=, kv_idx=, seqlen_info=, aux_tensors=) -> score
     mask_mod(b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors) -> keep (Boolean)
+    score_mod_bwd(grad, score, b_idx, h_idx, q_idx=, kv_idx=, seqlen_info=, aux_tensors=)
+        -> grad times d score_mod / d score (the backward: the gradient of the mod's input)
 
 Every argument but the last two is a TensorSSA of one element: the score (Float32, already
 times the softmax scale; the softmax then takes the result as it is), the sequence index, the
@@ -107,6 +109,7 @@ class UserMods:
     score_mod: UserMod | None = None
     mask_mod: UserMod | None = None
     aux: tuple = ()
+    score_mod_bwd: UserMod | None = None  # backward kernels only
 
     def fake_aux(self):
         """Placeholders for the aux tensors (a list, or None without any)."""
@@ -121,11 +124,16 @@ AUX_DTYPES = {"float32": cutlass.Float32, "float16": cutlass.Float16, "bfloat16"
               "int32": cutlass.Int32, "int64": cutlass.Int64, "uint8": cutlass.Uint8, "bool": cutlass.Boolean}
 
 
-def check_mods(mods: "UserMods | None", kvcache: bool, has_softcap: bool, has_alibi: bool):
-    """Refuse a config the mods do not compose with: KV caches (not wired), and softcap or ALiBi
-    beside a score_mod (each rescales the score the mod would see; write them as mods)."""
+def check_mods(mods: "UserMods | None", kvcache: bool, has_softcap: bool, has_alibi: bool, backward: bool = False):
+    """Refuse a config the mods do not compose with: KV caches (not wired), softcap or ALiBi
+    beside a score_mod (each rescales the score the mod would see; write them as mods), and in a
+    backward a score_mod without its score_mod_bwd (in a forward, a score_mod_bwd)."""
     if mods is None:
         return
+    if backward and (mods.score_mod is None) != (mods.score_mod_bwd is None):
+        raise ValueError("a backward with a score_mod takes its score_mod_bwd, and only then")
+    if not backward and mods.score_mod_bwd is not None:
+        raise ValueError("score_mod_bwd belongs to the backward's variant")
     if kvcache:
         raise ValueError("score_mod / mask_mod are not available on the KV-cache entry")
     if mods.score_mod is not None and (has_softcap or has_alibi):
@@ -190,3 +198,20 @@ class ModCall:
                     keep = self.mods.mask_mod.fn(b, h, q, k, self.seqlen_info, aux)
                     if not keep[0]:
                         acc_s_mn[r, c] = -cutlass.Float32.inf
+
+    @cute.jit
+    def backward(self, acc_ds_mn: cute.Tensor, pre_mn: cute.Tensor, tScS_mn: cute.Tensor, row0, col0):
+        """The backward's dS: each gradient of a score_mod's output (acc_ds_mn, in place) through
+        score_mod_bwd to its input, given that input (pre_mn: scale * S, kept before `apply`)."""
+        last_q, last_k = self.seqlen_info.seqlen_q - 1, self.seqlen_info.seqlen_k - 1
+        b = _ssa(self.bidb, cutlass.Int32)
+        h = _ssa(self.bidh, cutlass.Int32)
+        aux = self.aux_tensors if cutlass.const_expr(self.aux_tensors is not None) else []
+        for r in cutlass.range_constexpr(cute.size(acc_ds_mn.shape[0])):
+            q = _ssa(cutlass.min(row0 + tScS_mn[r, 0][0], last_q), cutlass.Int32)
+            for c in cutlass.range_constexpr(cute.size(acc_ds_mn.shape[1])):
+                k = _ssa(cutlass.min(col0 + tScS_mn[0, c][1], last_k), cutlass.Int32)
+                grad = _ssa(acc_ds_mn[r, c], cutlass.Float32)
+                score = _ssa(pre_mn[r, c], cutlass.Float32)
+                acc_ds_mn[r, c] = self.mods.score_mod_bwd.fn(grad, score, b, h, q_idx=q, kv_idx=k,
+                                                             seqlen_info=self.seqlen_info, aux_tensors=aux)[0]

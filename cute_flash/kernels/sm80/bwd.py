@@ -44,6 +44,7 @@ from cute_flash.kernels.common.philox import Dropout
 from cute_flash.kernels.common.score_mods import BwdScalars, Mask, ScoreMods, softcap_with_derivative
 from cute_flash.kernels.common.seq_info import SeqInfo, head_rows
 from cute_flash.kernels.common.tile_copy import column_predicate, copy_tile
+from cute_flash.kernels.common.user_mods import ModCall, check_mods
 from layouts import copy as lcopy
 from layouts.dq import chunk_index
 from layouts import mma as lmma
@@ -66,6 +67,7 @@ class BwdConfig:
     deterministic: bool = False   # dQ summed per key-block split in a fixed order, no cross-CTA atomics
     dq_vec: int = 1               # floats per dQ atomic add: 4 on sm_90 (red.global.add.v4.f32), 1 before
     dq_bulk: bool = False         # dQ staged in smem, added by one bulk reduce per warp (sm_90; `dq_reduction`)
+    mods: object = None           # UserMods: Python-written score / mask mods (kernels/common/user_mods.py)
 
     def __post_init__(self):
         if self.has_seqused_k and not self.varlen:
@@ -75,6 +77,7 @@ class BwdConfig:
         if self.dq_bulk and (self.dq_vec != 4 or self.deterministic):
             raise ValueError("dq_bulk needs dq_vec 4 (its layout) and no deterministic mode (bulk adds of one "
                              "CTA to one address are not ordered)")
+        check_mods(self.mods, False, self.has_softcap, self.has_alibi, backward=True)
 
     @property
     def smem_bytes(self) -> int:
@@ -127,6 +130,7 @@ class BwdTensors:
     mCuSeqlensK: object
     mSeqUsedK: object    # (batch,) int32
     mRng: object = None  # (4,) uint32: the forward's dropout state (kernels/common/philox.py:Dropout)
+    aux: object = None   # the mods' aux tensors (a list)
 
 
 @dataclass(frozen=True)
@@ -191,21 +195,21 @@ class FlashBwd:
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
                  mD: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, mAlibi, mRng,
-                 softmax_scale: cutlass.Float32, scale_log2: cutlass.Float32, score_premul: cutlass.Float32,
+                 aux_tensors, softmax_scale: cutlass.Float32, scale_log2: cutlass.Float32, score_premul: cutlass.Float32,
                  alibi_div: cutlass.Float32, window_left: cutlass.Int32, window_right: cutlass.Int32,
                  grid_x: cutlass.Int32, stream):
         """Dense batches: mQ/mdO (batch, seqlen_q, heads, d), mK/mV (batch, seqlen_k, heads_k,
         d), mdK/mdV (batch, seqlen_k, heads, d), mLSE/mD (batch, heads, seqlen_q) fp32, mdQaccum
         (slices, batch, heads, ceil(seqlen_q / kBlockM), kBlockM * kHeadDim) fp32 zeroed.
         grid_x: the key blocks, or the deterministic split count (= slices)."""
-        args = BwdTensors(mQ, mK, mV, mdO, mLSE, mD, mdQaccum, mdK, mdV, mAlibi, None, None, None, mRng)
+        args = BwdTensors(mQ, mK, mV, mdO, mLSE, mD, mdQaccum, mdK, mdV, mAlibi, None, None, None, mRng, aux_tensors)
         self.launch(args, BwdScalars(softmax_scale, scale_log2, score_premul, alibi_div, window_left, window_right),
                     (grid_x, mQ.shape[0], mQ.shape[2]), stream)
 
     @cute.jit
     def call_varlen(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
                     mD: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, mAlibi, mRng,
-                    mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, mSeqUsedK,
+                    aux_tensors, mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, mSeqUsedK,
                     softmax_scale: cutlass.Float32, scale_log2: cutlass.Float32, score_premul: cutlass.Float32,
                     alibi_div: cutlass.Float32, window_left: cutlass.Int32, window_right: cutlass.Int32,
                     grid_x: cutlass.Int32, stream):
@@ -213,7 +217,7 @@ class FlashBwd:
         (total_k, heads, d), mLSE/mD (heads, total_q), mdQaccum (slices, heads, total_q //
         kBlockM + batch + 1, kBlockM * kHeadDim); grid_x covers max_seqlen_k (or the split count)."""
         args = BwdTensors(mQ, mK, mV, mdO, mLSE, mD, mdQaccum, mdK, mdV, mAlibi, mCuSeqlensQ, mCuSeqlensK,
-                          mSeqUsedK, mRng)
+                          mSeqUsedK, mRng, aux_tensors)
         self.launch(args, BwdScalars(softmax_scale, scale_log2, score_premul, alibi_div, window_left, window_right),
                     (grid_x, mCuSeqlensQ.shape[0] - 1, mQ.shape[1]), stream)
 
@@ -262,8 +266,11 @@ class FlashBwd:
         if cutlass.const_expr(cfg.has_alibi):
             slope = args.mAlibi[bidb, bidh] * scalars.alibi_div
         # softcap is applied here, not by ScoreMods: its derivative needs tanh before the masks
+        user = None
+        if cutlass.const_expr(cfg.mods is not None):
+            user = ModCall.make(cfg.mods, bidb, bidh, seq, args.aux, scalars.score_premul)
         mods = ScoreMods(Mask(seq.seqlen_q, seq.seqlen_k, window), scalars.score_premul, slope, False,
-                         cfg.has_alibi, (t.block_m, t.block_n))
+                         cfg.has_alibi, (t.block_m, t.block_n), user=user)
         dropout = None
         if cutlass.const_expr(cfg.has_dropout):
             dropout = Dropout.load(args.mRng, bidb, bidh, args.mQ.shape[1 if cutlass.const_expr(cfg.varlen) else 2])
@@ -410,6 +417,10 @@ class FlashBwd:
         dtanh = None
         if cutlass.const_expr(cfg.has_softcap):
             dtanh = softcap_with_derivative(acc_s, scalars.score_premul)
+        pre = None  # a score_mod's input, scale * S, for its backward
+        if cutlass.const_expr(cfg.mods is not None and cfg.mods.score_mod_bwd is not None):
+            pre = cute.make_fragment_like(acc_s, cutlass.Float32)  # (MMA, MMA_M, MMA_N)
+            pre.store(acc_s.load() * scalars.score_premul)
         # Only tiles crossing the sequence end or a window edge run the mask (dynamic test)
         acc_s_mn = lmma.acc_mn_view(acc_s)
         lo, hi = BlockRange.unmasked(seq, m_block, bm, bn, kb.mods.mask.window)
@@ -430,6 +441,8 @@ class FlashBwd:
         if cutlass.const_expr(cfg.has_softcap):
             for i in cutlass.range(cute.size(acc_dp), unroll_full=True):
                 acc_dp[i] = acc_dp[i] * dtanh[i]
+        if cutlass.const_expr(pre is not None):
+            kb.mods.user.backward(acc_dp_mn, lmma.acc_mn_view(pre), tScS_mn, m_block * bm, kb.n_block * bn)
 
         # P, dS -> smem (the dK/dV and dQ GEMMs read them in other warp grids)
         smem_copy_c = lcopy.smem_tiled_copy_c(t, mma_sdp).get_slice(tidx)
@@ -518,8 +531,9 @@ class FlashBwd:
         t = self.t
         bn, d = t.block_n, t.head_dim
         tidx, _, _ = cute.arch.thread_idx()
-        for i in cutlass.range(cute.size(kb.acc_dk), unroll_full=True):
-            kb.acc_dk[i] = kb.acc_dk[i] * scalars.softmax_scale
+        acc_dk = kb.acc_dk  # (a loop that writes through kb would carry all of it, the mods' names too)
+        for i in cutlass.range(cute.size(acc_dk), unroll_full=True):
+            acc_dk[i] = acc_dk[i] * scalars.softmax_scale
         cute.arch.cp_async_wait_group(0)  # with no query block, the K / V copies may still be landing
         cute.arch.barrier()  # every warp is done reading sK (dQ) and sV
         smem_copy_c = lcopy.smem_tiled_copy_c(t, recipe.mma_dkv).get_slice(tidx)
@@ -562,7 +576,8 @@ def fake_args(config: BwdConfig) -> list:
     accum = fake_dq_accum(config.traits, config.varlen)
     tensors = [elems() for _ in range(4)] + [f32(rank - 1), f32(rank - 1), accum, elems(), elems(),
                                              f32(2) if config.has_alibi else None,
-                                             fake_tensor(cutlass.Uint32, 1) if config.has_dropout else None]
+                                             fake_tensor(cutlass.Uint32, 1) if config.has_dropout else None,
+                                             config.mods.fake_aux() if config.mods is not None else None]
     if config.varlen:
         i32 = fake_tensor(cutlass.Int32, 1)
         tensors += [i32, fake_tensor(cutlass.Int32, 1), fake_tensor(cutlass.Int32, 1) if config.has_seqused_k else None]

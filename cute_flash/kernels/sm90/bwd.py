@@ -55,6 +55,7 @@ from cute_flash.kernels.common.gemm import wgmma_issue
 from cute_flash.kernels.common.philox import Dropout, keep_bit
 from cute_flash.kernels.common.score_mods import BwdScalars, Mask, apply_alibi, softcap_with_derivative
 from cute_flash.kernels.common.seq_info import SeqInfo
+from cute_flash.kernels.common.user_mods import ModCall, check_mods
 from cute_flash.kernels.common.varlen_tiles import VarlenTiles, fake_tiles
 from cute_flash.kernels.sm90.barriers import BwdBarrier
 from cute_flash.kernels.sm90.pipeline import seq_first, tma_rows, use_state
@@ -82,12 +83,14 @@ class Sm90BwdConfig:
     varlen: bool = False       # packed batches (`call_varlen`)
     has_seqused_k: bool = False
     deterministic: bool = False  # dQ's adds in key-block order (`DqTurn`): bitwise repeatable
+    mods: object = None          # UserMods: Python-written score / mask mods (kernels/common/user_mods.py)
 
     def __post_init__(self):
         if self.traits.block_n != 128 or self.traits.block_m % 64:
             raise ValueError("the Hopper backward takes 128 keys per CTA and query blocks of 64 rows or more")
         if self.has_seqused_k and not self.varlen:
             raise ValueError("has_seqused_k belongs to packed batches (varlen)")
+        check_mods(self.mods, False, self.has_softcap, self.has_alibi, backward=True)
 
     @property
     def num_threads(self) -> int:
@@ -106,6 +109,8 @@ class Sm90BwdConfig:
     def name(self) -> str:
         t = self.traits
         modes = ("-V" if self.varlen else "") + ("-D" if self.deterministic else "")
+        if self.mods is not None:
+            modes += "-M" + "".join(m.digest for m in (self.mods.score_mod, self.mods.mask_mod) if m is not None)
         return f"sm90_bwd_d{t.head_dim}_m{t.block_m}_n{t.block_n}_{t.dtype}-{score_letters(self)}{modes}"
 
 
@@ -152,6 +157,7 @@ class Sm90BwdTensors:
     mRng: object           # (4,) uint32: dropout's Philox key, offset and keep threshold
     mSemaphore: object     # (batch, heads, tiles) int32 zeroed, packed (heads, tiles): deterministic's `DqTurn`s
     varlen: object         # Sm90BwdVarlen, or None (dense)
+    aux: object = None     # the mods' aux tensors (a list), or None
 
 
 @dataclass(frozen=True)
@@ -205,7 +211,7 @@ class FlashBwdSm90:
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
                  mD: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, mAlibi, mRng, mSemaphore,
-                 softmax_scale: cutlass.Float32, scale_log2: cutlass.Float32, score_premul: cutlass.Float32,
+                 aux_tensors, softmax_scale: cutlass.Float32, scale_log2: cutlass.Float32, score_premul: cutlass.Float32,
                  alibi_div: cutlass.Float32, window_left: cutlass.Int32, window_right: cutlass.Int32, stream):
         """mQ / mdO (batch, seqlen_q, heads, d), mK / mV (batch, seqlen_k, heads_k, d), mdK / mdV
         (batch, seqlen_k, heads, d), mLSE / mD (batch, heads, seqlen_q_pad) fp32 (see
@@ -214,12 +220,13 @@ class FlashBwdSm90:
         bm) int32 zeroed when deterministic, else None."""
         grid = (cute.ceil_div(mK.shape[1], self.t.block_n), mQ.shape[2], mQ.shape[0])
         self.launch(mQ, mK, mV, mdO, mLSE, mD, mdQaccum, mdK, mdV, mAlibi, mRng, mSemaphore, None, grid,
-                    BwdScalars(softmax_scale, scale_log2, score_premul, alibi_div, window_left, window_right), stream)
+                    BwdScalars(softmax_scale, scale_log2, score_premul, alibi_div, window_left, window_right), stream,
+                    aux_tensors)
 
     @cute.jit
     def call_varlen(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
                     mD: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, mAlibi, mRng,
-                    mSemaphore, mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, mSeqUsedK, mTiles: cute.Tensor,
+                    mSemaphore, aux_tensors, mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, mSeqUsedK, mTiles: cute.Tensor,
                     softmax_scale: cutlass.Float32, scale_log2: cutlass.Float32, score_premul: cutlass.Float32,
                     alibi_div: cutlass.Float32, window_left: cutlass.Int32, window_right: cutlass.Int32, stream):
         """Packed batches: mQ / mdO (total_q, heads, d), mK / mV (total_k, heads_k, d), mdK / mdV
@@ -231,12 +238,13 @@ class FlashBwdSm90:
         varlen = Sm90BwdVarlen(mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mdK, mdV, VarlenTiles(mTiles, mQ.shape[1]))
         grid = (varlen.tiles.ctas(), 1, 1)
         self.launch(mQ, mK, mV, mdO, mLSE, mD, mdQaccum, mdK, mdV, mAlibi, mRng, mSemaphore, varlen, grid,
-                    BwdScalars(softmax_scale, scale_log2, score_premul, alibi_div, window_left, window_right), stream)
+                    BwdScalars(softmax_scale, scale_log2, score_premul, alibi_div, window_left, window_right), stream,
+                    aux_tensors)
 
     @cute.jit
     def launch(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
                mD: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, mAlibi, mRng, mSemaphore,
-               varlen, grid, scalars: BwdScalars, stream):
+               varlen, grid, scalars: BwdScalars, stream, aux_tensors=None):
         """The TMA atoms, shared storage and recipe of either entry, then the kernel on `grid`."""
         t = self.t
         bm, bn, d = t.block_m, t.block_n, t.head_dim
@@ -264,7 +272,7 @@ class FlashBwdSm90:
         recipe = Sm90BwdRecipe(sQ_layout, sKV_layout, sdS_layout, tma_q, tma_do, tma_k, tma_v, tma_dk, tma_dv,
                                hopper.tiled_mma_sdp_t(t), hopper.tiled_mma_dkv(t), hopper.tiled_mma_dq(t))
         args = Sm90BwdTensors(tma_mQ, tma_mK, tma_mV, tma_mdO, tma_mdK, tma_mdV, mLSE, mD, mdQaccum, mAlibi, mRng,
-                              mSemaphore, varlen)
+                              mSemaphore, varlen, aux_tensors)
         self.kernel(args, scalars, recipe, SharedStorage).launch(
             grid=grid, block=[self.config.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream,
             min_blocks_per_mp=1)
@@ -424,6 +432,9 @@ class FlashBwdSm90:
         if cutlass.const_expr(cfg.has_alibi):
             slope = args.mAlibi[tile.bidb, tile.bidh] * scalars.alibi_div
         mask = Mask(tile.seq.seqlen_q, tile.seq.seqlen_k, window)
+        user = None
+        if cutlass.const_expr(cfg.mods is not None):
+            user = ModCall.make(cfg.mods, tile.bidb, tile.bidh, tile.seq, args.aux, scalars.score_premul)
         dropout = None
         if cutlass.const_expr(cfg.has_dropout):
             dropout = Dropout.load(args.mRng, tile.bidb, tile.bidh, args.tma_mQ.shape[2])
@@ -456,11 +467,15 @@ class FlashBwdSm90:
             dtanh = None
             if cutlass.const_expr(cfg.has_softcap):
                 dtanh = softcap_with_derivative(acc_s, scalars.score_premul)
+            pre = None  # a score_mod's input, scale * S^T, for its backward
+            if cutlass.const_expr(user is not None and cfg.mods.score_mod_bwd is not None):
+                pre = cute.make_fragment_like(acc_s, cutlass.Float32)  # (MMA, MMA_M, MMA_N)
+                pre.store(acc_s.load() * scalars.score_premul)
             lo, hi = BlockRange.unmasked(tile.seq, m_block, bm, bn, window)
             if lo <= tile.n_block and tile.n_block < hi:
-                self.modify(acc_s, mask, slope, m_block, tile.n_block, mma_tidx, recipe, False)
+                self.modify(acc_s, mask, slope, m_block, tile.n_block, mma_tidx, recipe, False, user)
             else:
-                self.modify(acc_s, mask, slope, m_block, tile.n_block, mma_tidx, recipe, True)
+                self.modify(acc_s, mask, slope, m_block, tile.n_block, mma_tidx, recipe, True, user)
 
             c_sdp = recipe.mma_sdp.get_slice(mma_tidx)
             tLSE = lmma.acc_mn_view(c_sdp.partition_C(self.by_column(smem.sLSE, read.index)))  # (keys, queries)
@@ -484,6 +499,10 @@ class FlashBwdSm90:
             if cutlass.const_expr(cfg.has_softcap):
                 for j in cutlass.range(cute.size(acc_dp), unroll_full=True):
                     acc_dp[j] = acc_dp[j] * dtanh[j]
+            if cutlass.const_expr(pre is not None):
+                tScS = self.query_key_coords(recipe, mma_tidx)
+                user.backward(transposed(lmma.acc_mn_view(acc_dp)), transposed(lmma.acc_mn_view(pre)), tScS,
+                              m_block * bm, tile.n_block * bn)
 
             tdVrP = hopper.p_operand(acc_s, self.dtype)  # ((2, 2, 2), MMA_M, MMA_K): P^T as dV's A
             wgmma_issue(mma_dv, acc_dv, tdVrP, tdVrdO[None, None, None, read.index], accumulate=True)
@@ -577,20 +596,27 @@ class FlashBwdSm90:
 
     @cute.jit
     def modify(self, acc_s: cute.Tensor, mask: Mask, slope, m_block, n_block, mma_tidx, recipe: Sm90BwdRecipe,
-               masked: cutlass.Constexpr):
-        """ALiBi and the masks on the S^T tile: its (keys, queries) views transposed, so that
-        the forward's (query, key) code applies unchanged."""
+               masked: cutlass.Constexpr, user=None):
+        """ALiBi, a caller's mods (`ModCall`) and the masks on the S^T tile: its (keys, queries)
+        views transposed, so that the forward's (query, key) code applies unchanged."""
         bm, bn = self.t.block_m, self.t.block_n
-        if cutlass.const_expr(masked or self.config.has_alibi):
+        if cutlass.const_expr(masked or self.config.has_alibi or user is not None):
             acc_qk = transposed(lmma.acc_mn_view(acc_s))  # (queries, keys)
-            cS = cute.make_identity_tensor((bm, bn))      # (query, key) coordinates
-            cSt = cute.make_tensor(cS.iterator, cute.select(cS.layout, mode=[1, 0]))  # (bn, bm) -> (query, key)
-            tScS = transposed(lmma.acc_mn_view(recipe.mma_sdp.get_slice(mma_tidx).partition_C(cSt)))
+            tScS = self.query_key_coords(recipe, mma_tidx)
             row0, col0 = m_block * bm, n_block * bn
             if cutlass.const_expr(self.config.has_alibi):
                 apply_alibi(acc_qk, tScS, row0, col0, mask.seqlen_k - mask.seqlen_q, slope)
+            if cutlass.const_expr(user is not None):
+                user.apply(acc_qk, tScS, row0, col0)
             if cutlass.const_expr(masked):
                 mask.apply(acc_qk, tScS, row0, col0)
+
+    def query_key_coords(self, recipe: Sm90BwdRecipe, mma_tidx) -> cute.Tensor:
+        """The (query, key) coordinates in the tile of this thread's S^T values, as a (queries,
+        keys) view."""
+        cS = cute.make_identity_tensor((self.t.block_m, self.t.block_n))  # (query, key) coordinates
+        cSt = cute.make_tensor(cS.iterator, cute.select(cS.layout, mode=[1, 0]))  # (bn, bm) -> (query, key)
+        return transposed(lmma.acc_mn_view(recipe.mma_sdp.get_slice(mma_tidx).partition_C(cSt)))
 
     @cute.jit
     def add_dq(self, acc_dq: cute.Tensor, chunk: cute.Tensor, sdQaccum: cute.Tensor, mma_tidx, turn):
@@ -705,9 +731,10 @@ def fake_args(config: Sm90BwdConfig) -> list:
     alibi = fake_tensor(cutlass.Float32, 2) if config.has_alibi else None
     rng = fake_tensor(cutlass.Uint32, 1) if config.has_dropout else None
     semaphore = fake_tensor(cutlass.Int32, rank - 1) if config.deterministic else None
+    aux = config.mods.fake_aux() if config.mods is not None else None
     packed = []
     if config.varlen:
         seqused = fake_tensor(cutlass.Int32, 1) if config.has_seqused_k else None
         packed = [fake_tensor(cutlass.Int32, 1), fake_tensor(cutlass.Int32, 1), seqused, fake_tiles()]
-    return (elems + stats + [fake_dq_accum(config.traits, config.varlen)] + grads + [alibi, rng, semaphore] + packed
+    return (elems + stats + [fake_dq_accum(config.traits, config.varlen)] + grads + [alibi, rng, semaphore, aux] + packed
             + [1.0, 1.0, 1.0, 1.0, -1, -1, fake_stream()])
