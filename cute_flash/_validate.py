@@ -309,11 +309,11 @@ def check_learnable_sink(sink, nheads):
         raise ValueError(f"learnable_sink must have shape (nheads,) = ({nheads},), got {tuple(sink.shape)}")
 
 
-def check_mods(score_mod, mask_mod, aux_tensors, score_mod_bwd, softcap, alibi_slopes, return_probs):
+def check_mods(score_mod, mask_mod, aux_tensors, score_mod_bwd, softcap, alibi_slopes, dropout_probs):
     """Python-written mods (kernels/common/user_mods.py): callables; aux_tensors a list or tuple of
     tensors, given with a mod; score_mod_bwd with a score_mod; a score_mod sees the scaled score
-    itself, so softcap and ALiBi (which rescale it) are written into it instead; S_dmask is
-    computed without mods."""
+    itself, so softcap and ALiBi (which rescale it) are written into it instead; S_dmask, which
+    return_attn_probs computes with dropout (`dropout_probs`), is computed without mods."""
     for name, mod in (("score_mod", score_mod), ("mask_mod", mask_mod), ("score_mod_bwd", score_mod_bwd)):
         if mod is not None and not callable(mod):
             raise TypeError(f"{name} must be a callable (a cute.jit function), got {type(mod).__name__}")
@@ -328,8 +328,9 @@ def check_mods(score_mod, mask_mod, aux_tensors, score_mod_bwd, softcap, alibi_s
             _require_tensor(t, f"aux_tensors[{i}]")
     if score_mod is not None and (softcap > 0 or alibi_slopes is not None):
         raise ValueError("softcap and alibi_slopes do not compose with a score_mod: write them into the mod")
-    if (score_mod is not None or mask_mod is not None) and return_probs:
-        raise ValueError("return_attn_probs is not available with a score_mod or mask_mod")
+    if (score_mod is not None or mask_mod is not None) and dropout_probs:
+        raise ValueError("return_attn_probs with dropout is not available with a score_mod or mask_mod "
+                         "(S_dmask is computed without them)")
 
 # --- variable length ------------------------------------------------------------------------
 

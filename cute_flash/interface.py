@@ -178,7 +178,7 @@ def _flash_attn(q, k, v, names, dropout_p, softmax_scale, causal, window_size, s
     batch, seqlen_q, nheads, headdim = q.shape
     _validate.check_alibi(alibi_slopes, batch, nheads)
     _check_sink(learnable_sink, nheads, p, return_probs)
-    _validate.check_mods(*mods, softcap, alibi_slopes, return_probs)
+    _validate.check_mods(*mods, softcap, alibi_slopes, return_probs and p > 0)
     _validate.check_cuda(named + [("alibi_slopes", alibi_slopes), ("learnable_sink", learnable_sink)]
                          + _aux_named(mods[2]))
 
@@ -279,7 +279,7 @@ def _flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
     total_q, nheads, headdim = q.shape
     _validate.check_alibi(alibi_slopes, batch, nheads)
     _check_sink(learnable_sink, nheads, p, return_probs)
-    _validate.check_mods(*mods, softcap, alibi_slopes, return_probs)
+    _validate.check_mods(*mods, softcap, alibi_slopes, return_probs and p > 0)
     _validate.check_cuda(named + [
         (names[3], cu_seqlens_q), (names[4], cu_seqlens_k), ("seqused_k", seqused_k), ("leftpad_k", leftpad_k),
         ("block_table", block_table), ("alibi_slopes", alibi_slopes), ("learnable_sink", learnable_sink),

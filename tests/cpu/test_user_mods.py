@@ -92,7 +92,7 @@ def test_launchers_pass_the_mods_aux_tensors_and_scales(recorder, monkeypatch, p
     (dict(aux_tensors=[torch.zeros(2)]), "read by a score_mod or mask_mod"),
     (dict(mask_mod=causal, aux_tensors=torch.zeros(2)), "list of tensors"),
     (dict(score_mod=rel_bias, softcap=5.0), "do not compose with a score_mod"),
-    (dict(mask_mod=causal, return_attn_probs=True), "return_attn_probs"),
+    (dict(mask_mod=causal, return_attn_probs=True, dropout_p=0.1), "return_attn_probs with dropout"),
     (dict(mask_mod=causal, score_mod_bwd=rel_bias_bwd), "score_mod_bwd is the backward of a score_mod"),
 ])
 @pytest.mark.parametrize("name", ["func", "varlen"])
@@ -148,3 +148,11 @@ def test_backward_launchers_pass_the_mods_with_their_backward(recorder, monkeypa
     assert packed.config.mods.mask_mod == UserMod.of(causal) and packed.config.mods.score_mod_bwd is None
     assert packed["aux_tensors"] is None and packed["scale_log2"] == pytest.approx(0.5 * LOG2E)
     assert type(dense.config).__name__ == ("Sm90BwdConfig" if path == "sm90" else "BwdConfig")
+
+
+@pytest.mark.parametrize("name", ["func", "varlen"])
+def test_return_attn_probs_without_dropout_takes_mods(gpu_free, name):
+    """Without dropout S_dmask is empty (flash-attn's value), so return_attn_probs, the way to get
+    the LSE, composes with mods; with dropout it is refused (`test_bad_mods_are_refused`)."""
+    out, lse, probs = call(name, **with_(name, mask_mod=causal, return_attn_probs=True))
+    assert probs.numel() == 0 and gpu_free.calls[0][2]["mods"][1] is causal
