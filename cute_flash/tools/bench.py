@@ -153,7 +153,7 @@ def format_bwd(rows) -> str:
     out = []
     for key, title in (("bwd", "backward alone (FLOPs 2.5x forward)"), ("fwdbwd", "forward + backward (3.5x)")):
         out += [f"{title}, TFLOP/s:", "", "| d | causal | seqlen | batch x heads | ours | deterministic | SM80 "
-                "| FLASH | CUDNN | FA4 | ours/FLASH | ours/best peer |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                "| FLASH | CUDNN | FA4 | ours/FLASH | ours/best peer |", "|---" * 12 + "|"]
         ratios, vs_peers, det = [], [], []
         for r in rows:
             ours, det_, sm80, flash, cudnn, fa4 = (r.get(f"{name}_{key}") for name in ("ours", "det", "sm80", "flash",

@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 import cutlass
 import cutlass.cute as cute
 
+from cute_flash.kernels.common.fake import fake_tensor
+
 _SIMPLE = (int, float, bool, str, bytes, type(None))
 
 
@@ -113,15 +115,13 @@ class UserMods:
 
     def fake_aux(self):
         """Placeholders for the aux tensors (a list, or None without any)."""
-        from cute_flash.kernels.common.fake import fake_tensor
-
         if not self.aux:
             return None
         return [fake_tensor(AUX_DTYPES[dtype], rank) for dtype, rank in self.aux]
 
 
 AUX_DTYPES = {"float32": cutlass.Float32, "float16": cutlass.Float16, "bfloat16": cutlass.BFloat16,
-              "int32": cutlass.Int32, "int64": cutlass.Int64, "uint8": cutlass.Uint8, "bool": cutlass.Boolean}
+              "int32": cutlass.Int32}
 
 
 def check_mods(mods: "UserMods | None", kvcache: bool, has_softcap: bool, has_alibi: bool, backward: bool = False):

@@ -195,7 +195,8 @@ class FlashBwd:
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
                  mD: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, mAlibi, mRng,
-                 aux_tensors, softmax_scale: cutlass.Float32, scale_log2: cutlass.Float32, score_premul: cutlass.Float32,
+                 aux_tensors, softmax_scale: cutlass.Float32, scale_log2: cutlass.Float32,
+                 score_premul: cutlass.Float32,
                  alibi_div: cutlass.Float32, window_left: cutlass.Int32, window_right: cutlass.Int32,
                  grid_x: cutlass.Int32, stream):
         """Dense batches: mQ/mdO (batch, seqlen_q, heads, d), mK/mV (batch, seqlen_k, heads_k,

@@ -211,7 +211,8 @@ class FlashBwdSm90:
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
                  mD: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, mAlibi, mRng, mSemaphore,
-                 aux_tensors, softmax_scale: cutlass.Float32, scale_log2: cutlass.Float32, score_premul: cutlass.Float32,
+                 aux_tensors, softmax_scale: cutlass.Float32, scale_log2: cutlass.Float32,
+                 score_premul: cutlass.Float32,
                  alibi_div: cutlass.Float32, window_left: cutlass.Int32, window_right: cutlass.Int32, stream):
         """mQ / mdO (batch, seqlen_q, heads, d), mK / mV (batch, seqlen_k, heads_k, d), mdK / mdV
         (batch, seqlen_k, heads, d), mLSE / mD (batch, heads, seqlen_q_pad) fp32 (see
@@ -226,7 +227,8 @@ class FlashBwdSm90:
     @cute.jit
     def call_varlen(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
                     mD: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, mAlibi, mRng,
-                    mSemaphore, aux_tensors, mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, mSeqUsedK, mTiles: cute.Tensor,
+                    mSemaphore, aux_tensors, mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, mSeqUsedK,
+                    mTiles: cute.Tensor,
                     softmax_scale: cutlass.Float32, scale_log2: cutlass.Float32, score_premul: cutlass.Float32,
                     alibi_div: cutlass.Float32, window_left: cutlass.Int32, window_right: cutlass.Int32, stream):
         """Packed batches: mQ / mdO (total_q, heads, d), mK / mV (total_k, heads_k, d), mdK / mdV
@@ -736,5 +738,6 @@ def fake_args(config: Sm90BwdConfig) -> list:
     if config.varlen:
         seqused = fake_tensor(cutlass.Int32, 1) if config.has_seqused_k else None
         packed = [fake_tensor(cutlass.Int32, 1), fake_tensor(cutlass.Int32, 1), seqused, fake_tiles()]
-    return (elems + stats + [fake_dq_accum(config.traits, config.varlen)] + grads + [alibi, rng, semaphore, aux] + packed
+    return (elems + stats + [fake_dq_accum(config.traits, config.varlen)] + grads + [alibi, rng, semaphore, aux]
+            + packed
             + [1.0, 1.0, 1.0, 1.0, -1, -1, fake_stream()])

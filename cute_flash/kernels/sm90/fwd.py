@@ -228,14 +228,15 @@ class FlashFwdSm90(TileScheduler, Producer, Consumer, Epilogue):
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
-                 mAlibi, mRng, aux_tensors, mTileCounter: cute.Tensor, scale_log2: cutlass.Float32, score_premul: cutlass.Float32,
+                 mAlibi, mRng, aux_tensors, mTileCounter: cute.Tensor, scale_log2: cutlass.Float32,
+                 score_premul: cutlass.Float32,
                  alibi_div: cutlass.Float32, window_left: cutlass.Int32, window_right: cutlass.Int32,
                  section_heads: cutlass.Int32, max_ctas: cutlass.Int32, stream):
         """mQ / mO (batch, seqlen_q, heads, d), mK / mV (batch, seqlen_k, heads_k, d), mLSE
         (batch, heads, seqlen_q) fp32, mAlibi (batch, heads) fp32 or None, mRng (4,) uint32 (the
-        dropout state, `Dropout.load`) or None; aux_tensors the mods' tensors (a list) or None; mTileCounter (2,) int32, zero before a persistent
-        launch and left zero by it; section_heads: see `tile`; max_ctas: the SMs a persistent
-        variant spreads its tiles over."""
+        dropout state, `Dropout.load`) or None; aux_tensors the mods' tensors (a list) or None;
+        mTileCounter (2,) int32, zero before a persistent launch and left zero by it;
+        section_heads: see `tile`; max_ctas: the SMs a persistent variant spreads its tiles over."""
         scalars = Sm90Scalars(scale_log2, score_premul, alibi_div, window_left, window_right, section_heads)
         self.launch(mQ, mK, mV, mO, mLSE, mAlibi, mRng, mTileCounter, None, None, scalars, max_ctas, stream,
                     aux_tensors)
@@ -275,7 +276,8 @@ class FlashFwdSm90(TileScheduler, Producer, Consumer, Epilogue):
 
     @cute.jit
     def call_varlen(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
-                    mAlibi, mRng, aux_tensors, mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, mSeqUsedK, mBlockTable,
+                    mAlibi, mRng, aux_tensors, mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, mSeqUsedK,
+                    mBlockTable,
                     mTiles: cute.Tensor,
                     scale_log2: cutlass.Float32, score_premul: cutlass.Float32, alibi_div: cutlass.Float32,
                     window_left: cutlass.Int32, window_right: cutlass.Int32, stream):
