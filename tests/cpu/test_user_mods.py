@@ -156,3 +156,52 @@ def test_return_attn_probs_without_dropout_takes_mods(gpu_free, name):
     the LSE, composes with mods; with dropout it is refused (`test_bad_mods_are_refused`)."""
     out, lse, probs = call(name, **with_(name, mask_mod=causal, return_attn_probs=True))
     assert probs.numel() == 0 and gpu_free.calls[0][2]["mods"][1] is causal
+
+
+@cute.jit
+def two_arguments(score, b_idx):
+    return score
+
+
+@cute.jit
+def positions(b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
+    return q_idx - kv_idx
+
+
+@cute.jit
+def fa4_style(tSrS_ssa, b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
+    """As tests/gpu/test_mods_gpu.py writes one: `cute.where` on a comparison."""
+    return cute.where(operator.ge(q_idx, kv_idx), tSrS_ssa, tSrS_ssa - 1.0)
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+@pytest.mark.parametrize("mods, message", [
+    (dict(score_mod=two_arguments), r"score_mod 'two_arguments' failed to trace \(TypeError: .*\); a score_mod must "
+                                    r"be score_mod\(score, b_idx"),
+    (dict(mask_mod=positions), r"mask_mod 'positions' returned a TensorSSA of Int32 \(shape 1\); a mask_mod must "
+                               r"be mask_mod\(b_idx"),
+])
+def test_a_bad_mod_is_named_when_its_kernel_compiles(arch, mods, message):
+    """A mod that does not trace, or returns what the kernel cannot take, fails the compile
+    (before any launch) with its name, the signature it must have and what went wrong."""
+    from cute_flash.compile.registry import build
+    from cute_flash.kernels.common.user_mods import UserMods
+    from cute_flash.kernels.sm80.fwd import FwdConfig
+    from cute_flash.kernels.sm90.fwd import Sm90FwdConfig
+    from layouts.hopper import choose_hopper_traits
+    from layouts.traits import choose_fwd_traits
+
+    user = UserMods(**{key: UserMod.of(fn) for key, fn in mods.items()})
+    config = (FwdConfig(choose_fwd_traits(64, "bf16", 80), mods=user) if arch == 80
+              else Sm90FwdConfig(choose_hopper_traits(64, "bf16"), mods=user))
+    with pytest.raises(Exception, match=message):
+        build(config, arch)
+
+
+def test_a_flash_attn_4_style_mod_compiles():
+    from cute_flash.compile.registry import build
+    from cute_flash.kernels.common.user_mods import UserMods
+    from cute_flash.kernels.sm80.fwd import FwdConfig
+    from layouts.traits import choose_fwd_traits
+
+    build(FwdConfig(choose_fwd_traits(128, "bf16", 80), mods=UserMods(UserMod.of(fa4_style))), 80)

@@ -149,6 +149,37 @@ class ModSeqInfo:
     offset_k: object
 
 
+SIGNATURES = {
+    "score_mod": "score_mod(score, b_idx, h_idx, q_idx=, kv_idx=, seqlen_info=, aux_tensors=) -> a one-element "
+                 "Float32 TensorSSA",
+    "mask_mod": "mask_mod(b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors) -> a one-element Boolean TensorSSA",
+    "score_mod_bwd": "score_mod_bwd(grad, score, b_idx, h_idx, q_idx=, kv_idx=, seqlen_info=, aux_tensors=) -> a "
+                     "one-element Float32 TensorSSA",
+}
+
+
+class ModError(TypeError):
+    """A Python-written mod that does not trace, or returns what the kernel cannot take."""
+
+
+def call_mod(mod: UserMod, kind: str, *args, **kwargs):
+    """mod.fn(*args, **kwargs) while the kernel is traced (plain Python, run at trace time, so
+    before any launch): an exception from the mod comes back naming the mod, the signature it
+    must have and the DSL's message; a result other than a one-element TensorSSA of the kind's
+    type is refused."""
+    try:
+        out = mod.fn(*args, **kwargs)
+    except Exception as exc:
+        raise ModError(f"{kind} {mod.name!r} failed to trace ({type(exc).__name__}: {exc}); a {kind} must be "
+                       f"{SIGNATURES[kind]}") from exc
+    want = cutlass.Boolean if kind == "mask_mod" else cutlass.Float32
+    if not isinstance(out, cute.TensorSSA) or cute.size(out.shape) != 1 or out.dtype != want:
+        got = f"a TensorSSA of {out.dtype.__name__} (shape {out.shape})" if isinstance(out, cute.TensorSSA) \
+            else f"a {type(out).__name__}"
+        raise ModError(f"{kind} {mod.name!r} returned {got}; a {kind} must be {SIGNATURES[kind]}")
+    return out
+
+
 def _ssa(value, dtype):
     """A TensorSSA of one element."""
     vec = cute.make_rmem_tensor(1, dtype)
@@ -192,10 +223,10 @@ class ModCall:
                 k = _ssa(cutlass.min(col0 + tScS_mn[0, c][1], last_k), cutlass.Int32)
                 if cutlass.const_expr(self.mods.score_mod is not None):
                     score = _ssa(acc_s_mn[r, c] * self.scale, cutlass.Float32)
-                    acc_s_mn[r, c] = self.mods.score_mod.fn(score, b, h, q_idx=q, kv_idx=k,
-                                                             seqlen_info=self.seqlen_info, aux_tensors=aux)[0]
+                    acc_s_mn[r, c] = call_mod(self.mods.score_mod, "score_mod", score, b, h, q_idx=q, kv_idx=k,
+                                              seqlen_info=self.seqlen_info, aux_tensors=aux)[0]
                 if cutlass.const_expr(self.mods.mask_mod is not None):
-                    keep = self.mods.mask_mod.fn(b, h, q, k, self.seqlen_info, aux)
+                    keep = call_mod(self.mods.mask_mod, "mask_mod", b, h, q, k, self.seqlen_info, aux)
                     if not keep[0]:
                         acc_s_mn[r, c] = -cutlass.Float32.inf
 
@@ -213,5 +244,5 @@ class ModCall:
                 k = _ssa(cutlass.min(col0 + tScS_mn[0, c][1], last_k), cutlass.Int32)
                 grad = _ssa(acc_ds_mn[r, c], cutlass.Float32)
                 score = _ssa(pre_mn[r, c], cutlass.Float32)
-                acc_ds_mn[r, c] = self.mods.score_mod_bwd.fn(grad, score, b, h, q_idx=q, kv_idx=k,
-                                                             seqlen_info=self.seqlen_info, aux_tensors=aux)[0]
+                acc_ds_mn[r, c] = call_mod(self.mods.score_mod_bwd, "score_mod_bwd", grad, score, b, h, q_idx=q,
+                                           kv_idx=k, seqlen_info=self.seqlen_info, aux_tensors=aux)[0]
