@@ -119,8 +119,8 @@ def alibi(slopes: torch.Tensor) -> ModSpec:
         return score - _splat(aux_tensors[0][h_idx[0]] * cutlass.Float32(dist))
 
     def ref(score, b, h, q, k):
-        sq, sk = score.shape[-2], score.shape[-1]
-        return score - (slopes[h] * (q + sk - sq - k).abs()).to(score.dtype)
+        shift = score.shape[-1] - score.shape[-2] if score.dim() >= 2 else 0  # FlexAttention's: one score, sq = sk
+        return score - (slopes[h] * (q + shift - k).abs()).to(score.dtype)
 
     return ModSpec(score_mod=alibi_bias, aux_tensors=(slopes,), score_mod_bwd=_through, ref_score_mod=ref)
 

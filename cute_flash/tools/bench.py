@@ -914,7 +914,7 @@ def plot(rows, path):
 
 
 SECTIONS = ("grid", "extra", "varlen", "paged", "decode", "unaligned", "bwd", "bwd_dims", "dropout", "held", "shapes",
-            "train_varlen")
+            "train_varlen", "mods")
 BWD_DIMS = (96, 192, 256)  # the head dims of issue 61's table, at 4k tokens a sequence
 
 
@@ -963,6 +963,11 @@ def main(out_dir=None, quick=False, sections=SECTIONS):
 
         result["train_varlen"] = run_train_varlen((128,) if quick else (64, 128))
         text += "\n" + format_train_varlen(result["train_varlen"]) + "\n"
+    if "mods" in sections:
+        from cute_flash.tools.bench_mods import format_mods, run_mods
+
+        result["mods"] = run_mods((128,), (4096,)) if quick else run_mods()
+        text += "\n" + format_mods(result["mods"]) + "\n"
     if "held" in sections:
         from cute_flash.tools.held import HOLD_S, format_held, run_held
 

@@ -114,3 +114,18 @@ def test_packed_training_table_gives_each_bar_its_ratio():
     lines = format_train_varlen(rows).splitlines()
     assert lines[-2] == "| 128 | True | 512 | 31 (2900) | 400 | 200 | 320 | 500 | 1.250 | 0.800 |"
     assert lines[-1] == "| 64 | False | 2048 | 8 (5000) | 300 | - | - | 310 | - | 0.968 |"
+
+
+def test_mods_table_gives_ours_over_each_peer():
+    """`format_mods` on hand-made rows: ours over FlexAttention and over flash-attn-4 for each
+    pass, the causal mod's row with the built-in flag's rate; a peer that did not run shows '-'."""
+    from cute_flash.tools.bench_mods import format_mods
+
+    rows = [dict(variant="prefix_lm", d=128, seqlen=4096, ours_fwd=500.0, flex_fwd=250.0, fa4_fwd=None,
+                 ours_fwdbwd=300.0, flex_fwdbwd=200.0),
+            dict(variant="causal_mod", d=64, seqlen=16384, ours_fwd=400.0, sm80_fwd=200.0, flex_fwd=200.0,
+                 fa4_fwd=500.0, causal_flag_fwd=420.0)]
+    lines = format_mods(rows).splitlines()
+    assert "| prefix_lm | 128 | 4096 | 500 | - | 250 | - | - | 2.00 | - |" in lines
+    assert "| causal_mod | 64 | 16384 | 400 | 200 | 200 | 500 | 420 | 2.00 | 0.80 |" in lines
+    assert "| prefix_lm | 128 | 4096 | 300 | - | 200 | - | - | 1.50 | - |" in lines  # forward + backward

@@ -7,7 +7,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]  # the repository
 API = {"cute_flash", "cute_flash.interface", "cute_flash.flash_attn_interface", "cute_flash._validate",
        "cute_flash.autograd", "cute_flash.ops", "cute_flash.dropout", "cute_flash.sinks",
-       "cute_flash.kvcache_varlen", "cute_flash.reference"}
+       "cute_flash.kvcache_varlen", "cute_flash.reference", "cute_flash.mods"}
 LAYERS = ["layouts", "kernels", "compile", "launch", "api", "integrations", "tools"]  # bottom to top
 
 
