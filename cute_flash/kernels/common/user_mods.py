@@ -207,42 +207,45 @@ class ModCall:
         return ModCall(mods, bidb, bidh, ModSeqInfo(seq.seqlen_q, seq.seqlen_k, offset_q, offset_k), aux_tensors,
                        scale)
 
+    def positions(self, tile_mn: cute.Tensor, tScS_mn: cute.Tensor, row0, col0):
+        """(r, c, q_idx, kv_idx) of each element of a (rows, cols) register tile at (row0, col0)
+        (tScS_mn: each one's (row, col) in the tile), the indices as one-element SSAs. Rows and
+        columns past the sequence (masked, or never stored) come as its last query / key, so a
+        mod's reads of aux tensors stay where real positions lead. Plain Python: the loops unroll
+        while the kernel is traced."""
+        last_q, last_k = self.seqlen_info.seqlen_q - 1, self.seqlen_info.seqlen_k - 1
+        for r in range(cute.size(tile_mn.shape[0])):  # static extents (range_constexpr is for jit functions)
+            q = _ssa(cutlass.min(row0 + tScS_mn[r, 0][0], last_q), cutlass.Int32)
+            for c in range(cute.size(tile_mn.shape[1])):
+                yield r, c, q, _ssa(cutlass.min(col0 + tScS_mn[0, c][1], last_k), cutlass.Int32)
+
+    def common_args(self):
+        """The batch and head SSAs and the aux tensors, every mod's arguments beside the positions."""
+        aux = self.aux_tensors if self.aux_tensors is not None else []
+        return _ssa(self.bidb, cutlass.Int32), _ssa(self.bidh, cutlass.Int32), aux
+
     @cute.jit
     def apply(self, acc_s_mn: cute.Tensor, tScS_mn: cute.Tensor, row0, col0):
         """Rewrite each score of the (rows, cols) tile (score_mod: from scale * S) and hide those
-        mask_mod drops (-inf); tScS_mn gives each one's (row, col) in the tile at (row0, col0).
-        A tile's rows and columns past the sequence (masked or never stored after) reach the mods
-        as its last query / key, so a mod's reads of aux tensors stay where real positions lead."""
-        last_q, last_k = self.seqlen_info.seqlen_q - 1, self.seqlen_info.seqlen_k - 1
-        b = _ssa(self.bidb, cutlass.Int32)
-        h = _ssa(self.bidh, cutlass.Int32)
-        aux = self.aux_tensors if cutlass.const_expr(self.aux_tensors is not None) else []
-        for r in cutlass.range_constexpr(cute.size(acc_s_mn.shape[0])):
-            q = _ssa(cutlass.min(row0 + tScS_mn[r, 0][0], last_q), cutlass.Int32)
-            for c in cutlass.range_constexpr(cute.size(acc_s_mn.shape[1])):
-                k = _ssa(cutlass.min(col0 + tScS_mn[0, c][1], last_k), cutlass.Int32)
-                if cutlass.const_expr(self.mods.score_mod is not None):
-                    score = _ssa(acc_s_mn[r, c] * self.scale, cutlass.Float32)
-                    acc_s_mn[r, c] = call_mod(self.mods.score_mod, "score_mod", score, b, h, q_idx=q, kv_idx=k,
-                                              seqlen_info=self.seqlen_info, aux_tensors=aux)[0]
-                if cutlass.const_expr(self.mods.mask_mod is not None):
-                    keep = call_mod(self.mods.mask_mod, "mask_mod", b, h, q, k, self.seqlen_info, aux)
-                    if not keep[0]:
-                        acc_s_mn[r, c] = -cutlass.Float32.inf
+        mask_mod drops (-inf), at the `positions` tScS_mn gives."""
+        b, h, aux = self.common_args()
+        for r, c, q, k in self.positions(acc_s_mn, tScS_mn, row0, col0):
+            if cutlass.const_expr(self.mods.score_mod is not None):
+                score = _ssa(acc_s_mn[r, c] * self.scale, cutlass.Float32)
+                acc_s_mn[r, c] = call_mod(self.mods.score_mod, "score_mod", score, b, h, q_idx=q, kv_idx=k,
+                                          seqlen_info=self.seqlen_info, aux_tensors=aux)[0]
+            if cutlass.const_expr(self.mods.mask_mod is not None):
+                keep = call_mod(self.mods.mask_mod, "mask_mod", b, h, q, k, self.seqlen_info, aux)
+                if not keep[0]:
+                    acc_s_mn[r, c] = -cutlass.Float32.inf
 
     @cute.jit
     def backward(self, acc_ds_mn: cute.Tensor, pre_mn: cute.Tensor, tScS_mn: cute.Tensor, row0, col0):
         """The backward's dS: each gradient of a score_mod's output (acc_ds_mn, in place) through
         score_mod_bwd to its input, given that input (pre_mn: scale * S, kept before `apply`)."""
-        last_q, last_k = self.seqlen_info.seqlen_q - 1, self.seqlen_info.seqlen_k - 1
-        b = _ssa(self.bidb, cutlass.Int32)
-        h = _ssa(self.bidh, cutlass.Int32)
-        aux = self.aux_tensors if cutlass.const_expr(self.aux_tensors is not None) else []
-        for r in cutlass.range_constexpr(cute.size(acc_ds_mn.shape[0])):
-            q = _ssa(cutlass.min(row0 + tScS_mn[r, 0][0], last_q), cutlass.Int32)
-            for c in cutlass.range_constexpr(cute.size(acc_ds_mn.shape[1])):
-                k = _ssa(cutlass.min(col0 + tScS_mn[0, c][1], last_k), cutlass.Int32)
-                grad = _ssa(acc_ds_mn[r, c], cutlass.Float32)
-                score = _ssa(pre_mn[r, c], cutlass.Float32)
-                acc_ds_mn[r, c] = call_mod(self.mods.score_mod_bwd, "score_mod_bwd", grad, score, b, h, q_idx=q,
-                                           kv_idx=k, seqlen_info=self.seqlen_info, aux_tensors=aux)[0]
+        b, h, aux = self.common_args()
+        for r, c, q, k in self.positions(acc_ds_mn, tScS_mn, row0, col0):
+            grad = _ssa(acc_ds_mn[r, c], cutlass.Float32)
+            score = _ssa(pre_mn[r, c], cutlass.Float32)
+            acc_ds_mn[r, c] = call_mod(self.mods.score_mod_bwd, "score_mod_bwd", grad, score, b, h, q_idx=q,
+                                       kv_idx=k, seqlen_info=self.seqlen_info, aux_tensors=aux)[0]
