@@ -58,7 +58,7 @@ from cute_flash.kernels.common.seq_info import SeqInfo
 from cute_flash.kernels.common.user_mods import ModCall, check_mods
 from cute_flash.kernels.common.varlen_tiles import VarlenTiles, fake_tiles
 from cute_flash.kernels.sm90.barriers import BwdBarrier
-from cute_flash.kernels.sm90.pipeline import seq_first, tma_rows, use_state
+from cute_flash.kernels.sm90.pipeline import copy_rows, seq_first, tma_rows, use_state
 from layouts import hopper
 from layouts.dq import HOPPER_VEC, chunk_index
 from layouts import mma as lmma
@@ -678,18 +678,11 @@ class FlashBwdSm90:
         """Packed batches: warpgroup wg_idx's 64 rows of dK and dV from sK / sV into mdK / mdV
         (total_k, heads, d), 16 bytes a copy, leaving out rows past the sequence's keys (the next
         sequence's) and columns past the tensors' head dim (a multiple of 8)."""
-        d = self.t.head_dim
-        vec = 16 // ELEMENT_BYTES
         row0 = tile.n_block * self.t.block_n + wg_idx * hopper.WGMMA_M  # this warpgroup's first key
-        rows = tile.seq.seqlen_k - row0
         for src, mX in ((smem.sK, varlen.mdK), (smem.sV, varlen.mdV)):
             g = cute.domain_offset((tile.seq.sum_s_k, 0), mX[None, tile.bidh, None])  # (seqlen_k, d) this head
-            for i in cutlass.range_constexpr(hopper.o_copy_steps(d)):
-                row, chunk = hopper.o_copy_coord(wg_tidx, i, d)
-                if row < rows and chunk * vec < mX.shape[2]:
-                    s_vec = cute.local_tile(src[wg_idx * hopper.WGMMA_M + row, None], (vec,), (chunk,))  # (vec,)
-                    g_vec = cute.local_tile(g[row0 + row, None], (vec,), (chunk,))  # (vec,)
-                    cute.autovec_copy(s_vec, g_vec)
+            copy_rows(src, wg_idx * hopper.WGMMA_M, g, row0, tile.seq.seqlen_k - row0, mX.shape[2], wg_tidx,
+                      self.t.head_dim)
 
 
 @cute.jit

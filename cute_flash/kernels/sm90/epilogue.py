@@ -10,9 +10,9 @@ from cute_flash.kernels.common.seq_info import head_rows
 from cute_flash.kernels.common.split_kv import ClusterMerge, SplitKV
 from cute_flash.kernels.sm90.barriers import FwdBarrier
 from cute_flash.kernels.sm90.fwd_state import MergeRows, Sm90Recipe, Sm90Tensors, Tile
+from cute_flash.kernels.sm90.pipeline import copy_rows
 from layouts import hopper
 from layouts import mma as lmma
-from layouts.traits import ELEMENT_BYTES
 
 
 class Epilogue:
@@ -105,14 +105,6 @@ class Epilogue:
         """Packed batches: warpgroup wg's 64 rows of O from sO into mO (total_q, heads, d), 16
         bytes a copy, leaving out rows past the sequence's end (the next sequence's) and columns
         past mO's head dim (a multiple of 8)."""
-        d = self.t.head_dim
-        vec = 16 // ELEMENT_BYTES
         row0 = tile.m_block * self.t.block_m + wg * hopper.WGMMA_M  # this warpgroup's first row
-        rows = tile.seq.seqlen_q - row0
         gO = head_rows(mO, tile.seq, tile.bidb, tile.bidh)  # (seqlen_q, d) this head
-        for i in cutlass.range_constexpr(hopper.o_copy_steps(d)):
-            row, chunk = hopper.o_copy_coord(wg_tidx, i, d)
-            if row < rows and chunk * vec < mO.shape[2]:
-                src = cute.local_tile(sO[wg * hopper.WGMMA_M + row, None], (vec,), (chunk,))  # (vec,)
-                dst = cute.local_tile(gO[row0 + row, None], (vec,), (chunk,))  # (vec,)
-                cute.autovec_copy(src, dst)
+        copy_rows(sO, wg * hopper.WGMMA_M, gO, row0, tile.seq.seqlen_q - row0, mO.shape[2], wg_tidx, self.t.head_dim)

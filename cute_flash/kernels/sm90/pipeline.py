@@ -1,6 +1,10 @@
 """Helpers both Hopper kernels share around their TMA loads and mbarrier pipelines."""
+import cutlass
 import cutlass.cute as cute
 from cutlass import pipeline
+
+from layouts import hopper
+from layouts.traits import ELEMENT_BYTES
 
 
 def use_state(n, stages: int, producer: bool) -> pipeline.PipelineState:
@@ -29,3 +33,19 @@ def tma_rows(tma_mX: cute.Tensor, start, bidh, bidb) -> cute.Tensor:
     if start is None:
         return tma_mX[None, None, bidh, bidb]
     return cute.domain_offset((start, 0), tma_mX[None, None, bidh])
+
+
+@cute.jit
+def copy_rows(src: cute.Tensor, src_row0, dst: cute.Tensor, dst_row0, rows, cols, wg_tidx,
+              head_dim: cutlass.Constexpr):
+    """A warpgroup's 64 rows of a (rows, d) shared-memory tile, from src_row0, into dst from
+    dst_row0, 16 bytes a copy (`layouts.hopper.o_copy_coord`), leaving out rows from `rows` on
+    (a packed batch's next sequence: a TMA store would write them) and columns from `cols` on
+    (a head dim narrower than the tile's, a multiple of 8)."""
+    vec = 16 // ELEMENT_BYTES
+    for i in cutlass.range_constexpr(hopper.o_copy_steps(head_dim)):
+        row, chunk = hopper.o_copy_coord(wg_tidx, i, head_dim)
+        if row < rows and chunk * vec < cols:
+            s_vec = cute.local_tile(src[src_row0 + row, None], (vec,), (chunk,))  # (vec,)
+            g_vec = cute.local_tile(dst[dst_row0 + row, None], (vec,), (chunk,))  # (vec,)
+            cute.autovec_copy(s_vec, g_vec)
