@@ -20,12 +20,20 @@ pytestmark = pytest.mark.gpu
 B, S, H, HK = 2, 700, 4, 2
 
 
-@pytest.fixture(params=["sm80", "default"])
-def path(request, monkeypatch, kernels):
-    if request.param == "sm80":
+PATHS = ["sm80", "default"]
+
+
+def take_path(path, monkeypatch):
+    """Calls take the SM80 kernels (`CUTE_FLASH_ARCH_PATH=sm80`) or the default path's."""
+    if path == "sm80":
         monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", "sm80")
     else:
         monkeypatch.delenv("CUTE_FLASH_ARCH_PATH", raising=False)
+
+
+@pytest.fixture(params=PATHS)
+def path(request, monkeypatch, kernels):
+    take_path(request.param, monkeypatch)
     yield request.param
     assert kernels == on_path(request.param, "fwd"), f"the forwards that ran: {sorted(kernels)}"
 
@@ -106,12 +114,9 @@ def test_a_flash_attn_4_score_mod_runs_unchanged(path):
     assert_matches_reference(out, lse, q, k, v, score_mod=ref)
 
 
-@pytest.fixture(params=["sm80", "default"])
+@pytest.fixture(params=PATHS)
 def grad_path(request, monkeypatch, kernels):
-    if request.param == "sm80":
-        monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", "sm80")
-    else:
-        monkeypatch.delenv("CUTE_FLASH_ARCH_PATH", raising=False)
+    take_path(request.param, monkeypatch)
     yield request.param
     assert kernels == on_path(request.param, "fwd", "bwd"), f"the kernels that ran: {sorted(kernels)}"
 
