@@ -278,7 +278,11 @@ def main(argv=None):
                         ("racecheck", "shared-memory hazards between a CTA's threads")):
         m = command(tool, f"the GPU suite under compute-sanitizer {tool}: {finds} (GPU); "
                                       "other arguments go to pytest (default: tests)")
-        m.add_argument("--jobs", type=int, default=1, help="sanitized pytest processes, spread over the GPUs")
+        m.add_argument("--jobs", type=int, default=1, help="sanitized pytest processes at a time, spread over the GPUs")
+        m.add_argument("--chunk", type=int, default=None,
+                       help="tests per process, in collected order (default: all dealt round-robin to --jobs)")
+        m.add_argument("--only", type=lambda s: [int(x) for x in s.split(",")], default=None,
+                       help="run only these process numbers (comma-separated): finish a run cut short")
     o = command("occupancy", "achieved occupancy, registers, time and throughput of representative "
                                          "calls' kernels under Nsight Compute (GPU, ncu)")
     o.add_argument("--case", default=None, help=argparse.SUPPRESS)  # the child ncu profiles
@@ -331,7 +335,7 @@ def main(argv=None):
     elif cmd in ("memcheck", "racecheck"):
         from cute_flash.tools import sanitize
 
-        return sanitize.run(cmd, extra, args.jobs)
+        return sanitize.run(cmd, extra, args.jobs, args.chunk, args.only)
     elif cmd == "occupancy":
         from cute_flash.tools import occupancy
 

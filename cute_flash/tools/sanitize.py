@@ -31,7 +31,9 @@ class Tool:
     name: str
     options: tuple
     summary: str  # a regex whose group 1 is the process's count of findings
+    noun: str  # what it finds
     canary: str | None = None  # a module whose run must report findings: the tool sees our kernels
+    env: tuple = ()  # (name, value) pairs its processes need
 
     def command(self, sanitizer: str, shard: list) -> list:
         return self._under(sanitizer, ["pytest", "-m", "gpu", *shard])
@@ -47,12 +49,14 @@ class Tool:
 OUR_KERNELS = "kernel_cutlass_"  # the prefix of every kernel the DSL compiles
 
 TOOLS = {
-    "memcheck": Tool("memcheck", ("--report-api-errors", "no"), r"ERROR SUMMARY: (\d+) error"),
+    # torch's caching allocator off: each tensor its own allocation, so a read just past one is caught
+    "memcheck": Tool("memcheck", ("--report-api-errors", "no"), r"ERROR SUMMARY: (\d+) error", "errors",
+                     env=(("PYTORCH_NO_CUDA_MEMORY_CACHING", "1"),)),
     # `analysis`: one line per pair of racing instructions (kernel + offset), hazards counted beside it.
     # Our kernels alone: with every kernel instrumented (the tests' torch references too) no test of the
     # Hopper backward's file finished in 230 s (docs/tuning/gpu-suite.md)
     "racecheck": Tool("racecheck", ("--racecheck-report", "analysis", "--kernel-name", f"kns={OUR_KERNELS}"),
-                      r"RACECHECK SUMMARY: (\d+) hazard", canary="cute_flash.tools.race_canary"),
+                      r"RACECHECK SUMMARY: (\d+) hazard", "hazards", canary="cute_flash.tools.race_canary"),
 }
 
 
@@ -60,20 +64,35 @@ def sanitizer_path() -> str:
     return shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
 
 
-def run(tool_name: str, pytest_args: list, jobs: int = 1) -> int:
-    """The GPU tests (default: all of `tests`) under `tool_name`; prints every process's output
-    and the sum of their findings. Fails on any finding, a failed test or a process with no
-    summary (a sanitizer that did not run), and, for a tool with a canary, on a canary it
-    reports nothing for."""
-    tool = TOOLS[tool_name]
+@dataclass(frozen=True)
+class Plan:
+    """How the collected tests are split: `jobs` processes at a time; `chunk` tests per process in
+    collected order (default: the tests dealt round-robin to `jobs` processes); `only` the shard
+    numbers to run (default all), to finish a run that a time limit cut short."""
+    jobs: int = 1
+    chunk: int | None = None
+    only: tuple | None = None
+
+    def shards(self, ids: list, options: list) -> list:
+        if self.chunk:
+            return [options + ids[i:i + self.chunk] for i in range(0, len(ids), self.chunk)]
+        return [options + ids[i::self.jobs] for i in range(min(self.jobs, len(ids)))]
+
+
+def run(tool_name: str, pytest_args: list, jobs: int = 1, chunk: int | None = None, only=None) -> int:
+    """The GPU tests (default: all of `tests`) under `tool_name`; prints every process's output,
+    a line per finished process and the sum of their findings. Fails on any finding, a failed
+    test or a process with no summary (a sanitizer that did not run), and, for a tool with a
+    canary, on a canary it reports nothing for."""
+    tool, plan = TOOLS[tool_name], Plan(jobs, chunk, tuple(only) if only else None)
     sanitizer = sanitizer_path()
     # CUTE_FLASH_MEMCHECK=1 tells the tests they are sanitized (hypothesis draws fewer shapes)
-    env = dict(os.environ, CUTE_FLASH_MEMCHECK="1", PYTORCH_NO_CUDA_MEMORY_CACHING="1")
+    env = dict(os.environ, CUTE_FLASH_MEMCHECK="1", **dict(tool.env))
     if tool.canary and not _canary_sings(tool, sanitizer, env):
         return 1
     pytest_args = pytest_args or ["tests"]
     shards = [pytest_args]
-    if jobs > 1:
+    if jobs > 1 or chunk:
         options = [a for a in pytest_args if not os.path.exists(a.split("::")[0])]
         quiet = [a for a in pytest_args if a not in ("-q", "-v")]  # ids one per line needs exactly one -q
         listed = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "--collect-only", "-q", *quiet],
@@ -81,34 +100,49 @@ def run(tool_name: str, pytest_args: list, jobs: int = 1) -> int:
         ids = [line for line in listed.stdout.splitlines() if "::" in line]
         if not ids:
             print(listed.stdout[-4000:] + listed.stderr[-4000:])
-        shards = [options + ids[i::jobs] for i in range(min(jobs, len(ids)))]
-        print(f"{tool.name}: {len(ids)} tests in {len(shards)} sanitized processes", flush=True)
+        shards = plan.shards(ids, options)
+        at_a_time = f", {jobs} at a time" if len(shards) > jobs else ""
+        print(f"{tool.name}: {len(ids)} tests in {len(shards)} sanitized processes{at_a_time}", flush=True)
+    picked = [i for i in range(len(shards)) if plan.only is None or i in plan.only]
     gpus = _visible_gpus() if len(shards) > 1 else None  # one process: the caller's environment as it is
-    summaries, lock, procs, threads = [], threading.Lock(), [], []
+    summaries, codes, lock = {}, {}, threading.Lock()
+    todo = list(reversed(picked))
 
-    def pump(i, proc):
-        for line in proc.stdout:
-            with lock:
-                print(f"[{i}] {line}" if len(shards) > 1 else line, end="", flush=True)
-                found = re.search(tool.summary, line)
-                if found:
-                    summaries.append(int(found.group(1)))
-
-    for i, shard in enumerate(shards):
+    def sanitized(i):
+        shard = shards[i]
         cmd = tool.command(sanitizer, shard)
         shard_env = dict(env, CUDA_VISIBLE_DEVICES=gpus[i % len(gpus)]) if gpus else env
-        print(f"[{i}] " + " ".join(cmd[:len(cmd) - len(shard)]) + f" ... ({len(shard)} arguments)", flush=True)
+        tag = f"[{i}] " if len(shards) > 1 else ""
+        with lock:
+            print(tag + " ".join(cmd[:len(cmd) - len(shard)]) + f" ... ({len(shard)} arguments)", flush=True)
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=shard_env)
-        procs.append(proc)
-        threads.append(threading.Thread(target=pump, args=(i, proc)))
-        threads[-1].start()
+        for line in proc.stdout:
+            with lock:
+                print(tag + line, end="", flush=True)
+                found = re.search(tool.summary, line)
+                if found:
+                    summaries[i] = summaries.get(i, 0) + int(found.group(1))
+        codes[i] = proc.wait()
+        with lock:
+            print(f"{tag}done: {summaries.get(i, 'no summary')} {tool.noun}, exit {codes[i]}", flush=True)
+
+    def slot():
+        while True:
+            with lock:
+                if not todo:
+                    return
+                i = todo.pop()
+            sanitized(i)
+
+    threads = [threading.Thread(target=slot) for _ in range(min(jobs, len(picked)) or 1)]
+    for t in threads:
+        t.start()
     for t in threads:
         t.join()
-    codes = [proc.wait() for proc in procs]
-    found = sum(summaries)
-    noun = "hazards" if tool.name == "racecheck" else "errors"
-    print(f"{tool.name}: {len(summaries)} sanitized processes, {found} {noun}; pytest/sanitizer exits {codes}")
-    return 1 if found or any(codes) or len(summaries) < len(shards) else 0
+    found = sum(summaries.values())
+    exits = [codes[i] for i in picked]
+    print(f"{tool.name}: {len(summaries)} sanitized processes, {found} {tool.noun}; pytest/sanitizer exits {exits}")
+    return 1 if found or any(exits) or len(summaries) < len(picked) else 0
 
 
 def _canary_sings(tool: Tool, sanitizer: str, env: dict) -> bool:

@@ -104,3 +104,20 @@ def test_a_silent_canary_fails_racecheck_before_any_test(fake_machine, monkeypat
     assert sanitize.run("racecheck", ["-q", "-p", "no:cacheprovider", tests], jobs=2) == 1
     assert "does not see our kernels; no test was run" in capsys.readouterr().out
     assert not list(record.iterdir())
+
+
+def test_chunks_run_in_order_a_few_at_a_time_and_only_picks_some(fake_machine, capsys):
+    """--chunk: consecutive tests per process, `jobs` processes at a time; --only: the numbered
+    processes alone (to finish a run that a time limit cut short)."""
+    tests, record = fake_machine
+    assert sanitize.run("memcheck", ["-q", "-p", "no:cacheprovider", tests], jobs=2, chunk=2) == 0
+    out = capsys.readouterr().out
+    assert "memcheck: 5 tests in 3 sanitized processes, 2 at a time" in out
+    assert out.count("done: 0 errors, exit 0") == 3
+    # chunks [0, 1] (GPU 0), [2, 3] (GPU 1), [4] (GPU 0)
+    assert {p.name: p.read_text() for p in record.iterdir()} == {"0": "0", "1": "0", "2": "1", "3": "1", "4": "0"}
+    for p in record.iterdir():
+        p.unlink()
+    assert sanitize.run("memcheck", ["-q", "-p", "no:cacheprovider", tests], jobs=2, chunk=2, only=[2]) == 0
+    assert sorted(p.name for p in record.iterdir()) == ["4"]
+    assert "memcheck: 1 sanitized processes, 0 errors" in capsys.readouterr().out
