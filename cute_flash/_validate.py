@@ -17,6 +17,8 @@ import operator
 
 import torch
 
+from cute_flash.launch import block_sparse
+
 MAX_HEAD_DIM = 256
 # The kernels move global memory with 128-bit copies: a base address off 16 bytes changes
 # what a call can be launched with, so it is part of a call's signature.
@@ -331,6 +333,32 @@ def check_mods(score_mod, mask_mod, aux_tensors, score_mod_bwd, softcap, alibi_s
     if (score_mod is not None or mask_mod is not None) and dropout_probs:
         raise ValueError("return_attn_probs with dropout is not available with a score_mod or mask_mod "
                          "(S_dmask is computed without them)")
+
+
+_BLOCK_MASK_TENSORS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")
+
+
+def check_block_mask(block_mask, mask_mod, batch, nheads, seqlen_q, seqlen_k):
+    """A FlexAttention BlockMask (its lists, block sizes and lengths), given with the mask_mod
+    whose blocks it lists (the kernels evaluate the mask_mod on its partial blocks), and built
+    for the call's shape (`launch/block_sparse.check_block_mask`)."""
+    if block_mask is None:
+        return
+    if not all(hasattr(block_mask, name) for name in _BLOCK_MASK_TENSORS + ("BLOCK_SIZE", "seq_lengths")):
+        raise TypeError(f"block_mask must be a FlexAttention BlockMask (torch.nn.attention.flex_attention."
+                        f"create_block_mask), got {type(block_mask).__name__}")
+    if mask_mod is None:
+        raise ValueError("block_mask lists the blocks a mask_mod cuts: pass the mask_mod too (it runs on the "
+                         "block_mask's partial blocks)")
+    block_sparse.check_block_mask(block_mask, batch, nheads, seqlen_q, seqlen_k)
+
+
+def block_mask_named(block_mask) -> list:
+    """The BlockMask's tensors for `check_cuda`."""
+    if block_mask is None:
+        return []
+    return [(f"block_mask.{name}", getattr(block_mask, name)) for name in _BLOCK_MASK_TENSORS
+            if getattr(block_mask, name) is not None]
 
 # --- variable length ------------------------------------------------------------------------
 

@@ -165,22 +165,24 @@ def _grad_inputs(q, k, v, packed):
 
 def _flash_attn(q, k, v, names, dropout_p, softmax_scale, causal, window_size, softcap,
                 alibi_slopes, caller=None, deterministic=False, packed=None, return_probs=False,
-                learnable_sink=None, mods=(None, None, None, None)):
+                learnable_sink=None, mods=(None, None, None, None), block_mask=None):
     """Shared body of the fixed-length functions: (out, lse, S_dmask, dropout), S_dmask empty
     unless `return_probs` with dropout, dropout the call's DropoutArgs or None. `names` are the
     caller's argument names; `caller` is the public function's name, None for the private
     forward, which has no autograd in flash-attn either. With grad mode on and an input
     requiring grad, eager calls go through `FlashAttnFunction` (compiled ones through the op's
     registered gradient). `learnable_sink` is folded into the kernels' output (`cute_flash.sinks`).
-    `mods`: (score_mod, mask_mod, aux_tensors, score_mod_bwd), Python-written (`_user_mods`)."""
+    `mods`: (score_mod, mask_mod, aux_tensors, score_mod_bwd), Python-written (`_user_mods`);
+    `block_mask` a FlexAttention BlockMask of the mask_mod (`_validate.check_block_mask`)."""
     named = _check_qkv(q, k, v, names, _Q_DIMS, _KV_DIMS, value_dim=caller is not None)
     p, window_size = _check_options(dropout_p, window_size, softcap, softmax_scale)
     batch, seqlen_q, nheads, headdim = q.shape
     _validate.check_alibi(alibi_slopes, batch, nheads)
     _check_sink(learnable_sink, nheads, p, return_probs)
     _validate.check_mods(*mods, softcap, alibi_slopes, return_probs and p > 0)
+    _validate.check_block_mask(block_mask, mods[1], batch, nheads, seqlen_q, k.shape[1])
     _validate.check_cuda(named + [("alibi_slopes", alibi_slopes), ("learnable_sink", learnable_sink)]
-                         + _aux_named(mods[2]))
+                         + _aux_named(mods[2]) + _validate.block_mask_named(block_mask))
 
     seqlen_k = k.shape[1]
     lse_shape = (batch, nheads, seqlen_q)
@@ -202,7 +204,7 @@ def _flash_attn(q, k, v, names, dropout_p, softmax_scale, causal, window_size, s
                                             deterministic, *_op_dropout(dropout), learnable_sink)
         return sinks.fold(*_kernels().flash_fwd(q, k, v, softmax_scale=scale, causal=causal, window_size=window,
                                                 softcap=softcap, alibi_slopes=alibi_slopes, dropout=dropout,
-                                                mods=_user_mods(mods)), learnable_sink)
+                                                mods=_user_mods(mods), block_mask=block_mask), learnable_sink)
 
     packing, inputs = _grad_inputs(q, k, v, packed)
     if caller is not None and not torch.compiler.is_compiling() and _validate.needs_grad(inputs, learnable_sink):
@@ -413,6 +415,7 @@ def flash_attn_func(
     mask_mod: Optional[Callable] = None,
     aux_tensors: Optional[Sequence[Tensor]] = None,
     score_mod_bwd: Optional[Callable] = None,
+    block_mask=None,
 ) -> Union[Tensor, tuple[Tensor, Tensor, Tensor]]:
     """Attention of q (batch, seqlen_q, nheads, headdim) over k, v (batch, seqlen_k, nheads_k,
     headdim). Returns out like q, or (out, softmax_lse (batch, nheads, seqlen_q), S_dmask): with
@@ -422,12 +425,15 @@ def flash_attn_func(
     head in every row's softmax, with no value, differentiable (docs/semantics.md, Sinks); the
     other attention functions take it too. `score_mod`, `mask_mod`, `aux_tensors`, `score_mod_bwd`,
     keyword-only (flash-attn-4's conventions): Python-written modifiers compiled into the kernels,
-    forward and backward (docs/semantics.md, Score and mask mods)."""
+    forward and backward (docs/semantics.md, Score and mask mods); `block_mask`, keyword-only,
+    a FlexAttention `BlockMask` of the mask_mod (from `create_block_mask`), whose empty blocks
+    the Hopper forward skips and whose full ones it runs without the mask_mod (docs/semantics.md,
+    Block sparsity)."""
     out, lse, probs, _ = _flash_attn(q, k, v, ("q", "k", "v"), dropout_p, softmax_scale, causal, window_size,
                                      softcap, alibi_slopes, "flash_attn_func", deterministic,
                                      return_probs=return_attn_probs,
                                      learnable_sink=learnable_sink,
-                                     mods=(score_mod, mask_mod, aux_tensors, score_mod_bwd))
+                                     mods=(score_mod, mask_mod, aux_tensors, score_mod_bwd), block_mask=block_mask)
     return _result(out, lse, probs, return_attn_probs)
 
 

@@ -5,6 +5,7 @@ against the reference and against FlexAttention with the same definition.
 
     spec = mods.prefix_lm(prefix_lengths)
     out = flash_attn_func(q, k, v, **spec.kwargs())
+    out = flash_attn_func(q, k, v, **spec.kwargs(), block_mask=spec.block_mask(b, 1, sq, sk))  # empty blocks skipped
 
 Positions count from each sequence's first query / key; with q and k of different lengths the
 causal parts below align the last query with the last key (flash-attn's bottom-right rule),
@@ -38,6 +39,17 @@ class ModSpec:
     def ref_kwargs(self) -> dict:
         """`cute_flash.reference.attention_ref`'s keyword arguments."""
         return dict(score_mod=self.ref_score_mod, mask_mod=self.ref_mask_mod)
+
+    def block_mask(self, batch: int, heads: int, seqlen_q: int, seqlen_k: int, device="cuda", block_size=128):
+        """The FlexAttention BlockMask of the mask_mod (from its torch twin, `create_block_mask`),
+        for `flash_attn_func(..., block_mask=)`: the Hopper forward then skips the blocks it
+        leaves empty. batch or heads 1: one mask for all of them."""
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        if self.ref_mask_mod is None:
+            raise ValueError("a block mask lists the blocks of a mask_mod; this variant has none")
+        return create_block_mask(self.ref_mask_mod, batch, heads, seqlen_q, seqlen_k, device=device,
+                                 BLOCK_SIZE=block_size)
 
 
 def document_mask(doc_ids: torch.Tensor) -> ModSpec:

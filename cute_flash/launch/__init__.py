@@ -15,6 +15,7 @@ only); the interface validates and dispatches here.
 - `kvcache`: `flash_attn_with_kvcache`: its per-signature call setup, the split workspace, the
   append launch.
 - `backward`: the gradients of the dense and packed-varlen forwards.
+- `block_sparse`: a FlexAttention BlockMask as the kernels' block lists, at their tile sizes.
 
 The entry points below import their modules (and the CuTe DSL) on first use, so the API layer
 can import `rng` without the DSL.

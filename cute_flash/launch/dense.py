@@ -13,6 +13,7 @@ from cute_flash.launch.args import alibi_2d, positive_scale, scales, score_flags
 from cute_flash.launch.rng import DropoutArgs, rng_of
 from cute_flash.launch.batch_chunks import (batch_chunks, chunked, lengths_of, refuse_chunked_dropout, rows_of,
                                             slopes_of)
+from cute_flash.launch.block_sparse import check_block_mask
 from cute_flash.launch.hopper import flash_fwd_sm90, flash_fwd_varlen_sm90
 from cute_flash.launch.mods import ModArgs, aux_of, has_score_mod, mod_flags, refuse_chunked_mods
 from cute_flash.launch.policy import PAGE_ROWS, hopper_pages_fit, takes_hopper_path
@@ -31,12 +32,14 @@ def fwd_kernel(d_pad: int, dtype, device_index: int, causal: bool, traits: FwdTr
 
 def flash_fwd(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1), softcap=0.0,
               alibi_slopes=None, traits: FwdTraits | None = None, dropout: DropoutArgs | None = None,
-              mods: ModArgs | None = None):
+              mods: ModArgs | None = None, block_mask=None):
     """Dense forward: q (b, sq, h, d), k/v (b, sk, hk, d); returns (out, lse (b, h, sq)).
     On sm_90 the Hopper kernel (`takes_hopper_path`). `traits` (SM80 tiles) overrides the
     heuristic and selects the SM80 kernel (tile tuning, `python -m cute_flash tune`); `dropout`
     drops P's elements by the Philox mask (cute_flash/dropout.py), the same mask on either
-    kernel; `mods` the call's Python-written score / mask mods and their aux tensors (`ModArgs.of`)."""
+    kernel; `mods` the call's Python-written score / mask mods and their aux tensors (`ModArgs.of`);
+    `block_mask` a FlexAttention BlockMask of the mask_mod: the Hopper kernel skips its empty
+    blocks, the SM80 kernel evaluates the mask_mod everywhere (the same result)."""
     b, sq, h, d = q.shape
     mods = ModArgs.of(mods)
     if chunked(b):  # launch/batch_chunks.py
@@ -48,9 +51,12 @@ def flash_fwd(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1), sof
         return torch.cat([out for out, _ in parts]), torch.cat([lse for _, lse in parts])
     index = gpu.device_index(q.device)
     q, softmax_scale, _ = positive_scale(q, softmax_scale)
+    if block_mask is not None:
+        check_block_mask(block_mask, b, h, sq, k.shape[1])
     if traits is None and takes_hopper_path(index):
         return flash_fwd_sm90(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                              softcap=softcap, alibi_slopes=alibi_slopes, dropout=dropout, mods=mods)
+                              softcap=softcap, alibi_slopes=alibi_slopes, dropout=dropout, mods=mods,
+                              block_mask=block_mask)
     q, k, v = aligned(q), aligned(k), aligned(v)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)

@@ -19,6 +19,7 @@ from cute_flash.launch import compiled, gpu
 from cute_flash.launch.align import aligned
 from cute_flash.launch.args import alibi_2d, scales, score_flags, window_edges
 from cute_flash.launch.per_stream import per_stream, zeroed_counters
+from cute_flash.launch.block_sparse import block_lists
 from cute_flash.launch.mods import ModArgs, aux_of, has_score_mod, mod_flags
 from cute_flash.launch.rng import DropoutArgs, rng_of
 from cute_flash.launch.varlen_order import query_blocks_longest_first
@@ -37,13 +38,15 @@ def tile_counter(device: torch.device) -> torch.Tensor:
 def flash_fwd_sm90(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                    dropout: DropoutArgs | None = None, traits=None, persistent=None, sections=None,
                    speculative_max=None, speculative_in_place=None, stages=None, kv_multicast=None,
-                   mods: ModArgs | None = None):
+                   mods: ModArgs | None = None, block_mask=None):
     """Dense forward on the Hopper kernel: q (b, sq, h, d), k/v (b, sk, hk, d); returns (out,
     lse (b, h, sq)) as `flash_fwd` does. `traits` (HopperTileTraits), `persistent`,
     `sections` (pairs per scheduling section), `speculative_max`, `speculative_in_place` and
     `stages` (K / V pipeline depth) override the kernel's choices (`tune --sm90`);
     `kv_multicast` (sharing each K / V block between a cluster's two tiles) too, where
-    `kv_multicast_fits`. `mods`: the call's Python-written mods (no speculative maxima then)."""
+    `kv_multicast_fits`. `mods`: the call's Python-written mods (no speculative maxima then);
+    `block_mask`: a FlexAttention BlockMask of the mask_mod, whose empty blocks are skipped
+    (`launch/block_sparse.py`)."""
     b, sq, h, d = q.shape
     q, k, v = aligned(q), aligned(k), aligned(v)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -62,19 +65,22 @@ def flash_fwd_sm90(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1)
     if stages is None:
         stages = kv_stages(traits, k.shape[1], persistent)
     if kv_multicast is None:
-        kv_multicast = takes_kv_multicast(traits, sq, k.shape[1], masked, persistent, dropout)
+        kv_multicast = block_mask is None and takes_kv_multicast(traits, sq, k.shape[1], masked, persistent, dropout)
     elif kv_multicast and not kv_multicast_fits(traits, sq, masked, persistent):
         raise ValueError("kv_multicast pairs one head's query blocks: the persistent schedule, no causal / local "
                          "mask, an even number of query blocks")
     config = Sm90FwdConfig(traits, stages, persistent=persistent, speculative_max=speculative_max,
                            speculative_in_place=speculative_in_place, kv_multicast=kv_multicast,
+                           block_sparse=block_mask is not None,
                            **score_flags(left, right, alibi_slopes, softcap, dropout), **dict(mod_flags(mods)))
+    sparse = None if block_mask is None else block_lists(block_mask, b, h, sq, k.shape[1], traits.block_m,
+                                                         traits.block_n)
     index = gpu.device_index(q.device)
     num_sms = gpu.num_sms(index)
     if sections is None:
         sections = section_heads(q, k, persistent and masked, traits.block_m, num_sms)
     compiled.kernel_for(config, index)(q, k, v, out, lse, alibi_2d(alibi_slopes, b, h), rng_of(dropout, q.device),
-                                       aux_of(mods), tile_counter(q.device),
+                                       aux_of(mods), sparse, tile_counter(q.device),
                                        *scales(softmax_scale, softcap, has_score_mod(mods)), left, right,
                                        sections, num_sms)
     return (out if out.shape[-1] == d else out[..., :d]), lse

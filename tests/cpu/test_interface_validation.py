@@ -48,12 +48,15 @@ def test_signatures_are_flash_attn_2_8_3(fn):
     """Names, order, kinds and defaults as flash-attn's (ours carry type hints, which it lacks),
     plus keyword-only additions after them: learnable_sink (flash-attn-4's) everywhere, the
     KV-cache call's packed queries (FA3's cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q), and
-    flash-attn-4's score_mod, mask_mod, aux_tensors, score_mod_bwd on the two unpacked functions."""
+    flash-attn-4's score_mod, mask_mod, aux_tensors, score_mod_bwd on the two unpacked functions,
+    and FlexAttention's block_mask on flash_attn_func."""
     sig = inspect.signature(getattr(fi, fn))
     additions = ["learnable_sink"] + (["cu_seqlens_q", "cu_seqlens_k_new", "max_seqlen_q"]
                                       if fn == "flash_attn_with_kvcache" else [])
     if fn in ("flash_attn_func", "flash_attn_varlen_func"):
         additions += ["score_mod", "mask_mod", "aux_tensors", "score_mod_bwd"]
+    if fn == "flash_attn_func":
+        additions += ["block_mask"]
     assert list(sig.parameters)[-len(additions):] == additions
     for name in additions:
         assert sig.parameters[name].kind is inspect.Parameter.KEYWORD_ONLY and sig.parameters[name].default is None
@@ -713,7 +716,7 @@ def test_dense_dispatch_passes_inputs_and_defaults(gpu_free):
     assert fn == "flash_fwd"
     assert q is args["q"] and k is args["k"] and v is args["v"]
     assert kw == dict(softmax_scale=D ** -0.5, causal=False, window_size=(-1, -1), softcap=0.0,
-                      alibi_slopes=None, dropout=None, mods=None)
+                      alibi_slopes=None, dropout=None, mods=None, block_mask=None)
     assert out.shape == args["q"].shape and bool((out == 7).all())
 
 

@@ -92,19 +92,22 @@ class ScoreMods:
     user: object = None   # ModCall: Python-written mods (kernels/common/user_mods.py), on every tile
 
     @cute.jit
-    def apply(self, tiled_mma: cute.TiledMma, acc_s: cute.Tensor, m_block, n_block, masked: cutlass.Constexpr):
+    def apply(self, tiled_mma: cute.TiledMma, acc_s: cute.Tensor, m_block, n_block, masked: cutlass.Constexpr,
+              user_mask: cutlass.Constexpr = True):
         """Modify the (MMA, MMA_M, MMA_N) S tile of (m_block, n_block) in place; `masked`: the
-        tile crosses a mask edge. Returns its (row, col) view."""
+        tile crosses a mask edge; `user_mask` False: a mask_mod is known to keep the whole tile
+        (block sparsity's full blocks). Returns its (row, col) view."""
         acc_s_mn = lmma.acc_mn_view(acc_s)
         if cutlass.const_expr(self.has_softcap):
             for i in cutlass.range(cute.size(acc_s), unroll_full=True):
                 acc_s[i] = cute.math.tanh(acc_s[i] * self.score_premul, fastmath=True)
         row0 = m_block * self.tile_mn[0]
         col0 = n_block * self.tile_mn[1]
+        user = self.user is not None and (user_mask or self.user.mods.score_mod is not None)  # a mod to call
         # (row, col) of each S element this thread holds; built here, not hoisted out of the
         # loop, so the coordinates are rematerialised instead of occupying registers.
         tScS_mn = None
-        if cutlass.const_expr(masked or self.has_alibi or self.user is not None):
+        if cutlass.const_expr(masked or self.has_alibi or user):
             tidx = self.mma_tidx
             if cutlass.const_expr(tidx is None):
                 tidx, _, _ = cute.arch.thread_idx()
@@ -112,8 +115,8 @@ class ScoreMods:
             tScS_mn = lmma.acc_mn_view(tiled_mma.get_slice(tidx).partition_C(cS))
         if cutlass.const_expr(self.has_alibi):
             apply_alibi(acc_s_mn, tScS_mn, row0, col0, self.mask.seqlen_k - self.mask.seqlen_q, self.slope)
-        if cutlass.const_expr(self.user is not None):
-            self.user.apply(acc_s_mn, tScS_mn, row0, col0)
+        if cutlass.const_expr(user):
+            self.user.apply(acc_s_mn, tScS_mn, row0, col0, user_mask)
         if cutlass.const_expr(masked):
             self.mask.apply(acc_s_mn, tScS_mn, row0, col0)
         return acc_s_mn

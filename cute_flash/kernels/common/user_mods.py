@@ -225,16 +225,17 @@ class ModCall:
         return _ssa(self.bidb, cutlass.Int32), _ssa(self.bidh, cutlass.Int32), aux
 
     @cute.jit
-    def apply(self, acc_s_mn: cute.Tensor, tScS_mn: cute.Tensor, row0, col0):
+    def apply(self, acc_s_mn: cute.Tensor, tScS_mn: cute.Tensor, row0, col0, with_mask: cutlass.Constexpr = True):
         """Rewrite each score of the (rows, cols) tile (score_mod: from scale * S) and hide those
-        mask_mod drops (-inf), at the `positions` tScS_mn gives."""
+        mask_mod drops (-inf), at the `positions` tScS_mn gives; with_mask False: the mask_mod
+        keeps the whole tile (a block-sparse full block) and is not called."""
         b, h, aux = self.common_args()
         for r, c, q, k in self.positions(acc_s_mn, tScS_mn, row0, col0):
             if cutlass.const_expr(self.mods.score_mod is not None):
                 score = _ssa(acc_s_mn[r, c] * self.scale, cutlass.Float32)
                 acc_s_mn[r, c] = call_mod(self.mods.score_mod, "score_mod", score, b, h, q_idx=q, kv_idx=k,
                                           seqlen_info=self.seqlen_info, aux_tensors=aux)[0]
-            if cutlass.const_expr(self.mods.mask_mod is not None):
+            if cutlass.const_expr(self.mods.mask_mod is not None and with_mask):
                 keep = call_mod(self.mods.mask_mod, "mask_mod", b, h, q, k, self.seqlen_info, aux)
                 if not keep[0]:
                     acc_s_mn[r, c] = -cutlass.Float32.inf

@@ -61,6 +61,7 @@ import cutlass.cute as cute
 from cutlass import pipeline
 from cutlass.cute.nvgpu import cpasync
 
+from cute_flash.kernels.common.block_sparse import BlockSparse, fake_block_sparse
 from cute_flash.kernels.common.fake import fake_stream, fake_tensor
 from cute_flash.kernels.common.flags import score_letters
 from cute_flash.kernels.common.gqa_fold import fold_heads, fold_lse
@@ -117,6 +118,8 @@ class Sm90FwdConfig:
     dependent_launch: bool = False  # KV caches: a programmatic dependent launch (PDL), unless one wave leaves
                                     # SMs idle and a CTA's keys are many (launch/policy.py:takes_dependent_launch)
     mods: object = None        # UserMods: Python-written score / mask mods (kernels/common/user_mods.py)
+    block_sparse: bool = False  # dense: each query block visits its listed key blocks alone, the mask_mod
+                                # evaluated on the partial ones (kernels/common/block_sparse.py)
 
     def __post_init__(self):
         if (self.varlen or self.kvcache) and self.persistent:
@@ -138,6 +141,10 @@ class Sm90FwdConfig:
         check_mods(self.mods, self.kvcache, self.has_softcap, self.has_alibi)
         if self.mods is not None and self.speculative_max:
             raise ValueError("speculative maxima assume a score only moves by the built-in modifiers")
+        if self.block_sparse and (self.mods is None or self.mods.mask_mod is None or self.varlen or self.kvcache
+                                  or self.kv_multicast):
+            raise ValueError("block sparsity lists the blocks a mask_mod cuts, in a dense launch without K / V "
+                             "multicast (whose paired tiles load the same blocks)")
         if (self.split or self.pack_gqa) and not self.kvcache:
             raise ValueError("split-KV and the GQA fold belong to KV caches (kvcache)")
         if self.paged and not (self.kvcache or self.varlen):
@@ -211,6 +218,7 @@ class Sm90FwdConfig:
         schedule += "i" if self.speculative_in_place else ""
         schedule += "k" if self.kv_multicast else ""
         schedule += "d" if self.dependent_launch else ""
+        schedule += "b" if self.block_sparse else ""
         mods = "" if self.mods is None else "-M" + "".join(
             m.digest for m in (self.mods.score_mod, self.mods.mask_mod) if m is not None)
         return f"{self.traits.name}_s{self.stages}{schedule}-{score_letters(self)}{mods}"
@@ -228,18 +236,19 @@ class FlashFwdSm90(TileScheduler, Producer, Consumer, Epilogue):
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
-                 mAlibi, mRng, aux_tensors, mTileCounter: cute.Tensor, scale_log2: cutlass.Float32,
+                 mAlibi, mRng, aux_tensors, block_sparse, mTileCounter: cute.Tensor, scale_log2: cutlass.Float32,
                  score_premul: cutlass.Float32,
                  alibi_div: cutlass.Float32, window_left: cutlass.Int32, window_right: cutlass.Int32,
                  section_heads: cutlass.Int32, max_ctas: cutlass.Int32, stream):
         """mQ / mO (batch, seqlen_q, heads, d), mK / mV (batch, seqlen_k, heads_k, d), mLSE
         (batch, heads, seqlen_q) fp32, mAlibi (batch, heads) fp32 or None, mRng (4,) uint32 (the
         dropout state, `Dropout.load`) or None; aux_tensors the mods' tensors (a list) or None;
+        block_sparse the lists of `BlockSparse.of` (`Sm90FwdConfig.block_sparse`) or None;
         mTileCounter (2,) int32, zero before a persistent launch and left zero by it;
         section_heads: see `tile`; max_ctas: the SMs a persistent variant spreads its tiles over."""
         scalars = Sm90Scalars(scale_log2, score_premul, alibi_div, window_left, window_right, section_heads)
         self.launch(mQ, mK, mV, mO, mLSE, mAlibi, mRng, mTileCounter, None, None, scalars, max_ctas, stream,
-                    aux_tensors)
+                    aux_tensors, BlockSparse.of(block_sparse))
 
     @cute.jit
     def call_kvcache(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
@@ -294,7 +303,8 @@ class FlashFwdSm90(TileScheduler, Producer, Consumer, Epilogue):
 
     @cute.jit
     def launch(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, mAlibi,
-               mRng, mTileCounter, varlen, cache, scalars: Sm90Scalars, max_ctas, stream, aux_tensors=None):
+               mRng, mTileCounter, varlen, cache, scalars: Sm90Scalars, max_ctas, stream, aux_tensors=None,
+               sparse=None):
         t, stages = self.t, self.config.stages
         sQ_layout = hopper.smem_layout(t, t.block_m)
         sKV_layout = hopper.smem_layout_staged(t, t.block_n, stages)
@@ -319,7 +329,7 @@ class FlashFwdSm90(TileScheduler, Producer, Consumer, Epilogue):
         recipe = Sm90Recipe(sQ_layout, sKV_layout, tma_q, tma_k, tma_v, tma_o, hopper.tiled_mma_qk(t),
                             hopper.tiled_mma_pv(t))
         args = Sm90Tensors(tma_mQ, tma_mK, tma_mV, tma_mO, mLSE, mAlibi, mRng, mTileCounter, varlen, cache,
-                           aux_tensors)
+                           aux_tensors, sparse)
         tiles = self.num_tiles(args)
         ctas = cutlass.min(tiles, max_ctas) if cutlass.const_expr(self.config.persistent) else tiles
         if cutlass.const_expr(self.config.kv_multicast):  # whole clusters; the host gives an even tile count
@@ -438,5 +448,6 @@ def fake_args(config: Sm90FwdConfig) -> list:
                 + [1.0, 1.0, 1.0, -1, -1, fake_stream()])
     return [fake_tensor(dtype, 4, ALIGN, COPY_BYTES) for _ in range(4)] + [
         fake_tensor(cutlass.Float32, 3), fake_tensor(cutlass.Float32, 2) if config.has_alibi else None,
-        fake_tensor(cutlass.Uint32, 1) if config.has_dropout else None, aux, fake_tensor(cutlass.Int32, 1),
+        fake_tensor(cutlass.Uint32, 1) if config.has_dropout else None, aux,
+        fake_block_sparse() if config.block_sparse else None, fake_tensor(cutlass.Int32, 1),
         1.0, 1.0, 1.0, -1, -1, 1, 132, fake_stream()]

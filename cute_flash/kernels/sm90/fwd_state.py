@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import cutlass
 import cutlass.cute as cute
 
 from cute_flash.kernels.common.score_mods import ScoreMods
@@ -86,6 +87,7 @@ class Sm90Tensors:
     varlen: object       # Sm90Varlen for packed batches, else None
     cache: object        # Sm90Cache for KV caches, else None
     aux: object = None   # the mods' aux tensors (a list), or None
+    sparse: object = None  # block_sparse.BlockSparse of a block-sparse launch, or None
 
 
 @dataclass(frozen=True)
@@ -96,9 +98,18 @@ class Tile:
     bidb: object
     seq: SeqInfo
     n_block_max: object
-    count: object       # key blocks to visit (>= 0): n_block_max - 1 down to n_block_max - count
+    count: object       # key blocks to visit (>= 0): n_block_max - 1 down to n_block_max - count (`n_block`)
     split_idx: object   # split-KV: this tile's share of the key blocks (0 unsplit)
     splits: object      # split-KV: the CTAs sharing the tile's key blocks (1 unsplit)
+    sparse: object = None  # block_sparse.SparseRow of a block-sparse launch: count and blocks are its
+
+    @cute.jit
+    def n_block(self, i):
+        """The i-th key block the tile visits (0 <= i < count)."""
+        n = self.n_block_max - 1 - i
+        if cutlass.const_expr(self.sparse is not None):
+            n = self.sparse.n_block(i)
+        return n
 
 
 @dataclass(frozen=True)

@@ -126,7 +126,7 @@ class Consumer:
         loop = Sm90Loop(pipes, tSrQ, tSrK, tOrV, acc_s, tOrP, acc_o, acc_o_mn, row_scale, softmax, mods, tile.m_block,
                         lo, hi, consumer_wg, kv_uses, dropout, mma_tidx, sV, acc_p)
         if tile.count > 0:
-            self.mainloop(loop, tile.n_block_max, tile.count, recipe)
+            self.mainloop(loop, tile, recipe)
         if cutlass.const_expr(cfg.persistent):
             if tile.count == 0:
                 self.release_q(loop)
@@ -146,10 +146,10 @@ class Consumer:
             self.store(acc_o, lse, sO, args, recipe, tile, mma_tidx)
 
     @cute.jit
-    def mainloop(self, loop: Sm90Loop, n_block_max, count, recipe: Sm90Recipe):
-        """Key blocks n_block_max - 1 down to n_block_max - count: the first one's S and softmax,
-        then per block its S = Q K^T with the previous block's O += P V in flight, the last P V
-        at the end."""
+    def mainloop(self, loop: Sm90Loop, tile: Tile, recipe: Sm90Recipe):
+        """The tile's key blocks (`Tile.n_block`): the first one's S and softmax, then per block
+        its S = Q K^T with the previous block's O += P V in flight, the last P V at the end."""
+        count = tile.count
         stages = self.config.stages
         rescores = self.config.speculative_in_place  # a failed vote issues Q K^T again: Q and K stay till after it
         # MMAs of this function's own (recipe's only partition): wgmma sets an MMA's accumulate
@@ -159,11 +159,17 @@ class Consumer:
         loop.pipes.k.consumer_wait(first)
         wgmma(mma_qk, loop.acc_s, loop.tSrQ, loop.tSrK[None, None, None, first.index])
         self.release_qk(loop, first, count == 1)
-        self.scores(loop, n_block_max - 1, recipe, True, True)
+        if cutlass.const_expr(tile.sparse is not None):
+            if tile.sparse.is_partial(0):
+                self.scores(loop, tile.n_block(0), recipe, True, True)
+            else:  # a full block: no mask_mod
+                self.scores(loop, tile.n_block(0), recipe, True, True, user_mask=False)
+        else:
+            self.scores(loop, tile.n_block(0), recipe, True, True)
         if cutlass.const_expr(self.config.clears_v_tail):
-            self.clear_v_tail(loop, first, n_block_max - 1)
+            self.clear_v_tail(loop, first, tile.n_block(0))
         for i in cutlass.range(1, count, unroll=1):
-            n_block = n_block_max - 1 - i
+            n_block = tile.n_block(i)
             k_read = use_state(loop.kv_uses + i, stages, producer=False)
             v_read = use_state(loop.kv_uses + i - 1, stages, producer=False)
             loop_qk, loop_pv = hopper.tiled_mma_qk(self.t), hopper.tiled_mma_pv(self.t)
@@ -177,7 +183,9 @@ class Consumer:
             warpgroup.wait_group(1)  # S landed; P V may still run
             if cutlass.const_expr(not rescores):
                 self.release_qk(loop, k_read, i == count - 1)
-            if loop.unmasked_lo <= n_block and n_block < loop.unmasked_hi:
+            if cutlass.const_expr(tile.sparse is not None):
+                self.sparse_scores(loop, tile, i, n_block, recipe, k_read.index)
+            elif loop.unmasked_lo <= n_block and n_block < loop.unmasked_hi:
                 self.scores(loop, n_block, recipe, False, False, k_read.index)
             else:
                 self.scores(loop, n_block, recipe, False, True, k_read.index)
@@ -234,14 +242,26 @@ class Consumer:
         cute.arch.barrier(barrier_id=FwdBarrier.CLEAR_V, number_of_threads=t.num_threads)
 
     @cute.jit
+    def sparse_scores(self, loop: Sm90Loop, tile: Tile, i, n_block, recipe: Sm90Recipe, k_stage):
+        """Visit i of a block-sparse tile: a partial block with every mask, a full one without
+        the mask_mod (and without the built-in masks where no edge crosses it)."""
+        if tile.sparse.is_partial(i):
+            self.scores(loop, n_block, recipe, False, True, k_stage)
+        elif loop.unmasked_lo <= n_block and n_block < loop.unmasked_hi:
+            self.scores(loop, n_block, recipe, False, False, k_stage, user_mask=False)
+        else:
+            self.scores(loop, n_block, recipe, False, True, k_stage, user_mask=False)
+
+    @cute.jit
     def scores(self, loop: Sm90Loop, n_block, recipe: Sm90Recipe, is_first: cutlass.Constexpr,
-               masked: cutlass.Constexpr, k_stage=None):
+               masked: cutlass.Constexpr, k_stage=None, user_mask: cutlass.Constexpr = True):
         """S of key block n_block (in acc_s; K in stage k_stage) -> modifiers -> unnormalised P
         -> dropout (after the row sums: they are taken before dropout); the first block's P is
         converted here, a later one's after O is rescaled. Dropout's Philox calls run here,
         after the softmax: computed while the GEMMs run instead (they depend on the coordinates
-        alone) they held 32 more registers and ran slower (docs/tuning/dropout.md, Dropout, run 4)."""
-        acc_s_mn = loop.mods.apply(recipe.mma_qk, loop.acc_s, loop.m_block, n_block, masked)
+        alone) they held 32 more registers and ran slower (docs/tuning/dropout.md, Dropout, run 4).
+        user_mask False: a block-sparse full block, whose mask_mod keeps every score."""
+        acc_s_mn = loop.mods.apply(recipe.mma_qk, loop.acc_s, loop.m_block, n_block, masked, user_mask)
         cfg = self.config
         # In place, masked blocks take `update`: a causal diagonal spans 2-3 of a 192-row tile's
         # key blocks, whose rows have seen few keys, and most failed warpgroup votes were theirs

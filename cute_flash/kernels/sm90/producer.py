@@ -120,7 +120,7 @@ class Producer:
         if tile.count == 0:
             self.load_q(recipe, pipes, tQgQ, tQsQ, tile, tile_idx, q_loads)
         for i in cutlass.range(tile.count, unroll=1):
-            n_block = tile.n_block_max - 1 - i
+            n_block = tile.n_block(i)
             write = use_state(kv_uses + i, stages, producer=True)
             if cutlass.const_expr(self.config.paged):
                 k_src = self.page_source(args, recipe.tma_k, args.tma_mK, sK, bidh_kv, tile.bidb, n_block)  # (TMA,)

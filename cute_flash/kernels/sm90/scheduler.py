@@ -145,7 +145,11 @@ class TileScheduler:
         if cutlass.const_expr(args.varlen is not None):
             if m_block * t.block_m >= seq.seqlen_q:
                 count = cutlass.Int32(0)
-        return Tile(m_block, bidh, bidb, seq, n_block_max, count, split_idx, num_splits)
+        sparse = None
+        if cutlass.const_expr(args.sparse is not None):  # the row's listed blocks, every other one skipped
+            sparse = args.sparse.row(bidb, bidh, m_block)
+            count = sparse.count()
+        return Tile(m_block, bidh, bidb, seq, n_block_max, count, split_idx, num_splits, sparse)
 
     @cute.jit
     def announced(self, args: Sm90Tensors, scalars: Sm90Scalars, pipes: Pipes) -> Tile:

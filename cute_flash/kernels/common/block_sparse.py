@@ -1,0 +1,65 @@
+"""Block-sparse key blocks: per query block, the key blocks a mask_mod cuts (partial: the mask
+is evaluated there) and those it keeps whole (full: no mask), every other key block skipped.
+
+The host builds the lists from a FlexAttention `BlockMask` at the kernel's own tile sizes
+(`launch/block_sparse.py`); the kernel visits a query block's partial blocks, then its full
+ones, in list order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+
+from cute_flash.kernels.common.fake import fake_tensor
+
+
+@dataclass(frozen=True)
+class BlockSparse:
+    """The lists of a launch, int32; batch and heads extents are the call's or 1 (one list for
+    all of them)."""
+    mPartialCnt: cute.Tensor  # (batch, heads, m_blocks)
+    mPartialIdx: cute.Tensor  # (batch, heads, m_blocks, n_blocks): the first mPartialCnt entries count
+    mFullCnt: cute.Tensor     # (batch, heads, m_blocks)
+    mFullIdx: cute.Tensor     # (batch, heads, m_blocks, n_blocks)
+
+    @staticmethod
+    def of(tensors) -> "BlockSparse | None":
+        """The entry's block_sparse argument: [partial_cnt, partial_idx, full_cnt, full_idx], or None."""
+        return None if tensors is None else BlockSparse(*tensors)
+
+    @cute.jit
+    def row(self, bidb, bidh, m_block) -> "SparseRow":
+        b = cutlass.min(bidb, self.mPartialCnt.shape[0] - 1)
+        h = cutlass.min(bidh, self.mPartialCnt.shape[1] - 1)
+        return SparseRow(self.mPartialCnt[b, h, m_block], self.mFullCnt[b, h, m_block],
+                         self.mPartialIdx[b, h, m_block, None], self.mFullIdx[b, h, m_block, None])
+
+
+@dataclass(frozen=True)
+class SparseRow:
+    """One query block's key blocks: visit i < partial is partial_idx[i], later ones full_idx[i - partial]."""
+    partial: object
+    full: object
+    partial_idx: cute.Tensor  # (n_blocks,)
+    full_idx: cute.Tensor     # (n_blocks,)
+
+    def count(self):
+        return self.partial + self.full
+
+    @cute.jit
+    def n_block(self, i):
+        n = self.full_idx[cutlass.max(i - self.partial, 0)]
+        if i < self.partial:
+            n = self.partial_idx[i]
+        return n
+
+    def is_partial(self, i):
+        return i < self.partial
+
+
+
+def fake_block_sparse() -> list:
+    """Placeholders for an entry's block_sparse argument."""
+    return [fake_tensor(cutlass.Int32, rank) for rank in (3, 4, 3, 4)]

@@ -1,0 +1,163 @@
+"""Block sparsity on the CPU: a FlexAttention BlockMask as the kernels' lists at our tile sizes
+(`launch/block_sparse.py`), checked against the dense mask it came from; the launchers'
+plumbing; the API's refusals; the block-sparse Hopper forward compiles."""
+import operator
+
+import cute_flash.launch.block_sparse as bs
+import cutlass.cute as cute
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from torch.nn.attention.flex_attention import create_block_mask
+
+from tests.helpers.interface import call
+
+TILES = [(64, 64), (128, 128), (128, 64), (192, 128), (64, 176)]
+
+
+def random_mask(gen, b, h, sq, sk, density):
+    """A mask with whole empty and whole kept regions beside random ones, so every status occurs."""
+    m = torch.rand(b, h, sq, sk, generator=gen) < density
+    m[..., : sq // 3, : sk // 2] = True
+    m[..., sq // 2:, sk // 3: 2 * sk // 3] = False
+    return m
+
+
+def dense_status(m, tile):
+    """Each tile's EMPTY / PARTIAL / FULL straight from the (b, h, sq, sk) mask, over the keys
+    and queries inside the sequence."""
+    bm, bn = tile
+    sq, sk = m.shape[-2:]
+    out = torch.empty(*m.shape[:2], -(-sq // bm), -(-sk // bn), dtype=torch.int8)
+    for i in range(out.shape[2]):
+        for j in range(out.shape[3]):
+            block = m[..., i * bm:(i + 1) * bm, j * bn:(j + 1) * bn].flatten(2)
+            out[..., i, j] = torch.where(block.all(-1), bs.FULL, torch.where(block.any(-1), bs.PARTIAL, bs.EMPTY))
+    return out
+
+
+def listed_status(lists, shape):
+    """The status each tile has in the kernel's lists (asserting each list is well formed)."""
+    pc, pi, fc, fi = lists
+    status = torch.zeros(shape, dtype=torch.int8)
+    for cnt, idx, value in ((pc, pi, bs.PARTIAL), (fc, fi, bs.FULL)):
+        assert cnt.dtype == idx.dtype == torch.int32 and cnt.is_contiguous() and idx.is_contiguous()
+        for b, h, i in torch.cartesian_prod(*(torch.arange(n) for n in cnt.shape)).tolist():
+            blocks = idx[b, h, i, :cnt[b, h, i]].tolist()
+            assert len(set(blocks)) == len(blocks) and all(status[b, h, i, blocks] == 0)
+            status[b, h, i, blocks] = value
+    return status
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2 ** 16), b=st.sampled_from([1, 2]), h=st.sampled_from([1, 3]),
+       sq=st.integers(1, 400), sk=st.integers(1, 400), density=st.sampled_from([0.0, 0.5, 0.999]),
+       theirs=st.sampled_from([(64, 64), (128, 128), (32, 64)]), ours=st.sampled_from(TILES))
+def test_lists_are_sound_at_any_tile_and_exact_where_ours_are_whole_multiples(seed, b, h, sq, sk, density,
+                                                                              theirs, ours):
+    """A tile the lists call FULL keeps every score of the mask inside the sequence, one they
+    leave out keeps none; where our tiles are whole multiples of the BlockMask's (and so see
+    through its blocks), the lists are the mask's own status exactly, up to the BlockMask's
+    boundary blocks (FlexAttention marks a block the sequence ends in as partial)."""
+    m = random_mask(torch.Generator().manual_seed(seed), b, h, sq, sk, density)
+    block_mask = create_block_mask(lambda bb, hh, q, kv: m[bb, hh, q.clamp(max=sq - 1), kv.clamp(max=sk - 1)],
+                                   b, h, sq, sk, device="cpu", BLOCK_SIZE=theirs)
+    got = listed_status(bs.block_lists(block_mask, b, h, sq, sk, *ours), (b, h, -(-sq // ours[0]), -(-sk // ours[1])))
+    want = dense_status(m, ours)
+    assert not ((got == bs.FULL) & (want != bs.FULL)).any()
+    assert not ((got == bs.EMPTY) & (want != bs.EMPTY)).any()
+    if ours[0] % theirs[0] == 0 and ours[1] % theirs[1] == 0:
+        inside = torch.zeros_like(want, dtype=torch.bool)
+        inside[..., : sq // ours[0], : sk // ours[1]] = True
+        assert torch.equal(got[inside], want[inside])
+
+
+def test_lists_are_kept_on_the_block_mask_per_tile_size():
+    """A model's layers pass one BlockMask: its lists are built once per tile size."""
+    block_mask = create_block_mask(lambda b, h, q, kv: q >= kv, 1, 1, 300, 300, device="cpu")
+    first = bs.block_lists(block_mask, 2, 4, 300, 300, 128, 128)
+    assert bs.block_lists(block_mask, 2, 4, 300, 300, 128, 128) is first
+    assert bs.block_lists(block_mask, 2, 4, 300, 300, 128, 64) is not first
+
+
+def test_causal_lists_at_the_blockmask_size():
+    """Causal, 384 x 384 at 128 x 128: each row's diagonal block partial, the blocks left of it full."""
+    block_mask = create_block_mask(lambda b, h, q, kv: q >= kv, 1, 1, 384, 384, device="cpu")
+    pc, pi, fc, fi = bs.block_lists(block_mask, 1, 1, 384, 384, 128, 128)
+    assert pc[0, 0].tolist() == [1, 1, 1] and [pi[0, 0, i, 0].item() for i in range(3)] == [0, 1, 2]
+    assert fc[0, 0].tolist() == [0, 1, 2] and fi[0, 0, 2, :2].tolist() == [0, 1]
+
+
+@cute.jit
+def causal(b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
+    return operator.ge(q_idx, kv_idx)
+
+
+def causal_block_mask(b=1, h=1, sq=300, sk=300):
+    return create_block_mask(lambda bb, hh, q, kv: q >= kv, b, h, sq, sk, device="cpu")
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(block_mask=causal_block_mask()), ValueError, "pass the mask_mod too"),
+    (dict(block_mask="dense", mask_mod=causal), TypeError, "must be a FlexAttention BlockMask"),
+    (dict(block_mask=causal_block_mask(sk=200), mask_mod=causal), ValueError, r"\(Q_LEN, KV_LEN\) \(300, 200\)"),
+    (dict(block_mask=causal_block_mask(b=3), mask_mod=causal), ValueError, r"\(B, H\) \(3, 1\)"),
+])
+def test_bad_block_masks_are_refused(gpu_free, kwargs, error, message):
+    q = torch.randn(2, 300, 4, 64, dtype=torch.bfloat16)
+    with pytest.raises(error, match=message):
+        call("func", q=q, k=q, v=q, **kwargs)
+    assert not gpu_free.calls
+
+
+def test_the_block_mask_reaches_the_launcher(gpu_free):
+    q = torch.randn(2, 300, 4, 64, dtype=torch.bfloat16)
+    block_mask = causal_block_mask(b=2, h=4)
+    call("func", q=q, k=q, v=q, mask_mod=causal, block_mask=block_mask)
+    assert gpu_free.calls[0][2]["block_mask"] is block_mask
+
+
+@pytest.mark.parametrize("path", ["sm80", "default"])
+def test_the_hopper_forward_gets_the_lists_and_the_sm80_one_the_mask_alone(recorder, monkeypatch, path):
+    """On the Hopper path a block-sparse variant with the lists at its tiles; on the SM80 path
+    the mask_mod everywhere (no lists)."""
+    from cute_flash.launch.dense import flash_fwd
+
+    if path == "default":
+        monkeypatch.delenv("CUTE_FLASH_ARCH_PATH")
+    q = torch.randn(2, 300, 4, 64, dtype=torch.bfloat16)
+    flash_fwd(q, q, q, softmax_scale=0.5, mods=(None, causal, None), block_mask=causal_block_mask())
+    (launch,) = recorder.launches
+    if path == "sm80":
+        assert "block_sparse" not in launch.config.__dataclass_fields__
+        return
+    assert launch.config.block_sparse and launch.config.mods.mask_mod is not None
+    assert not launch.config.kv_multicast
+    t = launch.config.traits
+    pc, pi, fc, fi = launch["block_sparse"]
+    assert pc.shape == (1, 1, -(-300 // t.block_m)) and pi.shape == (1, 1, -(-300 // t.block_m), -(-300 // t.block_n))
+
+
+def test_the_block_sparse_config_refuses_what_it_cannot_list():
+    from cute_flash.kernels.common.user_mods import UserMod, UserMods
+    from cute_flash.kernels.sm90.fwd import Sm90FwdConfig
+    from layouts.hopper import choose_hopper_traits
+
+    t = choose_hopper_traits(128, "bf16")
+    with pytest.raises(ValueError, match="block sparsity lists the blocks a mask_mod cuts"):
+        Sm90FwdConfig(t, block_sparse=True)
+    with pytest.raises(ValueError, match="block sparsity"):
+        Sm90FwdConfig(t, varlen=True, block_sparse=True, mods=UserMods(None, UserMod.of(causal)))
+
+
+@pytest.mark.parametrize("d, persistent", [(128, False), (64, True)])
+def test_block_sparse_hopper_forwards_compile(d, persistent):
+    from cute_flash.compile.registry import build
+    from cute_flash.kernels.common.user_mods import UserMod, UserMods
+    from cute_flash.kernels.sm90.fwd import Sm90FwdConfig
+    from layouts.hopper import choose_hopper_traits
+
+    config = Sm90FwdConfig(choose_hopper_traits(d, "bf16"), persistent=persistent, block_sparse=True,
+                           mods=UserMods(None, UserMod.of(causal)))
+    assert "b-" in config.name
+    build(config, 90)
