@@ -5,7 +5,9 @@ Each variant of `cute_flash.mods` at 4k and 16k tokens a sequence (16k tokens a 
 2048), d 64 and 128: ours (the default path), ours on the SM80 path (sm_90 only),
 FlexAttention (torch.compile of `flex_attention` with the variant's torch twin: a
 `create_block_mask` block mask for a mask, the score_mod as it is) and flash-attn-4 given the same
-mods where it runs them. Causal as a mask_mod beside the built-in `causal=True` prices a mod
+mods where it runs them. Ours takes the same block mask for a mask (`block_mask=`: the Hopper
+forward skips its empty blocks); "no lists" is ours with the mask_mod alone, evaluated on every
+block the built-in range visits. Causal as a mask_mod beside the built-in `causal=True` prices a mod
 that reproduces a flag. TFLOP/s count every (query, key) pair (4 * d FLOPs a pair forward, 3.5x
 that forward + backward), the same work for every column, so ratios are ratios of times.
 """
@@ -85,6 +87,10 @@ def bench_cell(d: int, seqlen: int) -> list[dict]:
     rows = []
     for name, spec in _specs(batch, seqlen, nheads):
         peers = {"ours": lambda q, k, v, s=spec: flash_attn_func(q, k, v, **s.kwargs())}
+        if spec.mask_mod is not None:
+            peers["nolists"] = peers["ours"]
+            block_mask = spec.block_mask(batch, 1, seqlen, seqlen)
+            peers["ours"] = lambda q, k, v, s=spec, m=block_mask: flash_attn_func(q, k, v, **s.kwargs(), block_mask=m)
         if name == "causal_mod":
             peers["causal_flag"] = lambda q, k, v: flash_attn_func(q, k, v, causal=True)
         peers["flex"] = _flex(spec, batch, nheads, seqlen)
@@ -120,17 +126,18 @@ def run_mods(head_dims=HEAD_DIMS, seqlens=SEQLENS) -> list[dict]:
 
 
 def format_mods(rows) -> str:
-    """One table per pass: ours, SM80, FlexAttention, flash-attn-4, and ours over FlexAttention
-    and over flash-attn-4; the causal mod's row also gives the built-in flag's rate."""
+    """One table per pass: ours (with the block mask), ours without it, SM80, FlexAttention,
+    flash-attn-4, and ours over FlexAttention and over flash-attn-4; the causal mod's row also
+    gives the built-in flag's rate."""
     out = []
     for key, title in (("fwd", "forward"), ("fwdbwd", "forward + backward (3.5x)")):
         out += [f"Attention variants as mods, {title}, TFLOP/s (every pair counted):", "",
-                "| variant | d | seqlen | ours | SM80 | FlexAttention | FA4 | built-in flag | ours/Flex | ours/FA4 |",
-                "|---" * 10 + "|"]
+                "| variant | d | seqlen | ours | no lists | SM80 | FlexAttention | FA4 | built-in flag | ours/Flex "
+                "| ours/FA4 |", "|---" * 11 + "|"]
         for r in rows:
-            ours, sm80, flex, fa4, flag = (r.get(f"{p}_{key}") for p in ("ours", "sm80", "flex", "fa4",
-                                                                          "causal_flag"))
-            cells = [f"{x:.0f}" if x else "-" for x in (ours, sm80, flex, fa4, flag)]
+            ours, nolists, sm80, flex, fa4, flag = (r.get(f"{p}_{key}") for p in ("ours", "nolists", "sm80", "flex",
+                                                                                   "fa4", "causal_flag"))
+            cells = [f"{x:.0f}" if x else "-" for x in (ours, nolists, sm80, flex, fa4, flag)]
             ratios = [f"{ours / x:.2f}" if ours and x else "-" for x in (flex, fa4)]
             out.append(f"| {r['variant']} | {r['d']} | {r['seqlen']} | " + " | ".join(cells + ratios) + " |")
         out.append("")

@@ -118,14 +118,15 @@ def test_packed_training_table_gives_each_bar_its_ratio():
 
 def test_mods_table_gives_ours_over_each_peer():
     """`format_mods` on hand-made rows: ours over FlexAttention and over flash-attn-4 for each
-    pass, the causal mod's row with the built-in flag's rate; a peer that did not run shows '-'."""
+    pass, the causal mod's row with the built-in flag's rate and ours without the block mask's
+    lists; a peer that did not run shows '-'."""
     from cute_flash.tools.bench_mods import format_mods
 
     rows = [dict(variant="prefix_lm", d=128, seqlen=4096, ours_fwd=500.0, flex_fwd=250.0, fa4_fwd=None,
                  ours_fwdbwd=300.0, flex_fwdbwd=200.0),
-            dict(variant="causal_mod", d=64, seqlen=16384, ours_fwd=400.0, sm80_fwd=200.0, flex_fwd=200.0,
-                 fa4_fwd=500.0, causal_flag_fwd=420.0)]
+            dict(variant="causal_mod", d=64, seqlen=16384, ours_fwd=400.0, nolists_fwd=380.0, sm80_fwd=200.0,
+                 flex_fwd=200.0, fa4_fwd=500.0, causal_flag_fwd=420.0)]
     lines = format_mods(rows).splitlines()
-    assert "| prefix_lm | 128 | 4096 | 500 | - | 250 | - | - | 2.00 | - |" in lines
-    assert "| causal_mod | 64 | 16384 | 400 | 200 | 200 | 500 | 420 | 2.00 | 0.80 |" in lines
-    assert "| prefix_lm | 128 | 4096 | 300 | - | 200 | - | - | 1.50 | - |" in lines  # forward + backward
+    assert "| prefix_lm | 128 | 4096 | 500 | - | - | 250 | - | - | 2.00 | - |" in lines
+    assert "| causal_mod | 64 | 16384 | 400 | 380 | 200 | 200 | 500 | 420 | 2.00 | 0.80 |" in lines
+    assert "| prefix_lm | 128 | 4096 | 300 | - | - | 200 | - | - | 1.50 | - |" in lines  # forward + backward
