@@ -68,6 +68,7 @@ class AttnOptions:
     varlen: Optional[Varlen] = None
     dropout: Optional[DropoutArgs] = None
     mods: Optional[tuple] = None  # (score_mod, mask_mod, aux_tensors, score_mod_bwd): Python-written mods
+    block_mask: Optional[object] = None  # the mask_mod's FlexAttention BlockMask (dense calls)
 
 
 def _launch():
@@ -106,7 +107,8 @@ class FlashAttnFunction(torch.autograd.Function):
                           alibi_slopes=ctx.alibi_slopes, deterministic=o.deterministic, dropout=o.dropout,
                           dq=dq, dk=dk, dv=dv, **({} if o.mods is None else dict(mods=o.mods)))
             if o.varlen is None:
-                qkv_grads = _launch().flash_bwd(dout, q, k, v, out, lse, **common)
+                sparse = {} if o.block_mask is None else dict(block_mask=o.block_mask)
+                qkv_grads = _launch().flash_bwd(dout, q, k, v, out, lse, **common, **sparse)
             else:
                 vl = o.varlen
                 qkv_grads = _launch().flash_bwd_varlen(

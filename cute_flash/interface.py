@@ -210,7 +210,7 @@ def _flash_attn(q, k, v, names, dropout_p, softmax_scale, causal, window_size, s
     if caller is not None and not torch.compiler.is_compiling() and _validate.needs_grad(inputs, learnable_sink):
         _refuse_mod_grads(mods, caller)
         options = AttnOptions(scale, causal, window, softcap, deterministic, packing, dropout=dropout,
-                              mods=_user_mods(mods))
+                              mods=_user_mods(mods), block_mask=block_mask)
         out, lse = FlashAttnFunction.apply(options, run, alibi_slopes, learnable_sink, *inputs)
     else:
         out, lse = run(q, k, v)
@@ -427,7 +427,7 @@ def flash_attn_func(
     keyword-only (flash-attn-4's conventions): Python-written modifiers compiled into the kernels,
     forward and backward (docs/semantics.md, Score and mask mods); `block_mask`, keyword-only,
     a FlexAttention `BlockMask` of the mask_mod (from `create_block_mask`), whose empty blocks
-    the Hopper forward skips and whose full ones it runs without the mask_mod (docs/semantics.md,
+    the Hopper kernels skip and whose full ones they run without the mask_mod (docs/semantics.md,
     Block sparsity)."""
     out, lse, probs, _ = _flash_attn(q, k, v, ("q", "k", "v"), dropout_p, softmax_scale, causal, window_size,
                                      softcap, alibi_slopes, "flash_attn_func", deterministic,

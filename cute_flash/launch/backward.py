@@ -23,6 +23,7 @@ from cute_flash.launch.align import aligned
 from cute_flash.launch.args import alibi_2d, positive_scale, scales, score_flags, window_edges
 from cute_flash.launch.batch_chunks import (batch_chunks, chunked, lengths_of, refuse_chunked_dropout, rows_of,
                                             slopes_of)
+from cute_flash.launch.block_sparse import block_lists
 from cute_flash.launch.mods import ModArgs, aux_of, has_score_mod, mod_flags, refuse_chunked_mods
 from cute_flash.launch.rng import DropoutArgs, rng_of
 from cute_flash.launch.varlen_order import key_blocks_longest_first
@@ -100,10 +101,12 @@ def _semaphores(config: Sm90BwdConfig, dq_accum: torch.Tensor):
 
 
 def _flash_bwd_sm90(dout, q, k, v, out, lse, config: BwdConfig, index, softmax_scale, softcap, alibi_slopes, left,
-                    right, grads, d, dropout, mods: ModArgs | None = None):
+                    right, grads, d, dropout, mods: ModArgs | None = None, block_mask=None):
     """The Hopper backward on aligned tensors. LSE (times log2 e) and D go in rows padded to
     whole query blocks, +inf and 0 past seqlen_q, so the kernel's bulk copies of a block's
-    values need no bounds and its rows past the sequence get P = 0."""
+    values need no bounds and its rows past the sequence get P = 0. A block mask's lists (by key
+    block) skip the query blocks it leaves empty, except in deterministic mode, whose dQ turns
+    count every key block of a query block."""
     b, sq, h, d_pad = q.shape
     sk, hk = k.shape[1], k.shape[2]
     t = choose_hopper_bwd_traits(config.traits.head_dim, config.traits.dtype)
@@ -117,11 +120,13 @@ def _flash_bwd_sm90(dout, q, k, v, out, lse, config: BwdConfig, index, softmax_s
                            device=q.device)
     dk_h = torch.empty((b, sk, h, d_pad), dtype=q.dtype, device=q.device)
     dv_h = torch.empty((b, sk, h, d_pad), dtype=q.dtype, device=q.device)
+    sparse = block_mask is not None and not config.deterministic
     sm90 = Sm90BwdConfig(t, config.has_left, config.has_right, config.has_alibi, config.has_softcap,
-                         config.has_dropout, deterministic=config.deterministic, mods=config.mods)
+                         config.has_dropout, deterministic=config.deterministic, mods=config.mods, block_sparse=sparse)
+    lists = block_lists(block_mask, b, h, sq, sk, t.block_m, t.block_n, by_key=True) if sparse else None
     compiled.kernel_for(sm90, index)(q, k, v, dout, lse_log2, dot_pad, dq_accum, dk_h, dv_h,
                                      alibi_2d(alibi_slopes, b, h), rng_of(dropout, q.device),
-                                     _semaphores(sm90, dq_accum), aux_of(mods), softmax_scale,
+                                     _semaphores(sm90, dq_accum), aux_of(mods), lists, softmax_scale,
                                      *scales(softmax_scale, softcap, has_score_mod(mods)), left, right)
     dq_out = torch.empty((b, sq, h, d_pad), dtype=q.dtype, device=q.device)
     compiled.kernel_for(DQConvertConfig(t, even_k, False, 4, hopper=True), index)(
@@ -187,13 +192,15 @@ def _flash_bwd_sm90_varlen(dout, q, k, v, out, lse, config: BwdConfig, index, cu
 
 def flash_bwd(dout, q, k, v, out, lse, *, softmax_scale, causal=False, window_size=(-1, -1), softcap=0.0,
               alibi_slopes=None, deterministic=False, dq=None, dk=None, dv=None, variant=None,
-              dropout: DropoutArgs | None = None, mods=None):
+              dropout: DropoutArgs | None = None, mods=None, block_mask=None):
     """Gradients of the dense forward: q/dout/out (b, sq, h, d), k/v (b, sk, hk, d), lse
     (b, h, sq) from the forward; returns (dq, dk, dv, softmax_d), the gradients written into
     dq/dk/dv when given; softmax_d (b, h, sq) fp32 is D = rowsum(dO * O). `variant`: BwdConfig
     fields replacing the dispatcher's choice (traits, dq_bulk: `python -m cute_flash tune --bwd`).
     `dropout`: the forward's (the same seed and offset recompute its mask); `mods`: the forward's
-    Python-written mods with the score_mod's backward (`ModArgs.of`)."""
+    Python-written mods with the score_mod's backward (`ModArgs.of`); `block_mask`: the forward's
+    FlexAttention BlockMask of the mask_mod (the Hopper kernel skips its empty blocks, the SM80
+    one evaluates the mask_mod everywhere)."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     mods = ModArgs.of(mods)
@@ -219,7 +226,8 @@ def flash_bwd(dout, q, k, v, out, lse, *, softmax_scale, causal=False, window_si
                      dropout, mods)
     if variant is None and policy.takes_hopper_bwd(config, index):
         return _signed_dq(_flash_bwd_sm90(dout, q, k, v, out, lse, config, index, softmax_scale, softcap,
-                                          alibi_slopes, left, right, (dq, dk, dv), d, dropout, mods), dq_sign)
+                                          alibi_slopes, left, right, (dq, dk, dv), d, dropout, mods, block_mask),
+                          dq_sign)
     config = replace(config, **(variant or {}))
     dot = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
     compiled.kernel_for(PreprocessConfig(config.traits.head_dim, config.traits.dtype, config.even_k),

@@ -18,16 +18,17 @@ EMPTY, PARTIAL, FULL = 0, 1, 2
 
 
 def block_lists(block_mask, batch: int, heads: int, seqlen_q: int, seqlen_k: int, block_m: int,
-                block_n: int) -> list:
-    """[partial_cnt, partial_idx, full_cnt, full_idx] int32 at (block_m, block_n) tiles; batch
-    and heads extents are the mask's (the call's or 1)."""
+                block_n: int, by_key: bool = False) -> list:
+    """[partial_cnt, partial_idx, full_cnt, full_idx] int32 at (block_m, block_n) tiles, per
+    query block (the forward's), or per key block (`by_key`: the backward's); batch and heads
+    extents are the mask's (the call's or 1)."""
     check_block_mask(block_mask, batch, heads, seqlen_q, seqlen_k)
     memo = block_mask.__dict__.setdefault("_cute_flash_lists", {})
-    key = (block_m, block_n)
+    key = (block_m, block_n, by_key)
     if key not in memo:
         status = _status(block_mask)
         status = _retile(status, block_mask.BLOCK_SIZE, (block_m, block_n), seqlen_q, seqlen_k)
-        memo[key] = _lists(status)
+        memo[key] = _lists(status.transpose(-1, -2) if by_key else status)
     return memo[key]
 
 

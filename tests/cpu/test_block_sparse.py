@@ -161,3 +161,42 @@ def test_block_sparse_hopper_forwards_compile(d, persistent):
                            mods=UserMods(None, UserMod.of(causal)))
     assert "b-" in config.name
     build(config, 90)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_the_hopper_backward_gets_the_lists_by_key_block(recorder, monkeypatch, deterministic):
+    """The Hopper backward's lists are per key block at its tiles; deterministic mode, whose dQ
+    turns count every key block of a query block, takes the mask_mod alone."""
+    from cute_flash.kernels.sm90.bwd import Sm90BwdConfig
+    from cute_flash.launch.backward import flash_bwd
+
+    monkeypatch.delenv("CUTE_FLASH_ARCH_PATH")
+    q = torch.randn(2, 384, 4, 64, dtype=torch.bfloat16)
+    lse = torch.zeros(2, 4, 384)
+    flash_bwd(q, q, q, q, q, lse, softmax_scale=0.5, mods=(None, causal, None, None), deterministic=deterministic,
+              block_mask=causal_block_mask(sq=384, sk=384))
+    (main,) = [x for x in recorder.launches if isinstance(x.config, Sm90BwdConfig)]
+    assert main.config.block_sparse is not deterministic
+    if deterministic:
+        assert main["block_sparse"] is None
+        return
+    t = main.config.traits
+    pc, pi, fc, fi = main["block_sparse"]
+    assert pc.shape == (1, 1, 384 // t.block_n) and pi.shape == (1, 1, 384 // t.block_n, 384 // t.block_m)
+    # causal: key block n is partial in its diagonal query blocks and full in every one below
+    assert pc[0, 0, 0].item() == t.block_n // t.block_m and fc[0, 0, 0].item() == 384 // t.block_m - pc[0, 0, 0]
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_block_sparse_hopper_backwards_compile(d):
+    from cute_flash.compile.registry import build
+    from cute_flash.kernels.common.user_mods import UserMod, UserMods
+    from cute_flash.kernels.sm90.bwd import Sm90BwdConfig
+    from layouts.hopper import choose_hopper_bwd_traits
+
+    config = Sm90BwdConfig(choose_hopper_bwd_traits(d, "bf16"), block_sparse=True,
+                           mods=UserMods(None, UserMod.of(causal)))
+    assert config.name.endswith("-B-M" + UserMod.of(causal).digest)
+    with pytest.raises(ValueError, match="deterministic"):
+        Sm90BwdConfig(config.traits, block_sparse=True, deterministic=True, mods=config.mods)
+    build(config, 90)

@@ -1,8 +1,8 @@
 """Block sparsity (`block_mask=`, a FlexAttention BlockMask of the mask_mod): the library's masks
-with their block masks against `cute_flash.reference` on both paths (the Hopper forward skipping,
-the SM80 one evaluating the mask everywhere), at BlockMask block sizes other than our tiles; and
-that the Hopper forward does skip the blocks a mask calls empty and runs the full ones without
-the mask_mod. Each test asserts the kernels that ran."""
+with their block masks against `cute_flash.reference` on both paths (the Hopper kernels
+skipping, the SM80 ones evaluating the mask everywhere), at BlockMask block sizes other than our
+tiles, forward and gradients; and that the Hopper kernels do skip the blocks a mask calls empty
+and run the full ones without the mask_mod. Each test asserts the kernels that ran."""
 import operator
 
 import cutlass.cute as cute
@@ -22,7 +22,7 @@ B, S, H, HK = 2, 700, 4, 2
 
 @pytest.fixture
 def sparse_forwards(monkeypatch):
-    """The block-sparse flag of every Hopper forward looked up (a list, in order)."""
+    """The block-sparse flag of every Hopper forward and backward looked up (a list, in order)."""
     flags = []
     lookup = compiled.kernel_for
 
@@ -37,15 +37,15 @@ def sparse_forwards(monkeypatch):
 
 def take_path(request, monkeypatch, kernels, sparse_forwards, parts):
     """The SM80 kernels (`CUTE_FLASH_ARCH_PATH=sm80`) or the default path's; after the test, the
-    kernels of `parts` that ran are the path's, a Hopper forward the block-sparse variant."""
+    kernels of `parts` that ran are the path's, each Hopper one the block-sparse variant."""
     if request.param == "sm80":
         monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", "sm80")
     else:
         monkeypatch.delenv("CUTE_FLASH_ARCH_PATH", raising=False)
     yield request.param
     assert kernels == on_path(request.param, *parts), f"the kernels that ran: {sorted(kernels)}"
-    hopper = "sm90_fwd" in kernels
-    assert sparse_forwards == ([True] if hopper else []), "the Hopper forward runs the block-sparse variant"
+    hopper = sum(kind.startswith("sm90") for kind in kernels)
+    assert sparse_forwards == [True] * hopper, "the Hopper kernels run their block-sparse variants"
 
 
 @pytest.fixture(params=["sm80", "default"])
@@ -90,7 +90,6 @@ def test_library_masks_with_their_block_masks_match_reference(path, name, d, blo
 
 
 def test_gradients_with_a_block_mask_match_reference(grad_path):
-    """The backward takes the mask_mod alone (every block evaluated): the gradients are the mask's."""
     spec = library()["document"]
     q, k, v = inputs(128, seed=1)
     dout = torch.randn_like(q)
@@ -137,3 +136,15 @@ def test_causal_as_a_block_sparse_mask_mod_matches_the_flag(path):
     block_mask = create_block_mask(lambda b, h, qi, kv: qi >= kv, 1, 1, S, S, device="cuda")
     out, lse, _ = flash_attn_func(q, k, v, return_attn_probs=True, mask_mod=causal, block_mask=block_mask)
     assert_matches_reference(out, lse, q, k, v, causal=True)
+
+
+def test_the_hopper_backward_runs_full_blocks_without_the_mask_mod(kernels, sparse_forwards, monkeypatch):
+    """As the forward: a block mask that calls every block full beside a causal mask_mod gives
+    the unmasked attention's gradients."""
+    monkeypatch.delenv("CUTE_FLASH_ARCH_PATH", raising=False)
+    q, k, v = inputs(128, seed=3, s=768)
+    dout = torch.randn_like(q)
+    block_mask = listed_as("full", 768, 768)
+    out, grads = ours(lambda q, k, v: flash_attn_func(q, k, v, mask_mod=causal, block_mask=block_mask), dout, q, k, v)
+    assert kernels == {"sm90_fwd", "sm90_bwd"} and sparse_forwards == [True, True]
+    assert_grads_match(grads, q, k, v, dout, out=out)

@@ -1,9 +1,10 @@
-"""Block-sparse key blocks: per query block, the key blocks a mask_mod cuts (partial: the mask
-is evaluated there) and those it keeps whole (full: no mask), every other key block skipped.
+"""Block sparsity: per query block, the key blocks a mask_mod cuts (partial: the mask is
+evaluated there) and those it keeps whole (full: no mask), every other key block skipped; the
+backward's lists are the transpose (per key block, its query blocks).
 
 The host builds the lists from a FlexAttention `BlockMask` at the kernel's own tile sizes
-(`launch/block_sparse.py`); the kernel visits a query block's partial blocks, then its full
-ones, in list order.
+(`launch/block_sparse.py`); a CTA visits its row's partial blocks, then its full ones, in list
+order.
 """
 from __future__ import annotations
 
@@ -17,12 +18,12 @@ from cute_flash.kernels.common.fake import fake_tensor
 
 @dataclass(frozen=True)
 class BlockSparse:
-    """The lists of a launch, int32; batch and heads extents are the call's or 1 (one list for
-    all of them)."""
-    mPartialCnt: cute.Tensor  # (batch, heads, m_blocks)
-    mPartialIdx: cute.Tensor  # (batch, heads, m_blocks, n_blocks): the first mPartialCnt entries count
-    mFullCnt: cute.Tensor     # (batch, heads, m_blocks)
-    mFullIdx: cute.Tensor     # (batch, heads, m_blocks, n_blocks)
+    """The lists of a launch, int32, by row (the forward's query blocks, the backward's key
+    blocks); batch and heads extents are the call's or 1 (one list for all of them)."""
+    mPartialCnt: cute.Tensor  # (batch, heads, rows)
+    mPartialIdx: cute.Tensor  # (batch, heads, rows, blocks): the first mPartialCnt entries count
+    mFullCnt: cute.Tensor     # (batch, heads, rows)
+    mFullIdx: cute.Tensor     # (batch, heads, rows, blocks)
 
     @staticmethod
     def of(tensors) -> "BlockSparse | None":
@@ -30,26 +31,26 @@ class BlockSparse:
         return None if tensors is None else BlockSparse(*tensors)
 
     @cute.jit
-    def row(self, bidb, bidh, m_block) -> "SparseRow":
+    def row(self, bidb, bidh, row) -> "SparseRow":
         b = cutlass.min(bidb, self.mPartialCnt.shape[0] - 1)
         h = cutlass.min(bidh, self.mPartialCnt.shape[1] - 1)
-        return SparseRow(self.mPartialCnt[b, h, m_block], self.mFullCnt[b, h, m_block],
-                         self.mPartialIdx[b, h, m_block, None], self.mFullIdx[b, h, m_block, None])
+        return SparseRow(self.mPartialCnt[b, h, row], self.mFullCnt[b, h, row],
+                         self.mPartialIdx[b, h, row, None], self.mFullIdx[b, h, row, None])
 
 
 @dataclass(frozen=True)
 class SparseRow:
-    """One query block's key blocks: visit i < partial is partial_idx[i], later ones full_idx[i - partial]."""
+    """One row's blocks: visit i < partial is partial_idx[i], later ones full_idx[i - partial]."""
     partial: object
     full: object
-    partial_idx: cute.Tensor  # (n_blocks,)
-    full_idx: cute.Tensor     # (n_blocks,)
+    partial_idx: cute.Tensor  # (blocks,)
+    full_idx: cute.Tensor     # (blocks,)
 
     def count(self):
         return self.partial + self.full
 
     @cute.jit
-    def n_block(self, i):
+    def block(self, i):
         n = self.full_idx[cutlass.max(i - self.partial, 0)]
         if i < self.partial:
             n = self.partial_idx[i]

@@ -48,6 +48,7 @@ from cutlass import pipeline
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from cute_flash.kernels.common.block_range import BlockRange, QueryBlocks, Window
+from cute_flash.kernels.common.block_sparse import BlockSparse, fake_block_sparse
 from cute_flash.kernels.common.dq_accum import bulk_add_run, fake_dq_accum, first_tile, stage_run, tiles_of
 from cute_flash.kernels.common.fake import fake_stream, fake_tensor
 from cute_flash.kernels.common.flags import score_letters
@@ -84,6 +85,8 @@ class Sm90BwdConfig:
     has_seqused_k: bool = False
     deterministic: bool = False  # dQ's adds in key-block order (`DqTurn`): bitwise repeatable
     mods: object = None          # UserMods: Python-written score / mask mods (kernels/common/user_mods.py)
+    block_sparse: bool = False   # dense: each key block visits its listed query blocks alone, the mask_mod
+                                 # evaluated on the partial ones (kernels/common/block_sparse.py)
 
     def __post_init__(self):
         if self.traits.block_n != 128 or self.traits.block_m % 64:
@@ -91,6 +94,10 @@ class Sm90BwdConfig:
         if self.has_seqused_k and not self.varlen:
             raise ValueError("has_seqused_k belongs to packed batches (varlen)")
         check_mods(self.mods, False, self.has_softcap, self.has_alibi, backward=True)
+        if self.block_sparse and (self.mods is None or self.mods.mask_mod is None or self.varlen
+                                  or self.deterministic):
+            raise ValueError("block sparsity lists the blocks a mask_mod cuts, in a dense launch; deterministic "
+                             "dQ adds count every key block of a query block")
 
     @property
     def num_threads(self) -> int:
@@ -108,7 +115,8 @@ class Sm90BwdConfig:
     @property
     def name(self) -> str:
         t = self.traits
-        modes = ("-V" if self.varlen else "") + ("-D" if self.deterministic else "")
+        modes = ("-V" if self.varlen else "") + ("-D" if self.deterministic else "") + ("-B" if self.block_sparse
+                                                                                        else "")
         if self.mods is not None:
             modes += "-M" + "".join(m.digest for m in (self.mods.score_mod, self.mods.mask_mod) if m is not None)
         return f"sm90_bwd_d{t.head_dim}_m{t.block_m}_n{t.block_n}_{t.dtype}-{score_letters(self)}{modes}"
@@ -158,6 +166,7 @@ class Sm90BwdTensors:
     mSemaphore: object     # (batch, heads, tiles) int32 zeroed, packed (heads, tiles): deterministic's `DqTurn`s
     varlen: object         # Sm90BwdVarlen, or None (dense)
     aux: object = None     # the mods' aux tensors (a list), or None
+    sparse: object = None  # block_sparse.BlockSparse by key block (a block-sparse launch), or None
 
 
 @dataclass(frozen=True)
@@ -192,13 +201,29 @@ class DqTurn:
 
 @dataclass(frozen=True)
 class KeyTile:
-    """This CTA's key block and the query blocks [m_block_min, m_block_max) that see it."""
+    """This CTA's key block and the query blocks [m_block_min, m_block_max) that see it, or its
+    sparse row's (`count`, `m_block`)."""
     n_block: object
     bidh: object
     bidb: object
     seq: SeqInfo
     m_block_min: object
     m_block_max: object
+    sparse: object = None  # block_sparse.SparseRow of a block-sparse launch, else None
+
+    def count(self):
+        """Query blocks to visit (>= 0)."""
+        if cutlass.const_expr(self.sparse is not None):
+            return self.sparse.count()
+        return self.m_block_max - self.m_block_min
+
+    @cute.jit
+    def m_block(self, i):
+        """The i-th query block the tile visits."""
+        m = self.m_block_min + i
+        if cutlass.const_expr(self.sparse is not None):
+            m = self.sparse.block(i)
+        return m
 
 
 class FlashBwdSm90:
@@ -211,18 +236,19 @@ class FlashBwdSm90:
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
                  mD: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, mAlibi, mRng, mSemaphore,
-                 aux_tensors, softmax_scale: cutlass.Float32, scale_log2: cutlass.Float32,
+                 aux_tensors, block_sparse, softmax_scale: cutlass.Float32, scale_log2: cutlass.Float32,
                  score_premul: cutlass.Float32,
                  alibi_div: cutlass.Float32, window_left: cutlass.Int32, window_right: cutlass.Int32, stream):
         """mQ / mdO (batch, seqlen_q, heads, d), mK / mV (batch, seqlen_k, heads_k, d), mdK / mdV
         (batch, seqlen_k, heads, d), mLSE / mD (batch, heads, seqlen_q_pad) fp32 (see
         Sm90BwdTensors), mdQaccum (1, batch, heads, seqlen_q_pad / bm, bm * d) fp32 zeroed; mRng
         (4,) uint32, the forward's dropout state, or None; mSemaphore (batch, heads, seqlen_q_pad /
-        bm) int32 zeroed when deterministic, else None."""
+        bm) int32 zeroed when deterministic, else None; block_sparse the lists by key block of
+        `BlockSparse.of` (`Sm90BwdConfig.block_sparse`), else None."""
         grid = (cute.ceil_div(mK.shape[1], self.t.block_n), mQ.shape[2], mQ.shape[0])
         self.launch(mQ, mK, mV, mdO, mLSE, mD, mdQaccum, mdK, mdV, mAlibi, mRng, mSemaphore, None, grid,
                     BwdScalars(softmax_scale, scale_log2, score_premul, alibi_div, window_left, window_right), stream,
-                    aux_tensors)
+                    aux_tensors, BlockSparse.of(block_sparse))
 
     @cute.jit
     def call_varlen(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
@@ -246,7 +272,7 @@ class FlashBwdSm90:
     @cute.jit
     def launch(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
                mD: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, mAlibi, mRng, mSemaphore,
-               varlen, grid, scalars: BwdScalars, stream, aux_tensors=None):
+               varlen, grid, scalars: BwdScalars, stream, aux_tensors=None, sparse=None):
         """The TMA atoms, shared storage and recipe of either entry, then the kernel on `grid`."""
         t = self.t
         bm, bn, d = t.block_m, t.block_n, t.head_dim
@@ -274,7 +300,7 @@ class FlashBwdSm90:
         recipe = Sm90BwdRecipe(sQ_layout, sKV_layout, sdS_layout, tma_q, tma_do, tma_k, tma_v, tma_dk, tma_dv,
                                hopper.tiled_mma_sdp_t(t), hopper.tiled_mma_dkv(t), hopper.tiled_mma_dq(t))
         args = Sm90BwdTensors(tma_mQ, tma_mK, tma_mV, tma_mdO, tma_mdK, tma_mdV, mLSE, mD, mdQaccum, mAlibi, mRng,
-                              mSemaphore, varlen, aux_tensors)
+                              mSemaphore, varlen, aux_tensors, sparse)
         self.kernel(args, scalars, recipe, SharedStorage).launch(
             grid=grid, block=[self.config.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream,
             min_blocks_per_mp=1)
@@ -321,7 +347,10 @@ class FlashBwdSm90:
         if cutlass.const_expr(args.varlen is None):
             seq = SeqInfo.make(bidb, args.tma_mQ.shape[0], args.tma_mK.shape[0])
             blocks = QueryBlocks.make(seq, n_block, t.block_m, t.block_n, window)
-            tile = KeyTile(n_block, bidh, bidb, seq, blocks.m_block_min, blocks.m_block_max)
+            sparse = None
+            if cutlass.const_expr(args.sparse is not None):  # the key block's listed query blocks alone
+                sparse = args.sparse.row(bidb, bidh, n_block)
+            tile = KeyTile(n_block, bidh, bidb, seq, blocks.m_block_min, blocks.m_block_max, sparse)
         else:
             seq = SeqInfo.make(bidb, args.tma_mQ.shape[0], args.tma_mK.shape[0], args.varlen.mCuSeqlensQ,
                                args.varlen.mCuSeqlensK, args.varlen.mSeqUsedK)
@@ -369,8 +398,8 @@ class FlashBwdSm90:
         tdOsdO, tdOgdO = cpasync.tma_partition(recipe.tma_do, 0, one, cute.group_modes(smem.sdO, 0, 2),
                                                cute.group_modes(gdO, 0, 2))  # (TMA, stages), (TMA, m_blocks)
         lse_row, d_row = self.stat_rows(args.mLSE, tile), self.stat_rows(args.mD, tile)  # (seqlen_q_pad,)
-        for i in cutlass.range(tile.m_block_max - tile.m_block_min, unroll=1):
-            m_block = tile.m_block_min + i
+        for i in cutlass.range(tile.count(), unroll=1):
+            m_block = tile.m_block(i)
             write = use_state(i, STAGES, producer=True)
             pipes.q.producer_acquire(write)
             bar = pipes.q.producer_get_barrier(write)
@@ -447,8 +476,8 @@ class FlashBwdSm90:
             if keys < bn:
                 if tile.m_block_max > tile.m_block_min:  # (a block past the keys walks nothing)
                     self.clear_rows((smem.sK, smem.sV), keys, bn, mma_tidx)
-        for i in cutlass.range(tile.m_block_max - tile.m_block_min, unroll=1):
-            m_block = tile.m_block_min + i
+        for i in cutlass.range(tile.count(), unroll=1):
+            m_block = tile.m_block(i)
             read = use_state(i, STAGES, producer=False)
             # MMAs of this iteration's own: wgmma sets an MMA's accumulate field, state that
             # must not escape the loop it was set in.
@@ -474,7 +503,14 @@ class FlashBwdSm90:
                 pre = cute.make_fragment_like(acc_s, cutlass.Float32)  # (MMA, MMA_M, MMA_N)
                 pre.store(acc_s.load() * scalars.score_premul)
             lo, hi = BlockRange.unmasked(tile.seq, m_block, bm, bn, window)
-            if lo <= tile.n_block and tile.n_block < hi:
+            if cutlass.const_expr(tile.sparse is not None):  # a full block: no mask_mod
+                if tile.sparse.is_partial(i):
+                    self.modify(acc_s, mask, slope, m_block, tile.n_block, mma_tidx, recipe, True, user)
+                elif lo <= tile.n_block and tile.n_block < hi:
+                    self.modify(acc_s, mask, slope, m_block, tile.n_block, mma_tidx, recipe, False, user, False)
+                else:
+                    self.modify(acc_s, mask, slope, m_block, tile.n_block, mma_tidx, recipe, True, user, False)
+            elif lo <= tile.n_block and tile.n_block < hi:
                 self.modify(acc_s, mask, slope, m_block, tile.n_block, mma_tidx, recipe, False, user)
             else:
                 self.modify(acc_s, mask, slope, m_block, tile.n_block, mma_tidx, recipe, True, user)
@@ -598,10 +634,13 @@ class FlashBwdSm90:
 
     @cute.jit
     def modify(self, acc_s: cute.Tensor, mask: Mask, slope, m_block, n_block, mma_tidx, recipe: Sm90BwdRecipe,
-               masked: cutlass.Constexpr, user=None):
+               masked: cutlass.Constexpr, user=None, user_mask: cutlass.Constexpr = True):
         """ALiBi, a caller's mods (`ModCall`) and the masks on the S^T tile: its (keys, queries)
-        views transposed, so that the forward's (query, key) code applies unchanged."""
+        views transposed, so that the forward's (query, key) code applies unchanged. user_mask
+        False: a block-sparse full block, whose mask_mod keeps every score."""
         bm, bn = self.t.block_m, self.t.block_n
+        if cutlass.const_expr(user is not None and not user_mask and self.config.mods.score_mod is None):
+            user = None  # nothing of the mods to run here
         if cutlass.const_expr(masked or self.config.has_alibi or user is not None):
             acc_qk = transposed(lmma.acc_mn_view(acc_s))  # (queries, keys)
             tScS = self.query_key_coords(recipe, mma_tidx)
@@ -609,7 +648,7 @@ class FlashBwdSm90:
             if cutlass.const_expr(self.config.has_alibi):
                 apply_alibi(acc_qk, tScS, row0, col0, mask.seqlen_k - mask.seqlen_q, slope)
             if cutlass.const_expr(user is not None):
-                user.apply(acc_qk, tScS, row0, col0)
+                user.apply(acc_qk, tScS, row0, col0, user_mask)
             if cutlass.const_expr(masked):
                 mask.apply(acc_qk, tScS, row0, col0)
 
@@ -731,6 +770,7 @@ def fake_args(config: Sm90BwdConfig) -> list:
     if config.varlen:
         seqused = fake_tensor(cutlass.Int32, 1) if config.has_seqused_k else None
         packed = [fake_tensor(cutlass.Int32, 1), fake_tensor(cutlass.Int32, 1), seqused, fake_tiles()]
+    sparse = [] if config.varlen else [fake_block_sparse() if config.block_sparse else None]
     return (elems + stats + [fake_dq_accum(config.traits, config.varlen)] + grads + [alibi, rng, semaphore, aux]
-            + packed
+            + sparse + packed
             + [1.0, 1.0, 1.0, 1.0, -1, -1, fake_stream()])

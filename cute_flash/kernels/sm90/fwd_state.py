@@ -108,7 +108,7 @@ class Tile:
         """The i-th key block the tile visits (0 <= i < count)."""
         n = self.n_block_max - 1 - i
         if cutlass.const_expr(self.sparse is not None):
-            n = self.sparse.n_block(i)
+            n = self.sparse.block(i)
         return n
 
 
