@@ -256,7 +256,8 @@ def main(argv=None):
                         "forward + backward), bwd_dims (the same at d 96 / 192 / 256, 4k), dropout, held (d "
                         "128 8k / 16k and a cuBLAS GEMM held for seconds at the board's power cap), shapes "
                         "(MLA's v head dim, learnable sinks, packed queries in the KV-cache call), "
-                        "train_varlen (packed batches forward + backward)")
+                        "train_varlen (packed batches forward + backward), mods (Python-written variants against "
+                        "FlexAttention and flash-attn-4)")
     command("overhead", "host cost of a cached call vs SDPA (GPU)")
     command("coldstart", "first calls of a fresh process, empty vs warm compile cache (GPU)")
     t = command("tune", "TFLOP/s of each tile candidate per head dim (GPU)")
