@@ -60,7 +60,6 @@ class SparseRow:
         return i < self.partial
 
 
-
 def fake_block_sparse() -> list:
     """Placeholders for an entry's block_sparse argument."""
     return [fake_tensor(cutlass.Int32, rank) for rank in (3, 4, 3, 4)]
