@@ -44,9 +44,11 @@ def check_block_mask(block_mask, batch: int, heads: int, seqlen_q: int, seqlen_k
 
 
 def _status(block_mask) -> torch.Tensor:
-    """(B, H, m_blocks, n_blocks) int8 EMPTY / PARTIAL / FULL at the mask's block sizes."""
+    """(B, H, m_blocks, n_blocks) int32 EMPTY / PARTIAL / FULL at the mask's block sizes (int32:
+    CUDA has no byte atomics, and torch's scatter-max on int8 reads the whole aligned word around
+    each byte, past the tensor's end for its last bytes: memcheck caught it)."""
     cnt, idx = block_mask.kv_num_blocks, block_mask.kv_indices
-    status = torch.zeros(idx.shape, dtype=torch.int8, device=idx.device)
+    status = torch.zeros(idx.shape, dtype=torch.int32, device=idx.device)
     _mark(status, cnt, idx, PARTIAL)
     if block_mask.full_kv_num_blocks is not None:
         _mark(status, block_mask.full_kv_num_blocks, block_mask.full_kv_indices, FULL)
@@ -55,7 +57,7 @@ def _status(block_mask) -> torch.Tensor:
 
 def _mark(status, cnt, idx, value):
     listed = torch.arange(idx.shape[-1], device=idx.device) < cnt[..., None]
-    status.scatter_reduce_(-1, idx.long(), (listed * value).to(torch.int8), reduce="amax")
+    status.scatter_reduce_(-1, idx.long(), (listed * value).to(torch.int32), reduce="amax")
 
 
 def _retile(status: torch.Tensor, theirs: tuple, ours: tuple, seqlen_q: int, seqlen_k: int) -> torch.Tensor:
@@ -75,7 +77,7 @@ def _retile(status: torch.Tensor, theirs: tuple, ours: tuple, seqlen_q: int, seq
         pad = -grains % per_tile  # past the sequence: neutral for both
         lo = _fold(lo, dim, per_tile, pad, FULL, torch.amin)
         hi = _fold(hi, dim, per_tile, pad, EMPTY, torch.amax)
-    return torch.where(lo == FULL, FULL, torch.where(hi == EMPTY, EMPTY, PARTIAL)).to(torch.int8)
+    return torch.where(lo == FULL, FULL, torch.where(hi == EMPTY, EMPTY, PARTIAL)).to(torch.int32)
 
 
 def _fold(x, dim, per_tile, pad, fill, reduce):
