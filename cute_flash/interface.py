@@ -199,16 +199,19 @@ def _flash_attn(q, k, v, names, dropout_p, softmax_scale, causal, window_size, s
         if seqlen_k == 0:
             return sinks.fold(*_no_keys(q, lse_shape), learnable_sink)
         if torch.compiler.is_compiling():  # one graph node (cute_flash/ops.py), gradient registered
-            _refuse_compiled_mods(mods)
+            _refuse_compiled_block_mask(block_mask)
             return torch.ops.cute_flash.fwd(q, k, v, scale, causal, window[0], window[1], softcap, alibi_slopes,
-                                            deterministic, *_op_dropout(dropout), learnable_sink)
+                                            list(mods[2] or ()), deterministic, *_op_dropout(dropout),
+                                            learnable_sink, ops.remember_mods(mods[0], mods[1], mods[3]))
         return sinks.fold(*_kernels().flash_fwd(q, k, v, softmax_scale=scale, causal=causal, window_size=window,
                                                 softcap=softcap, alibi_slopes=alibi_slopes, dropout=dropout,
                                                 mods=_user_mods(mods), block_mask=block_mask), learnable_sink)
 
     packing, inputs = _grad_inputs(q, k, v, packed)
-    if caller is not None and not torch.compiler.is_compiling() and _validate.needs_grad(inputs, learnable_sink):
+    wants_grad = caller is not None and _validate.needs_grad(inputs, learnable_sink)
+    if wants_grad:
         _refuse_mod_grads(mods, caller)
+    if wants_grad and not torch.compiler.is_compiling():
         options = AttnOptions(scale, causal, window, softcap, deterministic, packing, dropout=dropout,
                               mods=_user_mods(mods), block_mask=block_mask)
         out, lse = FlashAttnFunction.apply(options, run, alibi_slopes, learnable_sink, *inputs)
@@ -230,10 +233,10 @@ def _user_mods(mods):
     return None if mods[0] is None and mods[1] is None else mods
 
 
-def _refuse_compiled_mods(mods):
-    if mods[0] is not None or mods[1] is not None:
-        raise NotImplementedError("score_mod / mask_mod under torch.compile: the custom ops carry no callables yet; "
-                                  "call the function outside the compiled region")
+def _refuse_compiled_block_mask(block_mask):
+    if block_mask is not None:
+        raise NotImplementedError("block_mask under torch.compile: the custom ops do not carry it yet; pass the "
+                                  "mask_mod alone (every block evaluated), or call outside the compiled region")
 
 
 def _refuse_mod_grads(mods, caller):
@@ -308,11 +311,10 @@ def _flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
         if no_keys:
             return sinks.fold(*_no_keys(q, lse_shape), learnable_sink)
         if torch.compiler.is_compiling():
-            _refuse_compiled_mods(mods)
             return torch.ops.cute_flash.fwd_varlen(
                 q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, window[0],
-                window[1], softcap, alibi_slopes, block_table, seqused_k, deterministic, *_op_dropout(dropout),
-                learnable_sink)
+                window[1], softcap, alibi_slopes, block_table, seqused_k, list(mods[2] or ()), deterministic,
+                *_op_dropout(dropout), learnable_sink, ops.remember_mods(mods[0], mods[1], mods[3]))
         return sinks.fold(*_kernels().flash_fwd_varlen(
             q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
             max_seqlen_k=max_seqlen_k, softmax_scale=scale, causal=causal, window_size=window, softcap=softcap,
@@ -330,6 +332,8 @@ def _flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
                               _user_mods(mods))
         out, lse = FlashAttnFunction.apply(options, run, alibi_slopes, learnable_sink, *inputs)
     else:
+        if wants_grad:  # compiled: the op's registered gradient
+            _refuse_mod_grads(mods, caller)
         out, lse = run(q, k, v)
     probs = _s_dmask(q, p, return_probs, dropout, (batch, nheads, max_seqlen_q, max_seqlen_k), lambda drop: (
         s_dmask_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, drop, seqused_k=seqused_k,

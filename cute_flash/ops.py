@@ -10,6 +10,12 @@ the forward ops fold the sink into their outputs). (`deterministic` and dropout'
 `rng_state` ride along in the forward ops for them; the caller draws rng_state before the op, so
 the compiled graph holds the draw.)
 
+Python-written mods ride along too: an op schema holds no callables, so the interface files a
+call's (score_mod, mask_mod, score_mod_bwd) here under a key made of their digests
+(`remember_mods`, run once while Dynamo traces: the key is a constant of the graph), and the
+ops take the key (`mods`) and the aux tensors (`aux_tensors`, graph inputs). A mod that is the
+same code with the same captures has the same key, so a retrace finds the same kernels.
+
 Eager calls do not go through the dispatcher: the public functions call the launchers directly
 when not compiling (`torch.compiler.is_compiling()`), so decode host time does not grow by the
 op's dispatch. Op outputs are fresh contiguous tensors (a head dim padded to a multiple of 8 is
@@ -43,21 +49,47 @@ def _fresh(out: Tensor) -> Tensor:
     return out if out.is_contiguous() else out.contiguous()
 
 
+_MODS: dict = {}  # key -> (score_mod, mask_mod, score_mod_bwd) of the calls traced in this process
+
+
+@torch._dynamo.assume_constant_result
+def remember_mods(score_mod, mask_mod, score_mod_bwd) -> str:
+    """The ops' `mods` key of these mods (`launch/mods.mods_key`), filed for the ops to find;
+    "" without mods (and without importing the DSL)."""
+    if score_mod is None and mask_mod is None:
+        return ""
+    from cute_flash.launch.mods import mods_key
+
+    key = mods_key(score_mod, mask_mod, score_mod_bwd)
+    _MODS[key] = (score_mod, mask_mod, score_mod_bwd)
+    return key
+
+
+def _mods(key: str, aux_tensors: list, backward: bool = False):
+    """The launchers' `mods` argument of an op's key and aux tensors (`launch/mods.ModArgs.of`)."""
+    if not key:
+        return None
+    score_mod, mask_mod, score_mod_bwd = _MODS[key]
+    return (score_mod, mask_mod, aux_tensors or None) + ((score_mod_bwd,) if backward else ())
+
+
 @torch.library.custom_op("cute_flash::fwd", mutates_args=())
 def fwd(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool, window_left: int, window_right: int,
-        softcap: float, alibi_slopes: Optional[Tensor], deterministic: bool = False, dropout_p: float = 0.0,
-        rng_state: Optional[Tensor] = None, learnable_sink: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+        softcap: float, alibi_slopes: Optional[Tensor], aux_tensors: list[Tensor], deterministic: bool = False,
+        dropout_p: float = 0.0, rng_state: Optional[Tensor] = None, learnable_sink: Optional[Tensor] = None,
+        mods: str = "") -> tuple[Tensor, Tensor]:
     """Dense forward: q (b, sq, h, d), k/v (b, sk, hk, d) -> out like q, lse (b, h, sq) fp32."""
     out, lse = _launch().flash_fwd(q, k, v, softmax_scale=softmax_scale, causal=causal,
                                    window_size=(window_left, window_right), softcap=softcap,
-                                   alibi_slopes=alibi_slopes, dropout=_dropout(dropout_p, rng_state))
+                                   alibi_slopes=alibi_slopes, dropout=_dropout(dropout_p, rng_state),
+                                   mods=_mods(mods, aux_tensors))
     out, lse = sinks.fold(out, lse, learnable_sink)
     return _fresh(out), lse
 
 
 @fwd.register_fake
-def _fwd_fake(q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, deterministic=False,
-              dropout_p=0.0, rng_state=None, learnable_sink=None):
+def _fwd_fake(q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, aux_tensors,
+              deterministic=False, dropout_p=0.0, rng_state=None, learnable_sink=None, mods=""):
     b, sq, h, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((b, h, sq), dtype=torch.float32)
 
@@ -66,22 +98,24 @@ def _fwd_fake(q, k, v, softmax_scale, causal, window_left, window_right, softcap
 def fwd_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
                max_seqlen_k: int, softmax_scale: float, causal: bool, window_left: int, window_right: int,
                softcap: float, alibi_slopes: Optional[Tensor], block_table: Optional[Tensor],
-               seqused_k: Optional[Tensor], deterministic: bool = False, dropout_p: float = 0.0,
-               rng_state: Optional[Tensor] = None, learnable_sink: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+               seqused_k: Optional[Tensor], aux_tensors: list[Tensor], deterministic: bool = False,
+               dropout_p: float = 0.0, rng_state: Optional[Tensor] = None, learnable_sink: Optional[Tensor] = None,
+               mods: str = "") -> tuple[Tensor, Tensor]:
     """Packed forward: q (total_q, h, d) -> out like q, lse (h, total_q) fp32."""
     out, lse = _launch().flash_fwd_varlen(
         q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
         window_size=(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes,
-        block_table=block_table, seqused_k=seqused_k, dropout=_dropout(dropout_p, rng_state))
+        block_table=block_table, seqused_k=seqused_k, dropout=_dropout(dropout_p, rng_state),
+        mods=_mods(mods, aux_tensors))
     out, lse = sinks.fold(out, lse, learnable_sink)
     return _fresh(out), lse
 
 
 @fwd_varlen.register_fake
 def _fwd_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                     window_left, window_right, softcap, alibi_slopes, block_table, seqused_k, deterministic=False,
-                     dropout_p=0.0, rng_state=None, learnable_sink=None):
+                     window_left, window_right, softcap, alibi_slopes, block_table, seqused_k, aux_tensors,
+                     deterministic=False, dropout_p=0.0, rng_state=None, learnable_sink=None, mods=""):
     total_q, h, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((h, total_q), dtype=torch.float32)
 
@@ -117,19 +151,20 @@ def _fwd_kvcache_fake(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_s
 @torch.library.custom_op("cute_flash::bwd", mutates_args=())
 def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, softmax_scale: float, causal: bool,
         window_left: int, window_right: int, softcap: float, alibi_slopes: Optional[Tensor],
-        deterministic: bool, dropout_p: float = 0.0,
-        rng_state: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+        aux_tensors: list[Tensor], deterministic: bool, dropout_p: float = 0.0,
+        rng_state: Optional[Tensor] = None, mods: str = "") -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of `fwd`: (dq, dk, dv) shaped like q, k, v."""
     grads = _launch().backward.flash_bwd(dout, q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal,
                                          window_size=(window_left, window_right), softcap=softcap,
                                          alibi_slopes=alibi_slopes, deterministic=deterministic,
-                                         dropout=_dropout(dropout_p, rng_state))
+                                         dropout=_dropout(dropout_p, rng_state),
+                                         mods=_mods(mods, aux_tensors, backward=True))
     return tuple(_fresh(g) for g in grads[:3])
 
 
 @bwd.register_fake
 def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
-              deterministic, dropout_p=0.0, rng_state=None):
+              aux_tensors, deterministic, dropout_p=0.0, rng_state=None, mods=""):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -137,21 +172,22 @@ def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal, window_left, windo
 def bwd_varlen(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_seqlens_q: Tensor,
                cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool,
                window_left: int, window_right: int, softcap: float, alibi_slopes: Optional[Tensor],
-               seqused_k: Optional[Tensor], deterministic: bool, dropout_p: float = 0.0,
-               rng_state: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+               seqused_k: Optional[Tensor], aux_tensors: list[Tensor], deterministic: bool, dropout_p: float = 0.0,
+               rng_state: Optional[Tensor] = None, mods: str = "") -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of `fwd_varlen` (unpaged): (dq, dk, dv) shaped like q, k, v."""
     grads = _launch().backward.flash_bwd_varlen(
         dout, q, k, v, out, lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
         window_size=(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes, seqused_k=seqused_k,
-        deterministic=deterministic, dropout=_dropout(dropout_p, rng_state))
+        deterministic=deterministic, dropout=_dropout(dropout_p, rng_state),
+        mods=_mods(mods, aux_tensors, backward=True))
     return tuple(_fresh(g) for g in grads[:3])
 
 
 @bwd_varlen.register_fake
 def _bwd_varlen_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                     causal, window_left, window_right, softcap, alibi_slopes, seqused_k, deterministic, dropout_p=0.0,
-                     rng_state=None):
+                     causal, window_left, window_right, softcap, alibi_slopes, seqused_k, aux_tensors, deterministic,
+                     dropout_p=0.0, rng_state=None, mods=""):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -163,11 +199,11 @@ def _save(ctx, inputs, output, names):
     ctx.set_materialize_grads(True)
 
 
-_FWD_OPTIONS = ("softmax_scale", "causal", "window_left", "window_right", "softcap", "alibi_slopes", "deterministic",
-                "dropout_p", "rng_state", "learnable_sink")
+_FWD_OPTIONS = ("softmax_scale", "causal", "window_left", "window_right", "softcap", "alibi_slopes", "aux_tensors",
+                "deterministic", "dropout_p", "rng_state", "learnable_sink", "mods")
 _VARLEN_OPTIONS = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "softmax_scale", "causal",
                    "window_left", "window_right", "softcap", "alibi_slopes", "block_table", "seqused_k",
-                   "deterministic", "dropout_p", "rng_state", "learnable_sink")
+                   "aux_tensors", "deterministic", "dropout_p", "rng_state", "learnable_sink", "mods")
 
 
 def _sink_grad(dout, out, lse, sink):
@@ -180,7 +216,7 @@ def _fwd_backward(ctx, dout, dlse):
     o = dict(ctx.options)
     sink = o.pop("learnable_sink")
     grads = torch.ops.cute_flash.bwd(dout, q, k, v, out, lse, **o)
-    return (*grads,) + (None,) * (len(_FWD_OPTIONS) - 1) + (_sink_grad(dout, out, lse, sink),)
+    return _input_grads(ctx, grads, _FWD_OPTIONS, _sink_grad(dout, out, lse, sink), o["aux_tensors"])
 
 
 def _fwd_varlen_backward(ctx, dout, dlse):
@@ -190,7 +226,17 @@ def _fwd_varlen_backward(ctx, dout, dlse):
     if o.pop("block_table") is not None:
         raise NotImplementedError("no gradient through a paged KV cache (block_table), as in flash-attn")
     grads = torch.ops.cute_flash.bwd_varlen(dout, q, k, v, out, lse, **o)
-    return (*grads,) + (None,) * (len(_VARLEN_OPTIONS) - 1) + (_sink_grad(dout, out, lse, sink),)
+    return _input_grads(ctx, grads, _VARLEN_OPTIONS, _sink_grad(dout, out, lse, sink), o["aux_tensors"])
+
+
+def _input_grads(ctx, qkv_grads, names, sink_grad, aux_tensors):
+    """A gradient per input the op was called with: q, k, v's, the learnable sink's, a None per
+    aux tensor (a list input's gradient is a list), None for the other options. A traced call
+    leaves out trailing arguments at their defaults, and an op with a list input takes exactly
+    one gradient per argument given: `needs_input_grad` has one entry per argument given."""
+    options = {"learnable_sink": sink_grad, "aux_tensors": [None] * len(aux_tensors)}
+    grads = (*qkv_grads,) + tuple(options.get(name) for name in names)
+    return grads[:len(ctx.needs_input_grad)]
 
 
 torch.library.register_autograd("cute_flash::fwd", _fwd_backward,

@@ -57,3 +57,10 @@ def refuse_chunked_mods(mods: ModArgs | None, batch: int):
     """A batch past one launch's grid runs in chunks, whose b_idx would count from each chunk's start."""
     if mods is not None and chunked(batch):
         raise ValueError(f"score_mod / mask_mod with {batch} sequences: at most one launch's grid (65535)")
+
+
+def mods_key(score_mod, mask_mod, score_mod_bwd) -> str:
+    """A name of these mods made of their digests (what a compile key holds of them): the same
+    code with the same captures gives the same name."""
+    return "|".join(f"{role}:{mod.digest if mod is not None else '-'}" for role, mod in (
+        ("score", UserMod.of(score_mod)), ("mask", UserMod.of(mask_mod)), ("bwd", UserMod.of(score_mod_bwd))))

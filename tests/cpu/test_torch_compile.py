@@ -3,6 +3,9 @@
 (cute_flash/ops.py) without a GPU or a kernel. Each function is one graph with no break, with
 the shapes, dtypes and strides of the eager outputs, and a dynamic sequence length does not
 retrace. The real ops run in the GPU suite."""
+import operator
+
+import cutlass.cute as cute
 import pytest
 import torch
 from torch._dynamo.backends.common import aot_autograd
@@ -155,3 +158,80 @@ def test_dropout_state_is_drawn_in_the_graph_and_reaches_the_backward_op(fake, m
     for node in fwd + bwd:
         args = list(node.args) + list(node.kwargs.values())
         assert 0.15 in args and any(getattr(a, "op", None) is not None for a in args[-1:]), node.format_node()
+
+
+@cute.jit
+def _causal(b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
+    return operator.ge(q_idx, kv_idx)
+
+
+@cute.jit
+def _bias(score, b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
+    return score + aux_tensors[0][h_idx[0]]
+
+
+@cute.jit
+def _bias_bwd(grad, score, b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
+    return grad
+
+
+def test_mods_are_one_graph_with_their_key_and_aux_tensors(fake):
+    """The mods travel as a key of the graph (their digests, `ops.remember_mods`) and the aux
+    tensors as graph inputs of the op, dense and packed; the key finds the callables again."""
+    q = torch.randn(2, 128, 4, 64, **BF16)
+    slopes = torch.randn(4, device="cuda")
+    explained = _one_graph(lambda q, s: flash_attn_func(q, q, q, score_mod=_bias, mask_mod=_causal, aux_tensors=[s]),
+                           q, slopes)
+    (node,) = [n for n in explained.graphs[0].graph.nodes if "cute_flash.fwd" in str(n.target)]
+    key = node.args[-1]
+    assert key.startswith("score:") and "|mask:" in key and cute_flash.ops._MODS[key][:2] == (_bias, _causal)
+    assert len(node.args[9]) == 1  # aux_tensors: a list of graph values
+    qv = torch.randn(300, 4, 64, **BF16)
+    cu = torch.tensor([0, 100, 300], device="cuda", dtype=torch.int32)
+    _one_graph(lambda q: flash_attn_varlen_func(q, q, q, cu, cu, 200, 200, mask_mod=_causal), qv)
+
+
+def test_a_training_step_with_mods_passes_them_to_the_backward_op(fake, monkeypatch):
+    monkeypatch.setattr(cute_flash._validate, "check_cuda", lambda named: None)
+    seen = []
+
+    def backend(gm, example_inputs):
+        keep = {kind: (lambda g, _, kind=kind: seen.append((kind, g)) or make_boxed_func(g.forward))
+                for kind in ("fw", "bw")}
+        return aot_autograd(fw_compiler=keep["fw"], bw_compiler=keep["bw"])(gm, example_inputs)
+
+    @torch.compile(fullgraph=True, backend=backend)
+    def step(q, k, v, s):
+        return flash_attn_func(q, k, v, score_mod=_bias, score_mod_bwd=_bias_bwd, aux_tensors=[s]).float().sum()
+
+    q, k, v = (torch.randn(2, 128, 4, 64, dtype=torch.bfloat16).requires_grad_() for _ in range(3))
+    step(q, k, v, torch.randn(4)).backward()
+    assert q.grad.shape == q.shape
+    (bwd,) = [n for kind, g in seen if kind == "bw" for n in g.graph.nodes if "cute_flash.bwd" in str(n.target)]
+    key = bwd.kwargs.get("mods", bwd.args[-1])
+    assert cute_flash.ops._MODS[key] == (_bias, None, _bias_bwd)
+
+
+def test_a_compiled_score_mod_gradient_without_its_backward_is_refused(fake, monkeypatch):
+    monkeypatch.setattr(cute_flash._validate, "check_cuda", lambda named: None)
+    q = torch.randn(2, 128, 4, 64, dtype=torch.bfloat16).requires_grad_()
+    with pytest.raises(Exception, match="needs its score_mod_bwd"):
+        torch.compile(lambda q: flash_attn_func(q, q, q, score_mod=_bias, aux_tensors=[torch.randn(4)]),
+                      fullgraph=True, backend="aot_eager")(q)
+
+
+def test_new_aux_tensors_for_the_same_mods_do_not_retrace(fake):
+    compiles = []
+
+    def counting(gm, example_inputs):
+        compiles.append(gm)
+        return gm.forward
+
+    @torch.compile(fullgraph=True, backend=counting)
+    def attend(q, slopes):
+        return flash_attn_func(q, q, q, score_mod=_bias, mask_mod=_causal, aux_tensors=[slopes])
+
+    q = torch.randn(2, 128, 4, 64, **BF16)
+    for _ in range(3):
+        attend(q, torch.randn(4, device="cuda"))
+    assert len(compiles) == 1

@@ -1,6 +1,6 @@
 """The custom ops on real CUDA tensors: `torch.library.opcheck` of each op (the backward ops
 too), torch.compile (inductor, fullgraph) giving the eager outputs bit for bit (a training
-step's gradients too), a dynamic sequence length compiling
+step's gradients too, with and without mods), a dynamic sequence length compiling
 once, and CUDA-graph capture and replay of prefill and decode, including a first call (kernel
 compile and load) made inside the capture. The CPU half is tests/cpu/test_torch_compile.py."""
 import pytest
@@ -29,9 +29,10 @@ def _randn(*shape):
 def test_opcheck_fwd():
     q, k, v = _randn(2, 100, 8, 64), _randn(2, 130, 2, 64), _randn(2, 130, 2, 64)
     slopes = torch.rand(2, 8, device="cuda", dtype=torch.float32)
-    for args in ((q, k, v, 0.125, True, -1, -1, 0.0, None),
-                 (q, k, v, 0.125, False, 32, 8, 30.0, slopes),
-                 (_randn(1, 64, 4, 100), _randn(1, 64, 4, 100), _randn(1, 64, 4, 100), 0.1, True, -1, 0, 0.0, None)):
+    for args in ((q, k, v, 0.125, True, -1, -1, 0.0, None, []),
+                 (q, k, v, 0.125, False, 32, 8, 30.0, slopes, []),
+                 (_randn(1, 64, 4, 100), _randn(1, 64, 4, 100), _randn(1, 64, 4, 100), 0.1, True, -1, 0, 0.0, None,
+                  [])):
         torch.library.opcheck(torch.ops.cute_flash.fwd.default, args)
 
 
@@ -40,13 +41,13 @@ def test_opcheck_fwd_varlen():
     q, k, v = _randn(sum(lq), 8, 128), _randn(sum(lk), 4, 128), _randn(sum(lk), 4, 128)
     cu_q, cu_k = cu_seqlens(lq), cu_seqlens(lk)
     torch.library.opcheck(torch.ops.cute_flash.fwd_varlen.default,
-                          (q, k, v, cu_q, cu_k, max(lq), max(lk), 0.09, True, -1, -1, 0.0, None, None, None))
+                          (q, k, v, cu_q, cu_k, max(lq), max(lk), 0.09, True, -1, -1, 0.0, None, None, None, []))
     pages = _randn(12, 16, 4, 128)
     table = torch.arange(12, **I32).view(3, 4)
     used = torch.tensor([40, 7, 64], **I32)
     torch.library.opcheck(torch.ops.cute_flash.fwd_varlen.default,
                           (q, pages, pages, cu_q, cu_seqlens([64, 64, 64]), max(lq), 64, 0.09, False, 16, -1, 0.0,
-                           None, table, used))
+                           None, table, used, []))
 
 
 def test_opcheck_fwd_kvcache():
@@ -66,18 +67,18 @@ def test_opcheck_fwd_kvcache():
 
 def test_opcheck_bwd():
     q, k, v = _randn(2, 100, 8, 64), _randn(2, 130, 2, 64), _randn(2, 130, 2, 64)
-    out, lse = torch.ops.cute_flash.fwd(q, k, v, 0.125, True, -1, -1, 0.0, None)
+    out, lse = torch.ops.cute_flash.fwd(q, k, v, 0.125, True, -1, -1, 0.0, None, [])
     dout = torch.randn_like(out)
     torch.library.opcheck(torch.ops.cute_flash.bwd.default,
-                          (dout, q, k, v, out, lse, 0.125, True, -1, 0, 0.0, None, True))
+                          (dout, q, k, v, out, lse, 0.125, True, -1, 0, 0.0, None, [], True))
     lq, lk = [37, 90], [50, 91]
     qv, kv = _randn(sum(lq), 8, 64), _randn(sum(lk), 4, 64)
     cu_q, cu_k = cu_seqlens(lq), cu_seqlens(lk)
     outv, lsev = torch.ops.cute_flash.fwd_varlen(qv, kv, kv, cu_q, cu_k, 90, 91, 0.125, False, -1, -1, 0.0, None,
-                                                 None, None)
+                                                 None, None, [])
     torch.library.opcheck(torch.ops.cute_flash.bwd_varlen.default,
                           (torch.randn_like(outv), qv, kv, kv, outv, lsev, cu_q, cu_k, 90, 91, 0.125, False, -1, -1,
-                           0.0, None, None, True))
+                           0.0, None, None, [], True))
 
 
 def test_compiled_training_step_equals_eager():
@@ -96,6 +97,33 @@ def test_compiled_training_step_equals_eager():
         grads.append((loss, [x.grad for x in leaves]))
     (loss, got), (eager_loss, want) = grads[1], grads[0]
     torch.testing.assert_close(loss, eager_loss)  # inductor may sum in another order
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+
+
+@pytest.mark.parametrize("name", ["document", "relative_bias"])
+def test_compiled_training_step_with_a_mod_equals_eager(name):
+    """A library mod (its aux tensor a graph input, the mods a key in the ops) under torch.compile:
+    output and gradients the eager path's bit for bit (deterministic backward)."""
+    from cute_flash import mods
+
+    torch.manual_seed(0)
+    docs = torch.cumsum(torch.rand(2, 250) < 0.02, 1).to(torch.int32).cuda()
+    spec = mods.document_mask(docs) if name == "document" else mods.relative_bias(torch.randn(8, 33).cuda())
+
+    def step(q, k, v):
+        out = flash_attn_func(q, k, v, deterministic=True, **spec.kwargs())
+        return (out.float() ** 2).sum()
+
+    inputs = [_randn(2, 250, 8, 64), _randn(2, 250, 2, 64), _randn(2, 250, 2, 64)]
+    grads = []
+    for fn in (step, torch.compile(step, fullgraph=True)):
+        leaves = [x.detach().requires_grad_() for x in inputs]
+        loss = fn(*leaves)
+        loss.backward()
+        grads.append((loss, [x.grad for x in leaves]))
+    (loss, got), (eager_loss, want) = grads[1], grads[0]
+    torch.testing.assert_close(loss, eager_loss)
     for g, w in zip(got, want):
         assert torch.equal(g, w)
 
