@@ -47,6 +47,9 @@ class Tool:
 
 
 OUR_KERNELS = "kernel_cutlass_"  # the prefix of every kernel the DSL compiles
+# The sanitizer's own failure, which its summary then counts as one finding; the process's CUDA
+# context is lost, so its later tests fail (docs/tuning/gpu-suite.md, "fifth session")
+ABORT = "Internal Sanitizer Error"
 
 TOOLS = {
     # torch's caching allocator off: each tensor its own allocation, so a read just past one is caught
@@ -105,7 +108,7 @@ def run(tool_name: str, pytest_args: list, jobs: int = 1, chunk: int | None = No
         print(f"{tool.name}: {len(ids)} tests in {len(shards)} sanitized processes{at_a_time}", flush=True)
     picked = [i for i in range(len(shards)) if plan.only is None or i in plan.only]
     gpus = _visible_gpus() if len(shards) > 1 else None  # one process: the caller's environment as it is
-    summaries, codes, lock = {}, {}, threading.Lock()
+    summaries, codes, aborts, lock = {}, {}, set(), threading.Lock()
     todo = list(reversed(picked))
 
     def sanitized(i):
@@ -122,9 +125,12 @@ def run(tool_name: str, pytest_args: list, jobs: int = 1, chunk: int | None = No
                 found = re.search(tool.summary, line)
                 if found:
                     summaries[i] = summaries.get(i, 0) + int(found.group(1))
+                if ABORT in line:
+                    aborts.add(i)
         codes[i] = proc.wait()
         with lock:
-            print(f"{tag}done: {summaries.get(i, 'no summary')} {tool.noun}, exit {codes[i]}", flush=True)
+            aborted = " (the sanitizer aborted: its count is that abort)" if i in aborts else ""
+            print(f"{tag}done: {summaries.get(i, 'no summary')} {tool.noun}{aborted}, exit {codes[i]}", flush=True)
 
     def slot():
         while True:
@@ -141,7 +147,9 @@ def run(tool_name: str, pytest_args: list, jobs: int = 1, chunk: int | None = No
         t.join()
     found = sum(summaries.values())
     exits = [codes[i] for i in picked]
-    print(f"{tool.name}: {len(summaries)} sanitized processes, {found} {tool.noun}; pytest/sanitizer exits {exits}")
+    aborted = f", {len(aborts)} of them aborted by the sanitizer" if aborts else ""
+    print(f"{tool.name}: {len(summaries)} sanitized processes{aborted}, {found} {tool.noun}; "
+          f"pytest/sanitizer exits {exits}")
     return 1 if found or any(exits) or len(summaries) < len(picked) else 0
 
 

@@ -36,12 +36,14 @@ def fake_machine(tmp_path, monkeypatch):
     record.mkdir()
     # Drop the sanitizer's options (through --error-exitcode N), run the command, report like
     # compute-sanitizer: the tool's summary with FINDINGS (default 0) findings, none where
-    # NO_SUMMARY is set. racecheck's canary is not run (it needs a GPU): CANARY_FINDINGS
-    # (default 3) hazards.
+    # NO_SUMMARY is set, after the sanitizer's own abort line where ABORT is set. racecheck's
+    # canary is not run (it needs a GPU): CANARY_FINDINGS (default 3) hazards.
     _script(bin_dir / "compute-sanitizer",
             'tool=$2; while [ "$1" != --error-exitcode ]; do shift; done; shift 2\n'
             'case "$*" in *race_canary*) n=${CANARY_FINDINGS:-3}\n'
             '  echo "========= RACECHECK SUMMARY: $n hazards displayed ($n errors, 0 warnings)"; exit 86;; esac\n'
+            '[ -n "$ABORT" ] && echo "========= Internal Sanitizer Error: The Sanitizer failed to handle a hardware '
+            'exception."\n'
             '"$@"; rc=$?; n=${FINDINGS:-0}; [ -n "$NO_SUMMARY" ] && exit $rc\n'
             'if [ "$tool" = racecheck ]; then\n'
             '  echo "========= RACECHECK SUMMARY: $n hazards displayed ($n errors, 0 warnings)"\n'
@@ -121,3 +123,13 @@ def test_chunks_run_in_order_a_few_at_a_time_and_only_picks_some(fake_machine, c
     assert sanitize.run("memcheck", ["-q", "-p", "no:cacheprovider", tests], jobs=2, chunk=2, only=[2]) == 0
     assert sorted(p.name for p in record.iterdir()) == ["4"]
     assert "memcheck: 1 sanitized processes, 0 errors" in capsys.readouterr().out
+
+
+def test_a_sanitizer_abort_is_named_apart_from_findings(fake_machine, monkeypatch, capsys):
+    tests, _ = fake_machine
+    monkeypatch.setenv("ABORT", "1")
+    monkeypatch.setenv("FINDINGS", "1")
+    assert sanitize.run("racecheck", ["-q", "-p", "no:cacheprovider", tests], jobs=2) == 1
+    out = capsys.readouterr().out
+    assert "done: 1 hazards (the sanitizer aborted: its count is that abort)" in out
+    assert "racecheck: 2 sanitized processes, 2 of them aborted by the sanitizer, 2 hazards" in out
