@@ -4,9 +4,9 @@ at the kernel's own tile sizes.
 A BlockMask classes each (query block, key block) pair at its block sizes as empty (skipped),
 partial (the mask is evaluated) or full (every score kept). At other tile sizes a tile is
 empty when every BlockMask block it overlaps is, full when every one is, partial otherwise: a
-conversion that may only turn full or empty into partial, never the reverse, so the result
-stays exact. All on the device, no synchronisation; kept on the BlockMask per tile size, since
-a model reuses one mask in every layer.
+conversion that may turn full or empty into partial (where the mask_mod then runs), never the
+reverse, so the output is the mask's either way. All on the device, no synchronisation; kept
+on the BlockMask per tile size, since a model reuses one mask in every layer.
 """
 from __future__ import annotations
 
