@@ -28,8 +28,9 @@ from torch import Tensor
 from cute_flash import _validate, kvcache_varlen, sinks
 from cute_flash.autograd import AttnOptions, FlashAttnFunction, Packing, Varlen, no_backward
 from cute_flash.dropout import s_dmask, s_dmask_shape, s_dmask_varlen
+from cute_flash.launch import block_sparse
 from cute_flash.launch.rng import DropoutArgs
-from cute_flash import ops  # noqa: F401  (registers torch.ops.cute_flash.*, used while compiling)
+from cute_flash import ops  # registers torch.ops.cute_flash.*, used while compiling
 
 __all__ = [
     "flash_attn_func",
@@ -199,10 +200,10 @@ def _flash_attn(q, k, v, names, dropout_p, softmax_scale, causal, window_size, s
         if seqlen_k == 0:
             return sinks.fold(*_no_keys(q, lse_shape), learnable_sink)
         if torch.compiler.is_compiling():  # one graph node (cute_flash/ops.py), gradient registered
-            _refuse_compiled_block_mask(block_mask)
             return torch.ops.cute_flash.fwd(q, k, v, scale, causal, window[0], window[1], softcap, alibi_slopes,
-                                            list(mods[2] or ()), deterministic, *_op_dropout(dropout),
-                                            learnable_sink, ops.remember_mods(mods[0], mods[1], mods[3]))
+                                            list(mods[2] or ()), *block_sparse.op_arguments(block_mask),
+                                            deterministic, *_op_dropout(dropout), learnable_sink,
+                                            ops.remember_mods(mods[0], mods[1], mods[3]))
         return sinks.fold(*_kernels().flash_fwd(q, k, v, softmax_scale=scale, causal=causal, window_size=window,
                                                 softcap=softcap, alibi_slopes=alibi_slopes, dropout=dropout,
                                                 mods=_user_mods(mods), block_mask=block_mask), learnable_sink)
@@ -231,12 +232,6 @@ def _user_mods(mods):
     """(score_mod, mask_mod, aux_tensors, score_mod_bwd) for the launchers (`launch/mods.ModArgs.of`),
     or None."""
     return None if mods[0] is None and mods[1] is None else mods
-
-
-def _refuse_compiled_block_mask(block_mask):
-    if block_mask is not None:
-        raise NotImplementedError("block_mask under torch.compile: the custom ops do not carry it yet; pass the "
-                                  "mask_mod alone (every block evaluated), or call outside the compiled region")
 
 
 def _refuse_mod_grads(mods, caller):

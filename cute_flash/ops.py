@@ -14,7 +14,9 @@ Python-written mods ride along too: an op schema holds no callables, so the inte
 call's (score_mod, mask_mod, score_mod_bwd) here under a key made of their digests
 (`remember_mods`, run once while Dynamo traces: the key is a constant of the graph), and the
 ops take the key (`mods`) and the aux tensors (`aux_tensors`, graph inputs). A mod that is the
-same code with the same captures has the same key, so a retrace finds the same kernels.
+same code with the same captures has the same key, so a retrace finds the same kernels. A
+FlexAttention BlockMask travels as its lists (`block_mask`, graph inputs) and its block sizes and
+lengths (`block_mask_sizes`), rebuilt in the op (`launch/block_sparse.BlockLists`).
 
 Eager calls do not go through the dispatcher: the public functions call the launchers directly
 when not compiling (`torch.compiler.is_compiling()`), so decode host time does not grow by the
@@ -65,6 +67,12 @@ def remember_mods(score_mod, mask_mod, score_mod_bwd) -> str:
     return key
 
 
+def _block_mask(tensors: list, sizes: list):
+    from cute_flash.launch.block_sparse import BlockLists
+
+    return BlockLists.of_op(tensors, sizes)
+
+
 def _mods(key: str, aux_tensors: list, backward: bool = False):
     """The launchers' `mods` argument of an op's key and aux tensors (`launch/mods.ModArgs.of`)."""
     if not key:
@@ -75,21 +83,23 @@ def _mods(key: str, aux_tensors: list, backward: bool = False):
 
 @torch.library.custom_op("cute_flash::fwd", mutates_args=())
 def fwd(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool, window_left: int, window_right: int,
-        softcap: float, alibi_slopes: Optional[Tensor], aux_tensors: list[Tensor], deterministic: bool = False,
-        dropout_p: float = 0.0, rng_state: Optional[Tensor] = None, learnable_sink: Optional[Tensor] = None,
+        softcap: float, alibi_slopes: Optional[Tensor], aux_tensors: list[Tensor], block_mask: list[Tensor],
+        block_mask_sizes: list[int], deterministic: bool = False, dropout_p: float = 0.0,
+        rng_state: Optional[Tensor] = None, learnable_sink: Optional[Tensor] = None,
         mods: str = "") -> tuple[Tensor, Tensor]:
     """Dense forward: q (b, sq, h, d), k/v (b, sk, hk, d) -> out like q, lse (b, h, sq) fp32."""
     out, lse = _launch().flash_fwd(q, k, v, softmax_scale=softmax_scale, causal=causal,
                                    window_size=(window_left, window_right), softcap=softcap,
                                    alibi_slopes=alibi_slopes, dropout=_dropout(dropout_p, rng_state),
-                                   mods=_mods(mods, aux_tensors))
+                                   mods=_mods(mods, aux_tensors), block_mask=_block_mask(block_mask, block_mask_sizes))
     out, lse = sinks.fold(out, lse, learnable_sink)
     return _fresh(out), lse
 
 
 @fwd.register_fake
 def _fwd_fake(q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, aux_tensors,
-              deterministic=False, dropout_p=0.0, rng_state=None, learnable_sink=None, mods=""):
+              block_mask, block_mask_sizes, deterministic=False, dropout_p=0.0, rng_state=None, learnable_sink=None,
+              mods=""):
     b, sq, h, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((b, h, sq), dtype=torch.float32)
 
@@ -151,20 +161,21 @@ def _fwd_kvcache_fake(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_s
 @torch.library.custom_op("cute_flash::bwd", mutates_args=())
 def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, softmax_scale: float, causal: bool,
         window_left: int, window_right: int, softcap: float, alibi_slopes: Optional[Tensor],
-        aux_tensors: list[Tensor], deterministic: bool, dropout_p: float = 0.0,
-        rng_state: Optional[Tensor] = None, mods: str = "") -> tuple[Tensor, Tensor, Tensor]:
+        aux_tensors: list[Tensor], block_mask: list[Tensor], block_mask_sizes: list[int], deterministic: bool,
+        dropout_p: float = 0.0, rng_state: Optional[Tensor] = None, mods: str = "") -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of `fwd`: (dq, dk, dv) shaped like q, k, v."""
     grads = _launch().backward.flash_bwd(dout, q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal,
                                          window_size=(window_left, window_right), softcap=softcap,
                                          alibi_slopes=alibi_slopes, deterministic=deterministic,
                                          dropout=_dropout(dropout_p, rng_state),
-                                         mods=_mods(mods, aux_tensors, backward=True))
+                                         mods=_mods(mods, aux_tensors, backward=True),
+                                         block_mask=_block_mask(block_mask, block_mask_sizes))
     return tuple(_fresh(g) for g in grads[:3])
 
 
 @bwd.register_fake
 def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
-              aux_tensors, deterministic, dropout_p=0.0, rng_state=None, mods=""):
+              aux_tensors, block_mask, block_mask_sizes, deterministic, dropout_p=0.0, rng_state=None, mods=""):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -200,7 +211,7 @@ def _save(ctx, inputs, output, names):
 
 
 _FWD_OPTIONS = ("softmax_scale", "causal", "window_left", "window_right", "softcap", "alibi_slopes", "aux_tensors",
-                "deterministic", "dropout_p", "rng_state", "learnable_sink", "mods")
+                "block_mask", "block_mask_sizes", "deterministic", "dropout_p", "rng_state", "learnable_sink", "mods")
 _VARLEN_OPTIONS = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "softmax_scale", "causal",
                    "window_left", "window_right", "softcap", "alibi_slopes", "block_table", "seqused_k",
                    "aux_tensors", "deterministic", "dropout_p", "rng_state", "learnable_sink", "mods")
@@ -216,7 +227,7 @@ def _fwd_backward(ctx, dout, dlse):
     o = dict(ctx.options)
     sink = o.pop("learnable_sink")
     grads = torch.ops.cute_flash.bwd(dout, q, k, v, out, lse, **o)
-    return _input_grads(ctx, grads, _FWD_OPTIONS, _sink_grad(dout, out, lse, sink), o["aux_tensors"])
+    return _input_grads(ctx, grads, _FWD_OPTIONS, ctx.options, _sink_grad(dout, out, lse, sink))
 
 
 def _fwd_varlen_backward(ctx, dout, dlse):
@@ -226,16 +237,21 @@ def _fwd_varlen_backward(ctx, dout, dlse):
     if o.pop("block_table") is not None:
         raise NotImplementedError("no gradient through a paged KV cache (block_table), as in flash-attn")
     grads = torch.ops.cute_flash.bwd_varlen(dout, q, k, v, out, lse, **o)
-    return _input_grads(ctx, grads, _VARLEN_OPTIONS, _sink_grad(dout, out, lse, sink), o["aux_tensors"])
+    return _input_grads(ctx, grads, _VARLEN_OPTIONS, ctx.options, _sink_grad(dout, out, lse, sink))
 
 
-def _input_grads(ctx, qkv_grads, names, sink_grad, aux_tensors):
-    """A gradient per input the op was called with: q, k, v's, the learnable sink's, a None per
-    aux tensor (a list input's gradient is a list), None for the other options. A traced call
-    leaves out trailing arguments at their defaults, and an op with a list input takes exactly
-    one gradient per argument given: `needs_input_grad` has one entry per argument given."""
-    options = {"learnable_sink": sink_grad, "aux_tensors": [None] * len(aux_tensors)}
-    grads = (*qkv_grads,) + tuple(options.get(name) for name in names)
+def _input_grads(ctx, qkv_grads, names, options, sink_grad):
+    """A gradient per input the op was called with: q, k, v's, the learnable sink's, a list of
+    Nones for a list of tensors (an empty list counts as one), None for the other options. A
+    traced call leaves out trailing arguments at their defaults, and an op with a list input
+    takes exactly one gradient per argument given: `needs_input_grad` has one entry per argument
+    given."""
+    def none_for(value):
+        tensors = isinstance(value, (list, tuple)) and all(isinstance(x, torch.Tensor) for x in value)
+        return [None] * len(value) if tensors else None
+
+    grads = (*qkv_grads,) + tuple(sink_grad if name == "learnable_sink" else none_for(options[name])
+                                  for name in names)
     return grads[:len(ctx.needs_input_grad)]
 
 

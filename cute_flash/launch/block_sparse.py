@@ -11,10 +11,42 @@ on the BlockMask per tile size, since a model reuses one mask in every layer.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class BlockLists:
+    """What this package reads of a FlexAttention BlockMask (its names), as the custom ops carry
+    it through a compiled graph: the lists as tensors, the block sizes and lengths as ints."""
+    kv_num_blocks: torch.Tensor
+    kv_indices: torch.Tensor
+    full_kv_num_blocks: torch.Tensor | None
+    full_kv_indices: torch.Tensor | None
+    BLOCK_SIZE: tuple
+    seq_lengths: tuple
+
+    @staticmethod
+    def of_op(tensors: list, sizes: list) -> "BlockLists | None":
+        """From an op's block_mask (the two or four lists) and block_mask_sizes (BLOCK_SIZE, then
+        seq_lengths) arguments; None when they are empty."""
+        if not tensors:
+            return None
+        full = tensors[2:] or [None, None]
+        return BlockLists(tensors[0], tensors[1], *full, tuple(sizes[:2]), tuple(sizes[2:]))
+
+
+def op_arguments(block_mask) -> tuple:
+    """A BlockMask as the custom ops' (block_mask, block_mask_sizes) arguments (`BlockLists.of_op`)."""
+    if block_mask is None:
+        return [], []
+    tensors = [block_mask.kv_num_blocks, block_mask.kv_indices]
+    if block_mask.full_kv_num_blocks is not None:
+        tensors += [block_mask.full_kv_num_blocks, block_mask.full_kv_indices]
+    return tensors, [*block_mask.BLOCK_SIZE, *block_mask.seq_lengths]
 
 
 def block_lists(block_mask, batch: int, heads: int, seqlen_q: int, seqlen_k: int, block_m: int,

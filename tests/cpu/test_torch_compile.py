@@ -235,3 +235,45 @@ def test_new_aux_tensors_for_the_same_mods_do_not_retrace(fake):
     for _ in range(3):
         attend(q, torch.randn(4, device="cuda"))
     assert len(compiles) == 1
+
+
+def test_a_block_mask_is_one_graph_and_reaches_the_backward_op(fake, monkeypatch):
+    """A FlexAttention BlockMask under torch.compile: its lists are graph inputs of the forward
+    and backward ops, its block sizes and lengths constants (`launch/block_sparse.op_arguments`)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    monkeypatch.setattr(cute_flash._validate, "check_cuda", lambda named: None)
+    block_mask = create_block_mask(lambda b, h, q, kv: q >= kv, 1, 1, 128, 128, device="cpu")  # fake tensors
+    seen = []
+
+    def backend(gm, example_inputs):
+        keep = {kind: (lambda g, _, kind=kind: seen.append((kind, g)) or make_boxed_func(g.forward))
+                for kind in ("fw", "bw")}
+        return aot_autograd(fw_compiler=keep["fw"], bw_compiler=keep["bw"])(gm, example_inputs)
+
+    @torch.compile(fullgraph=True, backend=backend)
+    def step(q, k, v):
+        return flash_attn_func(q, k, v, mask_mod=_causal, block_mask=block_mask).float().sum()
+
+    q, k, v = (torch.randn(2, 128, 4, 64, dtype=torch.bfloat16).requires_grad_() for _ in range(3))
+    step(q, k, v).backward()
+    nodes = {kind: [n for n in g.graph.nodes if "cute_flash." in str(n.target)] for kind, g in seen}
+    for kind, name in (("fw", "cute_flash.fwd"), ("bw", "cute_flash.bwd")):
+        (node,) = [n for n in nodes[kind] if name in str(n.target)]
+        args = node.args
+        lists, sizes = (args[10], args[11]) if kind == "fw" else (args[13], args[14])
+        assert len(lists) == 4 and list(sizes) == [128, 128, 128, 128], node.format_node()
+
+
+def test_block_lists_from_an_ops_arguments_are_the_block_masks():
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from cute_flash.launch import block_sparse
+
+    block_mask = create_block_mask(lambda b, h, q, kv: q >= kv, 1, 1, 300, 500, device="cpu", BLOCK_SIZE=(64, 128))
+    rebuilt = block_sparse.BlockLists.of_op(*block_sparse.op_arguments(block_mask))
+    assert rebuilt.BLOCK_SIZE == (64, 128) and rebuilt.seq_lengths == (300, 500)
+    for a, b in zip(block_sparse.block_lists(rebuilt, 2, 4, 300, 500, 128, 128),
+                    block_sparse.block_lists(block_mask, 2, 4, 300, 500, 128, 128)):
+        assert torch.equal(a, b)
+    assert block_sparse.BlockLists.of_op([], []) is None

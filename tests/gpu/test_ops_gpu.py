@@ -29,10 +29,10 @@ def _randn(*shape):
 def test_opcheck_fwd():
     q, k, v = _randn(2, 100, 8, 64), _randn(2, 130, 2, 64), _randn(2, 130, 2, 64)
     slopes = torch.rand(2, 8, device="cuda", dtype=torch.float32)
-    for args in ((q, k, v, 0.125, True, -1, -1, 0.0, None, []),
-                 (q, k, v, 0.125, False, 32, 8, 30.0, slopes, []),
+    for args in ((q, k, v, 0.125, True, -1, -1, 0.0, None, [], [], []),
+                 (q, k, v, 0.125, False, 32, 8, 30.0, slopes, [], [], []),
                  (_randn(1, 64, 4, 100), _randn(1, 64, 4, 100), _randn(1, 64, 4, 100), 0.1, True, -1, 0, 0.0, None,
-                  [])):
+                  [], [], [])):
         torch.library.opcheck(torch.ops.cute_flash.fwd.default, args)
 
 
@@ -67,10 +67,10 @@ def test_opcheck_fwd_kvcache():
 
 def test_opcheck_bwd():
     q, k, v = _randn(2, 100, 8, 64), _randn(2, 130, 2, 64), _randn(2, 130, 2, 64)
-    out, lse = torch.ops.cute_flash.fwd(q, k, v, 0.125, True, -1, -1, 0.0, None, [])
+    out, lse = torch.ops.cute_flash.fwd(q, k, v, 0.125, True, -1, -1, 0.0, None, [], [], [])
     dout = torch.randn_like(out)
     torch.library.opcheck(torch.ops.cute_flash.bwd.default,
-                          (dout, q, k, v, out, lse, 0.125, True, -1, 0, 0.0, None, [], True))
+                          (dout, q, k, v, out, lse, 0.125, True, -1, 0, 0.0, None, [], [], [], True))
     lq, lk = [37, 90], [50, 91]
     qv, kv = _randn(sum(lq), 8, 64), _randn(sum(lk), 4, 64)
     cu_q, cu_k = cu_seqlens(lq), cu_seqlens(lk)
