@@ -101,18 +101,20 @@ def test_compiled_training_step_equals_eager():
         assert torch.equal(g, w)
 
 
-@pytest.mark.parametrize("name", ["document", "relative_bias"])
+@pytest.mark.parametrize("name", ["document", "document_blocks", "relative_bias"])
 def test_compiled_training_step_with_a_mod_equals_eager(name):
-    """A library mod (its aux tensor a graph input, the mods a key in the ops) under torch.compile:
-    output and gradients the eager path's bit for bit (deterministic backward)."""
+    """A library mod (its aux tensor a graph input, the mods a key in the ops; document_blocks
+    with its block mask's lists too) under torch.compile: output and gradients the eager path's
+    bit for bit (deterministic backward; the forward skips the blocks the mask leaves empty)."""
     from cute_flash import mods
 
     torch.manual_seed(0)
     docs = torch.cumsum(torch.rand(2, 250) < 0.02, 1).to(torch.int32).cuda()
-    spec = mods.document_mask(docs) if name == "document" else mods.relative_bias(torch.randn(8, 33).cuda())
+    spec = mods.relative_bias(torch.randn(8, 33).cuda()) if name == "relative_bias" else mods.document_mask(docs)
+    extra = dict(block_mask=spec.block_mask(2, 1, 250, 250)) if name == "document_blocks" else {}
 
     def step(q, k, v):
-        out = flash_attn_func(q, k, v, deterministic=True, **spec.kwargs())
+        out = flash_attn_func(q, k, v, deterministic=True, **spec.kwargs(), **extra)
         return (out.float() ** 2).sum()
 
     inputs = [_randn(2, 250, 8, 64), _randn(2, 250, 2, 64), _randn(2, 250, 2, 64)]
