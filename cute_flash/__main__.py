@@ -148,7 +148,7 @@ def cmd_overhead():
     rows = {
         "flash_attn_func": per_call_us(lambda: flash_attn_func(q, k, v)),
         "op (dispatcher)": per_call_us(
-            lambda: torch.ops.cute_flash.fwd(q, k, v, 0.125, False, -1, -1, 0.0, None)),
+            lambda: torch.ops.cute_flash.fwd(q, k, v, 0.125, False, -1, -1, 0.0, None, [], [], [])),
         "launcher (flash_fwd)": per_call_us(lambda: flash_fwd(q, k, v, softmax_scale=0.125)),
         "TVM-FFI call alone": per_call_us(
             lambda: compiled(q, k, v, out, lse, None, None, None, 0.125 * LOG2E, 1.0, 8.0, -1, -1)),
