@@ -284,6 +284,8 @@ def main(argv=None):
                        help="tests per process, in collected order (default: all dealt round-robin to --jobs)")
         m.add_argument("--only", type=lambda s: [int(x) for x in s.split(",")], default=None,
                        help="run only these process numbers (comma-separated): finish a run cut short")
+        m.add_argument("--retry-aborted", action="store_true",
+                       help="run the tests of each process the sanitizer aborted again, one process each")
     o = command("occupancy", "achieved occupancy, registers, time and throughput of representative "
                                          "calls' kernels under Nsight Compute (GPU, ncu)")
     o.add_argument("--case", default=None, help=argparse.SUPPRESS)  # the child ncu profiles
@@ -336,7 +338,7 @@ def main(argv=None):
     elif cmd in ("memcheck", "racecheck"):
         from cute_flash.tools import sanitize
 
-        return sanitize.run(cmd, extra, args.jobs, args.chunk, args.only)
+        return sanitize.run(cmd, extra, args.jobs, args.chunk, args.only, args.retry_aborted)
     elif cmd == "occupancy":
         from cute_flash.tools import occupancy
 

@@ -82,11 +82,14 @@ class Plan:
         return [options + ids[i::self.jobs] for i in range(min(self.jobs, len(ids)))]
 
 
-def run(tool_name: str, pytest_args: list, jobs: int = 1, chunk: int | None = None, only=None) -> int:
+def run(tool_name: str, pytest_args: list, jobs: int = 1, chunk: int | None = None, only=None,
+        retry_aborted: bool = False) -> int:
     """The GPU tests (default: all of `tests`) under `tool_name`; prints every process's output,
     a line per finished process and the sum of their findings. Fails on any finding, a failed
     test or a process with no summary (a sanitizer that did not run), and, for a tool with a
-    canary, on a canary it reports nothing for."""
+    canary, on a canary it reports nothing for. `retry_aborted`: the tests of each process the
+    sanitizer aborted (whose later tests then failed for want of a CUDA context) run again, one
+    process each, and stand for that process."""
     tool, plan = TOOLS[tool_name], Plan(jobs, chunk, tuple(only) if only else None)
     sanitizer = sanitizer_path()
     # CUTE_FLASH_MEMCHECK=1 tells the tests they are sanitized (hypothesis draws fewer shapes)
@@ -95,7 +98,7 @@ def run(tool_name: str, pytest_args: list, jobs: int = 1, chunk: int | None = No
         return 1
     pytest_args = pytest_args or ["tests"]
     shards = [pytest_args]
-    if jobs > 1 or chunk:
+    if jobs > 1 or chunk or retry_aborted:
         options = [a for a in pytest_args if not os.path.exists(a.split("::")[0])]
         quiet = [a for a in pytest_args if a not in ("-q", "-v")]  # ids one per line needs exactly one -q
         listed = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "--collect-only", "-q", *quiet],
@@ -108,14 +111,52 @@ def run(tool_name: str, pytest_args: list, jobs: int = 1, chunk: int | None = No
         print(f"{tool.name}: {len(ids)} tests in {len(shards)} sanitized processes{at_a_time}", flush=True)
     picked = [i for i in range(len(shards)) if plan.only is None or i in plan.only]
     gpus = _visible_gpus() if len(shards) > 1 else None  # one process: the caller's environment as it is
-    summaries, codes, aborts, lock = {}, {}, set(), threading.Lock()
+    first = _pool(tool, sanitizer, env, shards, picked, jobs, gpus, "")
+    print(first.line(tool, picked), flush=True)
+    if not (retry_aborted and first.aborts):
+        return 0 if first.clean(picked) else 1
+    kept = [i for i in picked if i not in first.aborts]
+    again = [[a for a in shards[i] if "::" not in a] + [t] for i in sorted(first.aborts)
+             for t in shards[i] if "::" in t]
+    print(f"{tool.name}: the {len(again)} tests of the {len(first.aborts)} aborted processes again, one process "
+          f"each", flush=True)
+    retried = _pool(tool, sanitizer, env, again, list(range(len(again))), jobs, gpus, "r")
+    print(retried.line(tool, list(range(len(again)))), flush=True)
+    for i in sorted(retried.aborts):
+        print(f"{tool.name}: aborted again alone: {again[i][-1]}", flush=True)
+    return 0 if first.clean(kept) and retried.clean(range(len(again))) else 1
+
+
+@dataclass
+class PoolResult:
+    """What a pool of sanitized processes printed: each one's summed findings, its exit code,
+    and those the sanitizer aborted."""
+    summaries: dict
+    codes: dict
+    aborts: set
+
+    def clean(self, picked) -> bool:
+        """Every one of `picked` ran to its summary: no finding, no failed test, no abort."""
+        return all(self.summaries.get(i) == 0 and self.codes.get(i) == 0 and i not in self.aborts for i in picked)
+
+    def line(self, tool: Tool, picked) -> str:
+        aborted = f", {len(self.aborts)} of them aborted by the sanitizer" if self.aborts else ""
+        found = sum(self.summaries.values())
+        return (f"{tool.name}: {len(self.summaries)} sanitized processes{aborted}, {found} {tool.noun}; "
+                f"pytest/sanitizer exits {[self.codes.get(i) for i in picked]}")
+
+
+def _pool(tool: Tool, sanitizer: str, env: dict, shards: list, picked: list, jobs: int, gpus, label: str):
+    """`shards[i]` for i in `picked` under the tool, `jobs` processes at a time, spread over
+    `gpus` (None: the caller's environment); each process's output tagged [label i]."""
+    result, lock = PoolResult({}, {}, set()), threading.Lock()
     todo = list(reversed(picked))
 
     def sanitized(i):
         shard = shards[i]
         cmd = tool.command(sanitizer, shard)
         shard_env = dict(env, CUDA_VISIBLE_DEVICES=gpus[i % len(gpus)]) if gpus else env
-        tag = f"[{i}] " if len(shards) > 1 else ""
+        tag = f"[{label}{i}] " if len(shards) > 1 or label else ""
         with lock:
             print(tag + " ".join(cmd[:len(cmd) - len(shard)]) + f" ... ({len(shard)} arguments)", flush=True)
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=shard_env)
@@ -124,13 +165,14 @@ def run(tool_name: str, pytest_args: list, jobs: int = 1, chunk: int | None = No
                 print(tag + line, end="", flush=True)
                 found = re.search(tool.summary, line)
                 if found:
-                    summaries[i] = summaries.get(i, 0) + int(found.group(1))
+                    result.summaries[i] = result.summaries.get(i, 0) + int(found.group(1))
                 if ABORT in line:
-                    aborts.add(i)
-        codes[i] = proc.wait()
+                    result.aborts.add(i)
+        result.codes[i] = proc.wait()
         with lock:
-            aborted = " (the sanitizer aborted: its count is that abort)" if i in aborts else ""
-            print(f"{tag}done: {summaries.get(i, 'no summary')} {tool.noun}{aborted}, exit {codes[i]}", flush=True)
+            aborted = " (the sanitizer aborted: its count is that abort)" if i in result.aborts else ""
+            print(f"{tag}done: {result.summaries.get(i, 'no summary')} {tool.noun}{aborted}, exit {result.codes[i]}",
+                  flush=True)
 
     def slot():
         while True:
@@ -145,12 +187,7 @@ def run(tool_name: str, pytest_args: list, jobs: int = 1, chunk: int | None = No
         t.start()
     for t in threads:
         t.join()
-    found = sum(summaries.values())
-    exits = [codes[i] for i in picked]
-    aborted = f", {len(aborts)} of them aborted by the sanitizer" if aborts else ""
-    print(f"{tool.name}: {len(summaries)} sanitized processes{aborted}, {found} {tool.noun}; "
-          f"pytest/sanitizer exits {exits}")
-    return 1 if found or any(exits) or len(summaries) < len(picked) else 0
+    return result
 
 
 def _canary_sings(tool: Tool, sanitizer: str, env: dict) -> bool:

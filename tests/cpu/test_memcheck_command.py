@@ -36,14 +36,18 @@ def fake_machine(tmp_path, monkeypatch):
     record.mkdir()
     # Drop the sanitizer's options (through --error-exitcode N), run the command, report like
     # compute-sanitizer: the tool's summary with FINDINGS (default 0) findings, none where
-    # NO_SUMMARY is set, after the sanitizer's own abort line where ABORT is set. racecheck's
-    # canary is not run (it needs a GPU): CANARY_FINDINGS (default 3) hazards.
+    # NO_SUMMARY is set, after the sanitizer's own abort line where ABORT is set (or where the
+    # command names every test id in ABORT_WHEN). racecheck's canary is not run (it needs a
+    # GPU): CANARY_FINDINGS (default 3) hazards.
     _script(bin_dir / "compute-sanitizer",
             'tool=$2; while [ "$1" != --error-exitcode ]; do shift; done; shift 2\n'
             'case "$*" in *race_canary*) n=${CANARY_FINDINGS:-3}\n'
             '  echo "========= RACECHECK SUMMARY: $n hazards displayed ($n errors, 0 warnings)"; exit 86;; esac\n'
             '[ -n "$ABORT" ] && echo "========= Internal Sanitizer Error: The Sanitizer failed to handle a hardware '
             'exception."\n'
+            'if [ -n "$ABORT_WHEN" ]; then hit=1; for t in $ABORT_WHEN; do case "$*" in *"$t"*) ;; *) hit=0;; esac; '
+            'done; [ $hit = 1 ] && echo "========= Internal Sanitizer Error: The Sanitizer failed to handle a hardware '
+            'exception."; fi\n'
             '"$@"; rc=$?; n=${FINDINGS:-0}; [ -n "$NO_SUMMARY" ] && exit $rc\n'
             'if [ "$tool" = racecheck ]; then\n'
             '  echo "========= RACECHECK SUMMARY: $n hazards displayed ($n errors, 0 warnings)"\n'
@@ -133,3 +137,19 @@ def test_a_sanitizer_abort_is_named_apart_from_findings(fake_machine, monkeypatc
     out = capsys.readouterr().out
     assert "done: 1 hazards (the sanitizer aborted: its count is that abort)" in out
     assert "racecheck: 2 sanitized processes, 2 of them aborted by the sanitizer, 2 hazards" in out
+
+
+def test_retry_aborted_runs_an_aborted_processs_tests_one_by_one(fake_machine, monkeypatch, capsys):
+    """--retry-aborted: the tests of a process the sanitizer aborted run again, one process each;
+    the run passes when each of them runs clean alone, and names those that abort again."""
+    tests, record = fake_machine
+    monkeypatch.setenv("ABORT_WHEN", "test_case[1]")  # the fake sanitizer aborts processes that run case 1 ...
+    assert sanitize.run("racecheck", ["-q", "-p", "no:cacheprovider", tests], jobs=2, chunk=3,
+                        retry_aborted=True) == 1  # ... alone too
+    out = capsys.readouterr().out
+    assert "racecheck: the 3 tests of the 1 aborted processes again, one process each" in out
+    assert "aborted again alone: test_cases.py::test_case[1]" in out
+    assert "aborted again alone: test_cases.py::test_case[0]" not in out
+    monkeypatch.setenv("ABORT_WHEN", "test_case[1] test_case[2]")  # aborts only a process with both
+    assert sanitize.run("racecheck", ["-q", "-p", "no:cacheprovider", tests], jobs=2, chunk=3,
+                        retry_aborted=True) == 0
