@@ -1,5 +1,5 @@
 """The GPU suite under compute-sanitizer: `python -m cute_flash memcheck|racecheck [--jobs N]
-[pytest args]`.
+[--chunk N] [--only i,j] [--retry-aborted] [pytest args]`.
 
 memcheck finds out-of-bounds and misaligned accesses (torch's caching allocator is off, so
 each tensor is its own allocation and a read just past it is caught; host API errors are not
@@ -10,7 +10,8 @@ when both report nothing (docs/architecture.md, "Sanitizers").
 
 `jobs` > 1 collects the tests and deals them round-robin to that many sanitized pytest
 processes, spread over the visible GPUs (run it from the repository root: the collected ids are
-relative to it). Never pytest-xdist's `-n`: with 15 xdist workers under one sanitizer no test
+relative to it); `chunk` gives each process that many consecutive tests instead, `jobs` at a
+time (`Plan`). Never pytest-xdist's `-n`: with 15 xdist workers under one sanitizer no test
 finished in 570 s on the H200 machine, while one process ran 17 tests in 160 s (compiles
 dominate, so separate processes scale with the cores).
 """
