@@ -1,6 +1,6 @@
 """Block sparsity on the CPU: a FlexAttention BlockMask as the kernels' lists at our tile sizes
 (`launch/block_sparse.py`), checked against the dense mask it came from; the launchers'
-plumbing; the API's refusals; the block-sparse Hopper forward compiles."""
+plumbing; the API's refusals; the block-sparse Hopper kernels compile."""
 import operator
 
 import cute_flash.launch.block_sparse as bs
