@@ -27,6 +27,17 @@ def fake():
     torch._dynamo.reset()
 
 
+def keeping_graphs(seen: list):
+    """An AOTAutograd backend that runs the traced graphs as they are and appends ("fw" or "bw",
+    graph) to `seen`."""
+    def keep(kind):
+        return lambda g, _: seen.append((kind, g)) or make_boxed_func(g.forward)
+
+    def backend(gm, example_inputs):
+        return aot_autograd(fw_compiler=keep("fw"), bw_compiler=keep("bw"))(gm, example_inputs)
+    return backend
+
+
 def _one_graph(fn, *args):
     explained = torch._dynamo.explain(fn)(*args)
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
@@ -110,13 +121,7 @@ def test_a_training_step_traces_the_backward_op(fake, packed, monkeypatch):
     monkeypatch.setattr(cute_flash._validate, "check_cuda", lambda named: None)
     seen = []
 
-    def keep(kind):
-        return lambda g, _: seen.append((kind, g)) or make_boxed_func(g.forward)
-
-    def backend(gm, example_inputs):
-        return aot_autograd(fw_compiler=keep("fw"), bw_compiler=keep("bw"))(gm, example_inputs)
-
-    @torch.compile(fullgraph=True, backend=backend)
+    @torch.compile(fullgraph=True, backend=keeping_graphs(seen))
     def step(qkv):
         if packed:
             return flash_attn_qkvpacked_func(qkv, causal=True, deterministic=True).float().square().sum()
@@ -137,12 +142,7 @@ def test_dropout_state_is_drawn_in_the_graph_and_reaches_the_backward_op(fake, m
     monkeypatch.setattr(cute_flash._validate, "check_cuda", lambda named: None)
     seen = []
 
-    def backend(gm, example_inputs):
-        keep = {kind: (lambda g, _, kind=kind: seen.append((kind, g)) or make_boxed_func(g.forward))
-                for kind in ("fw", "bw")}
-        return aot_autograd(fw_compiler=keep["fw"], bw_compiler=keep["bw"])(gm, example_inputs)
-
-    @torch.compile(fullgraph=True, backend=backend)
+    @torch.compile(fullgraph=True, backend=keeping_graphs(seen))
     def step(q, k, v):
         return flash_attn_func(q, k, v, dropout_p=0.15, causal=True).float().sum()
 
@@ -195,12 +195,7 @@ def test_a_training_step_with_mods_passes_them_to_the_backward_op(fake, monkeypa
     monkeypatch.setattr(cute_flash._validate, "check_cuda", lambda named: None)
     seen = []
 
-    def backend(gm, example_inputs):
-        keep = {kind: (lambda g, _, kind=kind: seen.append((kind, g)) or make_boxed_func(g.forward))
-                for kind in ("fw", "bw")}
-        return aot_autograd(fw_compiler=keep["fw"], bw_compiler=keep["bw"])(gm, example_inputs)
-
-    @torch.compile(fullgraph=True, backend=backend)
+    @torch.compile(fullgraph=True, backend=keeping_graphs(seen))
     def step(q, k, v, s):
         return flash_attn_func(q, k, v, score_mod=_bias, score_mod_bwd=_bias_bwd, aux_tensors=[s]).float().sum()
 
@@ -246,12 +241,7 @@ def test_a_block_mask_is_one_graph_and_reaches_the_backward_op(fake, monkeypatch
     block_mask = create_block_mask(lambda b, h, q, kv: q >= kv, 1, 1, 128, 128, device="cpu")  # fake tensors
     seen = []
 
-    def backend(gm, example_inputs):
-        keep = {kind: (lambda g, _, kind=kind: seen.append((kind, g)) or make_boxed_func(g.forward))
-                for kind in ("fw", "bw")}
-        return aot_autograd(fw_compiler=keep["fw"], bw_compiler=keep["bw"])(gm, example_inputs)
-
-    @torch.compile(fullgraph=True, backend=backend)
+    @torch.compile(fullgraph=True, backend=keeping_graphs(seen))
     def step(q, k, v):
         return flash_attn_func(q, k, v, mask_mod=_causal, block_mask=block_mask).float().sum()
 

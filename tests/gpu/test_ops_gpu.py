@@ -81,13 +81,9 @@ def test_opcheck_bwd():
                            0.0, None, None, [], True))
 
 
-def test_compiled_training_step_equals_eager():
-    """Forward and backward under torch.compile (the ops' registered gradient) give the eager
-    autograd path's output and gradients bit for bit (deterministic backward)."""
-    def step(q, k, v):
-        out = flash_attn_func(q, k, v, causal=True, softcap=20.0, deterministic=True)
-        return (out.float() ** 2).sum()
-
+def assert_compiled_step_equals_eager(step):
+    """step(q, k, v) -> loss, eager and under torch.compile (fullgraph) on the same inputs: the
+    losses close (inductor may sum in another order), the gradients bit for bit."""
     inputs = [_randn(2, 250, 8, 64), _randn(2, 250, 2, 64), _randn(2, 250, 2, 64)]
     grads = []
     for fn in (step, torch.compile(step, fullgraph=True)):
@@ -96,9 +92,19 @@ def test_compiled_training_step_equals_eager():
         loss.backward()
         grads.append((loss, [x.grad for x in leaves]))
     (loss, got), (eager_loss, want) = grads[1], grads[0]
-    torch.testing.assert_close(loss, eager_loss)  # inductor may sum in another order
+    torch.testing.assert_close(loss, eager_loss)
     for g, w in zip(got, want):
         assert torch.equal(g, w)
+
+
+def test_compiled_training_step_equals_eager():
+    """Forward and backward under torch.compile (the ops' registered gradient) give the eager
+    autograd path's output and gradients bit for bit (deterministic backward)."""
+    def step(q, k, v):
+        out = flash_attn_func(q, k, v, causal=True, softcap=20.0, deterministic=True)
+        return (out.float() ** 2).sum()
+
+    assert_compiled_step_equals_eager(step)
 
 
 @pytest.mark.parametrize("name", ["document", "document_blocks", "relative_bias"])
@@ -117,17 +123,7 @@ def test_compiled_training_step_with_a_mod_equals_eager(name):
         out = flash_attn_func(q, k, v, deterministic=True, **spec.kwargs(), **extra)
         return (out.float() ** 2).sum()
 
-    inputs = [_randn(2, 250, 8, 64), _randn(2, 250, 2, 64), _randn(2, 250, 2, 64)]
-    grads = []
-    for fn in (step, torch.compile(step, fullgraph=True)):
-        leaves = [x.detach().requires_grad_() for x in inputs]
-        loss = fn(*leaves)
-        loss.backward()
-        grads.append((loss, [x.grad for x in leaves]))
-    (loss, got), (eager_loss, want) = grads[1], grads[0]
-    torch.testing.assert_close(loss, eager_loss)
-    for g, w in zip(got, want):
-        assert torch.equal(g, w)
+    assert_compiled_step_equals_eager(step)
 
 
 def test_compiled_function_equals_eager():
