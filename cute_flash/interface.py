@@ -426,8 +426,8 @@ def flash_attn_func(
     keyword-only (flash-attn-4's conventions): Python-written modifiers compiled into the kernels,
     forward and backward (docs/semantics.md, Score and mask mods); `block_mask`, keyword-only,
     a FlexAttention `BlockMask` of the mask_mod (from `create_block_mask`), whose empty blocks
-    the Hopper kernels skip and whose full ones they run without the mask_mod (docs/semantics.md,
-    Block sparsity)."""
+    the kernels skip and whose full ones they run without the mask_mod (docs/semantics.md, Block
+    sparsity)."""
     out, lse, probs, _ = _flash_attn(q, k, v, ("q", "k", "v"), dropout_p, softmax_scale, causal, window_size,
                                      softcap, alibi_slopes, "flash_attn_func", deterministic,
                                      return_probs=return_attn_probs,

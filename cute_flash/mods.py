@@ -42,7 +42,7 @@ class ModSpec:
 
     def block_mask(self, batch: int, heads: int, seqlen_q: int, seqlen_k: int, device="cuda", block_size=128):
         """The FlexAttention BlockMask of the mask_mod (from its torch twin, `create_block_mask`),
-        for `flash_attn_func(..., block_mask=)`: the Hopper kernels then skip the blocks it
+        for `flash_attn_func(..., block_mask=)`: the kernels then skip the blocks it
         leaves empty. batch or heads 1: one mask for all of them."""
         from torch.nn.attention.flex_attention import create_block_mask
 

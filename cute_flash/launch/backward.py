@@ -199,8 +199,8 @@ def flash_bwd(dout, q, k, v, out, lse, *, softmax_scale, causal=False, window_si
     fields replacing the dispatcher's choice (traits, dq_bulk: `python -m cute_flash tune --bwd`).
     `dropout`: the forward's (the same seed and offset recompute its mask); `mods`: the forward's
     Python-written mods with the score_mod's backward (`ModArgs.of`); `block_mask`: the forward's
-    FlexAttention BlockMask of the mask_mod (the Hopper kernel skips its empty blocks, the SM80
-    one evaluates the mask_mod everywhere)."""
+    FlexAttention BlockMask of the mask_mod, whose empty blocks either kernel skips (the Hopper
+    one not in deterministic mode)."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     mods = ModArgs.of(mods)
@@ -228,7 +228,10 @@ def flash_bwd(dout, q, k, v, out, lse, *, softmax_scale, causal=False, window_si
         return _signed_dq(_flash_bwd_sm90(dout, q, k, v, out, lse, config, index, softmax_scale, softcap,
                                           alibi_slopes, left, right, (dq, dk, dv), d, dropout, mods, block_mask),
                           dq_sign)
-    config = replace(config, **(variant or {}))
+    config = replace(config, **(variant or {}), block_sparse=block_mask is not None)
+    lists = None
+    if block_mask is not None:  # the lists by key block at the SM80 tiles
+        lists = block_lists(block_mask, b, h, sq, sk, config.traits.block_m, config.traits.block_n, by_key=True)
     dot = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
     compiled.kernel_for(PreprocessConfig(config.traits.head_dim, config.traits.dtype, config.even_k),
                             index)(out, dout, dot)
@@ -240,7 +243,7 @@ def flash_bwd(dout, q, k, v, out, lse, *, softmax_scale, causal=False, window_si
     dv_h = torch.empty((b, sk, h, d_pad), dtype=q.dtype, device=q.device)
     compiled.kernel_for(config, index)(
         q, k, v, dout, lse, dot, dq_accum, dk_h, dv_h, alibi_2d(alibi_slopes, b, h), rng_of(dropout, q.device),
-        aux_of(mods), softmax_scale, *scales(softmax_scale, softcap, has_score_mod(mods)), left, right, grid_x)
+        aux_of(mods), lists, softmax_scale, *scales(softmax_scale, softcap, has_score_mod(mods)), left, right, grid_x)
     dq_out = torch.empty((b, sq, h, d_pad), dtype=q.dtype, device=q.device)
     compiled.kernel_for(DQConvertConfig(t, config.even_k, False, config.dq_vec), index)(
         dq_accum, dq_out, softmax_scale)

@@ -13,7 +13,7 @@ from cute_flash.launch.args import alibi_2d, positive_scale, scales, score_flags
 from cute_flash.launch.rng import DropoutArgs, rng_of
 from cute_flash.launch.batch_chunks import (batch_chunks, chunked, lengths_of, refuse_chunked_dropout, rows_of,
                                             slopes_of)
-from cute_flash.launch.block_sparse import check_block_mask
+from cute_flash.launch.block_sparse import block_lists, check_block_mask
 from cute_flash.launch.hopper import flash_fwd_sm90, flash_fwd_varlen_sm90
 from cute_flash.launch.mods import ModArgs, aux_of, has_score_mod, mod_flags, refuse_chunked_mods
 from cute_flash.launch.policy import PAGE_ROWS, hopper_pages_fit, takes_hopper_path
@@ -38,8 +38,8 @@ def flash_fwd(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1), sof
     heuristic and selects the SM80 kernel (tile tuning, `python -m cute_flash tune`); `dropout`
     drops P's elements by the Philox mask (cute_flash/dropout.py), the same mask on either
     kernel; `mods` the call's Python-written score / mask mods and their aux tensors (`ModArgs.of`);
-    `block_mask` a FlexAttention BlockMask of the mask_mod: the Hopper kernel skips its empty
-    blocks, the SM80 kernel evaluates the mask_mod everywhere (the same result)."""
+    `block_mask` a FlexAttention BlockMask of the mask_mod, whose empty blocks either kernel
+    skips (`launch/block_sparse.py`)."""
     b, sq, h, d = q.shape
     mods = ModArgs.of(mods)
     if chunked(b):  # launch/batch_chunks.py
@@ -61,9 +61,15 @@ def flash_fwd(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1), sof
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
     left, right = window_edges(causal, window_size)
+    sparse = None
+    if block_mask is not None:  # the lists at the SM80 tiles
+        traits = traits or choose_fwd_traits(q.shape[-1], gpu.DTYPE_NAMES[q.dtype],
+                                             tile_arch(gpu.device_arch(index)), causal)
+        sparse = block_lists(block_mask, b, h, sq, k.shape[1], traits.block_m, traits.block_n)
     kernel = fwd_kernel(q.shape[-1], q.dtype, index, causal, traits,
-                        tuple(score_flags(left, right, alibi_slopes, softcap, dropout).items()) + mod_flags(mods))
-    kernel(q, k, v, out, lse, alibi_2d(alibi_slopes, b, h), rng_of(dropout, q.device), aux_of(mods),
+                        tuple(score_flags(left, right, alibi_slopes, softcap, dropout).items()) + mod_flags(mods)
+                        + ((("block_sparse", True),) if sparse is not None else ()))
+    kernel(q, k, v, out, lse, alibi_2d(alibi_slopes, b, h), rng_of(dropout, q.device), aux_of(mods), sparse,
            *scales(softmax_scale, softcap, has_score_mod(mods)), left, right)
     return (out if out.shape[-1] == d else out[..., :d]), lse
 

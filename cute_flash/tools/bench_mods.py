@@ -5,8 +5,8 @@ Each variant of `cute_flash.mods` at 4k and 16k tokens a sequence (16k tokens a 
 2048), d 64 and 128: ours (the default path), ours on the SM80 path (sm_90 only),
 FlexAttention (torch.compile of `flex_attention` with the variant's torch twin: a
 `create_block_mask` block mask for a mask, the score_mod as it is) and flash-attn-4 given the same
-mods where it runs them. Ours takes the same block mask for a mask (`block_mask=`: the Hopper
-forward skips its empty blocks); "no lists" is ours with the mask_mod alone, evaluated on every
+mods where it runs them. Ours takes the same block mask for a mask (`block_mask=`: the kernels
+skip its empty blocks); "no lists" is ours with the mask_mod alone, evaluated on every
 block the built-in range visits. Causal as a mask_mod beside the built-in `causal=True` prices a mod
 that reproduces a flag. TFLOP/s count every (query, key) pair (4 * d FLOPs a pair forward, 3.5x
 that forward + backward), the same work for every column, so ratios are ratios of times.

@@ -118,9 +118,9 @@ def test_the_block_mask_reaches_the_launcher(gpu_free):
 
 
 @pytest.mark.parametrize("path", ["sm80", "default"])
-def test_the_hopper_forward_gets_the_lists_and_the_sm80_one_the_mask_alone(recorder, monkeypatch, path):
-    """On the Hopper path a block-sparse variant with the lists at its tiles; on the SM80 path
-    the mask_mod everywhere (no lists)."""
+def test_either_forward_gets_the_lists_at_its_tiles(recorder, monkeypatch, path):
+    """The SM80 and the Hopper forward each run a block-sparse variant with the lists at its own
+    tiles (K / V multicast off on the Hopper one: its paired tiles load the same blocks)."""
     from cute_flash.launch.dense import flash_fwd
 
     if path == "default":
@@ -128,11 +128,8 @@ def test_the_hopper_forward_gets_the_lists_and_the_sm80_one_the_mask_alone(recor
     q = torch.randn(2, 300, 4, 64, dtype=torch.bfloat16)
     flash_fwd(q, q, q, softmax_scale=0.5, mods=(None, causal, None), block_mask=causal_block_mask())
     (launch,) = recorder.launches
-    if path == "sm80":
-        assert "block_sparse" not in launch.config.__dataclass_fields__
-        return
     assert launch.config.block_sparse and launch.config.mods.mask_mod is not None
-    assert not launch.config.kv_multicast
+    assert path == "sm80" or not launch.config.kv_multicast
     t = launch.config.traits
     pc, pi, fc, fi = launch["block_sparse"]
     assert pc.shape == (1, 1, -(-300 // t.block_m)) and pi.shape == (1, 1, -(-300 // t.block_m), -(-300 // t.block_n))
@@ -150,6 +147,21 @@ def test_the_block_sparse_config_refuses_what_it_cannot_list():
         Sm90FwdConfig(t, varlen=True, block_sparse=True, mods=UserMods(None, UserMod.of(causal)))
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_block_sparse_sm80_forwards_compile(d):
+    from cute_flash.compile.registry import build
+    from cute_flash.kernels.common.user_mods import UserMod, UserMods
+    from cute_flash.kernels.sm80.fwd import FwdConfig
+    from layouts.traits import choose_fwd_traits
+
+    config = FwdConfig(choose_fwd_traits(d, "bf16", 80), has_right=d == 128, block_sparse=True,
+                       mods=UserMods(None, UserMod.of(causal)))
+    assert config.name.endswith("Mb")
+    with pytest.raises(ValueError, match="block sparsity"):
+        FwdConfig(config.traits, varlen=True, block_sparse=True, mods=config.mods)
+    build(config, 80)
+
+
 @pytest.mark.parametrize("d, persistent", [(128, False), (64, True)])
 def test_block_sparse_hopper_forwards_compile(d, persistent):
     from cute_flash.compile.registry import build
@@ -163,21 +175,26 @@ def test_block_sparse_hopper_forwards_compile(d, persistent):
     build(config, 90)
 
 
-@pytest.mark.parametrize("deterministic", [False, True])
-def test_the_hopper_backward_gets_the_lists_by_key_block(recorder, monkeypatch, deterministic):
-    """The Hopper backward's lists are per key block at its tiles; deterministic mode, whose dQ
-    turns count every key block of a query block, takes the mask_mod alone."""
+@pytest.mark.parametrize("path, deterministic", [("default", False), ("default", True), ("sm80", False),
+                                                   ("sm80", True)])
+def test_the_backward_gets_the_lists_by_key_block(recorder, monkeypatch, path, deterministic):
+    """Either backward's lists are per key block at its tiles; the Hopper one's deterministic
+    mode, whose dQ turns count every key block of a query block, takes the mask_mod alone (the
+    SM80 one's adds each split's dQ into its own slice: its order holds whatever is skipped)."""
+    from cute_flash.kernels.sm80.bwd import BwdConfig
     from cute_flash.kernels.sm90.bwd import Sm90BwdConfig
     from cute_flash.launch.backward import flash_bwd
 
-    monkeypatch.delenv("CUTE_FLASH_ARCH_PATH")
+    if path == "default":
+        monkeypatch.delenv("CUTE_FLASH_ARCH_PATH")
     q = torch.randn(2, 384, 4, 64, dtype=torch.bfloat16)
     lse = torch.zeros(2, 4, 384)
     flash_bwd(q, q, q, q, q, lse, softmax_scale=0.5, mods=(None, causal, None, None), deterministic=deterministic,
               block_mask=causal_block_mask(sq=384, sk=384))
-    (main,) = [x for x in recorder.launches if isinstance(x.config, Sm90BwdConfig)]
-    assert main.config.block_sparse is not deterministic
-    if deterministic:
+    (main,) = [x for x in recorder.launches if isinstance(x.config, (Sm90BwdConfig, BwdConfig))]
+    hopper_deterministic = path == "default" and deterministic
+    assert main.config.block_sparse is not hopper_deterministic
+    if hopper_deterministic:
         assert main["block_sparse"] is None
         return
     t = main.config.traits
@@ -185,6 +202,19 @@ def test_the_hopper_backward_gets_the_lists_by_key_block(recorder, monkeypatch, 
     assert pc.shape == (1, 1, 384 // t.block_n) and pi.shape == (1, 1, 384 // t.block_n, 384 // t.block_m)
     # causal: key block n is partial in its diagonal query blocks and full in every one below
     assert pc[0, 0, 0].item() == t.block_n // t.block_m and fc[0, 0, 0].item() == 384 // t.block_m - pc[0, 0, 0]
+
+
+@pytest.mark.parametrize("d, deterministic", [(64, False), (128, True)])
+def test_block_sparse_sm80_backwards_compile(d, deterministic):
+    from cute_flash.compile.registry import build
+    from cute_flash.kernels.common.user_mods import UserMod, UserMods
+    from cute_flash.kernels.sm80.bwd import BwdConfig
+    from layouts.traits import choose_bwd_traits
+
+    config = BwdConfig(choose_bwd_traits(d, "bf16", 80), has_right=True, deterministic=deterministic,
+                       block_sparse=True, mods=UserMods(None, UserMod.of(causal)))
+    assert "Mb" in config.name
+    build(config, 80)
 
 
 @pytest.mark.parametrize("d", [64, 128])

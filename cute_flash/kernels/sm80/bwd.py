@@ -35,6 +35,7 @@ import cutlass
 import cutlass.cute as cute
 
 from cute_flash.kernels.common.block_range import BlockRange, QueryBlocks, Window
+from cute_flash.kernels.common.block_sparse import BlockSparse, fake_block_sparse
 from cute_flash.kernels.common.constants import LOG2E
 from cute_flash.kernels.common.dq_accum import bulk_add_run, fake_dq_accum, first_tile, stage_run, tiles_of
 from cute_flash.kernels.common.fake import fake_stream, fake_tensor
@@ -68,10 +69,14 @@ class BwdConfig:
     dq_vec: int = 1               # floats per dQ atomic add: 4 on sm_90 (red.global.add.v4.f32), 1 before
     dq_bulk: bool = False         # dQ staged in smem, added by one bulk reduce per warp (sm_90; `dq_reduction`)
     mods: object = None           # UserMods: Python-written score / mask mods (kernels/common/user_mods.py)
+    block_sparse: bool = False    # dense: each key block visits its listed query blocks alone, the mask_mod
+                                  # evaluated on the partial ones (kernels/common/block_sparse.py)
 
     def __post_init__(self):
         if self.has_seqused_k and not self.varlen:
             raise ValueError("has_seqused_k belongs to the varlen entry")
+        if self.block_sparse and (self.mods is None or self.mods.mask_mod is None or self.varlen):
+            raise ValueError("block sparsity lists the blocks a mask_mod cuts, in a dense launch")
         if self.dq_vec not in (1, 4):
             raise ValueError("dq_vec is 1 or 4")
         if self.dq_bulk and (self.dq_vec != 4 or self.deterministic):
@@ -131,6 +136,7 @@ class BwdTensors:
     mSeqUsedK: object    # (batch,) int32
     mRng: object = None  # (4,) uint32: the forward's dropout state (kernels/common/philox.py:Dropout)
     aux: object = None   # the mods' aux tensors (a list)
+    sparse: object = None  # block_sparse.BlockSparse by key block (a block-sparse launch)
 
 
 @dataclass(frozen=True)
@@ -181,6 +187,7 @@ class KeyBlock:
     acc_dv: cute.Tensor
     mods: ScoreMods
     dropout: object = None  # kernels/common/philox.py:Dropout (has_dropout)
+    sparse: object = None   # block_sparse.SparseRow: the key block's query blocks in a block-sparse launch
 
 
 class FlashBwd:
@@ -195,15 +202,17 @@ class FlashBwd:
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
                  mD: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, mAlibi, mRng,
-                 aux_tensors, softmax_scale: cutlass.Float32, scale_log2: cutlass.Float32,
+                 aux_tensors, block_sparse, softmax_scale: cutlass.Float32, scale_log2: cutlass.Float32,
                  score_premul: cutlass.Float32,
                  alibi_div: cutlass.Float32, window_left: cutlass.Int32, window_right: cutlass.Int32,
                  grid_x: cutlass.Int32, stream):
         """Dense batches: mQ/mdO (batch, seqlen_q, heads, d), mK/mV (batch, seqlen_k, heads_k,
         d), mdK/mdV (batch, seqlen_k, heads, d), mLSE/mD (batch, heads, seqlen_q) fp32, mdQaccum
-        (slices, batch, heads, ceil(seqlen_q / kBlockM), kBlockM * kHeadDim) fp32 zeroed.
+        (slices, batch, heads, ceil(seqlen_q / kBlockM), kBlockM * kHeadDim) fp32 zeroed;
+        block_sparse the lists by key block of `BlockSparse.of` (`BwdConfig.block_sparse`).
         grid_x: the key blocks, or the deterministic split count (= slices)."""
-        args = BwdTensors(mQ, mK, mV, mdO, mLSE, mD, mdQaccum, mdK, mdV, mAlibi, None, None, None, mRng, aux_tensors)
+        args = BwdTensors(mQ, mK, mV, mdO, mLSE, mD, mdQaccum, mdK, mdV, mAlibi, None, None, None, mRng, aux_tensors,
+                          BlockSparse.of(block_sparse))
         self.launch(args, BwdScalars(softmax_scale, scale_log2, score_premul, alibi_div, window_left, window_right),
                     (grid_x, mQ.shape[0], mQ.shape[2]), stream)
 
@@ -276,7 +285,10 @@ class FlashBwd:
         if cutlass.const_expr(cfg.has_dropout):
             dropout = Dropout.load(args.mRng, bidb, bidh, args.mQ.shape[1 if cutlass.const_expr(cfg.varlen) else 2])
         for n_block in cutlass.range(x, cute.ceil_div(seq.seqlen_k, t.block_n), grid_x, unroll=1):
-            self.key_block(n_block, seq, views, scalars, recipe, smem, mods, window, dropout)
+            sparse = None
+            if cutlass.const_expr(args.sparse is not None):
+                sparse = args.sparse.row(bidb, bidh, n_block)
+            self.key_block(n_block, seq, views, scalars, recipe, smem, mods, window, dropout, sparse)
         if cutlass.const_expr(cfg.dq_bulk):
             if cute.arch.lane_idx() == 0:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)  # shared memory outlives the bulk reads
@@ -310,8 +322,10 @@ class FlashBwd:
 
     @cute.jit
     def key_block(self, n_block, seq: SeqInfo, views: BwdViews, scalars: BwdScalars, recipe: BwdRecipe,
-                  smem: BwdSmem, mods: ScoreMods, window: Window, dropout):
-        """dK and dV of key block n_block, and its share of dQ."""
+                  smem: BwdSmem, mods: ScoreMods, window: Window, dropout, sparse=None):
+        """dK and dV of key block n_block, and its share of dQ: query blocks m_block_max - 1 down
+        to m_block_min, or a block-sparse launch's listed ones (`sparse`, a SparseRow; Q and dO
+        loads check their rows whatever the block)."""
         cfg, t = self.config, self.t
         bm, bn, d = t.block_m, t.block_n, t.head_dim
         tidx, _, _ = cute.arch.thread_idx()
@@ -332,15 +346,17 @@ class FlashBwd:
         acc_dv = cute.make_rmem_tensor(thr_dkv.partition_shape_C((bn, d)), cutlass.Float32)
         acc_dk.fill(0.0)
         acc_dv.fill(0.0)
-        kb = KeyBlock(n_block, acc_dk, acc_dv, mods, dropout)
+        kb = KeyBlock(n_block, acc_dk, acc_dv, mods, dropout, sparse)
 
         blocks = QueryBlocks.make(seq, n_block, bm, bn, window)
         count = blocks.m_block_max - blocks.m_block_min
+        if cutlass.const_expr(sparse is not None):
+            count = sparse.count()
         if count > 0:
-            self.load_q(blocks.m_block_max - 1, 0, seq, views, recipe, smem)
+            self.load_q(self.visit(kb, blocks.m_block_max - 1, 0, count), 0, seq, views, recipe, smem)
         cute.arch.cp_async_commit_group()
         for i in cutlass.range(count, unroll=1):
-            m_block = blocks.m_block_max - 1 - i
+            m_block = self.visit(kb, blocks.m_block_max - 1 - i, i, count)
             stage = 0
             if cutlass.const_expr(t.q_stages == 2):
                 stage = i % 2
@@ -348,15 +364,24 @@ class FlashBwd:
             cute.arch.barrier()
             if cutlass.const_expr(t.q_stages == 2):
                 if i + 1 < count:
-                    self.load_q(m_block - 1, 1 - stage, seq, views, recipe, smem)
+                    self.load_q(self.visit(kb, m_block - 1, i + 1, count), 1 - stage, seq, views, recipe, smem)
                 cute.arch.cp_async_commit_group()
-            self.query_block(m_block, stage, kb, seq, views, scalars, recipe, smem)
+            self.query_block(m_block, stage, kb, seq, views, scalars, recipe, smem, i)
             if cutlass.const_expr(t.q_stages == 1):
                 cute.arch.barrier()
                 if i + 1 < count:
-                    self.load_q(m_block - 1, 0, seq, views, recipe, smem)
+                    self.load_q(self.visit(kb, m_block - 1, i + 1, count), 0, seq, views, recipe, smem)
                 cute.arch.cp_async_commit_group()
         self.store_dkv(kb, rows_k, views, scalars, recipe, smem)
+
+    @cute.jit
+    def visit(self, kb: KeyBlock, dense_block, i, count):
+        """Visit i (< count) of the key block: `dense_block`, the dense walk's, or a block-sparse
+        key block's i-th listed query block."""
+        m_block = dense_block
+        if cutlass.const_expr(kb.sparse is not None):
+            m_block = kb.sparse.block(cutlass.min(i, count - 1))
+        return m_block
 
     @cute.jit
     def staged(self, s: cute.Tensor, stage):
@@ -383,7 +408,7 @@ class FlashBwd:
 
     @cute.jit
     def query_block(self, m_block, stage, kb: KeyBlock, seq: SeqInfo, views: BwdViews, scalars: BwdScalars,
-                    recipe: BwdRecipe, smem: BwdSmem):
+                    recipe: BwdRecipe, smem: BwdSmem, i=0):
         cfg, t = self.config, self.t
         bm, bn, d = t.block_m, t.block_n, t.head_dim
         tidx, _, _ = cute.arch.thread_idx()
@@ -425,7 +450,14 @@ class FlashBwd:
         # Only tiles crossing the sequence end or a window edge run the mask (dynamic test)
         acc_s_mn = lmma.acc_mn_view(acc_s)
         lo, hi = BlockRange.unmasked(seq, m_block, bm, bn, kb.mods.mask.window)
-        if lo <= kb.n_block and kb.n_block < hi:
+        if cutlass.const_expr(kb.sparse is not None):  # visit i of a block-sparse key block: a full block, no mask_mod
+            if kb.sparse.is_partial(i):
+                kb.mods.apply(mma_sdp, acc_s, m_block, kb.n_block, True)
+            elif lo <= kb.n_block and kb.n_block < hi:
+                kb.mods.apply(mma_sdp, acc_s, m_block, kb.n_block, False, False)
+            else:
+                kb.mods.apply(mma_sdp, acc_s, m_block, kb.n_block, True, False)
+        elif lo <= kb.n_block and kb.n_block < hi:
             kb.mods.apply(mma_sdp, acc_s, m_block, kb.n_block, False)
         else:
             kb.mods.apply(mma_sdp, acc_s, m_block, kb.n_block, True)
@@ -579,6 +611,8 @@ def fake_args(config: BwdConfig) -> list:
                                              f32(2) if config.has_alibi else None,
                                              fake_tensor(cutlass.Uint32, 1) if config.has_dropout else None,
                                              config.mods.fake_aux() if config.mods is not None else None]
+    if not config.varlen:
+        tensors.append(fake_block_sparse() if config.block_sparse else None)
     if config.varlen:
         i32 = fake_tensor(cutlass.Int32, 1)
         tensors += [i32, fake_tensor(cutlass.Int32, 1), fake_tensor(cutlass.Int32, 1) if config.has_seqused_k else None]

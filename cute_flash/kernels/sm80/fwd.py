@@ -36,6 +36,7 @@ import cutlass
 import cutlass.cute as cute
 
 from cute_flash.kernels.common.block_range import BlockRange, Window
+from cute_flash.kernels.common.block_sparse import BlockSparse, SparseRow, fake_block_sparse
 from cute_flash.kernels.common.fake import fake_stream, fake_tensor
 from cute_flash.kernels.common.flags import FLAG_LETTERS
 from cute_flash.kernels.common.gemm import MmaOperands
@@ -78,6 +79,8 @@ class FwdConfig:
     has_batch_idx: bool = False   # kvcache: cache_batch_idx
     pack_gqa: bool = False        # kvcache, one query row: a GQA group's heads become query rows
     mods: object = None           # UserMods: Python-written score / mask mods (kernels/common/user_mods.py)
+    block_sparse: bool = False    # dense: each query block visits its listed key blocks alone, the mask_mod
+                                  # evaluated on the partial ones (kernels/common/block_sparse.py)
 
     def __post_init__(self):
         if self.kvcache and self.varlen:
@@ -97,6 +100,8 @@ class FwdConfig:
         if self.pack_gqa and not (self.kvcache and not (self.has_left or self.has_right or self.has_alibi)):
             raise ValueError("pack_gqa folds single-row decode queries: kvcache, no window, no ALiBi")
         check_mods(self.mods, self.kvcache, self.has_softcap, self.has_alibi)
+        if self.block_sparse and (self.mods is None or self.mods.mask_mod is None or self.varlen or self.kvcache):
+            raise ValueError("block sparsity lists the blocks a mask_mod cuts, in a dense launch")
 
     @property
     def entry(self) -> str:
@@ -173,6 +178,7 @@ class FwdTensors:
     mBlockTable: object  # (batch, max_blocks) int32
     mRng: object = None  # (4,) uint32: dropout's Philox key, offset and keep threshold
     aux: object = None   # the mods' aux tensors (a list)
+    sparse: object = None  # block_sparse.BlockSparse of a block-sparse launch
 
 
 @dataclass(frozen=True)
@@ -220,6 +226,7 @@ class CtaTile:
     bidb: object
     bidh: object
     split_idx: object
+    sparse: object = None  # block_sparse.SparseRow: the key blocks of a block-sparse launch's tile
 
 
 @dataclass(frozen=True)
@@ -249,15 +256,17 @@ class FlashFwd:
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
-                 mLSE: cute.Tensor, mAlibi, mRng, aux_tensors,
+                 mLSE: cute.Tensor, mAlibi, mRng, aux_tensors, block_sparse,
                  scale_log2: cutlass.Float32, score_premul: cutlass.Float32, alibi_div: cutlass.Float32,
                  window_left: cutlass.Int32, window_right: cutlass.Int32, stream):
         """mQ/mO (batch, seqlen_q, heads, d), mK/mV (batch, seqlen_k, heads_k, d) with strides the
         compiler may take as multiples of 8 (one 128-bit copy per 8 elements); mLSE (batch, heads,
         seqlen_q) fp32; mAlibi (batch, heads) fp32 slopes; mRng (4,) uint32 dropout state;
-        aux_tensors: the mods' tensors (a list). In every entry, a tensor the config does not read
-        is None (compiled as absent)."""
-        args = FwdTensors(mQ, mK, mV, mO, mLSE, None, mAlibi, None, None, None, None, None, None, mRng, aux_tensors)
+        aux_tensors: the mods' tensors (a list); block_sparse: the lists of `BlockSparse.of`
+        (`FwdConfig.block_sparse`). In every entry, a tensor the config does not read is None
+        (compiled as absent)."""
+        args = FwdTensors(mQ, mK, mV, mO, mLSE, None, mAlibi, None, None, None, None, None, None, mRng, aux_tensors,
+                          BlockSparse.of(block_sparse))
         self.launch(args, FwdScalars(0, 1, scale_log2, score_premul, alibi_div, window_left, window_right),
                     (cute.ceil_div(mQ.shape[1], self.t.block_m), mQ.shape[0], mQ.shape[2]), stream)
 
@@ -348,8 +357,11 @@ class FlashFwd:
         dropout = None
         if cutlass.const_expr(cfg.has_dropout):
             dropout = Dropout.load(args.mRng, bidb, bidh, nheads)
+        sparse = None
+        if cutlass.const_expr(args.sparse is not None):
+            sparse = args.sparse.row(bidb, bidh, m_block)
         if m_block * self.t.block_m < seq.seqlen_q:
-            self.attend(CtaTile(m_block, bidb, bidh, split_idx), seq, views, scalars, recipe, split, dropout,
+            self.attend(CtaTile(m_block, bidb, bidh, split_idx, sparse), seq, views, scalars, recipe, split, dropout,
                         SharedStorage)
 
     @cute.jit
@@ -460,11 +472,15 @@ class FlashFwd:
             user = ModCall.make(cfg.mods, cta.bidb, cta.bidh, seq, views.aux, scalars.score_premul)
         mods = ScoreMods(mask, scalars.score_premul, slope, cfg.has_softcap, cfg.has_alibi, (bm, bn), user=user)
 
-        if blocks.n_block_max > blocks.n_block_min:
+        q_copy = (recipe.gmem_tiled_copy_QKV, tQgQ, tQsQ, tQcQ, tQpQ, rows_q)
+        if cutlass.const_expr(cta.sparse is not None):
+            if cta.sparse.count() > 0:
+                loop = LoopState(mma, kv, tKsK, tVsV, acc_o, acc_o_mn, softmax, mods, m_block, 0, dropout)
+                self.sparse_mainloop(loop, cta.sparse, seq, window, q_copy)
+        elif blocks.n_block_max > blocks.n_block_min:
             loop = LoopState(mma, kv, tKsK, tVsV, acc_o, acc_o_mn, softmax, mods, m_block, blocks.n_block_min,
                              dropout)
-            self.mainloop(loop, blocks, seq, window,
-                          (recipe.gmem_tiled_copy_QKV, tQgQ, tQsQ, tQcQ, tQpQ, rows_q))
+            self.mainloop(loop, blocks, seq, window, q_copy)
 
         # Epilogue (also the early exit: no visible key leaves O = 0 and LSE = +inf, or -inf
         # for a split's partial so that the combine gives it no weight).
@@ -546,12 +562,43 @@ class FlashFwd:
             self.step(left_end - 1 - i, loop, is_first=False, masked=True)
 
     @cute.jit
-    def step(self, n_block, loop: LoopState, is_first: cutlass.Constexpr, masked: cutlass.Constexpr):
+    def sparse_mainloop(self, loop: LoopState, row: SparseRow, seq: SeqInfo, window: Window, q_copy):
+        """A block-sparse tile: its row's blocks in list order, a partial one with every mask, a
+        full one without the mask_mod (and without the built-in masks where no edge crosses it).
+        Any block may hold the sequence's end, so every K / V load checks its rows."""
+        bm, bn = self.t.block_m, self.t.block_n
+        count = row.count()
+        n_first = row.block(0)
+        tiled_copy_Q, tQgQ, tQsQ, tQcQ, tQpQ, rows_q = q_copy
+        copy_tile(tiled_copy_Q, tQgQ, tQsQ, tQcQ, tQpQ, rows_q, True, self.config.even_k, True)
+        loop.kv.load(False, n_first, None, loop.tKsK, True)
+        cute.arch.cp_async_commit_group()
+        nxt = (row.block(cutlass.min(1, count - 1)), count > 1)
+        if row.is_partial(0):
+            self.step(n_first, loop, is_first=True, masked=True, nxt=nxt)
+        else:
+            self.step(n_first, loop, is_first=True, masked=True, nxt=nxt, user_mask=False)
+        unmasked_lo, unmasked_hi = BlockRange.unmasked(seq, loop.m_block, bm, bn, window)
+        for i in cutlass.range(1, count, unroll=1):
+            n_block = row.block(i)
+            nxt = (row.block(cutlass.min(i + 1, count - 1)), i + 1 < count)
+            if row.is_partial(i):
+                self.step(n_block, loop, is_first=False, masked=True, nxt=nxt)
+            elif unmasked_lo <= n_block and n_block < unmasked_hi:
+                self.step(n_block, loop, is_first=False, masked=False, nxt=nxt, user_mask=False)
+            else:
+                self.step(n_block, loop, is_first=False, masked=True, nxt=nxt, user_mask=False)
+
+    @cute.jit
+    def step(self, n_block, loop: LoopState, is_first: cutlass.Constexpr, masked: cutlass.Constexpr, nxt=None,
+             user_mask: cutlass.Constexpr = True):
         """One key block: S = Q K^T, modifiers, online softmax, O += P V, with the next K (and,
         in KV-cache kernels, the next V) in flight. Paged KV-cache kernels read block n-1's page
         ids first thing, so the table load is done by the time its copies are issued; paged
         prefill kernels read one page per run of rows just before the run's copies (kv_tiles.py;
-        reading them ahead measured no faster: docs/tuning/varlen-paged.md)."""
+        reading them ahead measured no faster: docs/tuning/varlen-paged.md). nxt: a block-sparse
+        tile's (next block, whether there is one), its loads row-checked; None: block n - 1, while
+        n > n_block_min. user_mask False: a full block, no mask_mod."""
         cfg, t = self.config, self.t
         kv, mma, n_block_min = loop.kv, loop.mma, loop.n_block_min
         acc_s = cute.make_rmem_tensor(mma.tiled_mma.get_slice(0).partition_shape_C((t.block_m, t.block_n)),
@@ -565,8 +612,8 @@ class FlashFwd:
         else:
             cute.arch.cp_async_wait_group(0)
             cute.arch.barrier()
-            # V[n]: only the first block processed can run past seqlen_k.
-            kv.load(True, n_block, None, loop.tVsV, is_first)
+            # V[n]: only the first block processed can run past seqlen_k (any one, block-sparse).
+            kv.load(True, n_block, None, loop.tVsV, is_first or nxt is not None)
             cute.arch.cp_async_commit_group()
 
         mma.qk(acc_s)
@@ -579,11 +626,15 @@ class FlashFwd:
         else:
             cute.arch.cp_async_wait_group(0)
             cute.arch.barrier()
-            if n_block > n_block_min:
-                kv.load(False, n_block - 1, None, loop.tKsK, False)
+            if cutlass.const_expr(nxt is None):
+                if n_block > n_block_min:
+                    kv.load(False, n_block - 1, None, loop.tKsK, False)
+                    cute.arch.cp_async_commit_group()
+            elif nxt[1]:  # block-sparse: the row's next block, which may hold the sequence's end
+                kv.load(False, nxt[0], None, loop.tKsK, True)
                 cute.arch.cp_async_commit_group()
 
-        acc_s_mn = loop.mods.apply(mma.tiled_mma, acc_s, loop.m_block, n_block, masked)
+        acc_s_mn = loop.mods.apply(mma.tiled_mma, acc_s, loop.m_block, n_block, masked, user_mask)
         loop.softmax.step(acc_s_mn, loop.acc_o_mn, is_first, masked or loop.mods.user is not None)
         if cutlass.const_expr(cfg.has_dropout):  # after the row sums: they are taken before dropout
             tidx, _, _ = cute.arch.thread_idx()
@@ -640,4 +691,5 @@ def fake_args(config: FwdConfig) -> list:
                  if split else None)
         return ([elems(4), elems(4), elems(4), elems(4), f32(3), accum, f32(4, split), i32(1, split), alibi, i32(1)]
                 + [i32(1, config.has_leftpad), i32(1, config.has_batch_idx), i32(2, config.paged), 0, 1] + scalars)
-    return [elems(4) for _ in range(4)] + [f32(3), alibi, rng, aux] + scalars
+    sparse = fake_block_sparse() if config.block_sparse else None
+    return [elems(4) for _ in range(4)] + [f32(3), alibi, rng, aux, sparse] + scalars
