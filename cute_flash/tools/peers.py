@@ -26,14 +26,18 @@ def time_ms(fn) -> float:
 
 def grad_ms(fn, leaves, dout):
     """Forward + backward ms of fn(*leaves) -> out through autograd (`torch.autograd.grad`), or
-    None where fn refuses the inputs."""
+    None where fn refuses the inputs, forward or backward (flash-attn-4 runs a score_mod's
+    backward only given its hand-written derivative)."""
     import torch
 
+    def step():
+        return torch.autograd.grad(fn(*leaves), leaves, dout)
+
     try:
-        fn(*leaves)
+        step()
     except (RuntimeError, AssertionError, ValueError, TypeError):
         return None
-    return time_ms(lambda: torch.autograd.grad(fn(*leaves), leaves, dout))
+    return time_ms(step)
 
 
 def graph_time_ms(fn):
