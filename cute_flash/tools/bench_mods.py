@@ -5,8 +5,8 @@ Each variant of `cute_flash.mods` at 4k and 16k tokens a sequence (16k tokens a 
 2048), d 64 and 128: ours (the default path), ours on the SM80 path (sm_90 only),
 FlexAttention (torch.compile of `flex_attention` with the variant's torch twin: a
 `create_block_mask` block mask for a mask, the score_mod as it is) and flash-attn-4 given the same
-mods where it runs them. Ours takes the same block mask for a mask (`block_mask=`: the kernels
-skip its empty blocks); "no lists" is ours with the mask_mod alone, evaluated on every
+mods and block mask where it runs them. Ours takes the same block mask for a mask (`block_mask=`:
+the kernels skip its empty blocks); "no lists" is ours with the mask_mod alone, evaluated on every
 block the built-in range visits. Causal as a mask_mod beside the built-in `causal=True` prices a mod
 that reproduces a flag. TFLOP/s count every (query, key) pair (4 * d FLOPs a pair forward, 3.5x
 that forward + backward), the same work for every column, so ratios are ratios of times.
@@ -65,14 +65,25 @@ def _flex(spec, batch, nheads, seqlen):
     return run
 
 
-def _fa4(spec):
+def _fa4(spec, block_mask=None):
+    """flash-attn-4 with the variant's mods and, for a mask, the same block mask as ours (its
+    forward lists from the BlockMask's key lists, its backward's from the query lists), or None
+    when flash-attn-4 is not installed."""
     try:
         from flash_attn.cute import flash_attn_func
+        from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
     except ImportError:
         return None
+    sparse = {}
+    if block_mask is not None:
+        m, size = block_mask, tuple(block_mask.BLOCK_SIZE)
+        sparse = dict(block_sparse_tensors=BlockSparseTensorsTorch(
+                          m.kv_num_blocks, m.kv_indices, m.full_kv_num_blocks, m.full_kv_indices, block_size=size),
+                      block_sparse_tensors_bwd=BlockSparseTensorsTorch(
+                          m.q_num_blocks, m.q_indices, m.full_q_num_blocks, m.full_q_indices, block_size=size))
     aux = list(spec.aux_tensors) or None
     return lambda q, k, v: flash_attn_func(q, k, v, score_mod=spec.score_mod, mask_mod=spec.mask_mod,
-                                           aux_tensors=aux)[0]
+                                           aux_tensors=aux, **sparse)[0]
 
 
 def bench_cell(d: int, seqlen: int) -> list[dict]:
@@ -87,6 +98,7 @@ def bench_cell(d: int, seqlen: int) -> list[dict]:
     rows = []
     for name, spec in _specs(batch, seqlen, nheads):
         peers = {"ours": lambda q, k, v, s=spec: flash_attn_func(q, k, v, **s.kwargs())}
+        block_mask = None
         if spec.mask_mod is not None:
             peers["nolists"] = peers["ours"]
             block_mask = spec.block_mask(batch, 1, seqlen, seqlen)
@@ -94,7 +106,7 @@ def bench_cell(d: int, seqlen: int) -> list[dict]:
         if name == "causal_mod":
             peers["causal_flag"] = lambda q, k, v: flash_attn_func(q, k, v, causal=True)
         peers["flex"] = _flex(spec, batch, nheads, seqlen)
-        fa4 = _fa4(spec)
+        fa4 = _fa4(spec, block_mask)
         if fa4 is not None:
             peers["fa4"] = fa4
         row = dict(variant=name, d=d, seqlen=seqlen, batch=batch, nheads=nheads)
