@@ -285,7 +285,8 @@ def main(argv=None):
         m.add_argument("--only", type=lambda s: [int(x) for x in s.split(",")], default=None,
                        help="run only these process numbers (comma-separated): finish a run cut short")
         m.add_argument("--retry-aborted", action="store_true",
-                       help="run the tests of each process the sanitizer aborted again, one process each")
+                       help="run the tests of each process the sanitizer aborted again, one process each, launches "
+                            "blocking, and name the call whose launch faulted")
     o = command("occupancy", "achieved occupancy, registers, time and throughput of representative "
                                          "calls' kernels under Nsight Compute (GPU, ncu)")
     o.add_argument("--case", default=None, help=argparse.SUPPRESS)  # the child ncu profiles

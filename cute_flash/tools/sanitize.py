@@ -51,6 +51,10 @@ OUR_KERNELS = "kernel_cutlass_"  # the prefix of every kernel the DSL compiles
 # The sanitizer's own failure, which its summary then counts as one finding; the process's CUDA
 # context is lost, so its later tests fail (docs/tuning/gpu-suite.md, "fifth session")
 ABORT = "Internal Sanitizer Error"
+# Where a test's traceback ends in torch's CUDA error (pytest's long format: the frame's line
+# marked ">", then "path:line: AcceleratorError"); under CUDA_LAUNCH_BLOCKING=1 that call
+# launched the kernel that faulted
+CUDA_ERROR_AT = re.compile(r"^(\S+\.py:\d+): (?:torch\.)?AcceleratorError$")
 
 TOOLS = {
     # torch's caching allocator off: each tensor its own allocation, so a read just past one is caught
@@ -90,7 +94,8 @@ def run(tool_name: str, pytest_args: list, jobs: int = 1, chunk: int | None = No
     test or a process with no summary (a sanitizer that did not run), and, for a tool with a
     canary, on a canary it reports nothing for. `retry_aborted`: the tests of each process the
     sanitizer aborted (whose later tests then failed for want of a CUDA context) run again, one
-    process each, and stand for that process."""
+    process each and with launches blocking, and stand for that process; for each that aborts
+    again it names the call that launched the faulting kernel (ours, or torch's)."""
     tool, plan = TOOLS[tool_name], Plan(jobs, chunk, tuple(only) if only else None)
     sanitizer = sanitizer_path()
     # CUTE_FLASH_MEMCHECK=1 tells the tests they are sanitized (hypothesis draws fewer shapes)
@@ -121,20 +126,24 @@ def run(tool_name: str, pytest_args: list, jobs: int = 1, chunk: int | None = No
              for t in shards[i] if "::" in t]
     print(f"{tool.name}: the {len(again)} tests of the {len(first.aborts)} aborted processes again, one process "
           f"each", flush=True)
-    retried = _pool(tool, sanitizer, env, again, list(range(len(again))), jobs, gpus, "r")
+    blocking = dict(env, CUDA_LAUNCH_BLOCKING="1")  # the first call to see the fault is the one that launched it
+    retried = _pool(tool, sanitizer, blocking, again, list(range(len(again))), jobs, gpus, "r")
     print(retried.line(tool, list(range(len(again)))), flush=True)
     for i in sorted(retried.aborts):
-        print(f"{tool.name}: aborted again alone: {again[i][-1]}", flush=True)
+        where = retried.faults.get(i, "no CUDA error in its traceback")
+        print(f"{tool.name}: aborted again alone: {again[i][-1]}; launched at {where}", flush=True)
     return 0 if first.clean(kept) and retried.clean(range(len(again))) else 1
 
 
 @dataclass
 class PoolResult:
     """What a pool of sanitized processes printed: each one's summed findings, its exit code,
-    and those the sanitizer aborted."""
+    those the sanitizer aborted, and where each one's first CUDA error was raised ("path:line:
+    source")."""
     summaries: dict
     codes: dict
     aborts: set
+    faults: dict
 
     def clean(self, picked) -> bool:
         """Every one of `picked` ran to its summary: no finding, no failed test, no abort."""
@@ -150,7 +159,7 @@ class PoolResult:
 def _pool(tool: Tool, sanitizer: str, env: dict, shards: list, picked: list, jobs: int, gpus, label: str):
     """`shards[i]` for i in `picked` under the tool, `jobs` processes at a time, spread over
     `gpus` (None: the caller's environment); each process's output tagged [label i]."""
-    result, lock = PoolResult({}, {}, set()), threading.Lock()
+    result, lock = PoolResult({}, {}, set(), {}), threading.Lock()
     todo = list(reversed(picked))
 
     def sanitized(i):
@@ -161,6 +170,7 @@ def _pool(tool: Tool, sanitizer: str, env: dict, shards: list, picked: list, job
         with lock:
             print(tag + " ".join(cmd[:len(cmd) - len(shard)]) + f" ... ({len(shard)} arguments)", flush=True)
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=shard_env)
+        source = ""  # the last traceback line marked ">" (the raising call's source)
         for line in proc.stdout:
             with lock:
                 print(tag + line, end="", flush=True)
@@ -169,6 +179,11 @@ def _pool(tool: Tool, sanitizer: str, env: dict, shards: list, picked: list, job
                     result.summaries[i] = result.summaries.get(i, 0) + int(found.group(1))
                 if ABORT in line:
                     result.aborts.add(i)
+                if line.startswith(">"):
+                    source = line[1:].strip()
+                error_at = CUDA_ERROR_AT.match(line.strip())
+                if error_at and i not in result.faults:
+                    result.faults[i] = f"{error_at.group(1)}: {source}"
         result.codes[i] = proc.wait()
         with lock:
             aborted = " (the sanitizer aborted: its count is that abort)" if i in result.aborts else ""

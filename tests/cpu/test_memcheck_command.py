@@ -16,10 +16,16 @@ import pytest
 pytestmark = pytest.mark.gpu
 
 
+class AcceleratorError(RuntimeError):
+    """Stands for torch's CUDA error."""
+
+
 @pytest.mark.parametrize("i", range(5))
 def test_case(i):
     with open(os.path.join(os.environ["RECORD_DIR"], f"{i}"), "w") as f:
-        f.write(os.environ["CUDA_VISIBLE_DEVICES"])
+        f.write(os.environ["CUDA_VISIBLE_DEVICES"] + os.environ.get("CUDA_LAUNCH_BLOCKING", ""))
+    if i == int(os.environ.get("FAULT_CASE", "-1")):
+        raise AcceleratorError("an illegal memory access was encountered")
     assert i != int(os.environ.get("FAIL_CASE", "-1"))
 '''
 
@@ -144,12 +150,18 @@ def test_retry_aborted_runs_an_aborted_processs_tests_one_by_one(fake_machine, m
     the run passes when each of them runs clean alone, and names those that abort again."""
     tests, record = fake_machine
     monkeypatch.setenv("ABORT_WHEN", "test_case[1]")  # the fake sanitizer aborts processes that run case 1 ...
+    monkeypatch.setenv("FAULT_CASE", "1")  # ... where the test sees a CUDA error
     assert sanitize.run("racecheck", ["-q", "-p", "no:cacheprovider", tests], jobs=2, chunk=3,
                         retry_aborted=True) == 1  # ... alone too
     out = capsys.readouterr().out
     assert "racecheck: the 3 tests of the 1 aborted processes again, one process each" in out
-    assert "aborted again alone: test_cases.py::test_case[1]" in out
+    # the retry's launches were blocking, so its traceback's CUDA error names the launching call
+    assert ("aborted again alone: test_cases.py::test_case[1]; launched at test_cases.py:17: "
+            'raise AcceleratorError("an illegal memory access was encountered")') in out
     assert "aborted again alone: test_cases.py::test_case[0]" not in out
+    assert (record / "0").read_text() == "01"  # retried alone on GPU 0, launches blocking
+    assert (record / "3").read_text() == "1"  # the first pass only: GPU 1, not blocking
     monkeypatch.setenv("ABORT_WHEN", "test_case[1] test_case[2]")  # aborts only a process with both
+    monkeypatch.delenv("FAULT_CASE")
     assert sanitize.run("racecheck", ["-q", "-p", "no:cacheprovider", tests], jobs=2, chunk=3,
                         retry_aborted=True) == 0
