@@ -286,7 +286,7 @@ def main(argv=None):
                        help="run only these process numbers (comma-separated): finish a run cut short")
         m.add_argument("--retry-aborted", action="store_true",
                        help="run the tests of each process the sanitizer aborted again, one process each, launches "
-                            "blocking, and name the call whose launch faulted")
+                            "blocking, and name the first call to see the fault")
     o = command("occupancy", "achieved occupancy, registers, time and throughput of representative "
                                          "calls' kernels under Nsight Compute (GPU, ncu)")
     o.add_argument("--case", default=None, help=argparse.SUPPRESS)  # the child ncu profiles

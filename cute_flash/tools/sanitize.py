@@ -52,8 +52,9 @@ OUR_KERNELS = "kernel_cutlass_"  # the prefix of every kernel the DSL compiles
 # context is lost, so its later tests fail (docs/tuning/gpu-suite.md, "fifth session")
 ABORT = "Internal Sanitizer Error"
 # Where a test's traceback ends in torch's CUDA error (pytest's long format: the frame's line
-# marked ">", then "path:line: AcceleratorError"); under CUDA_LAUNCH_BLOCKING=1 that call
-# launched the kernel that faulted
+# marked ">", then "path:line: AcceleratorError"). Under CUDA_LAUNCH_BLOCKING=1 a launch returns
+# when its kernel has run, so that call launched the faulting kernel, or follows a library call
+# (cuBLAS) that launched it without checking for errors
 CUDA_ERROR_AT = re.compile(r"^(\S+\.py:\d+): (?:torch\.)?AcceleratorError$")
 
 TOOLS = {
@@ -95,7 +96,7 @@ def run(tool_name: str, pytest_args: list, jobs: int = 1, chunk: int | None = No
     canary, on a canary it reports nothing for. `retry_aborted`: the tests of each process the
     sanitizer aborted (whose later tests then failed for want of a CUDA context) run again, one
     process each and with launches blocking, and stand for that process; for each that aborts
-    again it names the call that launched the faulting kernel (ours, or torch's)."""
+    again it names the first call to see the fault (`CUDA_ERROR_AT`)."""
     tool, plan = TOOLS[tool_name], Plan(jobs, chunk, tuple(only) if only else None)
     sanitizer = sanitizer_path()
     # CUTE_FLASH_MEMCHECK=1 tells the tests they are sanitized (hypothesis draws fewer shapes)
@@ -126,12 +127,12 @@ def run(tool_name: str, pytest_args: list, jobs: int = 1, chunk: int | None = No
              for t in shards[i] if "::" in t]
     print(f"{tool.name}: the {len(again)} tests of the {len(first.aborts)} aborted processes again, one process "
           f"each", flush=True)
-    blocking = dict(env, CUDA_LAUNCH_BLOCKING="1")  # the first call to see the fault is the one that launched it
+    blocking = dict(env, CUDA_LAUNCH_BLOCKING="1")  # the fault seen at (or just after) its launch
     retried = _pool(tool, sanitizer, blocking, again, list(range(len(again))), jobs, gpus, "r")
     print(retried.line(tool, list(range(len(again)))), flush=True)
     for i in sorted(retried.aborts):
         where = retried.faults.get(i, "no CUDA error in its traceback")
-        print(f"{tool.name}: aborted again alone: {again[i][-1]}; launched at {where}", flush=True)
+        print(f"{tool.name}: aborted again alone: {again[i][-1]}; first seen at {where}", flush=True)
     return 0 if first.clean(kept) and retried.clean(range(len(again))) else 1
 
 

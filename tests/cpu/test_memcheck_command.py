@@ -155,8 +155,8 @@ def test_retry_aborted_runs_an_aborted_processs_tests_one_by_one(fake_machine, m
                         retry_aborted=True) == 1  # ... alone too
     out = capsys.readouterr().out
     assert "racecheck: the 3 tests of the 1 aborted processes again, one process each" in out
-    # the retry's launches were blocking, so its traceback's CUDA error names the launching call
-    assert ("aborted again alone: test_cases.py::test_case[1]; launched at test_cases.py:17: "
+    # the retry's launches were blocking: its traceback's CUDA error names the faulting call
+    assert ("aborted again alone: test_cases.py::test_case[1]; first seen at test_cases.py:17: "
             'raise AcceleratorError("an illegal memory access was encountered")') in out
     assert "aborted again alone: test_cases.py::test_case[0]" not in out
     assert (record / "0").read_text() == "01"  # retried alone on GPU 0, launches blocking
