@@ -59,6 +59,18 @@ class SparseRow:
     def is_partial(self, i):
         return i < self.partial
 
+    @cute.jit
+    def visit(self, i, n_block, unmasked_lo, unmasked_hi, run):
+        """Visit i, key block n_block, as `run(masked=, user_mask=)` (both compile time): a partial
+        block with every mask, a full one without the mask_mod, and without the built-in masks too
+        where no edge crosses it (n_block in [unmasked_lo, unmasked_hi), `BlockRange.unmasked`)."""
+        if self.is_partial(i):
+            run(masked=True, user_mask=True)
+        elif unmasked_lo <= n_block and n_block < unmasked_hi:
+            run(masked=False, user_mask=False)
+        else:
+            run(masked=True, user_mask=False)
+
 
 def fake_block_sparse() -> list:
     """Placeholders for an entry's block_sparse argument."""

@@ -31,6 +31,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+import functools
+
 import cutlass
 import cutlass.cute as cute
 
@@ -450,13 +452,9 @@ class FlashBwd:
         # Only tiles crossing the sequence end or a window edge run the mask (dynamic test)
         acc_s_mn = lmma.acc_mn_view(acc_s)
         lo, hi = BlockRange.unmasked(seq, m_block, bm, bn, kb.mods.mask.window)
-        if cutlass.const_expr(kb.sparse is not None):  # visit i of a block-sparse key block: a full block, no mask_mod
-            if kb.sparse.is_partial(i):
-                kb.mods.apply(mma_sdp, acc_s, m_block, kb.n_block, True)
-            elif lo <= kb.n_block and kb.n_block < hi:
-                kb.mods.apply(mma_sdp, acc_s, m_block, kb.n_block, False, False)
-            else:
-                kb.mods.apply(mma_sdp, acc_s, m_block, kb.n_block, True, False)
+        if cutlass.const_expr(kb.sparse is not None):  # visit i of a block-sparse key block (`SparseRow.visit`)
+            kb.sparse.visit(i, kb.n_block, lo, hi,
+                            functools.partial(kb.mods.apply, mma_sdp, acc_s, m_block, kb.n_block))
         elif lo <= kb.n_block and kb.n_block < hi:
             kb.mods.apply(mma_sdp, acc_s, m_block, kb.n_block, False)
         else:

@@ -32,6 +32,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+import functools
+
 import cutlass
 import cutlass.cute as cute
 
@@ -582,12 +584,7 @@ class FlashFwd:
         for i in cutlass.range(1, count, unroll=1):
             n_block = row.block(i)
             nxt = (row.block(cutlass.min(i + 1, count - 1)), i + 1 < count)
-            if row.is_partial(i):
-                self.step(n_block, loop, is_first=False, masked=True, nxt=nxt)
-            elif unmasked_lo <= n_block and n_block < unmasked_hi:
-                self.step(n_block, loop, is_first=False, masked=False, nxt=nxt, user_mask=False)
-            else:
-                self.step(n_block, loop, is_first=False, masked=True, nxt=nxt, user_mask=False)
+            row.visit(i, n_block, unmasked_lo, unmasked_hi, functools.partial(self.step, n_block, loop, False, nxt=nxt))
 
     @cute.jit
     def step(self, n_block, loop: LoopState, is_first: cutlass.Constexpr, masked: cutlass.Constexpr, nxt=None,

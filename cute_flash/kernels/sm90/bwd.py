@@ -40,6 +40,7 @@ sequence to whole query blocks (`kernels/common/dq_accum.py:first_tile`).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import cutlass
@@ -503,13 +504,9 @@ class FlashBwdSm90:
                 pre = cute.make_fragment_like(acc_s, cutlass.Float32)  # (MMA, MMA_M, MMA_N)
                 pre.store(acc_s.load() * scalars.score_premul)
             lo, hi = BlockRange.unmasked(tile.seq, m_block, bm, bn, window)
-            if cutlass.const_expr(tile.sparse is not None):  # a listed full block takes no mask_mod
-                if tile.sparse.is_partial(i):
-                    self.modify(acc_s, mask, slope, m_block, tile.n_block, mma_tidx, recipe, True, user)
-                elif lo <= tile.n_block and tile.n_block < hi:
-                    self.modify(acc_s, mask, slope, m_block, tile.n_block, mma_tidx, recipe, False, user, False)
-                else:
-                    self.modify(acc_s, mask, slope, m_block, tile.n_block, mma_tidx, recipe, True, user, False)
+            if cutlass.const_expr(tile.sparse is not None):  # a listed full block takes no mask_mod (`SparseRow.visit`)
+                tile.sparse.visit(i, tile.n_block, lo, hi, functools.partial(
+                    self.modify, acc_s, mask, slope, m_block, tile.n_block, mma_tidx, recipe, user=user))
             elif lo <= tile.n_block and tile.n_block < hi:
                 self.modify(acc_s, mask, slope, m_block, tile.n_block, mma_tidx, recipe, False, user)
             else:

@@ -183,8 +183,9 @@ class Consumer:
             warpgroup.wait_group(1)  # S landed; P V may still run
             if cutlass.const_expr(not rescores):
                 self.release_qk(loop, k_read, i == count - 1)
-            if cutlass.const_expr(tile.sparse is not None):
-                self.sparse_scores(loop, tile, i, n_block, recipe, k_read.index)
+            if cutlass.const_expr(tile.sparse is not None):  # which masks run: `SparseRow.visit`
+                tile.sparse.visit(i, n_block, loop.unmasked_lo, loop.unmasked_hi,
+                                  functools.partial(self.scores, loop, n_block, recipe, False, k_stage=k_read.index))
             elif loop.unmasked_lo <= n_block and n_block < loop.unmasked_hi:
                 self.scores(loop, n_block, recipe, False, False, k_read.index)
             else:
@@ -240,17 +241,6 @@ class Consumer:
             cute.autovec_copy(zeros, chunk)
         cute.arch.fence_view_async_shared()  # generic-proxy writes, before wgmma (async proxy) reads
         cute.arch.barrier(barrier_id=FwdBarrier.CLEAR_V, number_of_threads=t.num_threads)
-
-    @cute.jit
-    def sparse_scores(self, loop: Sm90Loop, tile: Tile, i, n_block, recipe: Sm90Recipe, k_stage):
-        """Visit i of a block-sparse tile: a partial block with every mask, a full one without
-        the mask_mod (and without the built-in masks where no edge crosses it)."""
-        if tile.sparse.is_partial(i):
-            self.scores(loop, n_block, recipe, False, True, k_stage)
-        elif loop.unmasked_lo <= n_block and n_block < loop.unmasked_hi:
-            self.scores(loop, n_block, recipe, False, False, k_stage, user_mask=False)
-        else:
-            self.scores(loop, n_block, recipe, False, True, k_stage, user_mask=False)
 
     @cute.jit
     def scores(self, loop: Sm90Loop, n_block, recipe: Sm90Recipe, is_first: cutlass.Constexpr,
