@@ -12,6 +12,7 @@ from torch.nn.attention.flex_attention import create_block_mask
 
 from cute_flash import flash_attn_func, mods
 from cute_flash.launch import compiled, dense
+from tests.helpers import forward
 from tests.helpers.backward import assert_grads_match, ours
 from tests.helpers.gpu_utils import assert_matches_reference, on_path, poison_allocator
 
@@ -78,9 +79,7 @@ def library(device="cuda"):
 
 def inputs(d, seed=0, s=S):
     torch.manual_seed(seed)
-    q = torch.randn(B, s, H, d, device="cuda", dtype=torch.bfloat16)
-    k, v = (torch.randn(B, s, HK, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    return q, k, v
+    return forward.inputs(B, s, s, H, HK, d, torch.bfloat16)
 
 
 @pytest.mark.parametrize("name", list(library("cpu")))

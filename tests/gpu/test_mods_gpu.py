@@ -12,6 +12,7 @@ import torch
 
 from cute_flash import flash_attn_func, flash_attn_varlen_func, mods
 from cute_flash.reference import attention_varlen_ref
+from tests.helpers import forward
 from tests.helpers.backward import assert_grads_match, ours
 from tests.helpers.gpu_utils import assert_matches_reference, cu_seqlens, on_path, poison_allocator
 
@@ -53,9 +54,7 @@ def library(device="cuda"):
 
 def inputs(d, seed=0):
     torch.manual_seed(seed)
-    q = torch.randn(B, S, H, d, device="cuda", dtype=torch.bfloat16)
-    k, v = (torch.randn(B, S, HK, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    return q, k, v
+    return forward.inputs(B, S, S, H, HK, d, torch.bfloat16)
 
 
 @pytest.mark.parametrize("name", list(library("cpu")))
