@@ -13,7 +13,7 @@ from cute_flash.launch.args import alibi_2d, positive_scale, scales, score_flags
 from cute_flash.launch.rng import DropoutArgs, rng_of
 from cute_flash.launch.batch_chunks import (batch_chunks, chunked, lengths_of, refuse_chunked_dropout, rows_of,
                                             slopes_of)
-from cute_flash.launch.block_sparse import block_lists, check_block_mask
+from cute_flash.launch.block_sparse import block_lists
 from cute_flash.launch.hopper import flash_fwd_sm90, flash_fwd_varlen_sm90
 from cute_flash.launch.mods import ModArgs, aux_of, has_score_mod, mod_flags, refuse_chunked_mods
 from cute_flash.launch.policy import PAGE_ROWS, hopper_pages_fit, takes_hopper_path
@@ -51,8 +51,6 @@ def flash_fwd(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1), sof
         return torch.cat([out for out, _ in parts]), torch.cat([lse for _, lse in parts])
     index = gpu.device_index(q.device)
     q, softmax_scale, _ = positive_scale(q, softmax_scale)
-    if block_mask is not None:
-        check_block_mask(block_mask, b, h, sq, k.shape[1])
     if traits is None and takes_hopper_path(index):
         return flash_fwd_sm90(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                               softcap=softcap, alibi_slopes=alibi_slopes, dropout=dropout, mods=mods,
