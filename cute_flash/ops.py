@@ -227,7 +227,7 @@ def _fwd_backward(ctx, dout, dlse):
     o = dict(ctx.options)
     sink = o.pop("learnable_sink")
     grads = torch.ops.cute_flash.bwd(dout, q, k, v, out, lse, **o)
-    return _input_grads(ctx, grads, _FWD_OPTIONS, ctx.options, _sink_grad(dout, out, lse, sink))
+    return _input_grads(ctx, grads, _FWD_OPTIONS, _sink_grad(dout, out, lse, sink))
 
 
 def _fwd_varlen_backward(ctx, dout, dlse):
@@ -237,10 +237,10 @@ def _fwd_varlen_backward(ctx, dout, dlse):
     if o.pop("block_table") is not None:
         raise NotImplementedError("no gradient through a paged KV cache (block_table), as in flash-attn")
     grads = torch.ops.cute_flash.bwd_varlen(dout, q, k, v, out, lse, **o)
-    return _input_grads(ctx, grads, _VARLEN_OPTIONS, ctx.options, _sink_grad(dout, out, lse, sink))
+    return _input_grads(ctx, grads, _VARLEN_OPTIONS, _sink_grad(dout, out, lse, sink))
 
 
-def _input_grads(ctx, qkv_grads, names, options, sink_grad):
+def _input_grads(ctx, qkv_grads, names, sink_grad):
     """A gradient per input the op was called with: q, k, v's, the learnable sink's, a list of
     Nones for a list of tensors (an empty list counts as one), None for the other options. A
     traced call leaves out trailing arguments at their defaults, and an op with a list input
@@ -250,7 +250,7 @@ def _input_grads(ctx, qkv_grads, names, options, sink_grad):
         tensors = isinstance(value, (list, tuple)) and all(isinstance(x, torch.Tensor) for x in value)
         return [None] * len(value) if tensors else None
 
-    grads = (*qkv_grads,) + tuple(sink_grad if name == "learnable_sink" else none_for(options[name])
+    grads = (*qkv_grads,) + tuple(sink_grad if name == "learnable_sink" else none_for(ctx.options[name])
                                   for name in names)
     return grads[:len(ctx.needs_input_grad)]
 
