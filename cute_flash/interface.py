@@ -28,7 +28,7 @@ from torch import Tensor
 from cute_flash import _validate, kvcache_varlen, sinks
 from cute_flash.autograd import AttnOptions, FlashAttnFunction, Packing, Varlen, no_backward
 from cute_flash.dropout import s_dmask, s_dmask_shape, s_dmask_varlen
-from cute_flash.launch import block_sparse
+from cute_flash.launch import block_sparse, value_dim
 from cute_flash.launch.rng import DropoutArgs
 from cute_flash import ops  # registers torch.ops.cute_flash.*, used while compiling
 
@@ -82,15 +82,16 @@ def _mask(causal, window_size, seqlen_q, seqlen_k):
     return causal, (left, right)
 
 
-def _empty(q, lse_shape):
-    """No query rows: nothing to compute."""
-    return torch.empty_like(q), torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+def _empty(q, lse_shape, d_v=None):
+    """No query rows: nothing to compute (the output d_v wide, default q's head dim)."""
+    out = q.new_empty((*q.shape[:-1], d_v or q.shape[-1]))
+    return out, torch.empty(lse_shape, dtype=torch.float32, device=q.device)
 
 
-def _no_keys(q, lse_shape):
+def _no_keys(q, lse_shape, d_v=None):
     """Rows that see no key: output 0 and LSE +inf, as the kernels write for a fully masked row."""
     lse = torch.full(lse_shape, math.inf, dtype=torch.float32, device=q.device)
-    return torch.zeros_like(q), lse
+    return q.new_zeros((*q.shape[:-1], d_v or q.shape[-1])), lse
 
 
 def _check_qkv(q, k, v, names, q_dims, kv_dims, value_dim=False):
@@ -103,22 +104,6 @@ def _check_qkv(q, k, v, names, q_dims, kv_dims, value_dim=False):
         _validate.check_head_dim(named[2:])
     _validate.check_gqa(q, k, names[0], names[1])
     return named
-
-
-def _one_head_dim(q, k, v):
-    """q, k, v with one head dim for the kernels: v's head dim of its own (MLA's 192 / 128) is
-    met by zero columns, of v when it is narrower (the output's extra columns are zeros, cut
-    off after) or of q and k when it is wider (the scores do not change). Differentiable pads,
-    so the gradients are the unpadded tensors'."""
-    d, d_v = q.shape[-1], v.shape[-1]
-    if d_v < d:
-        return q, k, torch.nn.functional.pad(v, (0, d - d_v))
-    return torch.nn.functional.pad(q, (0, d_v - d)), torch.nn.functional.pad(k, (0, d_v - d)), v
-
-
-def _value_cols(out, d_v):
-    """The output's columns of v's head dim (a view, as a padded head dim's are)."""
-    return out if out.shape[-1] == d_v else out[..., :d_v]
 
 
 def _check_options(dropout_p, window_size, softcap, softmax_scale):
@@ -191,14 +176,19 @@ def _flash_attn(q, k, v, names, dropout_p, softmax_scale, causal, window_size, s
     scale, softcap, deterministic = _scale(softmax_scale, headdim), float(softcap), bool(deterministic)
     dropout = _draw(p, q, batch and seqlen_q and seqlen_k)
     d_v = v.shape[-1]
-    if d_v != headdim:
-        q, k, v = _one_head_dim(q, k, v)
+    packing, inputs = _grad_inputs(q, k, v, packed)
+    wants_grad = caller is not None and _validate.needs_grad(inputs, learnable_sink)
+    # v's head dim of its own: the forward takes it as it is; the backward and S_dmask run on
+    # padded tensors, which are then the autograd inputs
+    if d_v != headdim and (wants_grad or (return_probs and p > 0)):
+        q, k, v = value_dim.one_head_dim(q, k, v)
+        packing, inputs = _grad_inputs(q, k, v, packed)
 
     def run(q, k, v):
         if batch == 0 or seqlen_q == 0 or q.is_meta:
-            return _empty(q, lse_shape)
+            return _empty(q, lse_shape, v.shape[-1])
         if seqlen_k == 0:
-            return sinks.fold(*_no_keys(q, lse_shape), learnable_sink)
+            return sinks.fold(*_no_keys(q, lse_shape, v.shape[-1]), learnable_sink)
         if torch.compiler.is_compiling():  # one graph node (cute_flash/ops.py), gradient registered
             return torch.ops.cute_flash.fwd(q, k, v, scale, causal, window[0], window[1], softcap, alibi_slopes,
                                             list(mods[2] or ()), *block_sparse.op_arguments(block_mask),
@@ -208,8 +198,6 @@ def _flash_attn(q, k, v, names, dropout_p, softmax_scale, causal, window_size, s
                                                 softcap=softcap, alibi_slopes=alibi_slopes, dropout=dropout,
                                                 mods=_user_mods(mods), block_mask=block_mask), learnable_sink)
 
-    packing, inputs = _grad_inputs(q, k, v, packed)
-    wants_grad = caller is not None and _validate.needs_grad(inputs, learnable_sink)
     if wants_grad:
         _refuse_mod_grads(mods, caller)
     if wants_grad and not torch.compiler.is_compiling():
@@ -221,7 +209,7 @@ def _flash_attn(q, k, v, names, dropout_p, softmax_scale, causal, window_size, s
     probs = _s_dmask(q, p, return_probs, dropout, (batch, nheads, seqlen_q, seqlen_k), lambda drop: s_dmask(
         q, k, v, drop, softmax_scale=scale, causal=causal, window_size=window, softcap=softcap,
         alibi_slopes=alibi_slopes))
-    return _value_cols(out, d_v), lse, probs, dropout
+    return value_dim.value_cols(out, d_v), lse, probs, dropout
 
 
 def _aux_named(aux_tensors) -> list:
@@ -296,15 +284,17 @@ def _flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
                or (paged and block_table.shape[1] == 0))
     dropout = _draw(p, q, batch and total_q and not no_keys)
     d_v = v.shape[-1]
-    if d_v != headdim:  # v apart (packed inputs share one head dim): the padded tensors are the autograd inputs
-        q, k, v = _one_head_dim(q, k, v)
+    # v's head dim of its own (v apart: packed inputs share one): the forward takes it as it is;
+    # the backward and S_dmask run on padded tensors, which are then the autograd inputs
+    if d_v != headdim and (wants_grad or (return_probs and p > 0)):
+        q, k, v = value_dim.one_head_dim(q, k, v)
         inputs = (q, k, v)
 
     def run(q, k, v):
         if batch == 0 or total_q == 0 or q.is_meta:
-            return _empty(q, lse_shape)
+            return _empty(q, lse_shape, v.shape[-1])
         if no_keys:
-            return sinks.fold(*_no_keys(q, lse_shape), learnable_sink)
+            return sinks.fold(*_no_keys(q, lse_shape, v.shape[-1]), learnable_sink)
         if torch.compiler.is_compiling():
             return torch.ops.cute_flash.fwd_varlen(
                 q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, window[0],
@@ -334,7 +324,7 @@ def _flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
         s_dmask_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, drop, seqused_k=seqused_k,
                        block_table=block_table, softmax_scale=scale, causal=causal, window_size=window,
                        softcap=softcap, alibi_slopes=alibi_slopes)))
-    return _value_cols(out, d_v), lse, probs, dropout
+    return value_dim.value_cols(out, d_v), lse, probs, dropout
 
 
 def _skip_left_pad(cu_seqlens_k, seqused_k, leftpad_k):

@@ -101,7 +101,7 @@ def _fwd_fake(q, k, v, softmax_scale, causal, window_left, window_right, softcap
               block_mask, block_mask_sizes, deterministic=False, dropout_p=0.0, rng_state=None, learnable_sink=None,
               mods=""):
     b, sq, h, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty((b, h, sq), dtype=torch.float32)
+    return q.new_empty((b, sq, h, v.shape[-1])), q.new_empty((b, h, sq), dtype=torch.float32)
 
 
 @torch.library.custom_op("cute_flash::fwd_varlen", mutates_args=())
@@ -127,7 +127,7 @@ def _fwd_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                      window_left, window_right, softcap, alibi_slopes, block_table, seqused_k, aux_tensors,
                      deterministic=False, dropout_p=0.0, rng_state=None, learnable_sink=None, mods=""):
     total_q, h, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty((h, total_q), dtype=torch.float32)
+    return q.new_empty((total_q, h, v.shape[-1])), q.new_empty((h, total_q), dtype=torch.float32)
 
 
 @torch.library.custom_op("cute_flash::fwd_kvcache", mutates_args=("k_cache", "v_cache"))

@@ -28,14 +28,20 @@ WGMMA_M = 64  # rows of one warpgroup's wgmma
 @dataclass(frozen=True)
 class HopperTileTraits:
     """Tile sizes of a Hopper attention tile: block_m query rows (a multiple of 64, one
-    warpgroup per 64), block_n keys, head_dim."""
+    warpgroup per 64), block_n keys, head_dim; head_dim_v, V's and O's head dim where it is
+    not head_dim's (MLA's 192 / 128), else None."""
     head_dim: int
     block_m: int = 64
     block_n: int = 128
     dtype: str = "bf16"
+    head_dim_v: int | None = None
 
     def __post_init__(self):
         check_bucket_and_dtype(self.head_dim, self.dtype)
+        if self.head_dim_v is not None:
+            check_bucket_and_dtype(self.head_dim_v, self.dtype)
+            if self.head_dim_v == self.head_dim:
+                raise ValueError("head_dim_v is V's head dim where it differs from head_dim; leave it None otherwise")
         if self.block_m % WGMMA_M:
             raise ValueError(f"block_m must be a multiple of {WGMMA_M} (one warpgroup's wgmma)")
         if self.block_n % 16 or not 16 <= self.block_n <= 256:
@@ -49,13 +55,20 @@ class HopperTileTraits:
     def num_threads(self) -> int:
         return 128 * self.warpgroups
 
+    @property
+    def dv(self) -> int:
+        """V's and O's head dim."""
+        return self.head_dim if self.head_dim_v is None else self.head_dim_v
+
     def smem_bytes(self, stages: int = 1) -> int:
         """Q, and K and V tiles in `stages` stages."""
-        return ELEMENT_BYTES * (self.block_m + 2 * stages * self.block_n) * self.head_dim
+        q_k = (self.block_m + stages * self.block_n) * self.head_dim
+        return ELEMENT_BYTES * (q_k + stages * self.block_n * self.dv)
 
     @property
     def name(self) -> str:
-        return f"sm90_d{self.head_dim}_m{self.block_m}_n{self.block_n}_{self.dtype}"
+        value = "" if self.head_dim_v is None else f"_v{self.head_dim_v}"
+        return f"sm90_d{self.head_dim}{value}_m{self.block_m}_n{self.block_n}_{self.dtype}"
 
 
 TALL_D64_MIN_SEQLEN_K = 2048           # d 64 takes 192-row tiles from 16 key blocks of 128 under a mask,
@@ -64,15 +77,20 @@ TWO_CTAS_MAX_HEAD_DIM = 128   # the KV-cache entry's two-CTAs-an-SM tiles: ptxas
 
 
 @functools.lru_cache(maxsize=None)
-def choose_hopper_traits(head_dim: int, dtype: str = "bf16", long_keys: bool = False) -> HopperTileTraits:
+def choose_hopper_traits(head_dim: int, dtype: str = "bf16", long_keys: bool = False,
+                         head_dim_v: int | None = None) -> HopperTileTraits:
     """The Hopper forward's tiles: 128 query rows (two warpgroups); 128 keys per block up to
     d 128, 64 above (two K / V stages then fit: 196 KB at d 256). d 64 with long_keys (a flag,
     so the cache stays small; the launcher sets it from `TALL_D64_MIN_SEQLEN_K` keys under a
     causal / local mask, `TALL_D64_UNMASKED_MIN_SEQLEN_K` without one): 192 rows (three
     warpgroups, persistent), faster than 128 rows from 2k keys under a mask and from 1k without
     one. 1k causal keeps 128 rows, which ran faster there, as does 512, where 192 rows did not
-    win every A/B (docs/tuning/hopper-forward.md, Hopper steps 10-11)."""
+    win every A/B (docs/tuning/hopper-forward.md, Hopper steps 10-11). A V head dim of its own
+    (`head_dim_v`, bucketed): key blocks by the wider of the two, no tall tiles (untuned)."""
     d = head_dim_bucket(head_dim)
+    dv = None if head_dim_v is None or head_dim_bucket(head_dim_v) == d else head_dim_bucket(head_dim_v)
+    if dv is not None:
+        return HopperTileTraits(d, 128, 128 if max(d, dv) <= 128 else 64, dtype, dv)
     if d == 64 and long_keys:
         return HopperTileTraits(d, 192, 128, dtype)
     return HopperTileTraits(d, 128, 128 if d <= 128 else 64, dtype)
@@ -90,9 +108,14 @@ def choose_hopper_cache_traits(head_dim: int, dtype: str = "bf16", ctas_per_sm: 
     return HopperTileTraits(head_dim_bucket(head_dim), WGMMA_M, choose_hopper_traits(head_dim, dtype).block_n, dtype)
 
 
+VALUE_DIM_PAIRS = ((192, 128),)  # (head_dim, head_dim_v) shipped with a V head dim of its own: MLA's
+
+
 def shipped_hopper_traits() -> list[HopperTileTraits]:
-    return list(dict.fromkeys(choose_hopper_traits(d, dt, long_keys) for d in HEAD_DIM_BUCKETS for dt in DTYPES
-                              for long_keys in (False, True)))
+    same = [choose_hopper_traits(d, dt, long_keys) for d in HEAD_DIM_BUCKETS for dt in DTYPES
+            for long_keys in (False, True)]
+    return list(dict.fromkeys(same + [choose_hopper_traits(d, dt, head_dim_v=dv) for d, dv in VALUE_DIM_PAIRS
+                                      for dt in DTYPES]))
 
 
 def shipped_hopper_cache_traits(ctas_per_sm: int = 1) -> list[HopperTileTraits]:
@@ -102,20 +125,23 @@ def shipped_hopper_cache_traits(ctas_per_sm: int = 1) -> list[HopperTileTraits]:
     return [choose_hopper_cache_traits(d, dt, ctas_per_sm) for d in dims for dt in DTYPES]
 
 
-def smem_layout(traits: HopperTileTraits, rows: int):
-    """(rows, head_dim) row-major tile in the widest GMMA swizzle atom its rows allow."""
-    return cute.tile_to_shape(swizzle_atom(traits), (rows, traits.head_dim), order=(0, 1))
+def smem_layout(traits: HopperTileTraits, rows: int, cols: int | None = None):
+    """(rows, cols) row-major tile in the widest GMMA swizzle atom its rows allow; cols the
+    head dim unless given (V's and O's `dv`)."""
+    cols = cols or traits.head_dim
+    return cute.tile_to_shape(swizzle_atom(traits, cols), (rows, cols), order=(0, 1))
 
 
-def smem_layout_staged(traits: HopperTileTraits, rows: int, stages: int):
-    """(rows, head_dim, stages): `stages` such tiles, one after the other."""
-    return cute.tile_to_shape(swizzle_atom(traits), (rows, traits.head_dim, stages), order=(0, 1, 2))
+def smem_layout_staged(traits: HopperTileTraits, rows: int, stages: int, cols: int | None = None):
+    """(rows, cols, stages): `stages` such tiles, one after the other."""
+    cols = cols or traits.head_dim
+    return cute.tile_to_shape(swizzle_atom(traits, cols), (rows, cols, stages), order=(0, 1, 2))
 
 
-def swizzle_atom(traits: HopperTileTraits):
-    """The GMMA swizzle atom of a (rows, head_dim) row-major tile: 8 rows of the widest swizzle
-    span (128, 64 or 32 bytes) the row allows."""
-    return row_major_atom(element_type(traits), traits.head_dim)
+def swizzle_atom(traits: HopperTileTraits, cols: int | None = None):
+    """The GMMA swizzle atom of a (rows, cols) row-major tile (cols the head dim unless given):
+    8 rows of the widest swizzle span (128, 64 or 32 bytes) the row allows."""
+    return row_major_atom(element_type(traits), cols or traits.head_dim)
 
 
 def row_major_atom(dtype, cols: int):
@@ -123,24 +149,26 @@ def row_major_atom(dtype, cols: int):
     return warpgroup.make_smem_layout_atom(sm90.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols), dtype)
 
 
-def tma_load_atom(traits: HopperTileTraits, gmem_tensor, smem_tile, rows: int, multicast: int = 1):
-    """(TMA atom, TMA coordinate tensor) loading (rows, head_dim) boxes of `gmem_tensor`, whose
+def tma_load_atom(traits: HopperTileTraits, gmem_tensor, smem_tile, rows: int, multicast: int = 1,
+                  cols: int | None = None):
+    """(TMA atom, TMA coordinate tensor) loading (rows, cols) boxes of `gmem_tensor`, whose
     first two modes are (rows, head dim) with the head dim contiguous (further modes are
-    coordinates), into one (rows, head_dim) tile of layout `smem_tile`; with multicast > 1,
-    each of that many CTAs of a cluster loads its share of the box into all of them."""
+    coordinates), into one (rows, cols) tile of layout `smem_tile` (cols the head dim unless
+    given); with multicast > 1, each of that many CTAs of a cluster loads its share of the box
+    into all of them."""
+    box = (rows, cols or traits.head_dim)
     if multicast > 1:
-        return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SMulticastOp(), gmem_tensor, smem_tile,
-                                           (rows, traits.head_dim), num_multicast=multicast)
-    return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), gmem_tensor, smem_tile,
-                                       (rows, traits.head_dim))
+        return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SMulticastOp(), gmem_tensor, smem_tile, box,
+                                           num_multicast=multicast)
+    return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), gmem_tensor, smem_tile, box)
 
 
-def tma_store_atom(traits: HopperTileTraits, gmem_tensor, smem_tile, rows: int):
-    """(TMA atom, TMA coordinate tensor) storing one (rows, head_dim) tile of layout
-    `smem_tile` into boxes of `gmem_tensor` (modes as `tma_load_atom`); TMA drops what falls
-    past the tensor's end."""
+def tma_store_atom(traits: HopperTileTraits, gmem_tensor, smem_tile, rows: int, cols: int | None = None):
+    """(TMA atom, TMA coordinate tensor) storing one (rows, cols) tile of layout `smem_tile`
+    into boxes of `gmem_tensor` (modes as `tma_load_atom`); TMA drops what falls past the
+    tensor's end."""
     return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), gmem_tensor, smem_tile,
-                                       (rows, traits.head_dim))
+                                       (rows, cols or traits.head_dim))
 
 
 def tiled_mma_qk(traits: HopperTileTraits):
@@ -153,10 +181,10 @@ def tiled_mma_qk(traits: HopperTileTraits):
 
 def tiled_mma_pv(traits: HopperTileTraits):
     """O = P V: P from registers (the S accumulators converted in place, `acc_as_operand_a`),
-    V MN-major in shared memory."""
+    V MN-major in shared memory; N is V's head dim (`dv`)."""
     dtype = element_type(traits)
     return sm90.make_trivial_tiled_mma(dtype, dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
-                                       cutlass.Float32, (traits.warpgroups, 1, 1), (WGMMA_M, traits.head_dim),
+                                       cutlass.Float32, (traits.warpgroups, 1, 1), (WGMMA_M, traits.dv),
                                        a_source=warpgroup.OperandSource.RMEM)
 
 

@@ -35,15 +35,20 @@ def smem_checks(traits: HopperTileTraits, stages: int = 2) -> dict:
     def run():
         out = {}
         for name, layout in (("sQ", hopper.smem_layout(traits, traits.block_m)),
-                             ("sKV", hopper.smem_layout(traits, traits.block_n))):
+                             ("sKV", hopper.smem_layout(traits, traits.block_n)),
+                             ("sV", hopper.smem_layout(traits, traits.block_n, traits.dv)),
+                             ("sO", hopper.smem_layout(traits, traits.block_m, traits.dv))):
             out[name] = is_bijection(HostLayout.of(layout).table())
-        staged = hopper.smem_layout_staged(traits, traits.block_n, stages)
-        stage_bytes = ELEMENT_BYTES * cute.cosize(cute.slice_(staged, (None, None, 0)))
-        out["stage_bytes"] = stage_bytes
-        out["stages_aligned"] = stage_bytes % STAGE_ALIGN == 0
-        host = HostLayout.of(staged)
-        offsets = host(np.arange(host.size))
-        out["staged_bijection"] = bool(np.array_equal(np.sort(offsets), np.arange(offsets.size)))
+        aligned, bijective = True, True
+        for cols in dict.fromkeys((traits.head_dim, traits.dv)):  # K's stages, then V's where dv != d
+            staged = hopper.smem_layout_staged(traits, traits.block_n, stages, cols)
+            stage_bytes = ELEMENT_BYTES * cute.cosize(cute.slice_(staged, (None, None, 0)))
+            out.setdefault("stage_bytes", stage_bytes)
+            aligned = aligned and stage_bytes % STAGE_ALIGN == 0
+            host = HostLayout.of(staged)
+            offsets = host(np.arange(host.size))
+            bijective = bijective and bool(np.array_equal(np.sort(offsets), np.arange(offsets.size)))
+        out["stages_aligned"], out["staged_bijection"] = aligned, bijective
         return out
 
     return in_arch_trace("sm_90a", run)
@@ -70,11 +75,11 @@ def operand_a_check(mma_c, mma_a, tile) -> dict:
 
 def accumulator_coverage(traits: HopperTileTraits) -> dict:
     """The C partitions of all threads hold every element of S (block_m, block_n) and of O
-    (block_m, head_dim) exactly once: the warpgroups split the rows, nothing overlaps."""
+    (block_m, dv) exactly once: the warpgroups split the rows, nothing overlaps."""
     def run():
         out = {}
         for name, mma, tile in (("S", hopper.tiled_mma_qk(traits), (traits.block_m, traits.block_n)),
-                                ("O", hopper.tiled_mma_pv(traits), (traits.block_m, traits.head_dim))):
+                                ("O", hopper.tiled_mma_pv(traits), (traits.block_m, traits.dv))):
             out[name] = covers_once(mma, tile)
         return out
 
@@ -92,25 +97,29 @@ def covers_once(mma, tile) -> bool:
 
 def o_staging_checks(traits: HopperTileTraits) -> dict:
     """TMA moves a tile in boxes one swizzle atom wide (128 bytes of a row at most). For each
-    warpgroup w and atom column j: the offset of (64 w + r, j * cols + c) in the (block_m, d)
+    warpgroup w and atom column j: the offset of (64 w + r, j * cols + c) in the (block_m, dv)
     tile == the offset of (r, c) in a (64, cols) box of the same atom, plus one base per box,
     and that base is a multiple of 1024 bytes."""
-    return staging_checks(traits, traits.block_m, traits.warpgroups)
+    return staging_checks(traits, traits.block_m, traits.warpgroups, traits.dv)
 
 
-def staging_checks(traits, tile_rows: int, warpgroups: int) -> dict:
-    """`o_staging_checks` for a (tile_rows, head_dim) tile written by `warpgroups` warpgroups of
-    64 rows each (O in the forward; dK and dV in sK / sV in the backward)."""
+def staging_checks(traits, tile_rows: int, warpgroups: int, head_dim: int | None = None) -> dict:
+    """`o_staging_checks` for a (tile_rows, head_dim) tile (default the traits' head dim)
+    written by `warpgroups` warpgroups of 64 rows each (O in the forward; dK and dV in sK / sV
+    in the backward)."""
+    head_dim = head_dim or traits.head_dim
+
     def run():
         rows = hopper.WGMMA_M
-        cols = cute.size(hopper.swizzle_atom(traits).shape[1])
-        tile = HostLayout.of(hopper.smem_layout(traits, tile_rows))
-        box = HostLayout.of(cute.tile_to_shape(hopper.swizzle_atom(traits), (rows, cols), order=(0, 1)))
+        atom = hopper.swizzle_atom(traits, head_dim)
+        cols = cute.size(atom.shape[1])
+        tile = HostLayout.of(hopper.smem_layout(traits, tile_rows, head_dim))
+        box = HostLayout.of(cute.tile_to_shape(atom, (rows, cols), order=(0, 1)))
         r, c = (x.ravel() for x in np.meshgrid(np.arange(rows), np.arange(cols), indexing="ij"))
         box_offsets = box(r + rows * c)
         bases, same = [], True
         for w in range(warpgroups):
-            for j in range(traits.head_dim // cols):
+            for j in range(head_dim // cols):
                 delta = tile(rows * w + r + tile_rows * (j * cols + c)) - box_offsets
                 same = same and bool((delta == delta[0]).all())
                 bases.append(int(delta[0]))
@@ -122,13 +131,13 @@ def staging_checks(traits, tile_rows: int, warpgroups: int) -> dict:
 
 
 def o_copy_checks(traits: HopperTileTraits, coord=None) -> dict:
-    """Every (row, 16-byte chunk) of a warpgroup's (64, head_dim) O tile is copied by exactly one
+    """Every (row, 16-byte chunk) of a warpgroup's (64, dv) O tile is copied by exactly one
     (thread, step) of `coord` (default `hopper.o_copy_coord`, what the kernel calls)."""
     coord = coord or hopper.o_copy_coord
-    chunks = traits.head_dim * ELEMENT_BYTES // 16
+    chunks = traits.dv * ELEMENT_BYTES // 16
     counts = np.zeros((hopper.WGMMA_M, chunks), dtype=np.int64)
-    thread, step = np.meshgrid(np.arange(128), np.arange(hopper.o_copy_steps(traits.head_dim)), indexing="ij")
-    row, chunk = coord(thread.ravel(), step.ravel(), traits.head_dim)
+    thread, step = np.meshgrid(np.arange(128), np.arange(hopper.o_copy_steps(traits.dv)), indexing="ij")
+    row, chunk = coord(thread.ravel(), step.ravel(), traits.dv)
     inside = (row < hopper.WGMMA_M) & (chunk < chunks)
     np.add.at(counts, (row[inside], chunk[inside]), 1)
     return {"chunks": chunks, "ok": bool((counts == 1).all() and inside.all())}
@@ -183,7 +192,8 @@ def verify_hopper(traits: HopperTileTraits, stages: int = 2) -> dict:
     cover = accumulator_coverage(traits)
     o_staging = o_staging_checks(traits)
     o_copy = o_copy_checks(traits)
-    ok = (smem["sQ"] and smem["sKV"] and smem["staged_bijection"] and smem["stages_aligned"] and p["ok"]
+    ok = (smem["sQ"] and smem["sKV"] and smem["sV"] and smem["sO"] and smem["staged_bijection"]
+          and smem["stages_aligned"] and p["ok"]
           and all(cover.values()) and o_staging["ok"] and o_copy["ok"])
     return {"smem": smem, "p_operand": p, "acc_coverage": cover, "o_staging": o_staging, "o_copy": o_copy,
             "ok": ok}

@@ -17,6 +17,7 @@ from cute_flash.launch.block_sparse import block_lists
 from cute_flash.launch.hopper import flash_fwd_sm90, flash_fwd_varlen_sm90
 from cute_flash.launch.mods import ModArgs, aux_of, has_score_mod, mod_flags, refuse_chunked_mods
 from cute_flash.launch.policy import PAGE_ROWS, hopper_pages_fit, takes_hopper_path
+from cute_flash.launch.value_dim import one_head_dim, value_cols
 from layouts.traits import FwdTraits, choose_fwd_traits, tile_arch
 
 
@@ -33,8 +34,9 @@ def fwd_kernel(d_pad: int, dtype, device_index: int, causal: bool, traits: FwdTr
 def flash_fwd(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1), softcap=0.0,
               alibi_slopes=None, traits: FwdTraits | None = None, dropout: DropoutArgs | None = None,
               mods: ModArgs | None = None, block_mask=None):
-    """Dense forward: q (b, sq, h, d), k/v (b, sk, hk, d); returns (out, lse (b, h, sq)).
-    On sm_90 the Hopper kernel (`takes_hopper_path`). `traits` (SM80 tiles) overrides the
+    """Dense forward: q (b, sq, h, d), k (b, sk, hk, d), v (b, sk, hk, d_v); returns (out (b,
+    sq, h, d_v), lse (b, h, sq)). On sm_90 the Hopper kernel (`takes_hopper_path`), which takes
+    d_v as it is; the SM80 kernel takes one head dim (`value_dim.one_head_dim`). `traits` (SM80 tiles) overrides the
     heuristic and selects the SM80 kernel (tile tuning, `python -m cute_flash tune`); `dropout`
     drops P's elements by the Philox mask (cute_flash/dropout.py), the same mask on either
     kernel; `mods` the call's Python-written score / mask mods and their aux tensors (`ModArgs.of`);
@@ -55,6 +57,9 @@ def flash_fwd(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1), sof
         return flash_fwd_sm90(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                               softcap=softcap, alibi_slopes=alibi_slopes, dropout=dropout, mods=mods,
                               block_mask=block_mask)
+    d_v = v.shape[-1]
+    if d_v != d:
+        q, k, v = one_head_dim(q, k, v)
     q, k, v = aligned(q), aligned(k), aligned(v)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
@@ -69,15 +74,16 @@ def flash_fwd(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1), sof
                         + ((("block_sparse", True),) if sparse is not None else ()))
     kernel(q, k, v, out, lse, alibi_2d(alibi_slopes, b, h), rng_of(dropout, q.device), aux_of(mods), sparse,
            *scales(softmax_scale, softcap, has_score_mod(mods)), left, right)
-    return (out if out.shape[-1] == d else out[..., :d]), lse
+    return value_cols(out, d_v), lse
 
 
 def flash_fwd_varlen(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                      causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                      block_table=None, seqused_k=None, dropout: DropoutArgs | None = None,
                      mods: ModArgs | None = None):
-    """Packed-batch forward: q (total_q, h, d), k/v (total_k, hk, d) or pages (num_blocks,
-    page_size, hk, d) through block_table; returns (out (total_q, h, d), lse (h, total_q)).
+    """Packed-batch forward: q (total_q, h, d), k (total_k, hk, d) and v (.., d_v), or pages
+    (num_blocks, page_size, hk, d / d_v) through block_table; returns (out (total_q, h, d_v),
+    lse (h, total_q)); d_v as `flash_fwd` takes it.
     Dropout's rows and columns count from each sequence's start. On sm_90 the Hopper kernel
     (`takes_hopper_path`), for pages when they hold whole key blocks of it (`hopper_pages_fit`);
     smaller pages take the SM80 kernel."""
@@ -95,6 +101,9 @@ def flash_fwd_varlen(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
                                          max_seqlen_q=max_seqlen_q, softmax_scale=softmax_scale, causal=causal,
                                          window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                                          seqused_k=seqused_k, block_table=block_table, dropout=dropout, mods=mods)
+    d_v = v.shape[-1]
+    if d_v != d:
+        q, k, v = one_head_dim(q, k, v)
     q, k, v = aligned(q), aligned(k), aligned(v)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((h, total_q), dtype=torch.float32, device=q.device)
@@ -110,4 +119,4 @@ def flash_fwd_varlen(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
         kernel(q, k, v, out, lse, rows_of(alibi, s), rng, aux_of(mods), lengths_of(cu_seqlens_q, s),
                lengths_of(cu_seqlens_k, s), rows_of(seqused, s), rows_of(block_table, s), max_seqlen_q,
                *scales(softmax_scale, softcap, has_score_mod(mods)), left, right)
-    return (out if out.shape[-1] == d else out[..., :d]), lse
+    return value_cols(out, d_v), lse

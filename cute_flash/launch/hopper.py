@@ -22,6 +22,7 @@ from cute_flash.launch.per_stream import per_stream, zeroed_counters
 from cute_flash.launch.block_sparse import block_lists
 from cute_flash.launch.mods import ModArgs, aux_of, has_score_mod, mod_flags
 from cute_flash.launch.rng import DropoutArgs, rng_of
+from cute_flash.launch.value_dim import value_cols
 from cute_flash.launch.varlen_order import query_blocks_longest_first
 from cute_flash.launch.policy import (kv_multicast_fits, kv_stages, prefers_persistent, section_heads,
                                       speculates_in_place, takes_kv_multicast, takes_speculative_max, takes_tall_tiles)
@@ -39,22 +40,23 @@ def flash_fwd_sm90(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1)
                    dropout: DropoutArgs | None = None, traits=None, persistent=None, sections=None,
                    speculative_max=None, speculative_in_place=None, stages=None, kv_multicast=None,
                    mods: ModArgs | None = None, block_mask=None):
-    """Dense forward on the Hopper kernel: q (b, sq, h, d), k/v (b, sk, hk, d); returns (out,
-    lse (b, h, sq)) as `flash_fwd` does. `traits` (HopperTileTraits), `persistent`,
+    """Dense forward on the Hopper kernel: q / k (b, sq / sk, h / hk, d), v (b, sk, hk, d_v);
+    returns (out (b, sq, h, d_v), lse (b, h, sq)) as `flash_fwd` does. `traits` (HopperTileTraits), `persistent`,
     `sections` (pairs per scheduling section), `speculative_max`, `speculative_in_place` and
     `stages` (K / V pipeline depth) override the kernel's choices (`tune --sm90`);
     `kv_multicast` (sharing each K / V block between a cluster's two tiles) too, where
     `kv_multicast_fits`. `mods`: the call's Python-written mods (no speculative maxima then);
     `block_mask`: a FlexAttention BlockMask of the mask_mod, whose empty blocks are skipped
     (`launch/block_sparse.py`)."""
-    b, sq, h, d = q.shape
+    b, sq, h, _ = q.shape
+    d_v = v.shape[-1]
     q, k, v = aligned(q), aligned(k), aligned(v)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = torch.empty((b, sq, h, v.shape[-1]), dtype=q.dtype, device=q.device)
     lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
     left, right = window_edges(causal, window_size)
     masked = left >= 0 or right >= 0  # a causal or local mask
     traits = traits or choose_hopper_traits(q.shape[-1], gpu.DTYPE_NAMES[q.dtype],
-                                            takes_tall_tiles(k.shape[1], masked, dropout))
+                                            takes_tall_tiles(k.shape[1], masked, dropout), value_dim(q, v))
     if persistent is None:
         persistent = prefers_persistent(traits, k.shape[1], masked)
     if speculative_max is None:
@@ -83,24 +85,25 @@ def flash_fwd_sm90(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1)
                                        aux_of(mods), sparse, tile_counter(q.device),
                                        *scales(softmax_scale, softcap, has_score_mod(mods)), left, right,
                                        sections, num_sms)
-    return (out if out.shape[-1] == d else out[..., :d]), lse
+    return value_cols(out, d_v), lse
 
 
 def flash_fwd_varlen_sm90(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale, causal=False,
                           window_size=(-1, -1), softcap=0.0, alibi_slopes=None, seqused_k=None, block_table=None,
                           dropout: DropoutArgs | None = None, mods: ModArgs | None = None):
-    """Packed batches on the Hopper kernel: q (total_q, h, d), k/v (total_k, hk, d) or pages
-    (num_pages, page_size, hk, d) through block_table (`hopper_pages_fit`), int32 prefix sums,
-    seqused_k (batch,) int32 key lengths or None; returns (out (total_q, h, d), lse (h,
-    total_q)) as `flash_fwd_varlen` does.
+    """Packed batches on the Hopper kernel: q (total_q, h, d), k (total_k, hk, d) and v (..,
+    d_v), or pages (num_pages, page_size, hk, d / d_v) through block_table (`hopper_pages_fit`),
+    int32 prefix sums, seqused_k (batch,) int32 key lengths or None; returns (out (total_q, h,
+    d_v), lse (h, total_q)) as `flash_fwd_varlen` does.
     One CTA per tile, the tiles with the most key blocks first (`varlen_order`), and 128-row
     tiles at every d (192-row ones ran at half speed with one CTA per tile)."""
-    total_q, h, d = q.shape
+    total_q, h, _ = q.shape
+    d_v = v.shape[-1]
     q, k, v = aligned(q), aligned(k), aligned(v)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = torch.empty((total_q, h, v.shape[-1]), dtype=q.dtype, device=q.device)
     lse = torch.empty((h, total_q), dtype=torch.float32, device=q.device)
     left, right = window_edges(causal, window_size)
-    traits = choose_hopper_traits(q.shape[-1], gpu.DTYPE_NAMES[q.dtype])
+    traits = choose_hopper_traits(q.shape[-1], gpu.DTYPE_NAMES[q.dtype], head_dim_v=value_dim(q, v))
     config = Sm90FwdConfig(traits, varlen=True,
                            has_seqused_k=seqused_k is not None, paged=block_table is not None,
                            **score_flags(left, right, alibi_slopes, softcap, dropout), **dict(mod_flags(mods)))
@@ -111,4 +114,9 @@ def flash_fwd_varlen_sm90(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
         aux_of(mods), cu_seqlens_q, cu_seqlens_k, seqused, block_table,
         query_blocks_longest_first(cu_seqlens_q, cu_seqlens_k, total_q, traits.block_m, traits.block_n, right),
         *scales(softmax_scale, softcap, has_score_mod(mods)), left, right)
-    return (out if out.shape[-1] == d else out[..., :d]), lse
+    return value_cols(out, d_v), lse
+
+
+def value_dim(q, v) -> int | None:
+    """V's head dim where it is not q's (aligned tensors), else None: the traits' head_dim_v."""
+    return None if v.shape[-1] == q.shape[-1] else v.shape[-1]

@@ -21,8 +21,8 @@ from cute_flash.launch.policy import (DEEP_PIPELINE_MAX_SEQLEN_K, KV_MULTICAST_M
                                       SPECULATIVE_IN_PLACE_LEFT_EDGE_MIN_SEQLEN_K, SPECULATIVE_MASKED_MIN_SEQLEN_K,
                                       SPECULATIVE_MASKED_MIN_SEQLEN_K_D64, cache_stages, dq_reduction, kv_stages,
                                       speculates_in_place, takes_kv_multicast, takes_speculative_max)
-from layouts.hopper import (BWD_HEAD_DIMS, choose_hopper_bwd_traits, choose_hopper_cache_traits, choose_hopper_traits,
-                            shipped_hopper_cache_traits, shipped_hopper_traits)
+from layouts.hopper import (BWD_HEAD_DIMS, VALUE_DIM_PAIRS, choose_hopper_bwd_traits, choose_hopper_cache_traits,
+                            choose_hopper_traits, shipped_hopper_cache_traits, shipped_hopper_traits)
 from layouts.traits import DTYPES, HEAD_DIM_BUCKETS, choose_bwd_traits, choose_decode_traits, choose_fwd_traits
 
 
@@ -109,8 +109,9 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
     (causal, one CTA per tile) and d 128 (persistent), packed batches (d 128 causal, d 96 with
     seqused_k, d 64 fp16 with every flag, d 128 causal over pages) and KV caches (d 128 plain, d
     64 split with softcap at its three stages, d 128 split, paged and GQA-folded, d 256 fp16
-    with every flag, d 128 GQA-folded at two CTAs an SM), and d 128 with K / V multicast (as
-    without a mask from 2048 keys)."""
+    with every flag, d 128 GQA-folded at two CTAs an SM), d 128 with K / V multicast (as
+    without a mask from 2048 keys), and MLA's d 192 with V's 128 (`VALUE_DIM_PAIRS`), causal,
+    dense and packed."""
     if full:
         out = []
         for t in shipped_hopper_traits():
@@ -158,6 +159,8 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
         return out
     traits = [choose_hopper_traits(d, "bf16") for d in HEAD_DIM_BUCKETS]
     d64, cache64 = choose_hopper_traits(64, "bf16"), choose_hopper_cache_traits(64, "bf16")
+    (mla_d, mla_dv), = VALUE_DIM_PAIRS
+    mla = choose_hopper_traits(mla_d, "bf16", head_dim_v=mla_dv)
     out = [Sm90FwdConfig(t, persistent=Sm90FwdConfig.fits_persistent(t), has_right=True, speculative_max=True,
                          speculative_in_place=speculates_in_place(t))
            for t in traits + [choose_hopper_traits(64, "bf16", long_keys=True)]]
@@ -189,7 +192,9 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
                   Sm90FwdConfig(choose_hopper_cache_traits(256, "fp16"), has_left=True, has_right=True,
                                 has_alibi=True, has_softcap=True, kvcache=True),
                   Sm90FwdConfig(choose_hopper_cache_traits(128, "bf16", ctas_per_sm=2), kvcache=True, pack_gqa=True,
-                                ctas_per_sm=2, dependent_launch=True)]
+                                ctas_per_sm=2, dependent_launch=True),
+                  Sm90FwdConfig(mla, persistent=Sm90FwdConfig.fits_persistent(mla), has_right=True),
+                  Sm90FwdConfig(mla, has_right=True, varlen=True)]
 
 
 @functools.cache

@@ -168,6 +168,35 @@ def test_paged_packed_forwards_take_the_hopper_kernel(recorder, monkeypatch):
     assert [type(x.config) for x in recorder.launches[1:]] == [FwdConfig] * 2
 
 
+def test_a_value_head_dim_of_its_own_on_either_kernel(recorder, monkeypatch):
+    """MLA's q / k 192 with v 128: the Hopper forward takes v as it is (traits with head_dim_v,
+    O 128 wide), dense and packed; the SM80 kernel, which takes one head dim, gets v padded to
+    192 with zero columns, and the caller the first 128 of O's."""
+    from cute_flash.kernels.sm80.fwd import FwdConfig
+    from cute_flash.kernels.sm90.fwd import Sm90FwdConfig
+    from cute_flash.launch import flash_fwd, flash_fwd_varlen
+
+    q, k = torch.randn(2, 5, 4, 192, dtype=torch.bfloat16), torch.randn(2, 7, 2, 192, dtype=torch.bfloat16)
+    v = torch.randn(2, 7, 2, 128, dtype=torch.bfloat16)
+    monkeypatch.delenv("CUTE_FLASH_ARCH_PATH", raising=False)
+    out, _ = flash_fwd(q, k, v, softmax_scale=0.5, causal=True)
+    packed, _ = flash_fwd_varlen(q[0], k[0], v[0], cu_seqlens_q=torch.tensor([0, 2, 5], dtype=torch.int32),
+                                 cu_seqlens_k=torch.tensor([0, 3, 7], dtype=torch.int32), max_seqlen_q=3,
+                                 max_seqlen_k=4, softmax_scale=0.5)
+    monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", "sm80")
+    sm80_out, _ = flash_fwd(q, k, v, softmax_scale=0.5, causal=True)
+    dense, varlen, sm80 = recorder.launches
+    for launch in (dense, varlen):
+        assert isinstance(launch.config, Sm90FwdConfig)
+        assert (launch.config.traits.head_dim, launch.config.traits.head_dim_v) == (192, 128)
+        assert launch["mV"].shape[-1] == launch["mO"].shape[-1] == 128
+    assert dense["mV"] is v and out.shape == (2, 5, 4, 128) and out.data_ptr() == dense["mO"].data_ptr()
+    assert packed.shape == (5, 4, 128)
+    assert isinstance(sm80.config, FwdConfig) and sm80.config.traits.head_dim == 192
+    assert sm80["mV"].shape[-1] == sm80["mO"].shape[-1] == 192 and not sm80["mV"][..., 128:].any()
+    assert sm80_out.shape == (2, 5, 4, 128) and sm80_out.data_ptr() == sm80["mO"].data_ptr()
+
+
 @pytest.mark.parametrize("d, sk, opts, block_m, persistent, speculative", [
     (64, 511, dict(causal=True), 128, True, False),    # masked: speculative maxima from 512 keys at d 64
     (64, 512, dict(causal=True), 128, True, True),

@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 
 from cute_flash.launch.variants import sm90_traits_stages
 from layouts import copy, smem, verify, verify_bwd
-from layouts.hopper import (choose_hopper_cache_traits, choose_hopper_traits, shipped_hopper_bwd_traits,
-                            shipped_hopper_cache_traits, shipped_hopper_traits)
+from layouts.hopper import (HopperTileTraits, choose_hopper_cache_traits, choose_hopper_traits,
+                            shipped_hopper_bwd_traits, shipped_hopper_cache_traits, shipped_hopper_traits)
 from layouts.traits import (DTYPES, ELEMENT_BYTES, HEAD_DIM_BUCKETS, SMEM_LIMIT, FwdTraits, choose_bwd_traits,
                             choose_fwd_traits, head_dim_bucket, shipped_bwd_traits)
 
@@ -390,6 +390,21 @@ def test_hopper_traits_verify(traits, stages):
     assert result["ok"], result
 
 
+def test_hopper_traits_with_a_value_head_dim_of_their_own():
+    """V's own head dim (MLA's 192 / 128): named apart, its V stages sized by it, key blocks by
+    the wider of the two, no tall tiles; a head_dim_v equal to head_dim is refused (None means
+    the same), and one whose bucket is head_dim's is the plain traits (TMA zero-fills the rest)."""
+    mla = choose_hopper_traits(192, "bf16", head_dim_v=128)
+    assert (mla.head_dim, mla.head_dim_v, mla.dv, mla.block_m, mla.block_n) == (192, 128, 128, 128, 64)
+    assert mla.name == "sm90_d192_v128_m128_n64_bf16" and mla in shipped_hopper_traits()
+    assert mla.smem_bytes(2) == 2 * (128 * 192 + 2 * 64 * 192 + 2 * 64 * 128)
+    assert choose_hopper_traits(128, "bf16", head_dim_v=256).block_n == 64
+    assert choose_hopper_traits(64, "bf16", long_keys=True, head_dim_v=32).block_m == 128
+    assert choose_hopper_traits(128, "bf16", head_dim_v=112) == choose_hopper_traits(128, "bf16")
+    with pytest.raises(ValueError, match="head_dim_v"):
+        HopperTileTraits(128, 128, 128, "bf16", head_dim_v=128)
+
+
 def test_hopper_report_covers_every_shipped_traits():
     """The report's (traits, stages) pairs hold every shipped Hopper forward traits, and the
     three-stage ones the launchers choose: d <= 96 on 128-row tiles (`kv_stages`) and the
@@ -464,8 +479,9 @@ def test_hopper_o_staging_check_catches_a_tile_in_another_order(monkeypatch):
     from layouts import hopper
     from layouts.verify_hopper import o_staging_checks
 
-    def head_dim_first(traits, rows):
-        return cute.tile_to_shape(hopper.swizzle_atom(traits), (rows, traits.head_dim), order=(1, 0))
+    def head_dim_first(traits, rows, cols=None):
+        cols = cols or traits.head_dim
+        return cute.tile_to_shape(hopper.swizzle_atom(traits, cols), (rows, cols), order=(1, 0))
 
     traits = hopper.choose_hopper_traits(128)
     assert o_staging_checks(traits)["ok"]

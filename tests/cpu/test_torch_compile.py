@@ -65,6 +65,15 @@ def test_compiled_outputs_have_the_eager_layout(fake):
     assert s_dmask.shape == (0,)
 
 
+def test_a_value_head_dim_of_its_own_is_one_graph(fake):
+    """MLA's q / k 192 with v 128 compiled without a gradient: the forward op takes v as it is,
+    its output 128 wide."""
+    q, v = torch.randn(2, 128, 8, 192, **BF16), torch.randn(2, 128, 8, 128, **BF16)
+    _one_graph(lambda q, k, v: flash_attn_func(q, k, v, causal=True), q, q, v)
+    attend = torch.compile(lambda q, k, v: flash_attn_func(q, k, v, causal=True), fullgraph=True, backend="aot_eager")
+    assert attend(q, q, v).shape == (2, 128, 8, 128)
+
+
 def test_varlen_and_paged_are_one_graph(fake):
     q, k = torch.randn(300, 8, 128, **BF16), torch.randn(500, 8, 128, **BF16)
     cu_q = torch.tensor([0, 100, 300], device="cuda", dtype=torch.int32)

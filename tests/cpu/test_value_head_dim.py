@@ -63,6 +63,21 @@ def test_packed_call_with_a_value_head_dim_of_its_own(launch):
     assert launch.calls == ["flash_fwd_varlen", "flash_bwd_varlen"]
 
 
+@pytest.mark.parametrize("d, d_v", [(48, 32), (24, 40)])
+def test_a_forward_without_gradient_passes_v_as_it_is(launch, d, d_v):
+    """Without a gradient (or an S_dmask) the launchers get v as it is, the Hopper forward
+    taking its head dim, the SM80 launch padding; with one, the padded tensors, which are then
+    the autograd inputs of the backward that takes one head dim."""
+    q, k, v = _inputs(2, 37, 53, 4, 2, d, d_v)
+    out = cute_flash.flash_attn_func(q, k, v, causal=True)
+    cu = torch.tensor([0, 17, 37], dtype=torch.int32)
+    packed = cute_flash.flash_attn_varlen_func(q[0], k[0, :37], v[0, :37], cu, cu, 20, 20)
+    cute_flash.flash_attn_func(q.requires_grad_(), k, v, causal=True)
+    assert launch.value_dims == [d_v, d_v, max(d, d_v)]
+    assert out.shape == (2, 37, 4, d_v) and packed.shape == (37, 4, d_v)
+    torch.testing.assert_close(out.float(), attention_ref(q.detach(), k, v, causal=True)[0].float(), **BF16)
+
+
 def test_a_value_head_dim_with_a_sink(launch):
     q, k, v = _inputs(2, 20, 30, 4, 4, 32, 16)
     sink = torch.randn(4)

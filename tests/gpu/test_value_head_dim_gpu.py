@@ -1,6 +1,7 @@
 """A value head dim of its own on the kernels (MLA's q / k 192 with v 128, and the other way):
 outputs and gradients of the dense and packed calls against the reference by the criterion of
-docs/semantics.md, on the Hopper path and the SM80 one, each asserting which kernels ran.
+docs/semantics.md, on the Hopper path and the SM80 one, each asserting which kernels ran; calls
+without a gradient on the Hopper forward's own V head dim (`HopperTileTraits.head_dim_v`).
 tests/cpu/test_value_head_dim.py checks the padding around the kernels on the CPU."""
 import pytest
 import torch
@@ -9,6 +10,7 @@ import cute_flash
 from cute_flash.reference import attention_varlen_ref
 from tests.helpers.backward import assert_grads_match
 from tests.helpers.gpu_utils import assert_matches_reference, backward_on_path, cu_seqlens, on_path
+from layouts.traits import head_dim_bucket
 
 pytestmark = pytest.mark.gpu
 
@@ -48,3 +50,56 @@ def test_packed_call_with_a_value_head_dim_of_its_own(arch_path, kernels):
     out.backward(dout)
     assert_grads_match([x.grad for x in leaves], q, k, v, dout, out=out, ref_fn=ref_fn, causal=True)
     assert kernels == on_path(arch_path, "fwd") | backward_on_path(arch_path, 192)
+
+
+@pytest.fixture
+def hopper_value_dims(monkeypatch):
+    """The V head dims (`traits.head_dim_v`) of the Hopper forwards the test's calls looked up."""
+    from cute_flash.kernels.sm90.fwd import Sm90FwdConfig
+    from cute_flash.launch import compiled
+
+    seen, lookup = [], compiled.kernel_for
+
+    def record(config, *args, **kwargs):
+        if isinstance(config, Sm90FwdConfig):
+            seen.append(config.traits.head_dim_v)
+        return lookup(config, *args, **kwargs)
+
+    monkeypatch.setattr(compiled, "kernel_for", record)
+    return seen
+
+
+@pytest.mark.parametrize("d, d_v, causal, seqlen", [
+    (192, 128, True, 300), (192, 128, False, 1000),   # MLA's: one CTA a tile and persistent
+    (64, 128, True, 700), (128, 64, False, 300), (96, 256, True, 200), (256, 64, False, 129),
+    (128, 120, True, 300),                            # one bucket: the plain traits, V's columns zero-filled
+])
+def test_a_forward_without_gradient_takes_v_as_it_is(arch_path, kernels, hopper_value_dims, d, d_v, causal, seqlen):
+    """Without a gradient the Hopper forward runs V's head dim as it is (O d_v wide, V's stages
+    and O's tile of that width); the SM80 path pads to one head dim."""
+    q, k, v, _ = _inputs((2, seqlen, 16), (2, seqlen, 4), d, d_v, seed=d * d_v + seqlen)
+    with torch.no_grad():
+        out, lse, _ = cute_flash.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+    assert out.shape == (2, seqlen, 16, d_v)
+    assert_matches_reference(out, lse, q, k, v, causal=causal)
+    assert kernels == on_path(arch_path, "fwd")
+    if "sm90_fwd" in kernels:
+        own = None if head_dim_bucket(d_v) == head_dim_bucket(d) else head_dim_bucket(d_v)
+        assert hopper_value_dims == [own]
+
+
+def test_a_packed_forward_without_gradient_takes_v_as_it_is(arch_path, kernels, hopper_value_dims):
+    lengths = [300, 1, 129, 64, 0, 200]
+    cu, total = cu_seqlens(lengths), sum(lengths)
+    q, k, v, _ = _inputs((total, 16), (total, 4), 192, 128, seed=7)
+
+    def ref_fn(q, k, v, **opts):
+        return attention_varlen_ref(q, k, v, cu, cu, **opts)
+
+    out, lse, _ = cute_flash.flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), causal=True,
+                                                    return_attn_probs=True)
+    assert out.shape == (total, 16, 128)
+    assert_matches_reference(out, lse, q, k, v, ref_fn, causal=True)
+    assert kernels == on_path(arch_path, "fwd")
+    if "sm90_fwd" in kernels:
+        assert hopper_value_dims == [128]

@@ -52,17 +52,20 @@ class ReferenceLaunch(types.ModuleType):
     def __init__(self):
         super().__init__("cute_flash.launch")
         self.calls = []
+        self.value_dims = []  # v's head dim as each forward got it
         self.backward = self  # the custom ops call `launch.backward.flash_bwd`
 
     def flash_fwd(self, q, k, v, dropout=None, **kw):
         assert dropout is None
         self.calls.append("flash_fwd")
+        self.value_dims.append(v.shape[-1])
         return attention_ref(q, k, v, **_forward_options(kw))
 
     def flash_fwd_varlen(self, q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
                          seqused_k, dropout=None, **kw):
         assert dropout is None and block_table is None
         self.calls.append("flash_fwd_varlen")
+        self.value_dims.append(v.shape[-1])
         return attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k=seqused_k, **_forward_options(kw))
 
     def flash_fwd_kvcache(self, q, k_cache, v_cache, *, k, v, cache_seqlens, return_lse, **kw):

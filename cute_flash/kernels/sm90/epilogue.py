@@ -26,7 +26,7 @@ class Epilogue:
         Q K^T reads them), once the previous tile's TMA store has read them; one of its warps
         then stores them with TMA, which drops rows past seqlen_q and columns past the tensor's
         head dim (packed batches: `copy_o_rows`). One thread of each quad writes its rows' LSE."""
-        bm, d = self.t.block_m, self.t.head_dim
+        bm, d = self.t.block_m, self.t.dv
         wg = mma_tidx // 128
         store_warp = mma_tidx % 128 < 32
         rO = cute.make_rmem_tensor(acc_o.layout, self.dtype)  # (MMA, MMA_M, MMA_N)
@@ -41,9 +41,9 @@ class Epilogue:
         if cutlass.const_expr(args.varlen is not None):
             self.copy_o_rows(sO, args.varlen.mO, tile, wg, mma_tidx % 128)
         elif store_warp:
-            sO_wg = cute.local_tile(sO, (hopper.WGMMA_M, d), (wg, 0))  # (64, d) this warpgroup's rows
+            sO_wg = cute.local_tile(sO, (hopper.WGMMA_M, d), (wg, 0))  # (64, dv) this warpgroup's rows
             gO = cute.local_tile(args.tma_mO[None, None, tile.bidh, tile.bidb], (hopper.WGMMA_M, d),
-                                 (tile.m_block * self.t.warpgroups + wg, 0))  # (64, d)
+                                 (tile.m_block * self.t.warpgroups + wg, 0))  # (64, dv)
             tOsO_tma, tOgO = cpasync.tma_partition(recipe.tma_o, 0, cute.make_layout(1),
                                                    cute.group_modes(sO_wg, 0, 2),
                                                    cute.group_modes(gO, 0, 2))  # (TMA,), (TMA,)
@@ -102,9 +102,9 @@ class Epilogue:
 
     @cute.jit
     def copy_o_rows(self, sO: cute.Tensor, mO: cute.Tensor, tile: Tile, wg, wg_tidx):
-        """Packed batches: warpgroup wg's 64 rows of O from sO into mO (total_q, heads, d), 16
+        """Packed batches: warpgroup wg's 64 rows of O from sO into mO (total_q, heads, dv), 16
         bytes a copy, leaving out rows past the sequence's end (the next sequence's) and columns
         past mO's head dim (a multiple of 8)."""
         row0 = tile.m_block * self.t.block_m + wg * hopper.WGMMA_M  # this warpgroup's first row
-        gO = head_rows(mO, tile.seq, tile.bidb, tile.bidh)  # (seqlen_q, d) this head
-        copy_rows(sO, wg * hopper.WGMMA_M, gO, row0, tile.seq.seqlen_q - row0, mO.shape[2], wg_tidx, self.t.head_dim)
+        gO = head_rows(mO, tile.seq, tile.bidb, tile.bidh)  # (seqlen_q, dv) this head
+        copy_rows(sO, wg * hopper.WGMMA_M, gO, row0, tile.seq.seqlen_q - row0, mO.shape[2], wg_tidx, self.t.dv)

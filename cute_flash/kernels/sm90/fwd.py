@@ -21,7 +21,8 @@ next unclaimed one from a global counter (a dynamic scheduler, so tiles of unequ
 a causal mask balance themselves; the host may number them longest first, `tile`). Q's tile is
 released by a barrier once the consumers' last wgmma is done, O has a tile of its own, so the
 next tile's Q and K / V load during this one's last P V and epilogue. Otherwise one CTA per
-tile, O staged in Q's tile. Either way the producer announces each tile's index and coordinates
+tile, O staged in Q's tile (in one of its own where V's head dim is not Q's, `own_o_tile`).
+Either way the producer announces each tile's index and coordinates
 to the consumers in shared memory, published by Q's full barrier. With `kv_multicast`
 (persistent, no mask) a cluster of two CTAs takes a head's query blocks two at a time in a
 static stride, and each CTA loads half of every K / V block into both (TMA multicast); a stage
@@ -158,6 +159,9 @@ class Sm90FwdConfig:
         if self.ctas_per_sm == 2 and not (self.kvcache and self.traits.warpgroups == 1
                                           and 2 * (self.smem_bytes + 1024) <= SMEM_PER_SM):
             raise ValueError("two CTAs an SM: KV caches, one consumer warpgroup, and half an SM's shared memory")
+        if self.traits.head_dim_v is not None and self.kvcache:
+            raise ValueError("a V head dim of its own is built for dense and packed forwards, not KV caches "
+                             "(whose split-KV partials and merges take one head dim)")
         if self.smem_bytes > SMEM_LIMIT[90]:  # e.g. a tuning override's stages
             raise ValueError(f"{self.stages} K / V stages of {self.traits.name} take {self.smem_bytes} bytes of "
                              f"shared memory; a CTA has at most {SMEM_LIMIT[90]}")
@@ -187,7 +191,13 @@ class Sm90FwdConfig:
     def pingpong(self) -> bool:
         """Consumer warpgroups take turns at the tensor cores, round robin (d <= 128: above,
         O's registers leave no room for the overlap to pay)."""
-        return self.traits.warpgroups >= 2 and self.traits.head_dim <= 128
+        return self.traits.warpgroups >= 2 and max(self.traits.head_dim, self.traits.dv) <= 128
+
+    @property
+    def own_o_tile(self) -> bool:
+        """O is staged in a tile of its own (persistent, or V's head dim differs from Q's);
+        otherwise in Q's, whose warpgroup row blocks it then shares exactly."""
+        return self.persistent or self.traits.head_dim_v is not None
 
     @staticmethod
     def fits_persistent(traits: HopperTileTraits, stages: int = 2) -> bool:
@@ -200,7 +210,7 @@ class Sm90FwdConfig:
     def smem_for(traits: HopperTileTraits, stages: int, persistent: bool) -> int:
         """The tiles (O's own when persistent), the mbarriers (8 bytes each: Q's full and empty
         ones, a full and an empty one per stage of K and of V) and the tile slot (4 int32)."""
-        o_tile = ELEMENT_BYTES * traits.block_m * traits.head_dim if persistent else 0
+        o_tile = ELEMENT_BYTES * traits.block_m * traits.dv if persistent or traits.head_dim_v is not None else 0
         return traits.smem_bytes(stages) + o_tile + 8 * (2 + 4 * stages) + 16
 
     @property
@@ -240,8 +250,8 @@ class FlashFwdSm90(TileScheduler, Producer, Consumer, Epilogue):
                  score_premul: cutlass.Float32,
                  alibi_div: cutlass.Float32, window_left: cutlass.Int32, window_right: cutlass.Int32,
                  section_heads: cutlass.Int32, max_ctas: cutlass.Int32, stream):
-        """mQ / mO (batch, seqlen_q, heads, d), mK / mV (batch, seqlen_k, heads_k, d), mLSE
-        (batch, heads, seqlen_q) fp32, mAlibi (batch, heads) fp32 or None, mRng (4,) uint32 (the
+        """mQ (batch, seqlen_q, heads, d) and mO (.., dv), mK (batch, seqlen_k, heads_k, d) and mV
+        (.., dv), mLSE (batch, heads, seqlen_q) fp32, mAlibi (batch, heads) fp32 or None, mRng (4,) uint32 (the
         dropout state, `Dropout.load`) or None; aux_tensors the mods' tensors (a list) or None;
         block_sparse the lists of `BlockSparse.of` (`Sm90FwdConfig.block_sparse`) or None;
         mTileCounter (2,) int32, zero before a persistent launch and left zero by it;
@@ -308,26 +318,29 @@ class FlashFwdSm90(TileScheduler, Producer, Consumer, Epilogue):
         t, stages = self.t, self.config.stages
         sQ_layout = hopper.smem_layout(t, t.block_m)
         sKV_layout = hopper.smem_layout_staged(t, t.block_n, stages)
-        sKV_stage = cute.slice_(sKV_layout, (None, None, 0))
+        sV_layout = hopper.smem_layout_staged(t, t.block_n, stages, t.dv)
+        sO_layout = hopper.smem_layout(t, t.block_m, t.dv)
         tma_q, tma_mQ = hopper.tma_load_atom(t, seq_first(mQ), sQ_layout, t.block_m)
         kv_ctas = KV_MULTICAST_CTAS if self.config.kv_multicast else 1
-        tma_k, tma_mK = hopper.tma_load_atom(t, seq_first(mK), sKV_stage, t.block_n, kv_ctas)
-        tma_v, tma_mV = hopper.tma_load_atom(t, seq_first(mV), sKV_stage, t.block_n, kv_ctas)
+        tma_k, tma_mK = hopper.tma_load_atom(t, seq_first(mK), cute.slice_(sKV_layout, (None, None, 0)), t.block_n,
+                                             kv_ctas)
+        tma_v, tma_mV = hopper.tma_load_atom(t, seq_first(mV), cute.slice_(sV_layout, (None, None, 0)), t.block_n,
+                                             kv_ctas, t.dv)
         tma_o, tma_mO = None, None
         if cutlass.const_expr(varlen is None):
-            tma_o, tma_mO = hopper.tma_store_atom(t, seq_first(mO), hopper.smem_layout(t, hopper.WGMMA_M),
-                                                  hopper.WGMMA_M)
+            tma_o, tma_mO = hopper.tma_store_atom(t, seq_first(mO), hopper.smem_layout(t, hopper.WGMMA_M, t.dv),
+                                                  hopper.WGMMA_M, t.dv)
 
-        kv = (self.dtype, cute.cosize(sKV_layout), 1024)
         fields = {"q_barriers": (cutlass.Int64, 2, None), "k_barriers": (cutlass.Int64, 2 * stages, None),
                   "v_barriers": (cutlass.Int64, 2 * stages, None), "tile_slot": (cutlass.Int32, 4, None),
-                  "sQ": (self.dtype, cute.cosize(sQ_layout), 1024), "sK": kv, "sV": kv}
-        if cutlass.const_expr(self.config.persistent):
-            fields["sO"] = (self.dtype, cute.cosize(sQ_layout), 1024)
+                  "sQ": (self.dtype, cute.cosize(sQ_layout), 1024), "sK": (self.dtype, cute.cosize(sKV_layout), 1024),
+                  "sV": (self.dtype, cute.cosize(sV_layout), 1024)}
+        if cutlass.const_expr(self.config.own_o_tile):
+            fields["sO"] = (self.dtype, cute.cosize(sO_layout), 1024)
         SharedStorage = lsmem.smem_struct(fields)
 
-        recipe = Sm90Recipe(sQ_layout, sKV_layout, tma_q, tma_k, tma_v, tma_o, hopper.tiled_mma_qk(t),
-                            hopper.tiled_mma_pv(t))
+        recipe = Sm90Recipe(sQ_layout, sKV_layout, sV_layout, sO_layout, tma_q, tma_k, tma_v, tma_o,
+                            hopper.tiled_mma_qk(t), hopper.tiled_mma_pv(t))
         args = Sm90Tensors(tma_mQ, tma_mK, tma_mV, tma_mO, mLSE, mAlibi, mRng, mTileCounter, varlen, cache,
                            aux_tensors, sparse)
         tiles = self.num_tiles(args)
@@ -367,7 +380,8 @@ class FlashFwdSm90(TileScheduler, Producer, Consumer, Epilogue):
         if tidx == 0:
             cute.arch.mbarrier_init(q_full, 1)
             cute.arch.mbarrier_init(q_empty, t.num_threads)
-        stage_bytes = cute.size_in_bytes(self.dtype, cute.slice_(recipe.sKV_layout, (None, None, 0)))
+        k_bytes, v_bytes = (cute.size_in_bytes(self.dtype, cute.slice_(layout, (None, None, 0)))
+                            for layout in (recipe.sKV_layout, recipe.sV_layout))  # a stage's TMA bytes
         if cutlass.const_expr(cfg.kv_multicast):
             # A stage is free once both CTAs' consumer warps are done with it (either CTA's
             # producer writes it in both): lanes 0 and 1 of each warp arrive at rank 0 and 1.
@@ -380,8 +394,9 @@ class FlashFwdSm90(TileScheduler, Producer, Consumer, Epilogue):
         k_pipe, v_pipe = (pipeline.PipelineTmaAsync.create(
             barrier_storage=barriers, num_stages=cfg.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread), consumer_group=consumers,
-            tx_count=stage_bytes, defer_sync=True, **multicast) for barriers in (storage.k_barriers.data_ptr(),
-                                                                                 storage.v_barriers.data_ptr()))
+            tx_count=stage_bytes, defer_sync=True, **multicast)
+            for barriers, stage_bytes in ((storage.k_barriers.data_ptr(), k_bytes),
+                                          (storage.v_barriers.data_ptr(), v_bytes)))
         cute.arch.mbarrier_init_fence()
         if cutlass.const_expr(cfg.kv_multicast):
             cluster_sync()  # the other CTA's barriers are initialised before its copies or arrivals reach them
@@ -395,10 +410,10 @@ class FlashFwdSm90(TileScheduler, Producer, Consumer, Epilogue):
         pipes = Pipes(q_full, q_empty, k_pipe, v_pipe, storage.tile_slot.get_tensor(cute.make_layout(4)))
         sQ = storage.sQ.get_tensor(recipe.sQ_layout.outer, swizzle=recipe.sQ_layout.inner)    # (bm, d)
         sK = storage.sK.get_tensor(recipe.sKV_layout.outer, swizzle=recipe.sKV_layout.inner)  # (bn, d, stages)
-        sV = storage.sV.get_tensor(recipe.sKV_layout.outer, swizzle=recipe.sKV_layout.inner)  # (bn, d, stages)
-        sO = sQ  # (bm, d) O's staging tile: Q's, unless the variant has room for one of its own
-        if cutlass.const_expr(cfg.persistent):
-            sO = storage.sO.get_tensor(recipe.sQ_layout.outer, swizzle=recipe.sQ_layout.inner)
+        sV = storage.sV.get_tensor(recipe.sV_layout.outer, swizzle=recipe.sV_layout.inner)  # (bn, dv, stages)
+        sO = sQ  # (bm, dv) O's staging tile: Q's, unless the variant has one of its own (`own_o_tile`)
+        if cutlass.const_expr(cfg.own_o_tile):
+            sO = storage.sO.get_tensor(recipe.sO_layout.outer, swizzle=recipe.sO_layout.inner)
 
         merge = None
         if cutlass.const_expr(cfg.cluster_merge):

@@ -29,11 +29,13 @@ class Sm90Scalars:
 class Sm90Recipe:
     """Compile-time layouts and atoms (layouts/hopper.py)."""
     sQ_layout: cute.ComposedLayout   # (bm, d)
-    sKV_layout: cute.ComposedLayout  # (bn, d, stages)
+    sKV_layout: cute.ComposedLayout  # (bn, d, stages) K's stages
+    sV_layout: cute.ComposedLayout   # (bn, dv, stages) V's stages (sKV_layout unless dv != d)
+    sO_layout: cute.ComposedLayout   # (bm, dv) O's staging tile (sQ_layout unless dv != d)
     tma_q: cute.CopyAtom
     tma_k: cute.CopyAtom
     tma_v: cute.CopyAtom
-    tma_o: cute.CopyAtom             # stores one warpgroup's (64, d) rows of O
+    tma_o: cute.CopyAtom             # stores one warpgroup's (64, dv) rows of O
     mma_qk: cute.TiledMma
     mma_pv: cute.TiledMma
 

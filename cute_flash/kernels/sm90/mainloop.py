@@ -35,7 +35,7 @@ class Consumer:
         """A consumer warpgroup, per tile: its 64 rows of O and LSE (mma_tidx: the thread's
         index among the consumers)."""
         t = self.t
-        bm, bn, d = t.block_m, t.block_n, t.head_dim
+        bm, bn = t.block_m, t.block_n
         # warp-uniform, so the wgmma descriptors stay in uniform registers (d 128: 16 R2UR a key block less)
         consumer_wg = cute.arch.make_warp_uniform(mma_tidx // 128)
         wg = cute.make_layout(t.warpgroups, stride=128)  # A / B partitions are per warpgroup: its first thread
@@ -43,14 +43,14 @@ class Consumer:
         wg_pv = recipe.mma_pv.get_slice(wg(consumer_wg))
         tSrQ = recipe.mma_qk.make_fragment_A(wg_qk.partition_A(sQ))  # (MMA, MMA_M, MMA_K) descriptors
         tSrK = recipe.mma_qk.make_fragment_B(wg_qk.partition_B(sK))  # (MMA, MMA_N, MMA_K, stages)
-        sVt = lsmem.transposed_view(sV)  # (d, bn, stages)
+        sVt = lsmem.transposed_view(sV)  # (dv, bn, stages)
         tOrV = recipe.mma_pv.make_fragment_B(wg_pv.partition_B(sVt))  # (MMA, MMA_N, MMA_K, stages)
         acc_s = cute.make_rmem_tensor(wg_qk.partition_shape_C((bm, bn)), cutlass.Float32)  # (MMA, MMA_M, MMA_N)
         tOrP = cute.make_rmem_tensor(hopper.acc_as_operand_a(acc_s).layout, self.dtype)  # ((2, 2, 2), MMA_M, MMA_K)
         acc_p = None
         if cutlass.const_expr(self.config.speculative_max and not self.config.speculative_in_place):
             acc_p = cute.make_rmem_tensor(acc_s.layout, cutlass.Float32)  # (MMA, MMA_M, MMA_N)
-        acc_o = cute.make_rmem_tensor(wg_pv.partition_shape_C((bm, d)), cutlass.Float32)  # (MMA, MMA_M, MMA_N)
+        acc_o = cute.make_rmem_tensor(wg_pv.partition_shape_C((bm, t.dv)), cutlass.Float32)  # (MMA, MMA_M, MMA_N)
         row_scale = cute.make_rmem_tensor((cute.size(lmma.acc_mn_view(acc_o).shape[0]),), cutlass.Float32)
         if cutlass.const_expr(self.config.pingpong):
             if consumer_wg == 0:  # warpgroup 0 takes the first turn
@@ -227,11 +227,11 @@ class Consumer:
         consumer thread, before any warpgroup's P V reads the stage. Once a tile: the last key
         block is the only one a sequence's end crosses."""
         t = self.t
-        bn, d = t.block_n, t.head_dim
+        bn = t.block_n
         loop.pipes.v.consumer_wait(state)
         vec = 16 // ELEMENT_BYTES
-        chunks = d // vec
-        sV = loop.sV[None, None, state.index]  # (bn, d) this stage
+        chunks = t.dv // vec
+        sV = loop.sV[None, None, state.index]  # (bn, dv) this stage
         first_row = loop.mods.mask.seqlen_k - n_block * bn  # rows past it are not this sequence's keys
         zeros = cute.make_rmem_tensor((vec,), self.dtype)
         zeros.fill(0.0)

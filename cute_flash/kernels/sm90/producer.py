@@ -103,8 +103,8 @@ class Producer:
                              (tile.m_block, 0))  # (bm, d)
         gK = cute.local_tile(tma_rows(args.tma_mK, tile.seq.sum_s_k, bidh_kv, kv_bidb), (bn, d),
                              (None, 0))  # (bn, d, n_blocks)
-        gV = cute.local_tile(tma_rows(args.tma_mV, tile.seq.sum_s_k, bidh_kv, kv_bidb), (bn, d),
-                             (None, 0))  # (bn, d, n_blocks)
+        gV = cute.local_tile(tma_rows(args.tma_mV, tile.seq.sum_s_k, bidh_kv, kv_bidb), (bn, self.t.dv),
+                             (None, 0))  # (bn, dv, n_blocks)
         one = cute.make_layout(1)
         tQsQ, tQgQ = cpasync.tma_partition(recipe.tma_q, 0, one, cute.group_modes(sQ, 0, 2),
                                            cute.group_modes(gQ, 0, 2))  # (TMA,), (TMA,)
@@ -124,7 +124,8 @@ class Producer:
             write = use_state(kv_uses + i, stages, producer=True)
             if cutlass.const_expr(self.config.paged):
                 k_src = self.page_source(args, recipe.tma_k, args.tma_mK, sK, bidh_kv, tile.bidb, n_block)  # (TMA,)
-                v_src = self.page_source(args, recipe.tma_v, args.tma_mV, sV, bidh_kv, tile.bidb, n_block)  # (TMA,)
+                v_src = self.page_source(args, recipe.tma_v, args.tma_mV, sV, bidh_kv, tile.bidb, n_block,
+                                         self.t.dv)  # (TMA,)
             else:
                 k_src, v_src = tKgK[None, n_block], tVgV[None, n_block]  # (TMA,)
             pipes.k.producer_acquire(write)
@@ -138,12 +139,15 @@ class Producer:
 
     @cute.jit
     def page_source(self, args: Sm90Tensors, tma_atom, tma_mX: cute.Tensor, sX: cute.Tensor, bidh_kv, bidb,
-                    n_block):
+                    n_block, cols: cutlass.Constexpr = None):
         """Paged keys (a cache's or a packed batch's): key block n_block's TMA source, (TMA,),
         inside its page: table entry n_block * bn // page_size of sequence bidb, clamped into
         the pages (a bad id reads some page, never outside them). page_size is a multiple of bn
-        (the host checks), so no block crosses a page."""
+        (the host checks), so no block crosses a page. cols: the tile's head dim (V's `dv`;
+        default the head dim)."""
         bn, d = self.t.block_n, self.t.head_dim
+        if cutlass.const_expr(cols is not None):
+            d = cols
         page_size = tma_mX.shape[0]
         row = n_block * bn
         entry = row // page_size  # the block's page in the sequence's table row

@@ -1,0 +1,19 @@
+"""A value head dim of its own (MLA's 192 / 128) for the kernels that take one head dim: zero
+columns make the dims equal, and the output's extra columns are cut off after. The Hopper
+forward takes V's head dim as it is (`HopperTileTraits.head_dim_v`)."""
+import torch
+
+
+def one_head_dim(q, k, v):
+    """q, k, v with one head dim: v padded with zero columns when it is narrower (the output's
+    extra columns are zeros), q and k when it is wider (the scores do not change).
+    Differentiable pads, so gradients taken through them are the unpadded tensors'."""
+    d, d_v = q.shape[-1], v.shape[-1]
+    if d_v < d:
+        return q, k, torch.nn.functional.pad(v, (0, d - d_v))
+    return torch.nn.functional.pad(q, (0, d_v - d)), torch.nn.functional.pad(k, (0, d_v - d)), v
+
+
+def value_cols(out, d_v: int):
+    """The output's columns of v's head dim (a view, as a padded head dim's are)."""
+    return out if out.shape[-1] == d_v else out[..., :d_v]
