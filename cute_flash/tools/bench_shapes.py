@@ -30,9 +30,15 @@ def _fa4():
 
 
 def _fwd_bwd_ms(fn, leaves, dout):
-    """(forward ms, forward + backward ms) of fn(*leaves) -> out, or None where it refuses."""
+    """(forward ms without a gradient, as inference calls it, forward + backward ms) of
+    fn(*leaves) -> out, or None where it refuses."""
+    import torch
+
     both = grad_ms(fn, leaves, dout)
-    return None if both is None else (time_ms(lambda: fn(*leaves)), both)
+    if both is None:
+        return None
+    with torch.no_grad():
+        return time_ms(lambda: fn(*leaves)), both
 
 
 def run_mla(cells=MLA_CELLS, d=192, d_v=128, tokens=16384, nheads=16):
