@@ -178,9 +178,10 @@ def _flash_attn(q, k, v, names, dropout_p, softmax_scale, causal, window_size, s
     d_v = v.shape[-1]
     packing, inputs = _grad_inputs(q, k, v, packed)
     wants_grad = caller is not None and _validate.needs_grad(inputs, learnable_sink)
-    # v's head dim of its own: the forward takes it as it is; the backward and S_dmask run on
-    # padded tensors, which are then the autograd inputs
-    if d_v != headdim and (wants_grad or (return_probs and p > 0)):
+    # v's head dim of its own: the launchers take it as it is (`launch/value_dim.py`); S_dmask,
+    # flash-attn's representation at the kernels' one head dim, is built from padded tensors,
+    # which are then the autograd inputs
+    if d_v != headdim and return_probs and p > 0:
         q, k, v = value_dim.one_head_dim(q, k, v)
         packing, inputs = _grad_inputs(q, k, v, packed)
 
@@ -284,9 +285,8 @@ def _flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
                or (paged and block_table.shape[1] == 0))
     dropout = _draw(p, q, batch and total_q and not no_keys)
     d_v = v.shape[-1]
-    # v's head dim of its own (v apart: packed inputs share one): the forward takes it as it is;
-    # the backward and S_dmask run on padded tensors, which are then the autograd inputs
-    if d_v != headdim and (wants_grad or (return_probs and p > 0)):
+    # v's head dim of its own (v apart: packed inputs share one): as in _flash_attn
+    if d_v != headdim and return_probs and p > 0:
         q, k, v = value_dim.one_head_dim(q, k, v)
         inputs = (q, k, v)
 

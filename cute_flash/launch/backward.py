@@ -9,6 +9,7 @@ layout is `kernels/common/dq_accum.py`'s), D, and with GQA per-query-head dK/dV 
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import torch
@@ -26,6 +27,7 @@ from cute_flash.launch.batch_chunks import (batch_chunks, chunked, lengths_of, r
 from cute_flash.launch.block_sparse import block_lists
 from cute_flash.launch.mods import ModArgs, aux_of, has_score_mod, mod_flags, refuse_chunked_mods
 from cute_flash.launch.rng import DropoutArgs, rng_of
+from cute_flash.launch.value_dim import padded_backward
 from cute_flash.launch.varlen_order import key_blocks_longest_first
 from layouts.hopper import choose_hopper_bwd_traits
 from layouts.traits import choose_bwd_traits, tile_arch
@@ -206,6 +208,11 @@ def flash_bwd(dout, q, k, v, out, lse, *, softmax_scale, causal=False, window_si
     mods = ModArgs.of(mods)
     if b == 0 or sq == 0 or sk == 0:
         return _zeros(q, k, v, (b, h, sq), (dq, dk, dv))
+    if v.shape[-1] != d:  # v's head dim of its own: the backward kernels take one
+        return padded_backward(functools.partial(
+            flash_bwd, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+            alibi_slopes=alibi_slopes, deterministic=deterministic, variant=variant, dropout=dropout, mods=mods,
+            block_mask=block_mask), dout, q, k, v, out, lse, dq, dk, dv)
     if chunked(b):  # launch/batch_chunks.py: each chunk writes its rows of the gradients
         refuse_chunked_dropout(dropout, b)
         refuse_chunked_mods(mods, b)
@@ -261,6 +268,12 @@ def flash_bwd_varlen(dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max
     batch = cu_seqlens_q.shape[0] - 1
     if batch == 0 or total_q == 0 or total_k == 0 or max_seqlen_q == 0 or max_seqlen_k == 0:
         return _zeros(q, k, v, (h, total_q), (dq, dk, dv))  # the forward computed nothing either
+    if v.shape[-1] != d:  # v's head dim of its own: the backward kernels take one
+        return padded_backward(functools.partial(
+            flash_bwd_varlen, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+            softcap=softcap, alibi_slopes=alibi_slopes, seqused_k=seqused_k, deterministic=deterministic,
+            dropout=dropout, mods=mods), dout, q, k, v, out, lse, dq, dk, dv)
     refuse_chunked_dropout(dropout, batch)
     mods = ModArgs.of(mods)
     refuse_chunked_mods(mods, batch)

@@ -197,6 +197,37 @@ def test_a_value_head_dim_of_its_own_on_either_kernel(recorder, monkeypatch):
     assert sm80_out.shape == (2, 5, 4, 128) and sm80_out.data_ptr() == sm80["mO"].data_ptr()
 
 
+def test_backwards_pad_a_value_head_dim_of_their_own(recorder, monkeypatch):
+    """The backward kernels take one head dim: a backward with v 128 wide beside q / k 64 runs
+    the Hopper backward on q and k padded with zero columns to 128, and returns dq / dk 64 wide;
+    with q / k 192 and v 128 (no Hopper backward at d 192: the SM80 one), v, out and dout are
+    padded to 192, dv 128 wide; packed batches alike."""
+    from cute_flash.kernels.sm80.bwd import BwdConfig
+    from cute_flash.kernels.sm90.bwd import Sm90BwdConfig
+    from cute_flash.launch.backward import flash_bwd, flash_bwd_varlen
+
+    monkeypatch.delenv("CUTE_FLASH_ARCH_PATH", raising=False)
+    lse = torch.randn(2, 4, 5)
+    for d, d_v, kind in ((64, 128, Sm90BwdConfig), (192, 128, BwdConfig)):
+        q = torch.randn(2, 5, 4, d, dtype=torch.bfloat16)
+        k = torch.randn(2, 7, 2, d, dtype=torch.bfloat16)
+        v = torch.randn(2, 7, 2, d_v, dtype=torch.bfloat16)
+        out, dout = (torch.randn(2, 5, 4, d_v, dtype=torch.bfloat16) for _ in range(2))
+        start = len(recorder.launches)
+        dq, dk, dv, _ = flash_bwd(dout, q, k, v, out, lse, softmax_scale=0.5, causal=True)
+        (main,) = [x for x in recorder.launches[start:] if isinstance(x.config, kind)]
+        wide = max(d, d_v)
+        assert all(main[name].shape[-1] == wide for name in ("mQ", "mK", "mV", "mdO"))
+        narrow = ("mQ", "mK") if d < d_v else ("mV", "mdO")
+        assert all(not main[name][..., min(d, d_v):].any() for name in narrow)  # zero columns
+        assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+    dq, dk, dv, _ = flash_bwd_varlen(dout[0], q[0], k[0, :5], v[0, :5], out[0], lse[0], cu_seqlens_q=cu,
+                                     cu_seqlens_k=cu, max_seqlen_q=3, max_seqlen_k=3, softmax_scale=0.5)
+    assert (dq.shape, dk.shape, dv.shape) == ((5, 4, 192), (5, 2, 192), (5, 2, 128))
+    assert recorder.launches[-2]["mV"].shape[-1] == 192
+
+
 @pytest.mark.parametrize("d, sk, opts, block_m, persistent, speculative", [
     (64, 511, dict(causal=True), 128, True, False),    # masked: speculative maxima from 512 keys at d 64
     (64, 512, dict(causal=True), 128, True, True),

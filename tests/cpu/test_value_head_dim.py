@@ -1,8 +1,8 @@
 """A value head dim of its own (MLA's q / k 192 with v 128, and the other way) on the CPU: the
-public functions meet it with zero columns around one kernel head dim, so outputs have v's
-head dim and gradients the unpadded tensors' shapes; checked end to end over a stand-in for the
-launchers that computes with the reference (tests/helpers/reference_launch.py). The GPU tests
-run the same calls on the kernels."""
+public functions pass it to the launchers as it is (which pad around the kernels that take one
+head dim: tests/cpu/test_launcher.py), so outputs have v's head dim and gradients the tensors'
+shapes; checked end to end over a stand-in for the launchers that computes with the reference
+(tests/helpers/reference_launch.py). The GPU tests run the same calls on the kernels."""
 import pytest
 import torch
 
@@ -64,16 +64,15 @@ def test_packed_call_with_a_value_head_dim_of_its_own(launch):
 
 
 @pytest.mark.parametrize("d, d_v", [(48, 32), (24, 40)])
-def test_a_forward_without_gradient_passes_v_as_it_is(launch, d, d_v):
-    """Without a gradient (or an S_dmask) the launchers get v as it is, the Hopper forward
-    taking its head dim, the SM80 launch padding; with one, the padded tensors, which are then
-    the autograd inputs of the backward that takes one head dim."""
+def test_the_launchers_get_v_as_it_is(launch, d, d_v):
+    """The launchers get v as it is, with or without a gradient (the Hopper forward takes its
+    head dim; the SM80 forward and the backwards pad)."""
     q, k, v = _inputs(2, 37, 53, 4, 2, d, d_v)
     out = cute_flash.flash_attn_func(q, k, v, causal=True)
     cu = torch.tensor([0, 17, 37], dtype=torch.int32)
     packed = cute_flash.flash_attn_varlen_func(q[0], k[0, :37], v[0, :37], cu, cu, 20, 20)
     cute_flash.flash_attn_func(q.requires_grad_(), k, v, causal=True)
-    assert launch.value_dims == [d_v, d_v, max(d, d_v)]
+    assert launch.value_dims == [d_v] * 3
     assert out.shape == (2, 37, 4, d_v) and packed.shape == (37, 4, d_v)
     torch.testing.assert_close(out.float(), attention_ref(q.detach(), k, v, causal=True)[0].float(), **BF16)
 

@@ -1,8 +1,8 @@
 """A value head dim of its own on the kernels (MLA's q / k 192 with v 128, and the other way):
 outputs and gradients of the dense and packed calls against the reference by the criterion of
-docs/semantics.md, on the Hopper path and the SM80 one, each asserting which kernels ran; calls
-without a gradient on the Hopper forward's own V head dim (`HopperTileTraits.head_dim_v`).
-tests/cpu/test_value_head_dim.py checks the padding around the kernels on the CPU."""
+docs/semantics.md, on the Hopper path and the SM80 one, each asserting which kernels ran and,
+on the Hopper forward, its V head dim (`HopperTileTraits.head_dim_v`); the backwards pad to one
+head dim (tests/cpu/test_launcher.py checks the padding on the CPU)."""
 import pytest
 import torch
 
@@ -25,7 +25,7 @@ def _inputs(shape_q, shape_k, d, d_v, seed):
 
 
 @pytest.mark.parametrize("d, d_v, causal", [(192, 128, True), (192, 128, False), (64, 128, True), (128, 64, False)])
-def test_dense_call_with_a_value_head_dim_of_its_own(arch_path, kernels, d, d_v, causal):
+def test_dense_call_with_a_value_head_dim_of_its_own(arch_path, kernels, hopper_value_dims, d, d_v, causal):
     q, k, v, dout = _inputs((2, 300, 16), (2, 300, 4), d, d_v, seed=d + d_v)
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     out, lse, _ = cute_flash.flash_attn_func(*leaves, causal=causal, return_attn_probs=True)
@@ -34,6 +34,8 @@ def test_dense_call_with_a_value_head_dim_of_its_own(arch_path, kernels, d, d_v,
     out.backward(dout)
     assert_grads_match([x.grad for x in leaves], q, k, v, dout, out=out, causal=causal)
     assert kernels == on_path(arch_path, "fwd") | backward_on_path(arch_path, max(d, d_v))
+    if "sm90_fwd" in kernels:
+        assert hopper_value_dims == [d_v]  # the buckets differ in each case
 
 
 def test_packed_call_with_a_value_head_dim_of_its_own(arch_path, kernels):
@@ -75,8 +77,9 @@ def hopper_value_dims(monkeypatch):
     (128, 120, True, 300),                            # one bucket: the plain traits, V's columns zero-filled
 ])
 def test_a_forward_without_gradient_takes_v_as_it_is(arch_path, kernels, hopper_value_dims, d, d_v, causal, seqlen):
-    """Without a gradient the Hopper forward runs V's head dim as it is (O d_v wide, V's stages
-    and O's tile of that width); the SM80 path pads to one head dim."""
+    """Without a gradient too the Hopper forward runs V's head dim as it is (O d_v wide, V's
+    stages and O's tile of that width), at both schedules and across buckets; the SM80 path pads
+    to one head dim."""
     q, k, v, _ = _inputs((2, seqlen, 16), (2, seqlen, 4), d, d_v, seed=d * d_v + seqlen)
     with torch.no_grad():
         out, lse, _ = cute_flash.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)

@@ -36,8 +36,8 @@ def _grads(dout, q, k, v, out, lse, kw):
     dq = torch.einsum("bhqk,bkhd->bqhd", ds, k_rep) * scale
     dk = torch.einsum("bhqk,bqhd->bkhd", ds, q.double()) * scale
     dv = torch.einsum("bhqk,bqhd->bkhd", p, do)
-    b, sk, hk, dim = k.shape
-    dk, dv = (x.view(b, sk, hk, group, dim).sum(3) for x in (dk, dv))
+    b, sk, hk, _ = k.shape
+    dk, dv = (x.view(b, sk, hk, group, x.shape[-1]).sum(3) for x in (dk, dv))
     return dq, dk, dv, d.float()
 
 
