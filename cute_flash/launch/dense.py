@@ -36,8 +36,8 @@ def flash_fwd(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1), sof
               mods: ModArgs | None = None, block_mask=None):
     """Dense forward: q (b, sq, h, d), k (b, sk, hk, d), v (b, sk, hk, d_v); returns (out (b,
     sq, h, d_v), lse (b, h, sq)). On sm_90 the Hopper kernel (`takes_hopper_path`), which takes
-    d_v as it is; the SM80 kernel takes one head dim (`value_dim.one_head_dim`). `traits` (SM80 tiles) overrides the
-    heuristic and selects the SM80 kernel (tile tuning, `python -m cute_flash tune`); `dropout`
+    d_v as it is; the SM80 kernel takes one head dim (`value_dim.one_head_dim`). `traits` (SM80
+    tiles) overrides the heuristic and selects the SM80 kernel (tile tuning, `python -m cute_flash tune`); `dropout`
     drops P's elements by the Philox mask (cute_flash/dropout.py), the same mask on either
     kernel; `mods` the call's Python-written score / mask mods and their aux tensors (`ModArgs.of`);
     `block_mask` a FlexAttention BlockMask of the mask_mod, whose empty blocks either kernel

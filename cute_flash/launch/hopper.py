@@ -41,13 +41,13 @@ def flash_fwd_sm90(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1)
                    speculative_max=None, speculative_in_place=None, stages=None, kv_multicast=None,
                    mods: ModArgs | None = None, block_mask=None):
     """Dense forward on the Hopper kernel: q / k (b, sq / sk, h / hk, d), v (b, sk, hk, d_v);
-    returns (out (b, sq, h, d_v), lse (b, h, sq)) as `flash_fwd` does. `traits` (HopperTileTraits), `persistent`,
-    `sections` (pairs per scheduling section), `speculative_max`, `speculative_in_place` and
-    `stages` (K / V pipeline depth) override the kernel's choices (`tune --sm90`);
-    `kv_multicast` (sharing each K / V block between a cluster's two tiles) too, where
-    `kv_multicast_fits`. `mods`: the call's Python-written mods (no speculative maxima then);
-    `block_mask`: a FlexAttention BlockMask of the mask_mod, whose empty blocks are skipped
-    (`launch/block_sparse.py`)."""
+    returns (out (b, sq, h, d_v), lse (b, h, sq)) as `flash_fwd` does. `traits`
+    (HopperTileTraits), `persistent`, `sections` (pairs per scheduling section),
+    `speculative_max`, `speculative_in_place` and `stages` (K / V pipeline depth) override the
+    kernel's choices (`tune --sm90`); `kv_multicast` (sharing each K / V block between a
+    cluster's two tiles) too, where `kv_multicast_fits`. `mods`: the call's Python-written mods
+    (no speculative maxima then); `block_mask`: a FlexAttention BlockMask of the mask_mod, whose
+    empty blocks are skipped (`launch/block_sparse.py`)."""
     b, sq, h, _ = q.shape
     d_v = v.shape[-1]
     q, k, v = aligned(q), aligned(k), aligned(v)
@@ -56,7 +56,7 @@ def flash_fwd_sm90(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1)
     left, right = window_edges(causal, window_size)
     masked = left >= 0 or right >= 0  # a causal or local mask
     traits = traits or choose_hopper_traits(q.shape[-1], gpu.DTYPE_NAMES[q.dtype],
-                                            takes_tall_tiles(k.shape[1], masked, dropout), value_dim(q, v))
+                                            takes_tall_tiles(k.shape[1], masked, dropout), own_value_dim(q, v))
     if persistent is None:
         persistent = prefers_persistent(traits, k.shape[1], masked)
     if speculative_max is None:
@@ -103,7 +103,7 @@ def flash_fwd_varlen_sm90(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     out = torch.empty((total_q, h, v.shape[-1]), dtype=q.dtype, device=q.device)
     lse = torch.empty((h, total_q), dtype=torch.float32, device=q.device)
     left, right = window_edges(causal, window_size)
-    traits = choose_hopper_traits(q.shape[-1], gpu.DTYPE_NAMES[q.dtype], head_dim_v=value_dim(q, v))
+    traits = choose_hopper_traits(q.shape[-1], gpu.DTYPE_NAMES[q.dtype], head_dim_v=own_value_dim(q, v))
     config = Sm90FwdConfig(traits, varlen=True,
                            has_seqused_k=seqused_k is not None, paged=block_table is not None,
                            **score_flags(left, right, alibi_slopes, softcap, dropout), **dict(mod_flags(mods)))
@@ -117,6 +117,6 @@ def flash_fwd_varlen_sm90(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     return value_cols(out, d_v), lse
 
 
-def value_dim(q, v) -> int | None:
+def own_value_dim(q, v) -> int | None:
     """V's head dim where it is not q's (aligned tensors), else None: the traits' head_dim_v."""
     return None if v.shape[-1] == q.shape[-1] else v.shape[-1]
