@@ -96,7 +96,7 @@ def flash_fwd_varlen(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     q, softmax_scale, _ = positive_scale(q, softmax_scale)
     index = gpu.device_index(q.device)
     if takes_hopper_path(index):  # its grid holds every tile on x: no chunks
-        if not paged or hopper_pages_fit(q, k):
+        if not paged or hopper_pages_fit(q, k, v):
             return flash_fwd_varlen_sm90(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                                          max_seqlen_q=max_seqlen_q, softmax_scale=softmax_scale, causal=causal,
                                          window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,

@@ -164,10 +164,12 @@ def section_heads(q, k, longest_first: bool, block_m: int, num_sms: int) -> int:
     return min(pairs, max(1, L2_SECTION_BYTES // kv_head_bytes) * (q.shape[2] // k.shape[2]))
 
 
-def hopper_pages_fit(q, k_pages) -> bool:
+def hopper_pages_fit(q, k_pages, v_pages) -> bool:
     """Pages (num_pages, page_size, hk, d) the Hopper kernel reads by key block: page_size a
-    multiple of its key block (128 rows up to d 128, 64 above), so no TMA box spans pages."""
-    return k_pages.shape[1] % choose_hopper_traits(q.shape[-1], gpu.DTYPE_NAMES[q.dtype]).block_n == 0
+    multiple of its key block (128 rows up to d 128, 64 above, by the wider of q's and v's head
+    dims), so no TMA box spans pages."""
+    traits = choose_hopper_traits(q.shape[-1], gpu.DTYPE_NAMES[q.dtype], head_dim_v=v_pages.shape[-1])
+    return k_pages.shape[1] % traits.block_n == 0
 
 
 

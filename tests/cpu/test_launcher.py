@@ -171,7 +171,8 @@ def test_paged_packed_forwards_take_the_hopper_kernel(recorder, monkeypatch):
 def test_a_value_head_dim_of_its_own_on_either_kernel(recorder, monkeypatch):
     """MLA's q / k 192 with v 128: the Hopper forward takes v as it is (traits with head_dim_v,
     O 128 wide), dense and packed; the SM80 kernel, which takes one head dim, gets v padded to
-    192 with zero columns, and the caller the first 128 of O's."""
+    192 with zero columns, and the caller the first 128 of O's. Pages fit the Hopper kernel by
+    the key block of the wider head dim."""
     from cute_flash.kernels.sm80.fwd import FwdConfig
     from cute_flash.kernels.sm90.fwd import Sm90FwdConfig
     from cute_flash.launch import flash_fwd, flash_fwd_varlen
@@ -195,6 +196,16 @@ def test_a_value_head_dim_of_its_own_on_either_kernel(recorder, monkeypatch):
     assert isinstance(sm80.config, FwdConfig) and sm80.config.traits.head_dim == 192
     assert sm80["mV"].shape[-1] == sm80["mO"].shape[-1] == 192 and not sm80["mV"][..., 128:].any()
     assert sm80_out.shape == (2, 5, 4, 128) and sm80_out.data_ptr() == sm80["mO"].data_ptr()
+    # pages of 64 rows hold whole key blocks of q / k 128 beside v 256 (64 keys a block, by v)
+    monkeypatch.delenv("CUTE_FLASH_ARCH_PATH")
+    k_pages = torch.randn(4, 64, 2, 128, dtype=torch.bfloat16)
+    v_pages = torch.randn(4, 64, 2, 256, dtype=torch.bfloat16)
+    flash_fwd_varlen(torch.randn(5, 4, 128, dtype=torch.bfloat16), k_pages, v_pages,
+                     cu_seqlens_q=torch.tensor([0, 2, 5], dtype=torch.int32),
+                     cu_seqlens_k=torch.tensor([0, 60, 100], dtype=torch.int32), max_seqlen_q=3, max_seqlen_k=60,
+                     softmax_scale=0.5, block_table=torch.tensor([[0, 1], [2, 3]], dtype=torch.int32))
+    paged = recorder.launches[-1].config
+    assert isinstance(paged, Sm90FwdConfig) and paged.paged and paged.traits.head_dim_v == 256
 
 
 def test_backwards_pad_a_value_head_dim_of_their_own(recorder, monkeypatch):

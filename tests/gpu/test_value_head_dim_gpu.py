@@ -9,7 +9,9 @@ import torch
 import cute_flash
 from cute_flash.reference import attention_varlen_ref
 from tests.helpers.backward import assert_grads_match
-from tests.helpers.gpu_utils import assert_matches_reference, backward_on_path, cu_seqlens, on_path
+from tests.helpers.caches import paged_cache
+from tests.helpers.gpu_utils import (assert_matches_reference, backward_on_path, cu_seqlens, on_path,
+                                     varlen_attention)
 from layouts.traits import head_dim_bucket
 
 pytestmark = pytest.mark.gpu
@@ -106,3 +108,29 @@ def test_a_packed_forward_without_gradient_takes_v_as_it_is(arch_path, kernels, 
     assert kernels == on_path(arch_path, "fwd")
     if "sm90_fwd" in kernels:
         assert hopper_value_dims == [128]
+
+
+@pytest.mark.parametrize("d, d_v, page_size", [(192, 128, 64), (128, 256, 64), (64, 128, 128)])
+def test_a_paged_packed_forward_takes_v_as_it_is(monkeypatch, kernels, hopper_value_dims, d, d_v, page_size):
+    """Keys and values in pages (the same table, each its own head dim) on the Hopper forward,
+    V's pages read at V's width (`page_source`): against the reference, and bitwise against the
+    same keys packed contiguously; pages of 64 rows hold whole key blocks when the wider head
+    dim is above 128."""
+    monkeypatch.delenv("CUTE_FLASH_ARCH_PATH", raising=False)
+    lq, lk = [1, 100, 0, 257, 33], [300, 1, 5, 129, 600]
+    torch.manual_seed(11)
+    k_pages, _, table, k, _ = paged_cache(lk, page_size, 2, d, torch.bfloat16)
+    torch.manual_seed(11)
+    _, v_pages, same_table, _, v = paged_cache(lk, page_size, 2, d_v, torch.bfloat16)
+    assert torch.equal(table, same_table)
+    q = torch.randn(sum(lq), 4, d, device="cuda", dtype=torch.bfloat16)
+    cu_q, cu_k = cu_seqlens(lq), cu_seqlens(lk)
+    out, lse = varlen_attention(q, k_pages, v_pages, cu_q, cu_k, lq, lk, block_table=table, causal=True)
+    flat, flat_lse = varlen_attention(q, k, v, cu_q, cu_k, lq, lk, causal=True)
+    assert out.shape == (sum(lq), 4, d_v)
+    assert kernels == on_path("default", "fwd")
+    if "sm90_fwd" in kernels:
+        assert hopper_value_dims == [head_dim_bucket(d_v)] * 2
+        assert torch.equal(out, flat) and torch.equal(lse, flat_lse)
+    assert_matches_reference(out, lse, q, k_pages, v_pages, ref_fn=attention_varlen_ref, cu_seqlens_q=cu_q,
+                             cu_seqlens_k=cu_k, block_table=table, causal=True)
