@@ -7,8 +7,22 @@ works without a GPU or the CuTe DSL. Nothing here is fast; everything here is me
 """
 
 import math
+import os
 
 import torch
+
+# compute-sanitizer racecheck aborts on torch's own fp16/bf16 GEMMs (cuBLAS) on an H100, with no
+# kernel of ours running (docs/tuning/gpu-suite.md, "seventh session"); `python -m cute_flash
+# racecheck` sets this, and the input-dtype reference then rounds float32 GEMMs to its dtype
+ROUNDED_FP32_GEMMS = "CUTE_FLASH_REFERENCE_GEMMS"
+
+
+def _einsum(equation, a, b):
+    """torch.einsum, or under ROUNDED_FP32_GEMMS=1 the same product in float32 rounded to a's
+    dtype (both accumulate in float32; the order of the adds may differ)."""
+    if os.environ.get(ROUNDED_FP32_GEMMS) == "1" and a.dtype in (torch.float16, torch.bfloat16):
+        return torch.einsum(equation, a.float(), b.float()).to(a.dtype)
+    return torch.einsum(equation, a, b)
 
 
 def attention_ref(
@@ -66,7 +80,7 @@ def attention_ref(
         q, k, v = q.float(), k.float(), v.float()
     k = k.repeat_interleave(h // hk, dim=2)
     v = v.repeat_interleave(h // hk, dim=2)
-    scores = torch.einsum("bqhd,bkhd->bhqk", q * scale, k)
+    scores = _einsum("bqhd,bkhd->bhqk", q * scale, k)
     if softcap > 0:
         scores = softcap * torch.tanh(scores / softcap)
 
@@ -119,7 +133,7 @@ def attention_ref(
         from layouts.philox import KEEP_RANGE, keep_threshold
 
         kept = probs.masked_fill(~dropout_mask.to(probs.device), 0.0) * (KEEP_RANGE / keep_threshold(dropout_p))
-    out = torch.einsum("bhqk,bkhd->bqhd", kept.to(v.dtype), v)
+    out = _einsum("bhqk,bkhd->bqhd", kept.to(v.dtype), v)
     return (out.to(out_dtype), lse, probs) if return_probs else (out.to(out_dtype), lse)
 
 

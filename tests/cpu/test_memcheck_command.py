@@ -165,3 +165,35 @@ def test_retry_aborted_runs_an_aborted_processs_tests_one_by_one(fake_machine, m
     monkeypatch.delenv("FAULT_CASE")
     assert sanitize.run("racecheck", ["-q", "-p", "no:cacheprovider", tests], jobs=2, chunk=3,
                         retry_aborted=True) == 0
+
+
+MODEL_TESTS = '''
+import os
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+
+def test_reference():
+    with open(os.path.join(os.environ["RECORD_DIR"], "gemms"), "w") as f:
+        f.write(os.environ.get("CUTE_FLASH_REFERENCE_GEMMS", "unset"))
+
+
+@pytest.mark.lowp_gemm
+def test_model():
+    open(os.path.join(os.environ["RECORD_DIR"], "model"), "w").close()
+'''
+
+
+@pytest.mark.parametrize("tool, gemms, model_runs", [("memcheck", "unset", True), ("racecheck", "1", False)])
+def test_racecheck_leaves_out_bf16_models_and_rounds_the_references_gemms(fake_machine, capsys, tool, gemms,
+                                                                           model_runs):
+    tests, record = fake_machine
+    with open("test_model.py", "w") as f:
+        f.write(MODEL_TESTS)
+    assert sanitize.run(tool, ["-q", "-p", "no:cacheprovider", tests, "test_model.py"], jobs=2) == 0
+    out = capsys.readouterr().out
+    assert f"{tool}: {7 if model_runs else 6} tests in 2 sanitized processes" in out
+    assert ("racecheck: leaves out 1 tests marked lowp_gemm" in out) == (not model_runs)
+    assert (record / "gemms").read_text() == gemms
+    assert (record / "model").exists() == model_runs

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from cute_flash.reference import (
+    ROUNDED_FP32_GEMMS,
     apply_rotary_ref,
     attention_kvcache_ref,
     attention_ref,
@@ -99,6 +100,20 @@ def test_upcast_false_computes_in_input_dtype():
     assert lo.dtype == torch.bfloat16 and lse_lo.dtype == torch.float32
     err = (lo.float() - hi.float()).abs().max().item()
     assert 0 < err < 0.1
+
+
+def test_rounded_float32_gemms_stay_in_the_input_dtype_between_gemms(monkeypatch):
+    """Under racecheck the input-dtype reference runs its GEMMs in float32 and rounds each product
+    (ROUNDED_FP32_GEMMS): still an input-dtype result, as far from the float32 one as before."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 64, 2, 64, generator=gen).bfloat16() for _ in range(3))
+    hi, _ = attention_ref(q, k, v)
+    lo, _ = attention_ref(q, k, v, upcast=False)
+    monkeypatch.setenv(ROUNDED_FP32_GEMMS, "1")
+    rounded, _ = attention_ref(q, k, v, upcast=False)
+    assert rounded.dtype == torch.bfloat16
+    err, err_rounded = ((x.float() - hi.float()).abs().max().item() for x in (lo, rounded))
+    assert 0 < err_rounded < 2 * err
 
 
 # ---------------------------------------------------------------- hand-checkable cases
