@@ -96,7 +96,7 @@ def varlen_dq_tiles(total_q: int, batch: int, block_m: int) -> int:
 
 def _semaphores(config: Sm90BwdConfig, dq_accum: torch.Tensor):
     """Deterministic mode: one zeroed int32 count of dQ adds per dQaccum tile (the kernel's
-    `DqTurn`s: key blocks add in increasing order); None otherwise."""
+    `DqTurn`s: key blocks add in a fixed order); None otherwise."""
     if not config.deterministic:
         return None
     return torch.zeros(dq_accum.shape[1:-1], dtype=torch.int32, device=dq_accum.device)
@@ -184,7 +184,7 @@ def _flash_bwd_sm90_varlen(dout, q, k, v, out, lse, config: BwdConfig, index, cu
                                      alibi_2d(alibi_slopes, batch, h), rng_of(dropout, q.device),
                                      _semaphores(sm90, dq_accum), aux_of(mods), cu_seqlens_q, cu_seqlens_k, seqused_k,
                                      key_blocks_longest_first(cu_seqlens_q, cu_seqlens_k, total_k, t.block_m,
-                                                              t.block_n, right), softmax_scale,
+                                                              t.block_n, right, sm90.dq_descending), softmax_scale,
                                      *scales(softmax_scale, softcap, has_score_mod(mods)), left, right)
     dq_out = torch.zeros((total_q, h, d_pad), dtype=q.dtype, device=q.device)  # rows no sequence covers: 0
     compiled.kernel_for(DQConvertConfig(t, even_k, True, 4, hopper=True), index)(

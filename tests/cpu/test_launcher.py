@@ -525,12 +525,14 @@ def test_packed_backwards_on_sm90_take_the_hopper_kernel(recorder, monkeypatch):
     Hopper kernel's `call_varlen` and the packed Hopper dQ convert, with LSE (times log2 e) and
     D in rows padded per sequence to whole query blocks (sequence b from row (cu_seqlens_q[b] //
     128 + b) * 128; +inf and 0 elsewhere); deterministic too, with one zeroed semaphore per
-    dQaccum tile."""
+    dQaccum tile; deterministic and causal, with each sequence's key blocks listed last first
+    (`dq_descending`)."""
     from cute_flash.kernels.common.constants import LOG2E
     from cute_flash.kernels.sm80.bwd_preprocess import PreprocessConfig
     from cute_flash.kernels.sm80.dq_convert import DQConvertConfig
     from cute_flash.kernels.sm90.bwd import Sm90BwdConfig
     from cute_flash.launch.backward import flash_bwd_varlen
+    from cute_flash.launch.varlen_order import key_blocks_longest_first
 
     q, dout = (torch.randn(75, 4, 20, dtype=torch.bfloat16) for _ in range(2))
     k = torch.randn(90, 2, 20, dtype=torch.bfloat16)
@@ -563,6 +565,12 @@ def test_packed_backwards_on_sm90_take_the_hopper_kernel(recorder, monkeypatch):
     main = recorder.launches[4]
     assert main.config.deterministic and main.config.varlen and main["mSemaphore"].shape == (4, tiles)
     assert main["mSemaphore"].dtype == torch.int32 and not main["mSemaphore"].any()
+    assert not main.config.dq_descending
+    flash_bwd_varlen(dout, q, k, k, q, lse, deterministic=True, causal=True, **lens)
+    main = recorder.launches[7]
+    assert main.config.dq_descending  # a right edge: each sequence's key blocks listed last first
+    assert torch.equal(main["mTiles"], key_blocks_longest_first(lens["cu_seqlens_q"], lens["cu_seqlens_k"], 90,
+                                                                main.config.traits.block_m, 128, 0, descending=True))
 
 
 def test_padded_rows_stay_inside_whatever_the_prefix_sums_hold():

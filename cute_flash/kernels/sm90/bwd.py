@@ -101,6 +101,16 @@ class Sm90BwdConfig:
                              "dQ adds count every key block of a query block")
 
     @property
+    def dq_descending(self) -> bool:
+        """Deterministic with a right edge (causal, or a window's right side): a query block's
+        dQ adds run from its last key block down, and the key blocks launch in that order. A
+        right edge makes key block n's first query block grow with n, so in increasing order
+        each key block waited for the one below to reach its first query block, a chain as long
+        as the sequence; in decreasing order a key block's turn comes as it gets there
+        (docs/tuning/backward.md, "Deterministic mode: the order of the dQ adds")."""
+        return self.deterministic and self.has_right
+
+    @property
     def num_threads(self) -> int:
         """The consumer warpgroups and one producer warpgroup."""
         return 128 * (hopper.bwd_warpgroups(self.traits) + 1)
@@ -192,10 +202,12 @@ class Sm90BwdPipes:
 @dataclass(frozen=True)
 class DqTurn:
     """Deterministic mode: when this CTA's warpgroups may add their dQ into one query tile.
-    The tile's semaphore counts the warpgroup adds done; key blocks add in increasing order, so
-    a warpgroup waits until every warpgroup of the tile's earlier key blocks has added. Those
-    CTAs were launched before this one (dense: lower x; packed: earlier in `VarlenTiles`), so
-    they run or are done: no wait is on a CTA that waits for a slot."""
+    The tile's semaphore counts the warpgroup adds done; key blocks add in increasing order (in
+    decreasing order with `Sm90BwdConfig.dq_descending`), so a warpgroup waits until every
+    warpgroup of the tile's key blocks before it in that order has added. Those CTAs were
+    launched before this one (dense: lower x, which counts key blocks down when descending;
+    packed: earlier in `VarlenTiles`), so they run or are done: no wait is on a CTA that waits
+    for a slot."""
     semaphore: object  # pointer to the tile's int32 count
     before: object     # adds that come first: warpgroups x the key blocks of this tile before this one
 
@@ -314,6 +326,8 @@ class FlashBwdSm90:
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if cutlass.const_expr(args.varlen is None):
             n_block, bidh, bidb = cute.arch.block_idx()
+            if cutlass.const_expr(cfg.dq_descending):  # the last key block launches first (`DqTurn`)
+                n_block = cute.arch.grid_dim()[0] - 1 - n_block
         else:
             bidb, n_block, bidh = args.varlen.tiles.at(cute.arch.block_idx()[0])
 
@@ -566,8 +580,8 @@ class FlashBwdSm90:
 
     def dq_turn(self, args: Sm90BwdTensors, tile: KeyTile, m_block, window: Window):
         """Deterministic mode: this CTA's `DqTurn` at query block m_block, whose key blocks are
-        [n_block_min, ...) (`BlockRange`, exactly the blocks whose `QueryBlocks` hold m_block, from
-        below); None otherwise."""
+        [n_block_min, n_block_max) (`BlockRange`, exactly the blocks whose `QueryBlocks` hold
+        m_block), counted from below, or from above with `dq_descending`; None otherwise."""
         if cutlass.const_expr(not self.config.deterministic):
             return None
         if cutlass.const_expr(tile.seq.sum_s_q is None):
@@ -575,8 +589,11 @@ class FlashBwdSm90:
         else:
             row = args.mSemaphore[tile.bidh, None]
         index = first_tile(tile.seq, tile.bidb, self.t.block_m) + m_block
-        first = BlockRange.make(tile.seq, m_block, self.t.block_m, self.t.block_n, window).n_block_min
-        return DqTurn(cute.domain_offset((index,), row).iterator, (tile.n_block - first) * self.wgs)
+        blocks = BlockRange.make(tile.seq, m_block, self.t.block_m, self.t.block_n, window)
+        earlier = tile.n_block - blocks.n_block_min  # key blocks that add before this one
+        if cutlass.const_expr(self.config.dq_descending):
+            earlier = blocks.n_block_max - 1 - tile.n_block
+        return DqTurn(cute.domain_offset((index,), row).iterator, earlier * self.wgs)
 
     @cute.jit
     def clear_rows(self, tiles, first_row, rows: cutlass.Constexpr, mma_tidx):
