@@ -24,11 +24,10 @@ def _lengths(cu_seqlens: torch.Tensor) -> torch.Tensor:
     return (cu_seqlens[1:] - cu_seqlens[:-1]).long().clamp(min=0)
 
 
-def _longest_first(lengths: torch.Tensor, total: int, block: int, work, order_key=None) -> torch.Tensor:
+def _longest_first(lengths: torch.Tensor, total: int, block: int, work) -> torch.Tensor:
     """(entries, 2) int32 (sequence, block): each block of each sequence (`lengths` rows,
-    `block` rows a block), ordered by work(sequence, block) (most first; or by order_key(seq,
-    block, work), largest first, where given), ties in (sequence, block) order; entries past
-    the batch's blocks name block PAST of sequence 0, last."""
+    `block` rows a block), ordered by work(sequence, block) (most first), ties in (sequence,
+    block) order; entries past the batch's blocks name block PAST of sequence 0, last."""
     batch = lengths.shape[0]
     blocks = (lengths + block - 1) // block
     ends = torch.cumsum(blocks, 0)
@@ -37,10 +36,7 @@ def _longest_first(lengths: torch.Tensor, total: int, block: int, work, order_ke
     listed = seq < batch
     seq = seq.clamp(max=batch - 1)
     index = j - (ends - blocks)[seq]
-    key = work(seq, index)
-    if order_key is not None:
-        key = order_key(seq, index, key)
-    order = torch.sort(torch.where(listed, key, -1), descending=True, stable=True).indices
+    order = torch.sort(torch.where(listed, work(seq, index), -1), descending=True, stable=True).indices
     index = torch.where(listed, index, PAST)
     seq = torch.where(listed, seq, 0)
     return torch.stack([seq[order], index[order]], 1).to(torch.int32)
@@ -63,10 +59,10 @@ def key_blocks_longest_first(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Ten
         first_row = (n_block * block_n - (lk[seq] - lq[seq]) - right).clamp(min=0)  # the first that sees the block
         return (m_blocks - first_row // block_m).clamp(min=0)
 
-    def sequence_then_last_block_first(seq, n_block, _):
+    def sequence_then_last_block_first(seq, n_block):  # a sort key: the first block's work, then the block
         return work(seq, torch.zeros_like(n_block)) * (PAST + 1) + n_block
 
-    return _longest_first(lk, total_k, block_n, work, sequence_then_last_block_first if descending else None)
+    return _longest_first(lk, total_k, block_n, sequence_then_last_block_first if descending else work)
 
 
 def query_blocks_longest_first(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_q: int, block_m: int,
