@@ -42,8 +42,9 @@ def fold(out: Tensor, lse: Tensor, sink: Tensor | None) -> tuple[Tensor, Tensor]
     keys_lse = lse.masked_fill(lse == math.inf, -math.inf)  # +inf marks a row that sees no key
     lse_sink = torch.logaddexp(keys_lse, _per_head(sink, lse))
     factor = _rows_last(torch.exp(keys_lse - lse_sink), out)
-    wide = torch.promote_types(out.dtype, torch.float32)  # fp16 / bf16 rescaled in fp32
-    return (out.to(wide) * factor).to(out.dtype), lse_sink
+    # one pass over O: torch multiplies fp16 / bf16 by the fp32 factor in fp32 and rounds into
+    # `out=` once (equal bit for bit to widening O first, which wrote and read an fp32 copy)
+    return torch.mul(out, factor, out=torch.empty_like(out)), lse_sink
 
 
 def grad(lse_sink: Tensor, softmax_d: Tensor, sink: Tensor) -> Tensor:

@@ -54,6 +54,21 @@ def test_fold_of_packed_sequences_matches_the_reference():
     torch.testing.assert_close(lse, ref_lse, **CLOSE)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fold_of_a_low_precision_output_rounds_once(dtype):
+    """A bf16 / fp16 O is rescaled in fp32 and rounded once: O' = round(O * exp(L - L')), the
+    layout and strides of O kept."""
+    q, k, v = _qkv(sq=61, dtype=dtype)
+    out, lse = attention_ref(q, k, v, causal=True)
+    out = out.transpose(1, 2).contiguous().transpose(1, 2)  # heads-major strides, as a kernel may write
+    sink = _sink(dtype=torch.float32)
+    folded, _ = sinks.fold(out, lse, sink)
+    keys_lse = lse.masked_fill(lse == float("inf"), -float("inf"))
+    factor = torch.exp(keys_lse - torch.logaddexp(keys_lse, sink.view(1, -1, 1)))  # (b, h, rows)
+    assert folded.dtype == dtype and folded.stride() == out.stride()
+    assert torch.equal(folded, (out.float() * factor.transpose(1, 2).unsqueeze(-1)).to(dtype))
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_kernels_backward_on_the_folded_outputs_is_exact(causal):
     """dq, dk, dv by the kernels' formulas from (O', L') and dsink from sinks.grad equal
