@@ -121,7 +121,7 @@ def run(tool_name: str, pytest_args: list, jobs: int = 1, chunk: int | None = No
         quiet = [a for a in pytest_args if a not in ("-q", "-v")]  # ids one per line needs exactly one -q
         ids = _collect(tool.marks, quiet, env)
         if tool.leaves_out:
-            print(f"{tool.name}: leaves out {len(_collect(tool.leaves_out, quiet, env))} tests marked "
+            print(f"{tool.name}: leaves out {len(_collect(f'gpu and {tool.leaves_out}', quiet, env))} tests marked "
                   f"{tool.leaves_out}, which it cannot run", flush=True)
         shards = plan.shards(ids, options)
         at_a_time = f", {jobs} at a time" if len(shards) > jobs else ""
