@@ -28,8 +28,8 @@ def padded_backward(bwd, dout, q, k, v, out, lse, dq=None, dk=None, dv=None):
     d, d_v = q.shape[-1], v.shape[-1]
     wide = max(d, d_v)
 
-    def pad(x):
-        return torch.nn.functional.pad(x, (0, wide - x.shape[-1]))
+    def pad(x):  # a tensor already `wide` as it is (a zero-width pad would copy it)
+        return x if x.shape[-1] == wide else torch.nn.functional.pad(x, (0, wide - x.shape[-1]))
 
     gq, gk, gv, dot = bwd(pad(dout), pad(q), pad(k), pad(v), pad(out), lse)
     grads = [grad if given is None else given.copy_(grad)
