@@ -195,9 +195,14 @@ class Sm90FwdConfig:
 
     @property
     def own_o_tile(self) -> bool:
-        """O is staged in a tile of its own (persistent, or V's head dim differs from Q's);
-        otherwise in Q's, whose warpgroup row blocks it then shares exactly."""
-        return self.persistent or self.traits.head_dim_v is not None
+        """O is staged in a tile of its own (`owns_o_tile`); otherwise in Q's, whose warpgroup
+        row blocks it then shares exactly."""
+        return self.owns_o_tile(self.traits, self.persistent)
+
+    @staticmethod
+    def owns_o_tile(traits: HopperTileTraits, persistent: bool) -> bool:
+        """O has a tile of its own: persistent, or V's head dim differs from Q's."""
+        return persistent or traits.head_dim_v is not None
 
     @staticmethod
     def fits_persistent(traits: HopperTileTraits, stages: int = 2) -> bool:
@@ -208,9 +213,9 @@ class Sm90FwdConfig:
 
     @staticmethod
     def smem_for(traits: HopperTileTraits, stages: int, persistent: bool) -> int:
-        """The tiles (O's own when persistent), the mbarriers (8 bytes each: Q's full and empty
+        """The tiles (O's own where `owns_o_tile`), the mbarriers (8 bytes each: Q's full and empty
         ones, a full and an empty one per stage of K and of V) and the tile slot (4 int32)."""
-        o_tile = ELEMENT_BYTES * traits.block_m * traits.dv if persistent or traits.head_dim_v is not None else 0
+        o_tile = ELEMENT_BYTES * traits.block_m * traits.dv if Sm90FwdConfig.owns_o_tile(traits, persistent) else 0
         return traits.smem_bytes(stages) + o_tile + 8 * (2 + 4 * stages) + 16
 
     @property
