@@ -110,8 +110,9 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
     seqused_k, d 64 fp16 with every flag, d 128 causal over pages) and KV caches (d 128 plain, d
     64 split with softcap at its three stages, d 128 split, paged and GQA-folded, d 256 fp16
     with every flag, d 128 GQA-folded at two CTAs an SM), d 128 with K / V multicast (as
-    without a mask from 2048 keys), and MLA's d 192 with V's 128 (`VALUE_DIM_PAIRS`), causal,
-    dense and packed."""
+    without a mask from 2048 keys), MLA's d 192 with V's 128 (`VALUE_DIM_PAIRS`), causal,
+    dense and packed, and a learnable sink (d 128 causal persistent, d 64 causal packed); the
+    full list has every dense and packed variant with a sink too."""
     if full:
         out = []
         for t in shipped_hopper_traits():
@@ -142,6 +143,7 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
                 if t.warpgroups != 3:
                     out += [Sm90FwdConfig(t, varlen=True, has_seqused_k=u, paged=p, **flags)
                             for u in (False, True) for p in (False, True)]
+        out += [replace(c, learnable_sink=True) for c in out]  # every dense and packed one with a sink
         for ctas in (1, 2):
             for t in shipped_hopper_cache_traits(ctas):
                 for bits in itertools.product((False, True), repeat=4):
@@ -194,7 +196,10 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
                   Sm90FwdConfig(choose_hopper_cache_traits(128, "bf16", ctas_per_sm=2), kvcache=True, pack_gqa=True,
                                 ctas_per_sm=2, dependent_launch=True),
                   Sm90FwdConfig(mla, persistent=Sm90FwdConfig.fits_persistent(mla), has_right=True),
-                  Sm90FwdConfig(mla, has_right=True, varlen=True)]
+                  Sm90FwdConfig(mla, has_right=True, varlen=True),
+                  Sm90FwdConfig(choose_hopper_traits(128, "bf16"), persistent=True, has_right=True,
+                                speculative_max=True, learnable_sink=True),
+                  Sm90FwdConfig(choose_hopper_traits(64, "bf16"), has_right=True, varlen=True, learnable_sink=True)]
 
 
 @functools.cache
