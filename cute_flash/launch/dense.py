@@ -6,11 +6,10 @@ import functools
 
 import torch
 
-from cute_flash import sinks
 from cute_flash.kernels.sm80.fwd import FwdConfig
 from cute_flash.launch import compiled, gpu
 from cute_flash.launch.align import aligned
-from cute_flash.launch.args import alibi_2d, positive_scale, scales, score_flags, window_edges
+from cute_flash.launch.args import alibi_2d, positive_scale, scales, score_flags, sink_logits, window_edges
 from cute_flash.launch.rng import DropoutArgs, rng_of
 from cute_flash.launch.batch_chunks import (batch_chunks, chunked, lengths_of, refuse_chunked_dropout, rows_of,
                                             slopes_of)
@@ -43,8 +42,7 @@ def flash_fwd(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1), sof
     kernel; `mods` the call's Python-written score / mask mods and their aux tensors (`ModArgs.of`);
     `block_mask` a FlexAttention BlockMask of the mask_mod, whose empty blocks either kernel
     skips (`launch/block_sparse.py`); `learnable_sink` (h,) a logit per head in every row's
-    denominator (cute_flash/sinks.py): the Hopper kernel's epilogue takes it, after the SM80
-    kernel `sinks.fold` does."""
+    denominator (cute_flash/sinks.py), which either kernel's epilogue adds."""
     b, sq, h, d = q.shape
     mods = ModArgs.of(mods)
     if chunked(b):  # launch/batch_chunks.py
@@ -75,10 +73,11 @@ def flash_fwd(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1), sof
         sparse = block_lists(block_mask, b, h, sq, k.shape[1], traits.block_m, traits.block_n)
     kernel = fwd_kernel(q.shape[-1], q.dtype, index, causal, traits,
                         tuple(score_flags(left, right, alibi_slopes, softcap, dropout).items()) + mod_flags(mods)
-                        + ((("block_sparse", True),) if sparse is not None else ()))
-    kernel(q, k, v, out, lse, alibi_2d(alibi_slopes, b, h), rng_of(dropout, q.device), aux_of(mods), sparse,
-           *scales(softmax_scale, softcap, has_score_mod(mods)), left, right)
-    return sinks.fold(value_cols(out, d_v), lse, learnable_sink)
+                        + ((("block_sparse", True),) if sparse is not None else ())
+                        + ((("learnable_sink", True),) if learnable_sink is not None else ()))
+    kernel(q, k, v, out, lse, alibi_2d(alibi_slopes, b, h), sink_logits(learnable_sink), rng_of(dropout, q.device),
+           aux_of(mods), sparse, *scales(softmax_scale, softcap, has_score_mod(mods)), left, right)
+    return value_cols(out, d_v), lse
 
 
 def flash_fwd_varlen(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
@@ -116,12 +115,13 @@ def flash_fwd_varlen(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     kernel = fwd_kernel(q.shape[-1], q.dtype, index, causal, None, (
         *score_flags(left, right, alibi_slopes, softcap, dropout).items(), ("varlen", True),
         ("has_seqused_k", seqused_k is not None), ("paged", paged),
-        ("any_page_size", paged and k.shape[1] % PAGE_ROWS != 0)) + mod_flags(mods))
+        ("any_page_size", paged and k.shape[1] % PAGE_ROWS != 0)) + mod_flags(mods)
+        + ((("learnable_sink", True),) if learnable_sink is not None else ()))
     cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     seqused = None if seqused_k is None else seqused_k.contiguous()
-    alibi, rng = alibi_2d(alibi_slopes, batch, h), rng_of(dropout, q.device)
+    alibi, rng, sink = alibi_2d(alibi_slopes, batch, h), rng_of(dropout, q.device), sink_logits(learnable_sink)
     for s in batch_chunks(batch):  # one launch unless past GRID_MAX_BATCH sequences (launch/batch_chunks.py)
-        kernel(q, k, v, out, lse, rows_of(alibi, s), rng, aux_of(mods), lengths_of(cu_seqlens_q, s),
+        kernel(q, k, v, out, lse, rows_of(alibi, s), sink, rng, aux_of(mods), lengths_of(cu_seqlens_q, s),
                lengths_of(cu_seqlens_k, s), rows_of(seqused, s), rows_of(block_table, s), max_seqlen_q,
                *scales(softmax_scale, softcap, has_score_mod(mods)), left, right)
-    return sinks.fold(value_cols(out, d_v), lse, learnable_sink)
+    return value_cols(out, d_v), lse

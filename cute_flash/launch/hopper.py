@@ -17,7 +17,7 @@ import torch
 from cute_flash.kernels.sm90.fwd import Sm90FwdConfig
 from cute_flash.launch import compiled, gpu
 from cute_flash.launch.align import aligned
-from cute_flash.launch.args import alibi_2d, scales, score_flags, window_edges
+from cute_flash.launch.args import alibi_2d, scales, score_flags, sink_logits, window_edges
 from cute_flash.launch.per_stream import per_stream, zeroed_counters
 from cute_flash.launch.block_sparse import block_lists
 from cute_flash.launch.mods import ModArgs, aux_of, has_score_mod, mod_flags
@@ -117,11 +117,6 @@ def flash_fwd_varlen_sm90(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
         query_blocks_longest_first(cu_seqlens_q, cu_seqlens_k, total_q, traits.block_m, traits.block_n, right),
         *scales(softmax_scale, softcap, has_score_mod(mods)), left, right)
     return value_cols(out, d_v), lse
-
-
-def sink_logits(learnable_sink):
-    """The kernel's mSink: the sink logits (h,) as contiguous fp32, or None."""
-    return None if learnable_sink is None else learnable_sink.detach().float().contiguous()
 
 
 def own_value_dim(q, v) -> int | None:

@@ -143,12 +143,12 @@ def test_packed_forwards_on_sm90_default_to_the_hopper_kernel(recorder, monkeypa
     assert [type(x.config) for x in recorder.launches[2:]] == [FwdConfig] * 3
 
 
-def test_a_learnable_sink_goes_to_the_hopper_epilogue_and_after_the_sm80_kernel(recorder, monkeypatch):
-    """The Hopper forward, dense and packed, gets the sink logits as fp32 (h,) and its O and LSE
-    come back as the kernel wrote them (`Sm90FwdConfig.learnable_sink`); the SM80 kernel's are
-    folded on the host (`sinks.fold`); without a sink no variant has one."""
-    from cute_flash import sinks
+def test_a_learnable_sink_goes_to_either_kernels_epilogue(recorder, monkeypatch):
+    """The forward kernels, Hopper and SM80, dense and packed, get the sink logits as fp32 (h,)
+    (`learnable_sink` in their configs) and their O and LSE come back as the kernel wrote them,
+    the sink in them; without a sink no variant has one."""
     from cute_flash.kernels.sm80.fwd import FwdConfig
+    from cute_flash.kernels.sm90.fwd import Sm90FwdConfig
     from cute_flash.launch import flash_fwd, flash_fwd_varlen
 
     q, k = torch.randn(2, 5, 4, 64, dtype=torch.bfloat16), torch.randn(2, 7, 2, 64, dtype=torch.bfloat16)
@@ -157,22 +157,19 @@ def test_a_learnable_sink_goes_to_the_hopper_epilogue_and_after_the_sm80_kernel(
                   cu_seqlens_k=torch.tensor([0, 3, 7], dtype=torch.int32), max_seqlen_q=3, max_seqlen_k=4,
                   softmax_scale=0.5, learnable_sink=sink)
     monkeypatch.delenv("CUTE_FLASH_ARCH_PATH", raising=False)
-    out, lse = flash_fwd(q, k, k, softmax_scale=0.5, causal=True, learnable_sink=sink)
-    packed_out, packed_lse = flash_fwd_varlen(q[0], k[0], k[0], **packed)
+    results = [flash_fwd(q, k, k, softmax_scale=0.5, causal=True, learnable_sink=sink),
+               flash_fwd_varlen(q[0], k[0], k[0], **packed)]
+    monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", "sm80")
+    results += [flash_fwd(q, k, k, softmax_scale=0.5, learnable_sink=sink),
+                flash_fwd_varlen(q[0], k[0], k[0], **packed)]
     flash_fwd(q, k, k, softmax_scale=0.5, causal=True)
-    dense, varlen, plain = recorder.launches
-    for launch in (dense, varlen):
+    *with_sink, plain = recorder.launches
+    assert [type(x.config) for x in with_sink] == [Sm90FwdConfig] * 2 + [FwdConfig] * 2
+    for launch, (out, lse) in zip(with_sink, results):
         assert launch.config.learnable_sink and launch["mSink"].dtype == torch.float32
         assert torch.equal(launch["mSink"], sink.float())
-    assert out.data_ptr() == dense["mO"].data_ptr() and lse is dense["mLSE"]
-    assert packed_out.data_ptr() == varlen["mO"].data_ptr() and packed_lse is varlen["mLSE"]
+        assert out.data_ptr() == launch["mO"].data_ptr() and lse is launch["mLSE"]
     assert not plain.config.learnable_sink and plain["mSink"] is None
-    folded = []
-    monkeypatch.setattr(sinks, "fold", lambda o, l, s: folded.append(s) or (o, l))
-    monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", "sm80")
-    flash_fwd(q, k, k, softmax_scale=0.5, learnable_sink=sink)
-    flash_fwd_varlen(q[0], k[0], k[0], **packed)
-    assert [type(x.config) for x in recorder.launches[3:]] == [FwdConfig] * 2 and folded == [sink, sink]
 
 
 def test_paged_packed_forwards_take_the_hopper_kernel(recorder, monkeypatch):
