@@ -151,7 +151,7 @@ def cmd_overhead():
             lambda: torch.ops.cute_flash.fwd(q, k, v, 0.125, False, -1, -1, 0.0, None, [], [], [])),
         "launcher (flash_fwd)": per_call_us(lambda: flash_fwd(q, k, v, softmax_scale=0.125)),
         "TVM-FFI call alone": per_call_us(
-            lambda: compiled(q, k, v, out, lse, None, None, None, None, 0.125 * LOG2E, 1.0, 8.0, -1, -1)),
+            lambda: compiled(q, k, v, out, lse, None, None, None, None, None, 0.125 * LOG2E, 1.0, 8.0, -1, -1)),
     }
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         rows["SDPA FLASH"] = per_call_us(lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt))

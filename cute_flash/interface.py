@@ -157,7 +157,8 @@ def _flash_attn(q, k, v, names, dropout_p, softmax_scale, causal, window_size, s
     caller's argument names; `caller` is the public function's name, None for the private
     forward, which has no autograd in flash-attn either. With grad mode on and an input
     requiring grad, eager calls go through `FlashAttnFunction` (compiled ones through the op's
-    registered gradient). `learnable_sink` is folded into the kernels' output (`cute_flash.sinks`).
+    registered gradient). `learnable_sink` goes to the launchers, whose output has it folded in
+    (`cute_flash.sinks`).
     `mods`: (score_mod, mask_mod, aux_tensors, score_mod_bwd), Python-written (`_user_mods`);
     `block_mask` a FlexAttention BlockMask of the mask_mod (`_validate.check_block_mask`)."""
     named = _check_qkv(q, k, v, names, _Q_DIMS, _KV_DIMS, value_dim=caller is not None)
@@ -195,9 +196,9 @@ def _flash_attn(q, k, v, names, dropout_p, softmax_scale, causal, window_size, s
                                             list(mods[2] or ()), *block_sparse.op_arguments(block_mask),
                                             deterministic, *_op_dropout(dropout), learnable_sink,
                                             ops.remember_mods(mods[0], mods[1], mods[3]))
-        return sinks.fold(*_kernels().flash_fwd(q, k, v, softmax_scale=scale, causal=causal, window_size=window,
-                                                softcap=softcap, alibi_slopes=alibi_slopes, dropout=dropout,
-                                                mods=_user_mods(mods), block_mask=block_mask), learnable_sink)
+        return _kernels().flash_fwd(q, k, v, softmax_scale=scale, causal=causal, window_size=window,
+                                    softcap=softcap, alibi_slopes=alibi_slopes, dropout=dropout,
+                                    mods=_user_mods(mods), block_mask=block_mask, learnable_sink=learnable_sink)
 
     if wants_grad:
         _refuse_mod_grads(mods, caller)
@@ -300,11 +301,11 @@ def _flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
                 q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, window[0],
                 window[1], softcap, alibi_slopes, block_table, seqused_k, list(mods[2] or ()), deterministic,
                 *_op_dropout(dropout), learnable_sink, ops.remember_mods(mods[0], mods[1], mods[3]))
-        return sinks.fold(*_kernels().flash_fwd_varlen(
+        return _kernels().flash_fwd_varlen(
             q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
             max_seqlen_k=max_seqlen_k, softmax_scale=scale, causal=causal, window_size=window, softcap=softcap,
             alibi_slopes=alibi_slopes, block_table=block_table, seqused_k=seqused_k, dropout=dropout,
-            mods=_user_mods(mods)), learnable_sink)
+            mods=_user_mods(mods), learnable_sink=learnable_sink)
 
     if wants_grad and paged:
         out, lse = run(q, k, v)

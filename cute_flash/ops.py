@@ -91,8 +91,8 @@ def fwd(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool, win
     out, lse = _launch().flash_fwd(q, k, v, softmax_scale=softmax_scale, causal=causal,
                                    window_size=(window_left, window_right), softcap=softcap,
                                    alibi_slopes=alibi_slopes, dropout=_dropout(dropout_p, rng_state),
-                                   mods=_mods(mods, aux_tensors), block_mask=_block_mask(block_mask, block_mask_sizes))
-    out, lse = sinks.fold(out, lse, learnable_sink)
+                                   mods=_mods(mods, aux_tensors), block_mask=_block_mask(block_mask, block_mask_sizes),
+                                   learnable_sink=learnable_sink)
     return _fresh(out), lse
 
 
@@ -117,8 +117,7 @@ def fwd_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens
         max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
         window_size=(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes,
         block_table=block_table, seqused_k=seqused_k, dropout=_dropout(dropout_p, rng_state),
-        mods=_mods(mods, aux_tensors))
-    out, lse = sinks.fold(out, lse, learnable_sink)
+        mods=_mods(mods, aux_tensors), learnable_sink=learnable_sink)
     return _fresh(out), lse
 
 

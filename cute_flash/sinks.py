@@ -4,11 +4,13 @@ that joins every row's softmax denominator and has no value.
 With the sink, row i's probabilities are exp(s_ij - L'_i) for its keys j and exp(sink_h - L'_i)
 for the sink, where L'_i = log(sum_j exp(s_ij) + exp(sink_h)) = logaddexp(L_i, sink_h) and L_i
 is the row's LSE over its keys (natural log, scores already scaled; the sink is not scaled).
-So the kernels run as they are and the sink is folded in after them, exactly:
+So the sink can be folded in after a kernel, exactly:
 
     L' = logaddexp(L, sink)        O' = O * exp(L - L')
 
 (a row that sees no key has L = +inf from the kernels, O = 0: there L' = sink, O' = 0). The
+dense and packed forward kernels do the same in their epilogue (`OnlineSoftmax.finalize`);
+`fold` does it after the KV-cache call. The
 backward of attention with a sink is the kernels' backward given O' and L': they recompute
 P_ij = exp(s_ij - L'_i), which are the rows' key probabilities with the sink, and use
 D_i = rowsum(dO_i * O'_i); the sink's own column has no value, so it adds nothing to dQ, dK,

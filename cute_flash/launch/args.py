@@ -48,6 +48,11 @@ def score_flags(left: int, right: int, alibi_slopes, softcap: float, dropout=Non
                 has_dropout=dropout is not None)
 
 
+def sink_logits(learnable_sink):
+    """The kernels' mSink: learnable sink logits (heads,) as contiguous fp32, or None."""
+    return None if learnable_sink is None else learnable_sink.detach().float().contiguous()
+
+
 def alibi_2d(alibi_slopes, batch, nheads):
     """(batch, heads) slopes as the kernels read them (a (heads,) vector broadcast), or None."""
     if alibi_slopes is None or alibi_slopes.dim() == 2:

@@ -17,7 +17,7 @@ import torch
 from cute_flash.kernels.sm90.fwd import Sm90FwdConfig
 from cute_flash.launch import compiled, gpu
 from cute_flash.launch.align import aligned
-from cute_flash.launch.args import alibi_2d, scales, score_flags, window_edges
+from cute_flash.launch.args import alibi_2d, scales, score_flags, sink_logits, window_edges
 from cute_flash.launch.per_stream import per_stream, zeroed_counters
 from cute_flash.launch.block_sparse import block_lists
 from cute_flash.launch.mods import ModArgs, aux_of, has_score_mod, mod_flags
@@ -39,7 +39,7 @@ def tile_counter(device: torch.device) -> torch.Tensor:
 def flash_fwd_sm90(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                    dropout: DropoutArgs | None = None, traits=None, persistent=None, sections=None,
                    speculative_max=None, speculative_in_place=None, stages=None, kv_multicast=None,
-                   mods: ModArgs | None = None, block_mask=None):
+                   mods: ModArgs | None = None, block_mask=None, learnable_sink=None):
     """Dense forward on the Hopper kernel: q / k (b, sq / sk, h / hk, d), v (b, sk, hk, d_v);
     returns (out (b, sq, h, d_v), lse (b, h, sq)) as `flash_fwd` does. `traits`
     (HopperTileTraits), `persistent`, `sections` (pairs per scheduling section),
@@ -47,7 +47,8 @@ def flash_fwd_sm90(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1)
     kernel's choices (`tune --sm90`); `kv_multicast` (sharing each K / V block between a
     cluster's two tiles) too, where `kv_multicast_fits`. `mods`: the call's Python-written mods
     (no speculative maxima then); `block_mask`: a FlexAttention BlockMask of the mask_mod, whose
-    empty blocks are skipped (`launch/block_sparse.py`)."""
+    empty blocks are skipped (`launch/block_sparse.py`); `learnable_sink` (h,): a logit per head
+    in each row's denominator, folded in by the epilogue (`Sm90FwdConfig.learnable_sink`)."""
     b, sq, h, _ = q.shape
     d_v = v.shape[-1]
     q, k, v = aligned(q), aligned(k), aligned(v)
@@ -73,7 +74,7 @@ def flash_fwd_sm90(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1)
                          "mask, an even number of query blocks")
     config = Sm90FwdConfig(traits, stages, persistent=persistent, speculative_max=speculative_max,
                            speculative_in_place=speculative_in_place, kv_multicast=kv_multicast,
-                           block_sparse=block_mask is not None,
+                           block_sparse=block_mask is not None, learnable_sink=learnable_sink is not None,
                            **score_flags(left, right, alibi_slopes, softcap, dropout), **dict(mod_flags(mods)))
     sparse = None if block_mask is None else block_lists(block_mask, b, h, sq, k.shape[1], traits.block_m,
                                                          traits.block_n)
@@ -81,8 +82,8 @@ def flash_fwd_sm90(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1)
     num_sms = gpu.num_sms(index)
     if sections is None:
         sections = section_heads(q, k, persistent and masked, traits.block_m, num_sms)
-    compiled.kernel_for(config, index)(q, k, v, out, lse, alibi_2d(alibi_slopes, b, h), rng_of(dropout, q.device),
-                                       aux_of(mods), sparse, tile_counter(q.device),
+    compiled.kernel_for(config, index)(q, k, v, out, lse, alibi_2d(alibi_slopes, b, h), sink_logits(learnable_sink),
+                                       rng_of(dropout, q.device), aux_of(mods), sparse, tile_counter(q.device),
                                        *scales(softmax_scale, softcap, has_score_mod(mods)), left, right,
                                        sections, num_sms)
     return value_cols(out, d_v), lse
@@ -90,11 +91,11 @@ def flash_fwd_sm90(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1)
 
 def flash_fwd_varlen_sm90(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale, causal=False,
                           window_size=(-1, -1), softcap=0.0, alibi_slopes=None, seqused_k=None, block_table=None,
-                          dropout: DropoutArgs | None = None, mods: ModArgs | None = None):
+                          dropout: DropoutArgs | None = None, mods: ModArgs | None = None, learnable_sink=None):
     """Packed batches on the Hopper kernel: q (total_q, h, d), k (total_k, hk, d) and v (..,
     d_v), or pages (num_pages, page_size, hk, d / d_v) through block_table (`hopper_pages_fit`),
     int32 prefix sums, seqused_k (batch,) int32 key lengths or None; returns (out (total_q, h,
-    d_v), lse (h, total_q)) as `flash_fwd_varlen` does.
+    d_v), lse (h, total_q)) as `flash_fwd_varlen` does; `learnable_sink` as `flash_fwd_sm90`'s.
     One CTA per tile, the tiles with the most key blocks first (`varlen_order`), and 128-row
     tiles at every d (192-row ones ran at half speed with one CTA per tile)."""
     total_q, h, _ = q.shape
@@ -106,12 +107,13 @@ def flash_fwd_varlen_sm90(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     traits = choose_hopper_traits(q.shape[-1], gpu.DTYPE_NAMES[q.dtype], head_dim_v=own_value_dim(q, v))
     config = Sm90FwdConfig(traits, varlen=True,
                            has_seqused_k=seqused_k is not None, paged=block_table is not None,
+                           learnable_sink=learnable_sink is not None,
                            **score_flags(left, right, alibi_slopes, softcap, dropout), **dict(mod_flags(mods)))
     cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     seqused = None if seqused_k is None else seqused_k.contiguous()
     compiled.kernel_for(config, gpu.device_index(q.device))(
-        q, k, v, out, lse, alibi_2d(alibi_slopes, cu_seqlens_q.shape[0] - 1, h), rng_of(dropout, q.device),
-        aux_of(mods), cu_seqlens_q, cu_seqlens_k, seqused, block_table,
+        q, k, v, out, lse, alibi_2d(alibi_slopes, cu_seqlens_q.shape[0] - 1, h), sink_logits(learnable_sink),
+        rng_of(dropout, q.device), aux_of(mods), cu_seqlens_q, cu_seqlens_k, seqused, block_table,
         query_blocks_longest_first(cu_seqlens_q, cu_seqlens_k, total_q, traits.block_m, traits.block_n, right),
         *scales(softmax_scale, softcap, has_score_mod(mods)), left, right)
     return value_cols(out, d_v), lse

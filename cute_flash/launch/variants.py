@@ -34,8 +34,9 @@ def fwd_variants(arch: int, full: bool = False) -> list[FwdConfig]:
     Otherwise a covering subset for CI (a compile takes 5-20 s on its 2 cores): every head-dim
     bucket of both kernels (forward and KV-cache), fp16 on sm_80 and bf16 on sm_90 (the dtype
     only changes the MMA atom); the varlen, seqused_k and paged variants (pages of a multiple of
-    16 rows, and of any size); dropout, dense and varlen; and on sm_90 each score flag alone and
-    all together, each cache flag alone, and the split + paged pair with both page forms.
+    16 rows, and of any size); dropout, dense and varlen; a learnable sink, dense and varlen; and
+    on sm_90 each score flag alone and all together, each cache flag alone, and the split + paged
+    pair with both page forms.
     """
     combos = [dict(zip(SCORE_FLAGS, bits)) for bits in itertools.product((False, True), repeat=len(SCORE_FLAGS))]
     causal = dict(has_left=False, has_right=True, has_alibi=False, has_softcap=False, even_k=True)
@@ -47,6 +48,7 @@ def fwd_variants(arch: int, full: bool = False) -> list[FwdConfig]:
     cache_flags += [dict(c, any_page_size=True) for c in cache_flags if c["paged"]]
     if full:
         combos += [dict(f, has_dropout=True) for f in combos]
+        combos += [dict(f, learnable_sink=True) for f in combos]
         varlen = [dict(f, varlen=True, has_seqused_k=u, paged=p, any_page_size=a) for f in combos
                   for u in (False, True) for p in (False, True) for a in (False, True) if p or not a]
         cache = [dict(has_right=r, kvcache=True, **c) for r in (False, True) for c in cache_flags
@@ -61,7 +63,8 @@ def fwd_variants(arch: int, full: bool = False) -> list[FwdConfig]:
     subset += [(pivot, dict(causal, varlen=True)), (pivot, dict(causal, varlen=True, has_seqused_k=True)),
                (pivot, dict(causal, varlen=True, paged=True)),
                (pivot, dict(causal, varlen=True, paged=True, any_page_size=True)),
-               (pivot, dict(causal, has_dropout=True)), (pivot, dict(causal, varlen=True, has_dropout=True))]
+               (pivot, dict(causal, has_dropout=True)), (pivot, dict(causal, varlen=True, has_dropout=True)),
+               (pivot, dict(causal, learnable_sink=True)), (pivot, dict(causal, varlen=True, learnable_sink=True))]
     if arch >= 90:
         all_on = dict(has_left=True, has_right=True, has_alibi=True, has_softcap=True, even_k=False)
         plain = dict(causal, has_right=False)
@@ -110,8 +113,9 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
     seqused_k, d 64 fp16 with every flag, d 128 causal over pages) and KV caches (d 128 plain, d
     64 split with softcap at its three stages, d 128 split, paged and GQA-folded, d 256 fp16
     with every flag, d 128 GQA-folded at two CTAs an SM), d 128 with K / V multicast (as
-    without a mask from 2048 keys), and MLA's d 192 with V's 128 (`VALUE_DIM_PAIRS`), causal,
-    dense and packed."""
+    without a mask from 2048 keys), MLA's d 192 with V's 128 (`VALUE_DIM_PAIRS`), causal,
+    dense and packed, and a learnable sink (d 128 causal persistent, d 64 causal packed); the
+    full list has every dense and packed variant with a sink too."""
     if full:
         out = []
         for t in shipped_hopper_traits():
@@ -142,6 +146,7 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
                 if t.warpgroups != 3:
                     out += [Sm90FwdConfig(t, varlen=True, has_seqused_k=u, paged=p, **flags)
                             for u in (False, True) for p in (False, True)]
+        out += [replace(c, learnable_sink=True) for c in out]  # every dense and packed one with a sink
         for ctas in (1, 2):
             for t in shipped_hopper_cache_traits(ctas):
                 for bits in itertools.product((False, True), repeat=4):
@@ -194,7 +199,10 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
                   Sm90FwdConfig(choose_hopper_cache_traits(128, "bf16", ctas_per_sm=2), kvcache=True, pack_gqa=True,
                                 ctas_per_sm=2, dependent_launch=True),
                   Sm90FwdConfig(mla, persistent=Sm90FwdConfig.fits_persistent(mla), has_right=True),
-                  Sm90FwdConfig(mla, has_right=True, varlen=True)]
+                  Sm90FwdConfig(mla, has_right=True, varlen=True),
+                  Sm90FwdConfig(choose_hopper_traits(128, "bf16"), persistent=True, has_right=True,
+                                speculative_max=True, learnable_sink=True),
+                  Sm90FwdConfig(choose_hopper_traits(64, "bf16"), has_right=True, varlen=True, learnable_sink=True)]
 
 
 @functools.cache

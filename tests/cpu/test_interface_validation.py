@@ -716,7 +716,8 @@ def test_dense_dispatch_passes_inputs_and_defaults(gpu_free):
     assert fn == "flash_fwd"
     assert q is args["q"] and k is args["k"] and v is args["v"]
     assert kw == dict(softmax_scale=D ** -0.5, causal=False, window_size=(-1, -1), softcap=0.0,
-                      alibi_slopes=None, dropout=None, mods=None, block_mask=None)
+                      alibi_slopes=None, dropout=None, mods=None, block_mask=None,
+                      learnable_sink=None)
     assert out.shape == args["q"].shape and bool((out == 7).all())
 
 
@@ -835,6 +836,7 @@ def test_varlen_dispatch_keywords(gpu_free, name):
         max_seqlen_q=3, max_seqlen_k=args["max_seqlen_k"], softmax_scale=D ** -0.5, causal=True,
         window_size=(left, 0), softcap=5.0, alibi_slopes=None,
         block_table=args.get("block_table"), seqused_k=args.get("seqused_k"), dropout=None, mods=None,
+        learnable_sink=None,
     )
     for key in ("cu_seqlens_q", "cu_seqlens_k", "block_table", "seqused_k"):
         assert kw[key] is args.get(key)

@@ -143,6 +143,35 @@ def test_packed_forwards_on_sm90_default_to_the_hopper_kernel(recorder, monkeypa
     assert [type(x.config) for x in recorder.launches[2:]] == [FwdConfig] * 3
 
 
+def test_a_learnable_sink_goes_to_either_kernels_epilogue(recorder, monkeypatch):
+    """The forward kernels, Hopper and SM80, dense and packed, get the sink logits as fp32 (h,)
+    (`learnable_sink` in their configs) and their O and LSE come back as the kernel wrote them,
+    the sink in them; without a sink no variant has one."""
+    from cute_flash.kernels.sm80.fwd import FwdConfig
+    from cute_flash.kernels.sm90.fwd import Sm90FwdConfig
+    from cute_flash.launch import flash_fwd, flash_fwd_varlen
+
+    q, k = torch.randn(2, 5, 4, 64, dtype=torch.bfloat16), torch.randn(2, 7, 2, 64, dtype=torch.bfloat16)
+    sink = torch.randn(4, dtype=torch.bfloat16)
+    packed = dict(cu_seqlens_q=torch.tensor([0, 2, 5], dtype=torch.int32),
+                  cu_seqlens_k=torch.tensor([0, 3, 7], dtype=torch.int32), max_seqlen_q=3, max_seqlen_k=4,
+                  softmax_scale=0.5, learnable_sink=sink)
+    monkeypatch.delenv("CUTE_FLASH_ARCH_PATH", raising=False)
+    results = [flash_fwd(q, k, k, softmax_scale=0.5, causal=True, learnable_sink=sink),
+               flash_fwd_varlen(q[0], k[0], k[0], **packed)]
+    monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", "sm80")
+    results += [flash_fwd(q, k, k, softmax_scale=0.5, learnable_sink=sink),
+                flash_fwd_varlen(q[0], k[0], k[0], **packed)]
+    flash_fwd(q, k, k, softmax_scale=0.5, causal=True)
+    *with_sink, plain = recorder.launches
+    assert [type(x.config) for x in with_sink] == [Sm90FwdConfig] * 2 + [FwdConfig] * 2
+    for launch, (out, lse) in zip(with_sink, results):
+        assert launch.config.learnable_sink and launch["mSink"].dtype == torch.float32
+        assert torch.equal(launch["mSink"], sink.float())
+        assert out.data_ptr() == launch["mO"].data_ptr() and lse is launch["mLSE"]
+    assert not plain.config.learnable_sink and plain["mSink"] is None
+
+
 def test_paged_packed_forwards_take_the_hopper_kernel(recorder, monkeypatch):
     """A paged packed forward whose pages hold whole key blocks (256 rows; 128-key blocks at d
     64) launches the Hopper varlen entry with the pages and the block table; with pages of 64

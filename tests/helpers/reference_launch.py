@@ -15,7 +15,7 @@ from cute_flash.reference import attention_kvcache_ref, attention_ref, attention
 
 def _forward_options(kw):
     return dict(softmax_scale=kw["softmax_scale"], causal=kw["causal"], window_size=kw["window_size"],
-                softcap=kw["softcap"], alibi_slopes=kw["alibi_slopes"])
+                softcap=kw["softcap"], alibi_slopes=kw["alibi_slopes"], learnable_sink=kw.get("learnable_sink"))
 
 
 def _grads(dout, q, k, v, out, lse, kw):

@@ -5,7 +5,7 @@ from dataclasses import fields
 FLAG_LETTERS = dict(has_left="L", has_right="R", has_alibi="A", has_softcap="S", has_dropout="Z", even_k="K",
                     varlen="V", has_seqused_k="U", paged="P", any_page_size="p", kvcache="C", split="X",
                     has_leftpad="l", has_batch_idx="B", pack_gqa="G", deterministic="D",
-                    mods="M", block_sparse="b")
+                    mods="M", block_sparse="b", learnable_sink="N")
 SCORE_FLAGS = ("has_left", "has_right", "has_alibi", "has_softcap", "even_k")
 CACHE_FLAGS = ("paged", "split", "has_leftpad", "has_batch_idx", "pack_gqa")
 

@@ -181,19 +181,30 @@ class OnlineSoftmax:
         self.row_sum.fill(0.0)
 
     @cute.jit
-    def finalize(self, acc_o_mn: cute.Tensor, lse: cute.Tensor, empty_lse: cutlass.Float32):
+    def finalize(self, acc_o_mn: cute.Tensor, lse: cute.Tensor, empty_lse: cutlass.Float32, sink_log2=None):
         """Normalise O and write the natural-log LSE per row into `lse` (registers).
 
         A row that saw no key has sum 0: O stays 0 and its LSE is `empty_lse` (+inf for a final
-        result, flash-attn's convention; -inf for a split's partial).
+        result, flash-attn's convention; -inf for a split's partial). `sink_log2`, a learnable
+        sink's logit times log2 e (cute_flash/sinks.py), joins each row's denominator: with m
+        the row's max and t = max(m, sink), O / (sum exp2(m - t) + exp2(sink - t)) * exp2(m - t)
+        and LSE (t + log2 of that denominator) ln 2; a row with no key gets O 0 and LSE the sink.
         """
         for r in cutlass.range_constexpr(cute.size(self.row_max)):
             row_sum = quad_allreduce_sum(self.row_sum[r])
             empty = row_sum == 0.0 or row_sum != row_sum
-            inv = 0.0 if empty else cute.arch.rcp_approx(row_sum)
-            acc_o_mn[r, None] = acc_o_mn[r, None].load() * inv
-            lse[r] = (
-                empty_lse
-                if empty
-                else (self.row_max[r] * self.scale_log2 + cute.math.log2(row_sum, fastmath=True)) * LN2
-            )
+            if cutlass.const_expr(sink_log2 is None):
+                inv = 0.0 if empty else cute.arch.rcp_approx(row_sum)
+                acc_o_mn[r, None] = acc_o_mn[r, None].load() * inv
+                lse[r] = (
+                    empty_lse
+                    if empty
+                    else (self.row_max[r] * self.scale_log2 + cute.math.log2(row_sum, fastmath=True)) * LN2
+                )
+            else:
+                row_max = self.row_max[r] * self.scale_log2
+                top = sink_log2 if empty else cute.arch.fmax(row_max, sink_log2)
+                keys = 0.0 if empty else cute.math.exp2(row_max - top, fastmath=True)
+                total = (0.0 if empty else row_sum * keys) + cute.math.exp2(sink_log2 - top, fastmath=True)
+                acc_o_mn[r, None] = acc_o_mn[r, None].load() * (keys * cute.arch.rcp_approx(total))
+                lse[r] = (top + cute.math.log2(total, fastmath=True)) * LN2

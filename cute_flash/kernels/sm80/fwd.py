@@ -39,6 +39,7 @@ import cutlass.cute as cute
 
 from cute_flash.kernels.common.block_range import BlockRange, Window
 from cute_flash.kernels.common.block_sparse import BlockSparse, SparseRow, fake_block_sparse
+from cute_flash.kernels.common.constants import LOG2E
 from cute_flash.kernels.common.fake import fake_stream, fake_tensor
 from cute_flash.kernels.common.flags import FLAG_LETTERS
 from cute_flash.kernels.common.gemm import MmaOperands
@@ -83,8 +84,13 @@ class FwdConfig:
     mods: object = None           # UserMods: Python-written score / mask mods (kernels/common/user_mods.py)
     block_sparse: bool = False    # dense: each query block visits its listed key blocks alone, the mask_mod
                                   # evaluated on the partial ones (kernels/common/block_sparse.py)
+    learnable_sink: bool = False  # dense or packed: a logit per head joins each row's softmax denominator in
+                                  # the epilogue (`OnlineSoftmax.finalize`; cute_flash/sinks.py)
 
     def __post_init__(self):
+        if self.learnable_sink and self.kvcache:
+            raise ValueError("the learnable sink is folded into dense and packed forwards; KV caches (whose split "
+                             "partials and folded rows are no whole rows of one head) fold it on the host")
         if self.kvcache and self.varlen:
             raise ValueError("kvcache and varlen are two different entry points")
         if (self.split or self.has_leftpad or self.has_batch_idx) and not self.kvcache:
@@ -181,6 +187,7 @@ class FwdTensors:
     mRng: object = None  # (4,) uint32: dropout's Philox key, offset and keep threshold
     aux: object = None   # the mods' aux tensors (a list)
     sparse: object = None  # block_sparse.BlockSparse of a block-sparse launch
+    mSink: object = None   # (heads,) fp32 learnable sink logits (`FwdConfig.learnable_sink`)
 
 
 @dataclass(frozen=True)
@@ -219,6 +226,7 @@ class CtaTensors:
     mAlibi: object
     head_dim: object   # the run-time head dim d <= kHeadDim
     aux: object = None  # the mods' aux tensors
+    mSink: object = None  # (heads,) fp32 learnable sink logits
 
 
 @dataclass(frozen=True)
@@ -258,23 +266,25 @@ class FlashFwd:
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
-                 mLSE: cute.Tensor, mAlibi, mRng, aux_tensors, block_sparse,
+                 mLSE: cute.Tensor, mAlibi, mSink, mRng, aux_tensors, block_sparse,
                  scale_log2: cutlass.Float32, score_premul: cutlass.Float32, alibi_div: cutlass.Float32,
                  window_left: cutlass.Int32, window_right: cutlass.Int32, stream):
         """mQ/mO (batch, seqlen_q, heads, d), mK/mV (batch, seqlen_k, heads_k, d) with strides the
         compiler may take as multiples of 8 (one 128-bit copy per 8 elements); mLSE (batch, heads,
-        seqlen_q) fp32; mAlibi (batch, heads) fp32 slopes; mRng (4,) uint32 dropout state;
+        seqlen_q) fp32; mAlibi (batch, heads) fp32 slopes; mSink (heads,) fp32 learnable sink logits
+        (`FwdConfig.learnable_sink`); mRng (4,) uint32 dropout state;
         aux_tensors: the mods' tensors (a list); block_sparse: the lists of `BlockSparse.of`
         (`FwdConfig.block_sparse`). In every entry, a tensor the config does not read is None
         (compiled as absent)."""
         args = FwdTensors(mQ, mK, mV, mO, mLSE, None, mAlibi, None, None, None, None, None, None, mRng, aux_tensors,
-                          BlockSparse.of(block_sparse))
+                          BlockSparse.of(block_sparse), mSink)
         self.launch(args, FwdScalars(0, 1, scale_log2, score_premul, alibi_div, window_left, window_right),
                     (cute.ceil_div(mQ.shape[1], self.t.block_m), mQ.shape[0], mQ.shape[2]), stream)
 
     @cute.jit
     def call_varlen(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
-                    mLSE: cute.Tensor, mAlibi, mRng, aux_tensors, mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor,
+                    mLSE: cute.Tensor, mAlibi, mSink, mRng, aux_tensors, mCuSeqlensQ: cute.Tensor,
+                    mCuSeqlensK: cute.Tensor,
                     mSeqUsedK, mBlockTable,
                     max_seqlen_q: cutlass.Int32,
                     scale_log2: cutlass.Float32, score_premul: cutlass.Float32, alibi_div: cutlass.Float32,
@@ -284,7 +294,7 @@ class FlashFwd:
         (heads, total_q), int32 prefix sums mCuSeqlens* (batch + 1,) and mSeqUsedK (batch,)
         (has_seqused_k). The grid covers max_seqlen_q; CTAs past a sequence's end exit."""
         args = FwdTensors(mQ, mK, mV, mO, mLSE, None, mAlibi, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, None, None,
-                          mBlockTable, mRng, aux_tensors)
+                          mBlockTable, mRng, aux_tensors, mSink=mSink)
         self.launch(args, FwdScalars(0, 1, scale_log2, score_premul, alibi_div, window_left, window_right),
                     (cute.ceil_div(max_seqlen_q, self.t.block_m), mCuSeqlensQ.shape[0] - 1, mQ.shape[1]), stream)
 
@@ -405,7 +415,7 @@ class FlashFwd:
             mK_s = cute.domain_offset((seq.leftpad_k, 0), mK[bidb_kv, None, bidh_kv, None])  # (seqlen_k, d)
             mV_s = cute.domain_offset((seq.leftpad_k, 0), mV[bidb_kv, None, bidh_kv, None])
         return seq, CtaTensors(mQ_s, mK_s, mV_s, mO_s, mLSE_s, mTable, args.mAlibi, mQ.shape[head_axis + 1],
-                               args.aux)
+                               args.aux, args.mSink)
 
     @cute.jit
     def attend(self, cta: CtaTile, seq: SeqInfo, views: CtaTensors, scalars: FwdScalars, recipe: TileRecipe,
@@ -487,8 +497,11 @@ class FlashFwd:
         # Epilogue (also the early exit: no visible key leaves O = 0 and LSE = +inf, or -inf
         # for a split's partial so that the combine gives it no weight).
         lse = cute.make_rmem_tensor(softmax.row_max.layout, cutlass.Float32)
+        sink_log2 = None  # the sink joins the denominator here (`FwdConfig.learnable_sink`)
+        if cutlass.const_expr(cfg.learnable_sink):
+            sink_log2 = views.mSink[cta.bidh] * LOG2E
         softmax.finalize(acc_o_mn, lse, -cutlass.Float32.inf if cutlass.const_expr(cfg.split)
-                         else cutlass.Float32.inf)
+                         else cutlass.Float32.inf, sink_log2)
         if cutlass.const_expr(cfg.has_dropout):  # the kept values' 1 / P(keep), once for all of O
             acc_o.store(acc_o.load() * dropout.scale())
         if cutlass.const_expr(cfg.split):
@@ -678,9 +691,10 @@ def fake_args(config: FwdConfig) -> list:
     alibi = f32(2, config.has_alibi)
     rng = fake_tensor(cutlass.Uint32, 1) if config.has_dropout else None
     aux = config.mods.fake_aux() if config.mods is not None else None
+    sink = f32(1, config.learnable_sink)
     if config.entry == "varlen":
         kv_rank = 4 if config.paged else 3
-        return ([elems(3), elems(kv_rank), elems(kv_rank), elems(3), f32(2), alibi, rng, aux, i32(1), i32(1)]
+        return ([elems(3), elems(kv_rank), elems(kv_rank), elems(3), f32(2), alibi, sink, rng, aux, i32(1), i32(1)]
                 + [i32(1, config.has_seqused_k), i32(2, config.paged), 1] + scalars)
     if config.entry == "kvcache":
         split = config.split
@@ -689,4 +703,4 @@ def fake_args(config: FwdConfig) -> list:
         return ([elems(4), elems(4), elems(4), elems(4), f32(3), accum, f32(4, split), i32(1, split), alibi, i32(1)]
                 + [i32(1, config.has_leftpad), i32(1, config.has_batch_idx), i32(2, config.paged), 0, 1] + scalars)
     sparse = fake_block_sparse() if config.block_sparse else None
-    return [elems(4) for _ in range(4)] + [f32(3), alibi, rng, aux, sparse] + scalars
+    return [elems(4) for _ in range(4)] + [f32(3), alibi, sink, rng, aux, sparse] + scalars

@@ -121,8 +121,13 @@ class Sm90FwdConfig:
     mods: object = None        # UserMods: Python-written score / mask mods (kernels/common/user_mods.py)
     block_sparse: bool = False  # dense: each query block visits its listed key blocks alone, the mask_mod
                                 # evaluated on the partial ones (kernels/common/block_sparse.py)
+    learnable_sink: bool = False  # dense or packed: a logit per head joins each row's softmax denominator in
+                                  # the epilogue (`OnlineSoftmax.finalize`; cute_flash/sinks.py)
 
     def __post_init__(self):
+        if self.learnable_sink and self.kvcache:
+            raise ValueError("the learnable sink is folded into dense and packed forwards; KV caches (whose split "
+                             "partials and folded rows are no whole rows of one head) fold it on the host")
         if (self.varlen or self.kvcache) and self.persistent:
             raise ValueError("packed batches and KV caches take one CTA per tile, not the persistent schedule")
         if self.varlen and self.kvcache:
@@ -236,7 +241,8 @@ class Sm90FwdConfig:
         schedule += "b" if self.block_sparse else ""
         mods = "" if self.mods is None else "-M" + "".join(
             m.digest for m in (self.mods.score_mod, self.mods.mask_mod) if m is not None)
-        return f"{self.traits.name}_s{self.stages}{schedule}-{score_letters(self)}{mods}"
+        return f"{self.traits.name}_s{self.stages}{schedule}-{score_letters(self)}{mods}" + (
+            "-sink" if self.learnable_sink else "")
 
 
 class FlashFwdSm90(TileScheduler, Producer, Consumer, Epilogue):
@@ -251,19 +257,20 @@ class FlashFwdSm90(TileScheduler, Producer, Consumer, Epilogue):
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
-                 mAlibi, mRng, aux_tensors, block_sparse, mTileCounter: cute.Tensor, scale_log2: cutlass.Float32,
+                 mAlibi, mSink, mRng, aux_tensors, block_sparse, mTileCounter: cute.Tensor, scale_log2: cutlass.Float32,
                  score_premul: cutlass.Float32,
                  alibi_div: cutlass.Float32, window_left: cutlass.Int32, window_right: cutlass.Int32,
                  section_heads: cutlass.Int32, max_ctas: cutlass.Int32, stream):
         """mQ (batch, seqlen_q, heads, d) and mO (.., dv), mK (batch, seqlen_k, heads_k, d) and mV
-        (.., dv), mLSE (batch, heads, seqlen_q) fp32, mAlibi (batch, heads) fp32 or None, mRng (4,) uint32 (the
+        (.., dv), mLSE (batch, heads, seqlen_q) fp32, mAlibi (batch, heads) fp32 or None, mSink (heads,) fp32
+        learnable sink logits (`Sm90FwdConfig.learnable_sink`) or None, mRng (4,) uint32 (the
         dropout state, `Dropout.load`) or None; aux_tensors the mods' tensors (a list) or None;
         block_sparse the lists of `BlockSparse.of` (`Sm90FwdConfig.block_sparse`) or None;
         mTileCounter (2,) int32, zero before a persistent launch and left zero by it;
         section_heads: see `tile`; max_ctas: the SMs a persistent variant spreads its tiles over."""
         scalars = Sm90Scalars(scale_log2, score_premul, alibi_div, window_left, window_right, section_heads)
         self.launch(mQ, mK, mV, mO, mLSE, mAlibi, mRng, mTileCounter, None, None, scalars, max_ctas, stream,
-                    aux_tensors, BlockSparse.of(block_sparse))
+                    aux_tensors, BlockSparse.of(block_sparse), mSink)
 
     @cute.jit
     def call_kvcache(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
@@ -300,7 +307,7 @@ class FlashFwdSm90(TileScheduler, Producer, Consumer, Epilogue):
 
     @cute.jit
     def call_varlen(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
-                    mAlibi, mRng, aux_tensors, mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, mSeqUsedK,
+                    mAlibi, mSink, mRng, aux_tensors, mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, mSeqUsedK,
                     mBlockTable,
                     mTiles: cute.Tensor,
                     scale_log2: cutlass.Float32, score_premul: cutlass.Float32, alibi_div: cutlass.Float32,
@@ -309,17 +316,18 @@ class FlashFwdSm90(TileScheduler, Producer, Consumer, Epilogue):
         heads, d), mK / mV (total_k, heads_k, d), or pages (num_pages, page_size, heads_k, d)
         with mBlockTable (batch, max_blocks) int32 (`Sm90FwdConfig.paged`; page_size a multiple
         of block_n; the prefix sums of the keys then only give lengths), mLSE (heads, total_q)
-        fp32, int32 prefix sums mCuSeqlens* (batch + 1,), mSeqUsedK (batch,) int32 key lengths
+        fp32, mSink as `__call__`'s, int32 prefix sums mCuSeqlens* (batch + 1,), mSeqUsedK (batch,) int32 key lengths
         or None; mTiles (entries, 2) int32 (sequence, query block) of each CTA's tile, in launch
         order (`VarlenTiles`), entries past a sequence's end storing nothing."""
         scalars = Sm90Scalars(scale_log2, score_premul, alibi_div, window_left, window_right, 1)
         varlen = Sm90Varlen(mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, VarlenTiles(mTiles, mQ.shape[1]), mO, mBlockTable)
-        self.launch(mQ, mK, mV, mO, mLSE, mAlibi, mRng, None, varlen, None, scalars, 0, stream, aux_tensors)
+        self.launch(mQ, mK, mV, mO, mLSE, mAlibi, mRng, None, varlen, None, scalars, 0, stream, aux_tensors,
+                    sink=mSink)
 
     @cute.jit
     def launch(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, mAlibi,
                mRng, mTileCounter, varlen, cache, scalars: Sm90Scalars, max_ctas, stream, aux_tensors=None,
-               sparse=None):
+               sparse=None, sink=None):
         t, stages = self.t, self.config.stages
         sQ_layout = hopper.smem_layout(t, t.block_m)
         sKV_layout = hopper.smem_layout_staged(t, t.block_n, stages)
@@ -347,7 +355,7 @@ class FlashFwdSm90(TileScheduler, Producer, Consumer, Epilogue):
         recipe = Sm90Recipe(sQ_layout, sKV_layout, sV_layout, sO_layout, tma_q, tma_k, tma_v, tma_o,
                             hopper.tiled_mma_qk(t), hopper.tiled_mma_pv(t))
         args = Sm90Tensors(tma_mQ, tma_mK, tma_mV, tma_mO, mLSE, mAlibi, mRng, mTileCounter, varlen, cache,
-                           aux_tensors, sparse)
+                           aux_tensors, sparse, sink)
         tiles = self.num_tiles(args)
         ctas = cutlass.min(tiles, max_ctas) if cutlass.const_expr(self.config.persistent) else tiles
         if cutlass.const_expr(self.config.kv_multicast):  # whole clusters; the host gives an even tile count
@@ -449,10 +457,11 @@ def fake_args(config: Sm90FwdConfig) -> list:
     `fake_args`)."""
     dtype = element_type(config.traits)
     aux = config.mods.fake_aux() if config.mods is not None else None
+    sink = fake_tensor(cutlass.Float32, 1) if config.learnable_sink else None
     if config.varlen:  # keys packed (total_k, heads_k, d) or in pages (num_pages, page_size, heads_k, d)
         kv_rank = 4 if config.paged else 3
         return [fake_tensor(dtype, r, ALIGN, COPY_BYTES) for r in (3, kv_rank, kv_rank, 3)] + [
-            fake_tensor(cutlass.Float32, 2), fake_tensor(cutlass.Float32, 2) if config.has_alibi else None,
+            fake_tensor(cutlass.Float32, 2), fake_tensor(cutlass.Float32, 2) if config.has_alibi else None, sink,
             fake_tensor(cutlass.Uint32, 1) if config.has_dropout else None, aux, fake_tensor(cutlass.Int32, 1),
             fake_tensor(cutlass.Int32, 1), fake_tensor(cutlass.Int32, 1) if config.has_seqused_k else None,
             fake_tensor(cutlass.Int32, 2) if config.paged else None, fake_tiles(), 1.0, 1.0, 1.0, -1, -1, fake_stream()]
@@ -467,7 +476,7 @@ def fake_args(config: Sm90FwdConfig) -> list:
                 + split + [alibi, fake_tensor(cutlass.Int32, 1), None, None, table, 0, 2]
                 + [1.0, 1.0, 1.0, -1, -1, fake_stream()])
     return [fake_tensor(dtype, 4, ALIGN, COPY_BYTES) for _ in range(4)] + [
-        fake_tensor(cutlass.Float32, 3), fake_tensor(cutlass.Float32, 2) if config.has_alibi else None,
+        fake_tensor(cutlass.Float32, 3), fake_tensor(cutlass.Float32, 2) if config.has_alibi else None, sink,
         fake_tensor(cutlass.Uint32, 1) if config.has_dropout else None, aux,
         fake_block_sparse() if config.block_sparse else None, fake_tensor(cutlass.Int32, 1),
         1.0, 1.0, 1.0, -1, -1, 1, 132, fake_stream()]

@@ -90,6 +90,7 @@ class Sm90Tensors:
     cache: object        # Sm90Cache for KV caches, else None
     aux: object = None   # the mods' aux tensors (a list), or None
     sparse: object = None  # block_sparse.BlockSparse of a block-sparse launch, or None
+    mSink: object = None   # (heads,) fp32 learnable sink logits (`Sm90FwdConfig.learnable_sink`), or None
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from cutlass.cute.nvgpu import warpgroup
 from cutlass.experimental.primitives import nvvm_wrapper as nvvm
 
 from cute_flash.kernels.common.block_range import BlockRange, Window
+from cute_flash.kernels.common.constants import LOG2E
 from cute_flash.kernels.common.gemm import wgmma, wgmma_issue
 from cute_flash.kernels.common.philox import Dropout, wgmma_groups
 from cute_flash.kernels.common.score_mods import Mask, ScoreMods
@@ -135,7 +136,11 @@ class Consumer:
 
         # no key seen: LSE +inf, or -inf in a split's partial so that the merge gives it no weight
         lse = cute.make_rmem_tensor(softmax.row_max.layout, cutlass.Float32)
-        softmax.finalize(acc_o_mn, lse, -cutlass.Float32.inf if cutlass.const_expr(cfg.split) else cutlass.Float32.inf)
+        sink_log2 = None  # the sink joins the denominator here (`Sm90FwdConfig.learnable_sink`)
+        if cutlass.const_expr(cfg.learnable_sink):
+            sink_log2 = args.mSink[tile.bidh] * LOG2E
+        softmax.finalize(acc_o_mn, lse, -cutlass.Float32.inf if cutlass.const_expr(cfg.split) else cutlass.Float32.inf,
+                         sink_log2)
         if cutlass.const_expr(cfg.has_dropout):  # the kept values' 1 / P(keep), once for all of O
             acc_o.store(acc_o.load() * dropout.scale())
         if cutlass.const_expr(cfg.cluster_merge):
