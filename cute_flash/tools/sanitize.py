@@ -11,18 +11,21 @@ when both report nothing (docs/architecture.md, "Sanitizers").
 `jobs` > 1 collects the tests and deals them round-robin to that many sanitized pytest
 processes, spread over the visible GPUs (run it from the repository root: the collected ids are
 relative to it); `chunk` gives each process that many consecutive tests instead, `jobs` at a
-time (`Plan`). Never pytest-xdist's `-n`: with 15 xdist workers under one sanitizer no test
+time (`Plan`). A process starts only when its GPU has `MIN_FREE_MIB` free (or none of ours
+running); tests marked `whole_gpu` run after the others, one process at a time. Never pytest-xdist's `-n`: with 15 xdist workers under one sanitizer no test
 finished in 570 s on the H200 machine, while one process ran 17 tests in 160 s (compiles
 dominate, so separate processes scale with the cores).
 """
 from __future__ import annotations
 
+import collections
 import os
 import re
 import shutil
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass
 
 from cute_flash.reference import ROUNDED_FP32_GEMMS
@@ -63,6 +66,13 @@ ABORT = "Internal Sanitizer Error"
 # marked ">", then "path:line: AcceleratorError"). Under CUDA_LAUNCH_BLOCKING=1 a launch returns
 # when its kernel has run, so that call launched the faulting kernel, or follows a library call
 # (cuBLAS) that launched it without checking for errors
+# The mark of tests that need most of the GPU's memory (tensors past 2^31 elements): they run after
+# the others, one sanitized process at a time, where the others' memory would run them out of it
+ALONE = "whole_gpu"
+# A sanitized process starts only where its GPU has this much memory free (or runs none of ours):
+# one process peaked near 20 GB, and 4 memcheck or 14 racecheck processes filled an 80 GB H100,
+# failing tests out of memory (docs/tuning/gpu-suite.md, "eighth session")
+MIN_FREE_MIB = 20 * 1024
 CUDA_ERROR_AT = re.compile(r"^(\S+\.py:\d+): (?:torch\.)?AcceleratorError$")
 
 TOOLS = {
@@ -116,19 +126,25 @@ def run(tool_name: str, pytest_args: list, jobs: int = 1, chunk: int | None = No
         return 1
     pytest_args = pytest_args or ["tests"]
     shards = [pytest_args]
+    shared = 1
     if jobs > 1 or chunk or retry_aborted:
         options = [a for a in pytest_args if not os.path.exists(a.split("::")[0])]
         quiet = [a for a in pytest_args if a not in ("-q", "-v")]  # ids one per line needs exactly one -q
-        ids = _collect(tool.marks, quiet, env)
+        ids = _collect(f"{tool.marks} and not {ALONE}", quiet, env)
+        alone = _collect(f"{tool.marks} and {ALONE}", quiet, env)
         if tool.leaves_out:
             print(f"{tool.name}: leaves out {len(_collect(f'gpu and {tool.leaves_out}', quiet, env))} tests marked "
                   f"{tool.leaves_out}, which it cannot run", flush=True)
         shards = plan.shards(ids, options)
-        at_a_time = f", {jobs} at a time" if len(shards) > jobs else ""
-        print(f"{tool.name}: {len(ids)} tests in {len(shards)} sanitized processes{at_a_time}", flush=True)
+        shared = len(shards)
+        shards += [options + [t] for t in alone]
+        at_a_time = f", {jobs} at a time" if shared > jobs else ""
+        after = f"; then {len(alone)} marked {ALONE}, one process each, alone" if alone else ""
+        print(f"{tool.name}: {len(ids)} tests in {shared} sanitized processes{at_a_time}{after}", flush=True)
     picked = [i for i in range(len(shards)) if plan.only is None or i in plan.only]
     gpus = _visible_gpus() if len(shards) > 1 else None  # one process: the caller's environment as it is
-    first = _pool(tool, sanitizer, env, shards, picked, jobs, gpus, "")
+    first = _pool(tool, sanitizer, env, shards, [i for i in picked if i < shared], jobs, gpus, "")
+    first.add(_pool(tool, sanitizer, env, shards, [i for i in picked if i >= shared], 1, gpus, ""))
     print(first.line(tool, picked), flush=True)
     if not (retry_aborted and first.aborts):
         return 0 if first.clean(picked) else 1
@@ -155,6 +171,13 @@ class PoolResult:
     codes: dict
     aborts: set
     faults: dict
+
+    def add(self, other: "PoolResult") -> None:
+        """Take in another pool's processes (of other shard indices)."""
+        self.summaries.update(other.summaries)
+        self.codes.update(other.codes)
+        self.aborts |= other.aborts
+        self.faults.update(other.faults)
 
     def clean(self, picked) -> bool:
         """Every one of `picked` ran to its summary: no finding, no failed test, no abort."""
@@ -201,13 +224,26 @@ def _pool(tool: Tool, sanitizer: str, env: dict, shards: list, picked: list, job
             print(f"{tag}done: {result.summaries.get(i, 'no summary')} {tool.noun}{aborted}, exit {result.codes[i]}",
                   flush=True)
 
+    running = collections.Counter()  # sanitized processes in flight, by GPU
+
     def slot():
         while True:
             with lock:
                 if not todo:
                     return
                 i = todo.pop()
-            sanitized(i)
+            gpu = gpus[i % len(gpus)] if gpus else None
+            while True:  # wait for memory, unless this GPU runs none of ours (then nothing would free it)
+                with lock:
+                    if not running[gpu] or _free_mib(gpu) >= MIN_FREE_MIB:
+                        running[gpu] += 1
+                        break
+                time.sleep(2)
+            try:
+                sanitized(i)
+            finally:
+                with lock:
+                    running[gpu] -= 1
 
     threads = [threading.Thread(target=slot) for _ in range(min(jobs, len(picked)) or 1)]
     for t in threads:
@@ -237,6 +273,13 @@ def _canary_sings(tool: Tool, sanitizer: str, env: dict) -> bool:
         print(done.stdout[-4000:] + done.stderr[-4000:])
         print(f"{tool.name}: the canary reported nothing, so the tool does not see our kernels; no test was run")
     return count > 0
+
+
+def _free_mib(gpu) -> int:
+    """The free memory of `gpu` (None: the first visible one) in MiB, as nvidia-smi reports it."""
+    listed = subprocess.run(["nvidia-smi", "--query-gpu=memory.free", "--format=csv,noheader,nounits", "-i",
+                             gpu or "0"], capture_output=True, text=True)
+    return int(listed.stdout.split()[0])
 
 
 def _visible_gpus():

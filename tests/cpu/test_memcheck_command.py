@@ -11,6 +11,8 @@ from cute_flash.tools import sanitize
 
 TESTS = '''
 import os
+import time
+
 import pytest
 
 pytestmark = pytest.mark.gpu
@@ -24,6 +26,10 @@ class AcceleratorError(RuntimeError):
 def test_case(i):
     with open(os.path.join(os.environ["RECORD_DIR"], f"{i}"), "w") as f:
         f.write(os.environ["CUDA_VISIBLE_DEVICES"] + os.environ.get("CUDA_LAUNCH_BLOCKING", ""))
+    if os.environ.get("ONE_AT_A_TIME"):  # no other process inside a test meanwhile
+        os.mkdir(os.path.join(os.environ["RECORD_DIR"], "running"))
+        time.sleep(0.3)
+        os.rmdir(os.path.join(os.environ["RECORD_DIR"], "running"))
     if i == int(os.environ.get("FAULT_CASE", "-1")):
         raise AcceleratorError("an illegal memory access was encountered")
     assert i != int(os.environ.get("FAIL_CASE", "-1"))
@@ -58,7 +64,8 @@ def fake_machine(tmp_path, monkeypatch):
             'if [ "$tool" = racecheck ]; then\n'
             '  echo "========= RACECHECK SUMMARY: $n hazards displayed ($n errors, 0 warnings)"\n'
             'else echo "========= ERROR SUMMARY: $n errors"; fi; exit $rc\n')
-    _script(bin_dir / "nvidia-smi", "echo 0; echo 1\n")
+    # Two GPUs; FREE_MIB (default 81000) free on each
+    _script(bin_dir / "nvidia-smi", 'case "$*" in *memory.free*) echo ${FREE_MIB:-81000};; *) echo 0; echo 1;; esac\n')
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setenv("RECORD_DIR", str(record))
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
@@ -156,7 +163,7 @@ def test_retry_aborted_runs_an_aborted_processs_tests_one_by_one(fake_machine, m
     out = capsys.readouterr().out
     assert "racecheck: the 3 tests of the 1 aborted processes again, one process each" in out
     # the retry's launches were blocking: its traceback's CUDA error names the faulting call
-    assert ("aborted again alone: test_cases.py::test_case[1]; first seen at test_cases.py:17: "
+    assert ("aborted again alone: test_cases.py::test_case[1]; first seen at test_cases.py:23: "
             'raise AcceleratorError("an illegal memory access was encountered")') in out
     assert "aborted again alone: test_cases.py::test_case[0]" not in out
     assert (record / "0").read_text() == "01"  # retried alone on GPU 0, launches blocking
@@ -197,3 +204,37 @@ def test_racecheck_leaves_out_bf16_models_and_rounds_the_references_gemms(fake_m
     assert ("racecheck: leaves out 1 tests marked lowp_gemm" in out) == (not model_runs)
     assert (record / "gemms").read_text() == gemms
     assert (record / "model").exists() == model_runs
+
+
+BIG_TESTS = '''
+import os
+import pytest
+
+pytestmark = [pytest.mark.gpu, pytest.mark.whole_gpu]
+
+
+def test_big():
+    record = os.environ["RECORD_DIR"]
+    seen = " ".join(sorted(os.listdir(record)))
+    with open(os.path.join(record, "big"), "w") as f:
+        f.write(seen)
+'''
+
+
+def test_whole_gpu_tests_run_alone_after_the_others(fake_machine, capsys):
+    tests, record = fake_machine
+    with open("test_big.py", "w") as f:
+        f.write(BIG_TESTS)
+    assert sanitize.run("memcheck", ["-q", "-p", "no:cacheprovider", "test_big.py", tests], jobs=3) == 0
+    out = capsys.readouterr().out
+    assert "memcheck: 5 tests in 3 sanitized processes; then 1 marked whole_gpu, one process each, alone" in out
+    assert (record / "big").read_text() == "0 1 2 3 4"  # the other five had finished
+
+
+def test_a_process_waits_for_memory_while_others_run(fake_machine, monkeypatch, capsys):
+    tests, record = fake_machine
+    monkeypatch.setenv("FREE_MIB", "0")
+    monkeypatch.setenv("ONE_AT_A_TIME", "1")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert sanitize.run("memcheck", ["-q", "-p", "no:cacheprovider", tests], jobs=3, chunk=1) == 0
+    assert "memcheck: 5 sanitized processes, 0 errors" in capsys.readouterr().out

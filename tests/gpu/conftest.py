@@ -1,5 +1,8 @@
 """Fixtures of the GPU tests."""
+import os
+
 import pytest
+import torch
 
 
 @pytest.fixture(params=["default", "sm80"])
@@ -11,3 +14,12 @@ def arch_path(request, monkeypatch) -> str:
     else:
         monkeypatch.delenv("CUTE_FLASH_ARCH_PATH", raising=False)
     return request.param
+
+
+@pytest.fixture(autouse=True)
+def _sanitized_processes_hold_no_cache():
+    """Under the sanitizer commands (several pytest processes share a GPU) each test gives its
+    cached blocks back to the driver, so a process holds its live tensors only."""
+    yield
+    if os.environ.get("CUTE_FLASH_MEMCHECK"):
+        torch.cuda.empty_cache()

@@ -11,7 +11,7 @@ from cute_flash.reference import attention_ref
 from tests.helpers.backward import GRAD_FLOOR, reference
 from tests.helpers.gpu_utils import assert_matches_reference, on_path, poison_allocator
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.whole_gpu]  # ~40 GB: sanitized alone
 
 S, H, D, WINDOW, ROWS = (1 << 20) + 4096, 16, 128, (128, 0), 200
 

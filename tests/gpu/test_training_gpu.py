@@ -2,7 +2,7 @@
 another correct kernel (SDPA EFFICIENT) does (`python -m cute_flash traincheck`)."""
 import pytest
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.lowp_gemm]  # a bf16-autocast model: not under racecheck
 
 
 def test_training_follows_sdpa():
