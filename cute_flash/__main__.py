@@ -268,8 +268,10 @@ def main(argv=None):
     t.add_argument("--splits", action="store_true",
                    help="every split count of decode calls at 48-128 (batch, kv head) tiles, GB/s under "
                         "CUDA graphs, beside the heuristic's count and CUDNN")
-    command("traincheck", "a 2-block transformer trained 200 steps with cute-flash and with SDPA: "
-                                      "the two loss curves compared (GPU, about a minute)")
+    tc = command("traincheck", "a 2-block transformer trained 200 steps with cute-flash and with SDPA: "
+                               "the two loss curves compared (GPU, about a minute)")
+    tc.add_argument("--packed", action="store_true",
+                    help="each step one packed row of documents: flash_attn_varlen_func against SDPA per document")
     cp = command("cp", "context parallelism through ring-flash-attn (zigzag, causal): forward + backward of one "
                        "long sequence on 1 GPU and on N, speed-up and peak memory per GPU (2+ GPUs)")
     cp.add_argument("--gpus", type=int, default=None, help="N (default: every visible GPU)")
@@ -355,7 +357,7 @@ def main(argv=None):
     elif cmd == "traincheck":
         from cute_flash.tools.train_check import main as traincheck
 
-        traincheck()
+        traincheck(args.packed)
     elif cmd == "tune":
         from cute_flash.tools import bench as tuners
 
