@@ -2,7 +2,7 @@
 
 Query i sees key j in [i + sk - sq - left, i + sk - sq + right] (causal is right = 0). Blocks
 that a diagonal or window edge crosses need the mask; `unmasked` gives the ones every row of
-the m-block sees whole, where the main loop runs a mask-free step.
+the m-block sees whole, where the main loop runs a mask-free step (`visit_key_block`).
 """
 from dataclasses import dataclass
 
@@ -80,3 +80,17 @@ class QueryBlocks:
         if cutlass.const_expr(window.has_right):
             m_block_min = cutlass.max(n_block * block_n - shift - window.right, 0) // block_m
         return QueryBlocks(m_block_min, m_block_max)
+
+
+@cute.jit
+def visit_key_block(sparse, i, n_block, unmasked_lo, unmasked_hi, run):
+    """Visit i of a tile's key blocks, block n_block, as `run(masked=)` (compile time): with a
+    block-sparse row (`SparseRow`, else None), its choice, which passes `user_mask=` too;
+    otherwise the masks only where an edge crosses the block (n_block outside [unmasked_lo,
+    unmasked_hi), `BlockRange.unmasked`)."""
+    if cutlass.const_expr(sparse is not None):
+        sparse.visit(i, n_block, unmasked_lo, unmasked_hi, run)
+    elif unmasked_lo <= n_block and n_block < unmasked_hi:
+        run(masked=False)
+    else:
+        run(masked=True)

@@ -36,7 +36,7 @@ import functools
 import cutlass
 import cutlass.cute as cute
 
-from cute_flash.kernels.common.block_range import BlockRange, QueryBlocks, Window
+from cute_flash.kernels.common.block_range import BlockRange, QueryBlocks, Window, visit_key_block
 from cute_flash.kernels.common.block_sparse import BlockSparse, fake_block_sparse
 from cute_flash.kernels.common.constants import LOG2E
 from cute_flash.kernels.common.dq_accum import bulk_add_run, fake_dq_accum, first_tile, stage_run, tiles_of
@@ -452,13 +452,8 @@ class FlashBwd:
         # Only tiles crossing the sequence end or a window edge run the mask (dynamic test)
         acc_s_mn = lmma.acc_mn_view(acc_s)
         lo, hi = BlockRange.unmasked(seq, m_block, bm, bn, kb.mods.mask.window)
-        if cutlass.const_expr(kb.sparse is not None):  # visit i of a block-sparse key block (`SparseRow.visit`)
-            kb.sparse.visit(i, kb.n_block, lo, hi,
-                            functools.partial(kb.mods.apply, mma_sdp, acc_s, m_block, kb.n_block))
-        elif lo <= kb.n_block and kb.n_block < hi:
-            kb.mods.apply(mma_sdp, acc_s, m_block, kb.n_block, False)
-        else:
-            kb.mods.apply(mma_sdp, acc_s, m_block, kb.n_block, True)
+        visit_key_block(kb.sparse, i, kb.n_block, lo, hi,
+                        functools.partial(kb.mods.apply, mma_sdp, acc_s, m_block, kb.n_block))
         acc_dp_mn = lmma.acc_mn_view(acc_dp)
         if cutlass.const_expr(cfg.has_dropout):
             self.dropout_p_ds(kb.dropout, acc_s, acc_dp, lse_log2, dot, thr_sdp, m_block * bm, kb.n_block * bn,

@@ -48,7 +48,7 @@ import cutlass.cute as cute
 from cutlass import pipeline
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from cute_flash.kernels.common.block_range import BlockRange, QueryBlocks, Window
+from cute_flash.kernels.common.block_range import BlockRange, QueryBlocks, Window, visit_key_block
 from cute_flash.kernels.common.block_sparse import BlockSparse, fake_block_sparse
 from cute_flash.kernels.common.dq_accum import bulk_add_run, fake_dq_accum, first_tile, stage_run, tiles_of
 from cute_flash.kernels.common.fake import fake_stream, fake_tensor
@@ -518,13 +518,8 @@ class FlashBwdSm90:
                 pre = cute.make_fragment_like(acc_s, cutlass.Float32)  # (MMA, MMA_M, MMA_N)
                 pre.store(acc_s.load() * scalars.score_premul)
             lo, hi = BlockRange.unmasked(tile.seq, m_block, bm, bn, window)
-            if cutlass.const_expr(tile.sparse is not None):  # a listed full block takes no mask_mod (`SparseRow.visit`)
-                tile.sparse.visit(i, tile.n_block, lo, hi, functools.partial(
-                    self.modify, acc_s, mask, slope, m_block, tile.n_block, mma_tidx, recipe, user=user))
-            elif lo <= tile.n_block and tile.n_block < hi:
-                self.modify(acc_s, mask, slope, m_block, tile.n_block, mma_tidx, recipe, False, user)
-            else:
-                self.modify(acc_s, mask, slope, m_block, tile.n_block, mma_tidx, recipe, True, user)
+            visit_key_block(tile.sparse, i, tile.n_block, lo, hi, functools.partial(
+                self.modify, acc_s, mask, slope, m_block, tile.n_block, mma_tidx, recipe, user=user))
 
             c_sdp = recipe.mma_sdp.get_slice(mma_tidx)
             tLSE = lmma.acc_mn_view(c_sdp.partition_C(self.by_column(smem.sLSE, read.index)))  # (keys, queries)

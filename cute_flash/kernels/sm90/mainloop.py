@@ -10,7 +10,7 @@ from cutlass import pipeline
 from cutlass.cute.nvgpu import warpgroup
 from cutlass.experimental.primitives import nvvm_wrapper as nvvm
 
-from cute_flash.kernels.common.block_range import BlockRange, Window
+from cute_flash.kernels.common.block_range import BlockRange, Window, visit_key_block
 from cute_flash.kernels.common.constants import LOG2E
 from cute_flash.kernels.common.gemm import wgmma, wgmma_issue
 from cute_flash.kernels.common.philox import Dropout, wgmma_groups
@@ -188,13 +188,8 @@ class Consumer:
             warpgroup.wait_group(1)  # S landed; P V may still run
             if cutlass.const_expr(not rescores):
                 self.release_qk(loop, k_read, i == count - 1)
-            if cutlass.const_expr(tile.sparse is not None):  # which masks run: `SparseRow.visit`
-                tile.sparse.visit(i, n_block, loop.unmasked_lo, loop.unmasked_hi,
-                                  functools.partial(self.scores, loop, n_block, recipe, False, k_stage=k_read.index))
-            elif loop.unmasked_lo <= n_block and n_block < loop.unmasked_hi:
-                self.scores(loop, n_block, recipe, False, False, k_read.index)
-            else:
-                self.scores(loop, n_block, recipe, False, True, k_read.index)
+            visit_key_block(tile.sparse, i, n_block, loop.unmasked_lo, loop.unmasked_hi,
+                            functools.partial(self.scores, loop, n_block, recipe, False, k_stage=k_read.index))
             if cutlass.const_expr(rescores):
                 self.release_qk(loop, k_read, i == count - 1)
             warpgroup.wait_group(0)
