@@ -12,7 +12,8 @@ when both report nothing (docs/architecture.md, "Sanitizers").
 processes, spread over the visible GPUs (run it from the repository root: the collected ids are
 relative to it); `chunk` gives each process that many consecutive tests instead, `jobs` at a
 time (`Plan`). A process starts only when its GPU has `MIN_FREE_MIB` free (or none of ours
-running); tests marked `whole_gpu` run after the others, one process at a time. Never pytest-xdist's `-n`: with 15 xdist workers under one sanitizer no test
+running); tests marked `sanitizer_slow` start first, one process each, and tests marked
+`whole_gpu` run after the others, one process at a time. Never pytest-xdist's `-n`: with 15 xdist workers under one sanitizer no test
 finished in 570 s on the H200 machine, while one process ran 17 tests in 160 s (compiles
 dominate, so separate processes scale with the cores).
 """
@@ -24,6 +25,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -69,6 +71,11 @@ ABORT = "Internal Sanitizer Error"
 # The mark of tests that need most of the GPU's memory (tensors past 2^31 elements): they run after
 # the others, one sanitized process at a time, where the others' memory would run them out of it
 ALONE = "whole_gpu"
+# The mark of tests that take minutes under a sanitizer (65537-CTA grids, the Hopper KV-cache
+# entry's paged tests): each in a process of its own, started first, so that none is left at the end
+# of a chunk when the time limit comes (docs/tuning/gpu-suite.md, "eighth session")
+FIRST = "sanitizer_slow"
+MARKS_FILE = "CUTE_FLASH_SANITIZE_MARKS"  # where `pytest_collection_finish` lists the tests and their marks
 # A sanitized process starts only where its GPU has this much memory free (or runs none of ours):
 # one process peaked near 20 GB, and 4 memcheck or 14 racecheck processes filled an 80 GB H100,
 # failing tests out of memory (docs/tuning/gpu-suite.md, "eighth session")
@@ -130,17 +137,22 @@ def run(tool_name: str, pytest_args: list, jobs: int = 1, chunk: int | None = No
     if jobs > 1 or chunk or retry_aborted:
         options = [a for a in pytest_args if not os.path.exists(a.split("::")[0])]
         quiet = [a for a in pytest_args if a not in ("-q", "-v")]  # ids one per line needs exactly one -q
-        ids = _collect(f"{tool.marks} and not {ALONE}", quiet, env)
-        alone = _collect(f"{tool.marks} and {ALONE}", quiet, env)
+        gpu = {t: marks for t, marks in _collect(quiet, env).items() if "gpu" in marks}
+        runs = {t: marks for t, marks in gpu.items() if tool.leaves_out not in marks}  # what `tool.marks` selects
+        first = [t for t, marks in runs.items() if FIRST in marks and ALONE not in marks]
+        alone = [t for t, marks in runs.items() if ALONE in marks]
+        ids = [t for t, marks in runs.items() if FIRST not in marks and ALONE not in marks]
         if tool.leaves_out:
-            print(f"{tool.name}: leaves out {len(_collect(f'gpu and {tool.leaves_out}', quiet, env))} tests marked "
-                  f"{tool.leaves_out}, which it cannot run", flush=True)
-        shards = plan.shards(ids, options)
+            print(f"{tool.name}: leaves out {len(gpu) - len(runs)} tests marked {tool.leaves_out}, which it cannot run",
+                  flush=True)
+        shards = [options + [t] for t in first] + plan.shards(ids, options)
         shared = len(shards)
         shards += [options + [t] for t in alone]
         at_a_time = f", {jobs} at a time" if shared > jobs else ""
+        before = f" ({len(first)} marked {FIRST} first, one process each)" if first else ""
         after = f"; then {len(alone)} marked {ALONE}, one process each, alone" if alone else ""
-        print(f"{tool.name}: {len(ids)} tests in {shared} sanitized processes{at_a_time}{after}", flush=True)
+        print(f"{tool.name}: {len(ids) + len(first)} tests in {shared} sanitized processes{before}{at_a_time}{after}",
+              flush=True)
     picked = [i for i in range(len(shards)) if plan.only is None or i in plan.only]
     gpus = _visible_gpus() if len(shards) > 1 else None  # one process: the caller's environment as it is
     first = _pool(tool, sanitizer, env, shards, [i for i in picked if i < shared], jobs, gpus, "")
@@ -253,14 +265,31 @@ def _pool(tool: Tool, sanitizer: str, env: dict, shards: list, picked: list, job
     return result
 
 
-def _collect(marks: str, pytest_args: list, env: dict) -> list:
-    """The ids of the tests `marks` selects among `pytest_args` (one -q at most in them)."""
-    listed = subprocess.run([sys.executable, "-m", "pytest", "-m", marks, "--collect-only", "-q", *pytest_args],
-                            capture_output=True, text=True, env=env)
-    ids = [line for line in listed.stdout.splitlines() if "::" in line]
-    if not ids and "no tests collected" not in listed.stdout and " deselected" not in listed.stdout:
+def _collect(pytest_args: list, env: dict) -> dict:
+    """{test id: its marks (a frozenset of names)} of the tests among `pytest_args` (one -q at
+    most in them), in collected order: one collection, with this module as its plugin
+    (`pytest_collection_finish`)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # where cute_flash is
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "marks")
+        run_env = dict(env, PYTHONPATH=os.pathsep.join(filter(None, (root, env.get("PYTHONPATH")))),
+                       **{MARKS_FILE: path})
+        listed = subprocess.run([sys.executable, "-m", "pytest", "-p", __name__, "--collect-only", "-q", *pytest_args],
+                                capture_output=True, text=True, env=run_env)
+        lines = open(path).read().splitlines() if os.path.exists(path) else []
+    if not lines:
         print(listed.stdout[-4000:] + listed.stderr[-4000:])
-    return ids
+    return {test: frozenset(marks.split(",")) for test, _, marks in (line.rpartition(" ") for line in lines)}
+
+
+def pytest_collection_finish(session):
+    """This module as `_collect`'s pytest plugin: each collected test's id and marks, a line
+    each, into the file MARKS_FILE names (nothing where it is unset)."""
+    path = os.environ.get(MARKS_FILE)
+    if path:
+        with open(path, "w") as f:
+            for item in session.items:
+                f.write(f"{item.nodeid} {','.join(sorted({m.name for m in item.iter_markers()}))}\n")
 
 
 def _canary_sings(tool: Tool, sanitizer: str, env: dict) -> bool:

@@ -238,3 +238,29 @@ def test_a_process_waits_for_memory_while_others_run(fake_machine, monkeypatch, 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     assert sanitize.run("memcheck", ["-q", "-p", "no:cacheprovider", tests], jobs=3, chunk=1) == 0
     assert "memcheck: 5 sanitized processes, 0 errors" in capsys.readouterr().out
+
+
+SLOW_TESTS = '''
+import os
+import pytest
+
+pytestmark = [pytest.mark.gpu, pytest.mark.sanitizer_slow]
+
+
+@pytest.mark.parametrize("j", range(2))
+def test_slow(j):
+    record = os.environ["RECORD_DIR"]
+    seen = " ".join(sorted(os.listdir(record)))
+    with open(os.path.join(record, f"slow{j}"), "w") as f:
+        f.write(seen)
+'''
+
+
+def test_sanitizer_slow_tests_start_first_one_process_each(fake_machine, capsys):
+    tests, record = fake_machine
+    with open("test_slow.py", "w") as f:
+        f.write(SLOW_TESTS)
+    assert sanitize.run("memcheck", ["-q", "-p", "no:cacheprovider", tests, "test_slow.py"], jobs=1, chunk=5) == 0
+    out = capsys.readouterr().out
+    assert "memcheck: 7 tests in 3 sanitized processes (2 marked sanitizer_slow first, one process each)" in out
+    assert (record / "slow0").read_text() == "" and (record / "slow1").read_text() == "slow0"

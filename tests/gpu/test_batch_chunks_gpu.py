@@ -12,7 +12,7 @@ from tests.helpers.backward import assert_grads_match, ours
 from tests.helpers.caches import run_case
 from tests.helpers.gpu_utils import assert_matches_reference, cu_seqlens
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.sanitizer_slow]  # 65537-CTA grids: minutes under the sanitizers
 
 PAST = batch_chunks.GRID_MAX_BATCH + 2
 PATHS = ["sm80", "sm90"]

@@ -177,6 +177,7 @@ def test_unused_cache_rows_hold_nan(d, path, num_splits, kernels):
     assert_matches_reference(out, lse, q, *clean, ref_fn=ref_with(None, None), cache_seqlens=seqlens)
 
 
+@pytest.mark.sanitizer_slow
 @pytest.mark.parametrize("num_splits", [1, 0])
 @pytest.mark.parametrize("d, page_size", [(128, 128), (128, 256), (256, 128), (64, 512)])
 def test_hopper_paged_cache(d, page_size, num_splits, hopper_cache_entry):
@@ -186,6 +187,7 @@ def test_hopper_paged_cache(d, page_size, num_splits, hopper_cache_entry):
     run_case(3, 1, 8, 2, d, torch.bfloat16, 1024, [0, 77, 1022], 1, num_splits, page_size, rotary=(64, True))
 
 
+@pytest.mark.sanitizer_slow
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("num_splits", [0, 1])
 @pytest.mark.parametrize("d", [64, 128])
