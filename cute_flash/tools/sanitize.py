@@ -13,9 +13,9 @@ processes, spread over the visible GPUs (run it from the repository root: the co
 relative to it); `chunk` gives each process that many consecutive tests instead, `jobs` at a
 time (`Plan`). A process starts only when its GPU has `MIN_FREE_MIB` free (or none of ours
 running); tests marked `sanitizer_slow` start first, one process each, and tests marked
-`whole_gpu` run after the others, one process at a time. Never pytest-xdist's `-n`: with 15 xdist workers under one sanitizer no test
-finished in 570 s on the H200 machine, while one process ran 17 tests in 160 s (compiles
-dominate, so separate processes scale with the cores).
+`whole_gpu` run after the others, one process at a time. Never pytest-xdist's `-n`: with 15
+xdist workers under one sanitizer no test finished in 570 s on the H200 machine, while one
+process ran 17 tests in 160 s (compiles dominate, so separate processes scale with the cores).
 """
 from __future__ import annotations
 
@@ -64,10 +64,6 @@ OUR_KERNELS = "kernel_cutlass_"  # the prefix of every kernel the DSL compiles
 # The sanitizer's own failure, which its summary then counts as one finding; the process's CUDA
 # context is lost, so its later tests fail (docs/tuning/gpu-suite.md, "fifth session")
 ABORT = "Internal Sanitizer Error"
-# Where a test's traceback ends in torch's CUDA error (pytest's long format: the frame's line
-# marked ">", then "path:line: AcceleratorError"). Under CUDA_LAUNCH_BLOCKING=1 a launch returns
-# when its kernel has run, so that call launched the faulting kernel, or follows a library call
-# (cuBLAS) that launched it without checking for errors
 # The mark of tests that need most of the GPU's memory (tensors past 2^31 elements): they run after
 # the others, one sanitized process at a time, where the others' memory would run them out of it
 ALONE = "whole_gpu"
@@ -80,6 +76,10 @@ MARKS_FILE = "CUTE_FLASH_SANITIZE_MARKS"  # where `pytest_collection_finish` lis
 # one process peaked near 20 GB, and 4 memcheck or 14 racecheck processes filled an 80 GB H100,
 # failing tests out of memory (docs/tuning/gpu-suite.md, "eighth session")
 MIN_FREE_MIB = 20 * 1024
+# Where a test's traceback ends in torch's CUDA error (pytest's long format: the frame's line
+# marked ">", then "path:line: AcceleratorError"). Under CUDA_LAUNCH_BLOCKING=1 a launch returns
+# when its kernel has run, so that call launched the faulting kernel, or follows a library call
+# (cuBLAS) that launched it without checking for errors
 CUDA_ERROR_AT = re.compile(r"^(\S+\.py:\d+): (?:torch\.)?AcceleratorError$")
 
 TOOLS = {
@@ -139,19 +139,19 @@ def run(tool_name: str, pytest_args: list, jobs: int = 1, chunk: int | None = No
         quiet = [a for a in pytest_args if a not in ("-q", "-v")]  # ids one per line needs exactly one -q
         gpu = {t: marks for t, marks in _collect(quiet, env).items() if "gpu" in marks}
         runs = {t: marks for t, marks in gpu.items() if tool.leaves_out not in marks}  # what `tool.marks` selects
-        first = [t for t, marks in runs.items() if FIRST in marks and ALONE not in marks]
+        slow = [t for t, marks in runs.items() if FIRST in marks and ALONE not in marks]
         alone = [t for t, marks in runs.items() if ALONE in marks]
         ids = [t for t, marks in runs.items() if FIRST not in marks and ALONE not in marks]
         if tool.leaves_out:
             print(f"{tool.name}: leaves out {len(gpu) - len(runs)} tests marked {tool.leaves_out}, which it cannot run",
                   flush=True)
-        shards = [options + [t] for t in first] + plan.shards(ids, options)
+        shards = [options + [t] for t in slow] + plan.shards(ids, options)
         shared = len(shards)
         shards += [options + [t] for t in alone]
         at_a_time = f", {jobs} at a time" if shared > jobs else ""
-        before = f" ({len(first)} marked {FIRST} first, one process each)" if first else ""
+        before = f" ({len(slow)} marked {FIRST} first, one process each)" if slow else ""
         after = f"; then {len(alone)} marked {ALONE}, one process each, alone" if alone else ""
-        print(f"{tool.name}: {len(ids) + len(first)} tests in {shared} sanitized processes{before}{at_a_time}{after}",
+        print(f"{tool.name}: {len(ids) + len(slow)} tests in {shared} sanitized processes{before}{at_a_time}{after}",
               flush=True)
     picked = [i for i in range(len(shards)) if plan.only is None or i in plan.only]
     gpus = _visible_gpus() if len(shards) > 1 else None  # one process: the caller's environment as it is
@@ -247,7 +247,8 @@ def _pool(tool: Tool, sanitizer: str, env: dict, shards: list, picked: list, job
             gpu = gpus[i % len(gpus)] if gpus else None
             while True:  # wait for memory, unless this GPU runs none of ours (then nothing would free it)
                 with lock:
-                    if not running[gpu] or _free_mib(gpu) >= MIN_FREE_MIB:
+                    free = _free_mib(gpu) if running[gpu] else None
+                    if free is None or free >= MIN_FREE_MIB:
                         running[gpu] += 1
                         break
                 time.sleep(2)
@@ -304,11 +305,15 @@ def _canary_sings(tool: Tool, sanitizer: str, env: dict) -> bool:
     return count > 0
 
 
-def _free_mib(gpu) -> int:
-    """The free memory of `gpu` (None: the first visible one) in MiB, as nvidia-smi reports it."""
+def _free_mib(gpu) -> int | None:
+    """The free memory of `gpu` (None: the first visible one) in MiB, as nvidia-smi reports it;
+    None where it reports no number (then nothing waits for memory)."""
     listed = subprocess.run(["nvidia-smi", "--query-gpu=memory.free", "--format=csv,noheader,nounits", "-i",
                              gpu or "0"], capture_output=True, text=True)
-    return int(listed.stdout.split()[0])
+    try:
+        return int(listed.stdout.split()[0])
+    except (IndexError, ValueError):
+        return None
 
 
 def _visible_gpus():
