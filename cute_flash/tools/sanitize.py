@@ -28,7 +28,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cute_flash.reference import ROUNDED_FP32_GEMMS
 
@@ -178,11 +178,12 @@ def run(tool_name: str, pytest_args: list, jobs: int = 1, chunk: int | None = No
 class PoolResult:
     """What a pool of sanitized processes printed: each one's summed findings, its exit code,
     those the sanitizer aborted, and where each one's first CUDA error was raised ("path:line:
-    source")."""
+    source"); and the most GPU memory (MiB) nvidia-smi listed for each one's processes."""
     summaries: dict
     codes: dict
     aborts: set
     faults: dict
+    peaks: dict = field(default_factory=dict)
 
     def add(self, other: "PoolResult") -> None:
         """Take in another pool's processes (of other shard indices)."""
@@ -190,6 +191,7 @@ class PoolResult:
         self.codes.update(other.codes)
         self.aborts |= other.aborts
         self.faults.update(other.faults)
+        self.peaks.update(other.peaks)
 
     def clean(self, picked) -> bool:
         """Every one of `picked` ran to its summary: no finding, no failed test, no abort."""
@@ -216,6 +218,8 @@ def _pool(tool: Tool, sanitizer: str, env: dict, shards: list, picked: list, job
         with lock:
             print(tag + " ".join(cmd[:len(cmd) - len(shard)]) + f" ... ({len(shard)} arguments)", flush=True)
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=shard_env)
+        with lock:
+            roots[proc.pid] = i
         source = ""  # the last traceback line marked ">" (the raising call's source)
         for line in proc.stdout:
             with lock:
@@ -232,11 +236,25 @@ def _pool(tool: Tool, sanitizer: str, env: dict, shards: list, picked: list, job
                     result.faults[i] = f"{error_at.group(1)}: {source}"
         result.codes[i] = proc.wait()
         with lock:
+            del roots[proc.pid]
             aborted = " (the sanitizer aborted: its count is that abort)" if i in result.aborts else ""
-            print(f"{tag}done: {result.summaries.get(i, 'no summary')} {tool.noun}{aborted}, exit {result.codes[i]}",
-                  flush=True)
+            peak = f", GPU memory peak {result.peaks[i]} MiB" if i in result.peaks else ""
+            print(f"{tag}done: {result.summaries.get(i, 'no summary')} {tool.noun}{aborted}, exit {result.codes[i]}"
+                  f"{peak}", flush=True)
 
     running = collections.Counter()  # sanitized processes in flight, by GPU
+    roots = {}  # the pid of each running process's sanitizer -> its shard
+    finished = threading.Event()
+
+    def sample():
+        """Every few seconds, each running shard's GPU memory (its processes' as nvidia-smi lists
+        them), kept at its most."""
+        while not finished.wait(3):
+            with lock:
+                now = dict(roots)
+            for shard, mib in memory_by_root(_compute_apps(), _parent_pid, now).items():
+                with lock:
+                    result.peaks[shard] = max(result.peaks.get(shard, 0), mib)
 
     def slot():
         while True:
@@ -259,11 +277,52 @@ def _pool(tool: Tool, sanitizer: str, env: dict, shards: list, picked: list, job
                     running[gpu] -= 1
 
     threads = [threading.Thread(target=slot) for _ in range(min(jobs, len(picked)) or 1)]
-    for t in threads:
+    sampler = threading.Thread(target=sample)
+    for t in threads + [sampler]:
         t.start()
     for t in threads:
         t.join()
+    finished.set()
+    sampler.join()
     return result
+
+
+def memory_by_root(apps: list, parent, roots: dict) -> dict:
+    """{shard: MiB} from `apps` [(pid, MiB)]: each app's memory counts for the shard whose
+    sanitizer (`roots`: {pid: shard}) it runs under, found by `parent` (pid -> its parent's
+    pid, or None) from the app up; apps under no root count for none."""
+    out = {}
+    for pid, mib in apps:
+        for _ in range(64):  # a bound on the walk up
+            if pid is None or pid in roots:
+                break
+            pid = parent(pid)
+        if pid in roots:
+            out[roots[pid]] = out.get(roots[pid], 0) + mib
+    return out
+
+
+def _compute_apps() -> list:
+    """[(pid, MiB)] of the processes nvidia-smi lists on the GPUs (none where it lists nothing)."""
+    listed = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                            capture_output=True, text=True)
+    apps = []
+    for line in listed.stdout.splitlines():
+        try:
+            pid, mib = (int(x) for x in line.split(","))
+        except ValueError:
+            continue
+        apps.append((pid, mib))
+    return apps
+
+
+def _parent_pid(pid: int) -> int | None:
+    """The parent of `pid` (from /proc), or None."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _collect(pytest_args: list, env: dict) -> dict:

@@ -53,6 +53,7 @@ def fake_machine(tmp_path, monkeypatch):
     # GPU): CANARY_FINDINGS (default 3) hazards.
     _script(bin_dir / "compute-sanitizer",
             'tool=$2; while [ "$1" != --error-exitcode ]; do shift; done; shift 2\n'
+            '[ -n "$HOLD" ] && echo $$ >> "$RECORD_DIR/pids" && sleep "$HOLD"\n'
             'case "$*" in *race_canary*) n=${CANARY_FINDINGS:-3}\n'
             '  echo "========= RACECHECK SUMMARY: $n hazards displayed ($n errors, 0 warnings)"; exit 86;; esac\n'
             '[ -n "$ABORT" ] && echo "========= Internal Sanitizer Error: The Sanitizer failed to handle a hardware '
@@ -64,8 +65,11 @@ def fake_machine(tmp_path, monkeypatch):
             'if [ "$tool" = racecheck ]; then\n'
             '  echo "========= RACECHECK SUMMARY: $n hazards displayed ($n errors, 0 warnings)"\n'
             'else echo "========= ERROR SUMMARY: $n errors"; fi; exit $rc\n')
-    # Two GPUs; FREE_MIB (default 81000) free on each
-    _script(bin_dir / "nvidia-smi", 'case "$*" in *memory.free*) echo ${FREE_MIB:-81000};; *) echo 0; echo 1;; esac\n')
+    # Two GPUs; FREE_MIB (default 81000) free on each; 4321 MiB used by each fake sanitizer that
+    # recorded its pid (HOLD)
+    _script(bin_dir / "nvidia-smi", 'case "$*" in *memory.free*) echo ${FREE_MIB:-81000};; *compute-apps*) '
+                                    '[ -f "$RECORD_DIR/pids" ] && sed "s/$/, 4321/" "$RECORD_DIR/pids";; '
+                                    '*) echo 0; echo 1;; esac\n')
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setenv("RECORD_DIR", str(record))
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
@@ -264,3 +268,20 @@ def test_sanitizer_slow_tests_start_first_one_process_each(fake_machine, capsys)
     out = capsys.readouterr().out
     assert "memcheck: 7 tests in 3 sanitized processes (2 marked sanitizer_slow first, one process each)" in out
     assert (record / "slow0").read_text() == "" and (record / "slow1").read_text() == "slow0"
+
+
+def test_gpu_memory_counts_for_the_shard_an_app_runs_under():
+    """`sanitize.memory_by_root`: an app's MiB count for the shard whose sanitizer it descends
+    from (through any depth), summed per shard; an app under no sanitizer counts for none."""
+    parents = {11: 10, 12: 11, 21: 20, 30: 1, 10: 1, 20: 1}
+    apps = [(12, 500), (11, 100), (21, 7), (30, 999)]
+    assert sanitize.memory_by_root(apps, parents.get, {10: 0, 20: 1}) == {0: 600, 1: 7}
+
+
+def test_each_process_shows_its_gpu_memory_peak(fake_machine, monkeypatch, capsys):
+    """The done line of a process gives the most GPU memory nvidia-smi listed for it while it ran
+    (sampled every 3 s: the fake sanitizer holds for 4)."""
+    tests, record = fake_machine
+    monkeypatch.setenv("HOLD", "4")
+    assert sanitize.run("memcheck", ["-q", "-p", "no:cacheprovider", tests], jobs=2) == 0
+    assert capsys.readouterr().out.count("done: 0 errors, exit 0, GPU memory peak 4321 MiB") == 2
