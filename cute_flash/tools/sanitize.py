@@ -302,12 +302,18 @@ def memory_by_root(apps: list, parent, roots: dict) -> dict:
     return out
 
 
+def _nvidia_smi(*args) -> str:
+    """nvidia-smi's output for `args`, "" where there is no nvidia-smi to run."""
+    try:
+        return subprocess.run(["nvidia-smi", *args], capture_output=True, text=True).stdout
+    except OSError:
+        return ""
+
+
 def _compute_apps() -> list:
     """[(pid, MiB)] of the processes nvidia-smi lists on the GPUs (none where it lists nothing)."""
-    listed = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                            capture_output=True, text=True)
     apps = []
-    for line in listed.stdout.splitlines():
+    for line in _nvidia_smi("--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits").splitlines():
         try:
             pid, mib = (int(x) for x in line.split(","))
         except ValueError:
@@ -367,10 +373,8 @@ def _canary_sings(tool: Tool, sanitizer: str, env: dict) -> bool:
 def _free_mib(gpu) -> int | None:
     """The free memory of `gpu` (None: the first visible one) in MiB, as nvidia-smi reports it;
     None where it reports no number (then nothing waits for memory)."""
-    listed = subprocess.run(["nvidia-smi", "--query-gpu=memory.free", "--format=csv,noheader,nounits", "-i",
-                             gpu or "0"], capture_output=True, text=True)
     try:
-        return int(listed.stdout.split()[0])
+        return int(_nvidia_smi("--query-gpu=memory.free", "--format=csv,noheader,nounits", "-i", gpu or "0").split()[0])
     except (IndexError, ValueError):
         return None
 
@@ -381,6 +385,4 @@ def _visible_gpus():
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible:
         return visible.split(",")
-    listed = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"],
-                            capture_output=True, text=True)
-    return listed.stdout.split() or ["0"]
+    return _nvidia_smi("--query-gpu=index", "--format=csv,noheader").split() or ["0"]

@@ -285,3 +285,15 @@ def test_each_process_shows_its_gpu_memory_peak(fake_machine, monkeypatch, capsy
     monkeypatch.setenv("HOLD", "4")
     assert sanitize.run("memcheck", ["-q", "-p", "no:cacheprovider", tests], jobs=2) == 0
     assert capsys.readouterr().out.count("done: 0 errors, exit 0, GPU memory peak 4321 MiB") == 2
+
+
+def test_a_machine_without_nvidia_smi_runs_the_command(fake_machine, capsys):
+    """No nvidia-smi on the PATH: one GPU is assumed, nothing waits for memory, no peak is shown,
+    and no thread fails."""
+    tests, record = fake_machine
+    smi = next(p for p in os.environ["PATH"].split(os.pathsep) if os.path.exists(os.path.join(p, "nvidia-smi")))
+    os.remove(os.path.join(smi, "nvidia-smi"))
+    assert sanitize.run("memcheck", ["-q", "-p", "no:cacheprovider", tests], jobs=2) == 0
+    out, err = capsys.readouterr()
+    assert "memcheck: 2 sanitized processes, 0 errors" in out and "peak" not in out
+    assert "Exception in thread" not in err
