@@ -28,7 +28,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from cute_flash.reference import ROUNDED_FP32_GEMMS
 
@@ -82,6 +82,12 @@ MIN_FREE_MIB = 20 * 1024
 # (cuBLAS) that launched it without checking for errors
 CUDA_ERROR_AT = re.compile(r"^(\S+\.py:\d+): (?:torch\.)?AcceleratorError$")
 
+# Launches a stream may queue under the tool before it waits for them (its
+# `--force-synchronization-limit`; unbounded by default): its help says a lower limit lowers the
+# tool's device memory, and torch launches asynchronously. One sanitized process peaked near 20 GB
+# (docs/tuning/gpu-suite.md, "Eighth session")
+SYNC_LIMIT = 4
+
 TOOLS = {
     # torch's caching allocator off: each tensor its own allocation, so a read just past one is caught
     "memcheck": Tool("memcheck", ("--report-api-errors", "no"), r"ERROR SUMMARY: (\d+) error", "errors",
@@ -99,6 +105,18 @@ TOOLS = {
 
 def sanitizer_path() -> str:
     return shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
+
+
+def bounded(tool: Tool, sanitizer: str) -> Tool:
+    """`tool` with `--force-synchronization-limit SYNC_LIMIT` where the installed sanitizer takes
+    the option (its --help names it), else as it is."""
+    try:
+        text = subprocess.run([sanitizer, "--help"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return tool
+    if "--force-synchronization-limit" not in text:
+        return tool
+    return replace(tool, options=(*tool.options, "--force-synchronization-limit", str(SYNC_LIMIT)))
 
 
 @dataclass(frozen=True)
@@ -125,8 +143,8 @@ def run(tool_name: str, pytest_args: list, jobs: int = 1, chunk: int | None = No
     sanitizer aborted (whose later tests then failed for want of a CUDA context) run again, one
     process each and with launches blocking, and stand for that process; for each that aborts
     again it names the first call to see the fault (`CUDA_ERROR_AT`)."""
-    tool, plan = TOOLS[tool_name], Plan(jobs, chunk, tuple(only) if only else None)
-    sanitizer = sanitizer_path()
+    sanitizer, plan = sanitizer_path(), Plan(jobs, chunk, tuple(only) if only else None)
+    tool = bounded(TOOLS[tool_name], sanitizer)
     # CUTE_FLASH_MEMCHECK=1 tells the tests they are sanitized (hypothesis draws fewer shapes)
     env = dict(os.environ, CUTE_FLASH_MEMCHECK="1", **dict(tool.env))
     if tool.canary and not _canary_sings(tool, sanitizer, env):

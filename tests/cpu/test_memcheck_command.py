@@ -46,12 +46,15 @@ def fake_machine(tmp_path, monkeypatch):
     bin_dir, record = tmp_path / "bin", tmp_path / "record"
     bin_dir.mkdir()
     record.mkdir()
+    # --help: the options it takes (--force-synchronization-limit unless OLD_SANITIZER is set).
     # Drop the sanitizer's options (through --error-exitcode N), run the command, report like
     # compute-sanitizer: the tool's summary with FINDINGS (default 0) findings, none where
     # NO_SUMMARY is set, after the sanitizer's own abort line where ABORT is set (or where the
     # command names every test id in ABORT_WHEN). racecheck's canary is not run (it needs a
     # GPU): CANARY_FINDINGS (default 3) hazards.
     _script(bin_dir / "compute-sanitizer",
+            'case "$1" in --help) echo "  --force-blocking-launches arg"; [ -z "$OLD_SANITIZER" ] && '
+            'echo "  --force-synchronization-limit arg"; exit 0;; esac\n'
             'tool=$2; while [ "$1" != --error-exitcode ]; do shift; done; shift 2\n'
             '[ -n "$HOLD" ] && echo $$ >> "$RECORD_DIR/pids" && sleep "$HOLD"\n'
             'case "$*" in *race_canary*) n=${CANARY_FINDINGS:-3}\n'
@@ -297,3 +300,18 @@ def test_a_machine_without_nvidia_smi_runs_the_command(fake_machine, capsys):
     out, err = capsys.readouterr()
     assert "memcheck: 2 sanitized processes, 0 errors" in out and "peak" not in out
     assert "Exception in thread" not in err
+
+
+@pytest.mark.parametrize("old", [False, True])
+def test_the_queue_of_launches_is_bounded_where_the_sanitizer_can(fake_machine, monkeypatch, capsys, old):
+    """Each process's sanitizer waits for a stream's launches every `SYNC_LIMIT`
+    (`--force-synchronization-limit`, which lowers the tool's device memory), where its --help
+    names the option; a sanitizer without it runs as before."""
+    tests, _ = fake_machine
+    if old:
+        monkeypatch.setenv("OLD_SANITIZER", "1")
+    assert sanitize.run("memcheck", ["-q", "-p", "no:cacheprovider", tests], jobs=2) == 0
+    out = capsys.readouterr().out
+    assert ("--force-synchronization-limit" in out) != old
+    if not old:
+        assert f"--force-synchronization-limit {sanitize.SYNC_LIMIT}" in out
