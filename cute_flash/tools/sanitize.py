@@ -109,12 +109,12 @@ def sanitizer_path() -> str:
 
 def bounded(tool: Tool, sanitizer: str) -> Tool:
     """`tool` with `--force-synchronization-limit SYNC_LIMIT` where the installed sanitizer takes
-    the option (its --help names it), else as it is."""
+    the option (its --help names it, on either stream), else as it is."""
     try:
-        text = subprocess.run([sanitizer, "--help"], capture_output=True, text=True, timeout=60).stdout
+        listed = subprocess.run([sanitizer, "--help"], capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired):
         return tool
-    if "--force-synchronization-limit" not in text:
+    if "--force-synchronization-limit" not in listed.stdout + listed.stderr:
         return tool
     return replace(tool, options=(*tool.options, "--force-synchronization-limit", str(SYNC_LIMIT)))
 
