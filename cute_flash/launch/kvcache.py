@@ -23,8 +23,8 @@ from cute_flash.launch.batch_chunks import batch_chunks, chunked, rows_of, slope
 from cute_flash.launch.clusters import resident_clusters
 from cute_flash.launch.per_stream import per_stream, zeroed_counters
 from cute_flash.launch.policy import (CLUSTER_MAX_SPLITS, PAGE_ROWS, arch_path, cache_stages, hopper_cache_fits,
-                                      split_choice, takes_dependent_launch, takes_hopper_path, takes_pack_gqa,
-                                      takes_two_ctas_per_sm)
+                                      query_fold_group, split_choice, takes_dependent_launch, takes_hopper_path,
+                                      takes_pack_gqa, takes_two_ctas_per_sm)
 from layouts.hopper import choose_hopper_cache_traits
 from layouts.traits import ALIGN, choose_decode_traits, tile_arch
 
@@ -40,9 +40,18 @@ class KVCachePlan:
     batch: int
     nheads: int      # (heads, seqlen_q) as the caller has them
     seqlen_q: int
-    rows: int        # (rows, heads) as the kernel tiles them: (g, nheads_k) with pack_gqa
-    heads: int
+    rows: int        # (rows, heads) as the kernel tiles them: (g, nheads_k) with pack_gqa, (g x seqlen_q,
+    heads: int       # nheads_k) with a query fold
     m_blocks: int
+    query_group: int = 1  # g > 1: q folded on the host (`fold_queries`), the kernel's O and LSE unfolded
+
+    @property
+    def lse_shape(self) -> tuple:
+        """The LSE the kernel writes: the caller's (batch, nheads, seqlen_q), or the folded rows'
+        (batch, nheads_k, g x seqlen_q) under a query fold (pack_gqa folds it in the kernel)."""
+        if self.query_group > 1:
+            return (self.batch, self.heads, self.rows)
+        return (self.batch, self.nheads, self.seqlen_q)
 
     @property
     def traits(self):
@@ -131,13 +140,38 @@ def flash_fwd_kvcache(q, k_cache, v_cache, *, k=None, v=None, rotary_cos=None, r
         q = _append(q, k, v, k_cache, v_cache, seqlens, cache_batch_idx, block_table, rotary_cos, rotary_sin,
                     rotary_interleaved, call.q_per_row, index)
 
-    out = torch.empty((b, sq, h, d), dtype=q.dtype, device=call.device)
+    group = plan.query_group
+    if group > 1:
+        q = fold_queries(q, group)
+    out = torch.empty((b, plan.rows, plan.heads, d) if group > 1 else (b, sq, h, d), dtype=q.dtype,
+                      device=call.device)
     o_acc, lse_acc, counters, lse = _workspace(plan, call.device)
     if return_lse:
-        lse = torch.empty((b, h, sq), dtype=torch.float32, device=call.device)
+        lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=call.device)
     plan.launch(q, k_cache, v_cache, out, lse, o_acc, lse_acc, counters, alibi_2d(alibi_slopes, b, h), seqlens,
                 cache_leftpad, cache_batch_idx, block_table, *call.scalars)
+    if group > 1:
+        out, lse = unfold_rows(out, lse if return_lse else None, group)
     return out, (lse if return_lse else None)
+
+
+def fold_queries(q: torch.Tensor, group: int) -> torch.Tensor:
+    """q (batch, sq, heads, d) as (batch, sq x g, heads / g, d), a copy: row j + g i of K / V head
+    kh holds query i of head kh g + j, so a tile's rows are a few queries of a whole GQA group
+    (`Sm90FwdConfig.query_group`)."""
+    b, sq, h, d = q.shape
+    return q.view(b, sq, h // group, group, d).transpose(2, 3).reshape(b, sq * group, h // group, d)
+
+
+def unfold_rows(out: torch.Tensor, lse, group: int):
+    """The kernel's folded O (batch, sq x g, heads_k, d) and LSE (batch, heads_k, sq x g) (or
+    None) back to (batch, sq, heads, d) and (batch, heads, sq)."""
+    b, rows, hk, d = out.shape
+    sq = rows // group
+    out = out.view(b, sq, group, hk, d).transpose(2, 3).reshape(b, sq, hk * group, d)
+    if lse is not None:
+        lse = lse.view(b, hk, sq, group).transpose(2, 3).reshape(b, hk * group, sq)
+    return out, lse
 
 
 def _by_batch_chunks(q, k_cache, v_cache, *, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
@@ -174,10 +208,15 @@ def _kvcache_call(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, 
     rows, heads = (h // hk, hk) if pack_gqa else (sq, h)
     hopper = takes_hopper_path(index)
     variant = hopper_variant or {}
+    group = 1
     if hopper:
         traits = variant.get("traits") or choose_hopper_cache_traits(d, gpu.DTYPE_NAMES[q.dtype])
         hopper = hopper_cache_fits(cache_leftpad is not None, cache_batch_idx is not None,
                                    k_cache.shape[1] if paged else None, traits)
+    if hopper and not pack_gqa:
+        group = query_fold_group(sq, h, hk, alibi_slopes is not None, traits.block_m)
+        if group > 1:
+            rows, heads = sq * group, hk
     if not hopper:
         traits = choose_decode_traits(d, gpu.DTYPE_NAMES[q.dtype], tile_arch(gpu.device_arch(index)))
     # CTAs an SM: the SM80 kernel's 2; the Hopper entry's CTA takes 144-160 KB of shared memory,
@@ -210,7 +249,8 @@ def _kvcache_call(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, 
         stages = variant.get("stages", cache_stages(traits, ctas_per_sm))
         config = Sm90FwdConfig(traits, stages, kvcache=True,
                                split=num_splits > 1 or bool(stream_ctas), paged=paged,
-                               pack_gqa=pack_gqa, ctas_per_sm=ctas_per_sm, stream_k=bool(stream_ctas),
+                               pack_gqa=pack_gqa, query_group=group, ctas_per_sm=ctas_per_sm,
+                               stream_k=bool(stream_ctas),
                                cluster_merge=not stream_ctas and 1 < num_splits <= CLUSTER_MAX_SPLITS,
                                dependent_launch=variant.get("dependent_launch", pdl), **flags)
     else:
@@ -219,7 +259,7 @@ def _kvcache_call(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, 
                            split=num_splits > 1, has_leftpad=cache_leftpad is not None,
                            has_batch_idx=cache_batch_idx is not None, pack_gqa=pack_gqa)
     launch = compiled.kernel_for(config, index)
-    plan = KVCachePlan(config, num_splits, launch, b, h, sq, rows, heads, m_blocks)
+    plan = KVCachePlan(config, num_splits, launch, b, h, sq, rows, heads, m_blocks, group)
     append = k is not None and (k.shape[1] > 0 or rotary_cos is not None)  # an empty grid cannot launch
     k_extra = 0 if k is None else k.shape[1]
     return KVCacheCall(plan, device, index, not is_aligned(q), seqlens, append, causal or left >= 0 or right >= 0,
@@ -247,7 +287,7 @@ def _workspace(plan: KVCachePlan, device: torch.device):
     partials and counters of a split launch (None otherwise), and where the final LSE goes when
     the caller does not want it. Kept per (plan, stream); the kernel leaves the counters at
     zero."""
-    lse = torch.empty((plan.batch, plan.nheads, plan.seqlen_q), dtype=torch.float32, device=device)
+    lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=device)
     if not plan.global_partials:
         return None, None, None, lse
     o_shape, lse_shape, counter_shape = workspace_shapes(plan.num_splits, plan.batch, plan.heads, plan.rows,

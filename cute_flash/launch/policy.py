@@ -180,6 +180,18 @@ def takes_pack_gqa(seqlen_q: int, heads: int, heads_k: int, left: int, right: in
     return seqlen_q == 1 and heads > heads_k and left < 0 and right < 0 and not alibi
 
 
+def query_fold_group(seqlen_q: int, heads: int, heads_k: int, alibi: bool, block_m: int) -> int:
+    """The Hopper KV-cache entry's fold of a GQA group's g heads into consecutive rows of one
+    tile per query (`Sm90FwdConfig.query_group`) where `takes_pack_gqa` does not fold and the
+    fold at least halves the tiles reading each K / V block (g x ceil(sq / bm) against
+    ceil(g sq / bm)); else 1. Not with ALiBi (slopes per head). docs/tuning/decode.md, "Packed
+    queries: the fold inside the kernel"."""
+    g = heads // heads_k
+    if g < 2 or alibi:
+        return 1
+    return g if g * -(-seqlen_q // block_m) >= 2 * -(-(g * seqlen_q) // block_m) else 1
+
+
 def hopper_cache_fits(leftpad: bool, batch_idx: bool, page_size: int | None, traits) -> bool:
     """The Hopper KV-cache entry takes caches without cache_leftpad or cache_batch_idx (not built
     there), in one row a sequence or in pages of a multiple of its key block (a TMA box a block,

@@ -25,6 +25,8 @@ from layouts.hopper import (BWD_HEAD_DIMS, VALUE_DIM_PAIRS, choose_hopper_bwd_tr
                             choose_hopper_traits, shipped_hopper_cache_traits, shipped_hopper_traits)
 from layouts.traits import DTYPES, HEAD_DIM_BUCKETS, choose_bwd_traits, choose_decode_traits, choose_fwd_traits
 
+QUERY_GROUPS = (4, 8)  # the full list's query folds (`Sm90FwdConfig.query_group`): Llama's and Qwen's GQA groups
+
 
 def fwd_variants(arch: int, full: bool = False) -> list[FwdConfig]:
     """Configs the dispatcher can choose on `arch`.
@@ -103,7 +105,7 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
     where `kv_stages` gives short keys them, the packed-batch entry of every 128-row traits
     with and without seqused_k, paged and not, and the KV-cache entry of every bucket and dtype
     with every score flag but dropout, split and not, paged and not, GQA-folded and not (the
-    fold without window edges or ALiBi), at one CTA an SM and (up to `TWO_CTAS_MAX_HEAD_DIM`)
+    fold without window edges or ALiBi; the query fold of `QUERY_GROUPS` without ALiBi), at one CTA an SM and (up to `TWO_CTAS_MAX_HEAD_DIM`)
     two, at the K / V stages `policy.cache_stages` gives each. Otherwise the CI subset: every
     bucket in bf16 with a causal edge (the persistent variant where it fits, so both schedules
     compile; speculative maxima, as at 1024 keys and more), d 64's 192-row tiles likewise
@@ -112,7 +114,8 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
     (causal, one CTA per tile) and d 128 (persistent), packed batches (d 128 causal, d 96 with
     seqused_k, d 64 fp16 with every flag, d 128 causal over pages) and KV caches (d 128 plain, d
     64 split with softcap at its three stages, d 128 split, paged and GQA-folded, d 256 fp16
-    with every flag, d 128 GQA-folded at two CTAs an SM), d 128 with K / V multicast (as
+    with every flag, d 128 GQA-folded at two CTAs an SM; query folds: d 128 causal by 4, split in a
+    cluster, paged and by 8, d 64 stream-K with both window edges and softcap by 4), d 128 with K / V multicast (as
     without a mask from 2048 keys), MLA's d 192 with V's 128 (`VALUE_DIM_PAIRS`), causal,
     dense and packed, and a learnable sink (d 128 causal persistent, d 64 causal packed); the
     full list has every dense and packed variant with a sink too."""
@@ -153,12 +156,14 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
                     flags = dict(zip(("has_left", "has_right", "has_alibi", "has_softcap"), bits))
                     # the GQA fold only without window edges or ALiBi (launch/kvcache.py)
                     folds = (False,) if flags["has_left"] or flags["has_right"] or flags["has_alibi"] else (False, True)
+                    # ... and the query fold of several rows without ALiBi (`query_fold_group`), at common groups
+                    groups = (1,) if flags["has_alibi"] else (1,) + QUERY_GROUPS
                     out += [Sm90FwdConfig(t, cache_stages(t, ctas), kvcache=True, split=s, cluster_merge=m,
-                                          stream_k=w, paged=p, pack_gqa=f, ctas_per_sm=ctas, dependent_launch=pdl,
-                                          **flags)
+                                          stream_k=w, paged=p, pack_gqa=f, query_group=g, ctas_per_sm=ctas,
+                                          dependent_launch=pdl, **flags)
                             for s, m, w in ((False, False, False), (True, False, False), (True, True, False),
                                             (True, False, True))
-                            for p in (False, True) for f in folds
+                            for p in (False, True) for f in folds for g in ((1,) if f else groups)
                             # stream-K fills every slot; two CTAs an SM stream at most 4096 keys each
                             for pdl in ((False, True) if ctas == 1 and not w else (True,))]
         return out
@@ -198,6 +203,11 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
                                 has_alibi=True, has_softcap=True, kvcache=True),
                   Sm90FwdConfig(choose_hopper_cache_traits(128, "bf16", ctas_per_sm=2), kvcache=True, pack_gqa=True,
                                 ctas_per_sm=2, dependent_launch=True),
+                  Sm90FwdConfig(choose_hopper_cache_traits(128, "bf16"), has_right=True, kvcache=True, query_group=4),
+                  Sm90FwdConfig(choose_hopper_cache_traits(128, "bf16"), has_right=True, kvcache=True, split=True,
+                                cluster_merge=True, paged=True, query_group=8),
+                  Sm90FwdConfig(cache64, cache_stages(cache64, 1), has_left=True, has_right=True, has_softcap=True,
+                                kvcache=True, split=True, stream_k=True, query_group=4),
                   Sm90FwdConfig(mla, persistent=Sm90FwdConfig.fits_persistent(mla), has_right=True),
                   Sm90FwdConfig(mla, has_right=True, varlen=True),
                   Sm90FwdConfig(choose_hopper_traits(128, "bf16"), persistent=True, has_right=True,

@@ -784,8 +784,9 @@ def test_kvcache_on_sm90_defaults_to_the_hopper_entry(recorder, monkeypatch):
     the caller's q, out and LSE themselves (the GQA group is folded into rows inside the entry,
     `pack_gqa`), cache_seqlens and the appended row count as the key lengths; split, the
     partials and counters laid out as the SM80 kernel's; paged, in pages of a multiple of its
-    128-key blocks, with the block table. Pages of 16 rows, cache_batch_idx, a window (no fold)
-    or `CUTE_FLASH_ARCH_PATH=sm80` change what is launched as said below."""
+    128-key blocks, with the block table. Pages of 16 rows, cache_batch_idx, a window (the
+    host's query fold in place of pack_gqa) or `CUTE_FLASH_ARCH_PATH=sm80` change what is
+    launched as said below."""
     from cute_flash.kernels.sm80.fwd import FwdConfig
     from cute_flash.kernels.sm90.fwd import Sm90FwdConfig
     from cute_flash.launch import flash_fwd_kvcache
@@ -836,7 +837,10 @@ def test_kvcache_on_sm90_defaults_to_the_hopper_entry(recorder, monkeypatch):
     paged = recorder.launches[-1]
     assert isinstance(paged.config, Sm90FwdConfig) and paged.config.paged and paged["mBlockTable"] is big_table
     assert paged["mK"] is big_pages and paged.config.has_left and not paged.config.pack_gqa
-    assert paged["mQ"] is q and paged["window_left"] == 5
+    # a window edge: the host's query fold (`query_group`), the group's 4 heads as 4 rows of each kv head
+    assert paged.config.query_group == 4 and paged["window_left"] == 5
+    assert paged["mQ"].shape == (2, 4, 2, 64) and torch.equal(paged["mQ"][:, 3, 1], q[:, 0, 7])
+    assert paged["mO"].shape == (2, 4, 2, 64) and paged["mLSE"].shape == (2, 2, 4)
 
     table = torch.arange(2 * 63, dtype=torch.int32).view(2, 63)
     pages = torch.randn(126, 16, 2, 64, dtype=torch.bfloat16)
@@ -846,6 +850,34 @@ def test_kvcache_on_sm90_defaults_to_the_hopper_entry(recorder, monkeypatch):
     monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", "sm80")
     flash_fwd_kvcache(q, cache, cache, cache_seqlens=seqlens, softmax_scale=0.125, num_splits=1)
     assert [type(x.config) for x in recorder.launches[7:]] == [FwdConfig] * 3
+
+
+def test_hopper_entry_folds_several_query_rows(recorder, monkeypatch):
+    """Five causal query rows of 8 heads over 2 kv heads (speculative decoding's verify step):
+    the Hopper entry's query fold, q copied to 20 rows of each kv head (row j + 4 i: query i of
+    head 4 kh + j), the kernel's O and LSE in that layout, the caller's back in theirs (the
+    kernel's rows unfolded); ALiBi or a fold that does not halve the tiles keeps the rows."""
+    from cute_flash.launch import flash_fwd_kvcache
+    from cute_flash.launch.kvcache import fold_queries
+
+    monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", "sm90")
+    q = torch.randn(2, 5, 8, 64, dtype=torch.bfloat16)
+    cache = torch.randn(2, 1000, 2, 64, dtype=torch.bfloat16)
+    seqlens = torch.tensor([999, 3], dtype=torch.int32)
+    out, lse = flash_fwd_kvcache(q, cache, cache, cache_seqlens=seqlens, softmax_scale=0.125, causal=True,
+                                 num_splits=1)
+    launch = recorder.launches[-1]
+    assert launch.config.query_group == 4 and launch.config.has_right and not launch.config.pack_gqa
+    assert torch.equal(launch["mQ"], fold_queries(q, 4)) and torch.equal(launch["mQ"][:, 4 * 3 + 2, 1], q[:, 3, 6])
+    assert launch["mO"].shape == (2, 20, 2, 64) and launch["mLSE"].shape == (2, 2, 20)
+    assert out.shape == q.shape and lse.shape == (2, 8, 5)
+
+    flash_fwd_kvcache(q, cache, cache, cache_seqlens=seqlens, softmax_scale=0.125, causal=True, num_splits=1,
+                      alibi_slopes=torch.rand(8))
+    assert recorder.launches[-1].config.query_group == 1 and recorder.launches[-1]["mQ"] is q
+    q_long = torch.randn(2, 64, 8, 64, dtype=torch.bfloat16)  # 4 x 1 tiles against 4 folded: no gain
+    flash_fwd_kvcache(q_long, cache, cache, cache_seqlens=seqlens, softmax_scale=0.125, causal=True, num_splits=1)
+    assert recorder.launches[-1].config.query_group == 1
 
 
 def test_hopper_entry_splits_for_one_cta_per_sm(recorder, monkeypatch):

@@ -152,6 +152,31 @@ def test_hopper_cache_entry(case, num_splits, hopper_cache_entry):
     run_case(*shape, torch.bfloat16, 300, case.pop("seqlens"), case.pop("seqlen_new"), num_splits, **case)
 
 
+@pytest.mark.parametrize("case", [
+    dict(b=2, sq=5, h=8, hk=2, d=128, seqlens=[10, 250], seqlen_new=5, causal=True),  # speculative verify
+    dict(b=3, sq=16, h=32, hk=4, d=128, seqlens=[0, 17, 290], seqlen_new=0, causal=True),  # 128 rows: 2 blocks
+    dict(b=2, sq=7, h=10, hk=2, d=64, seqlens=[293, 40], seqlen_new=7, causal=True, rotary=(64, False)),  # g 5
+    dict(b=2, sq=3, h=8, hk=1, d=128, seqlens=[299, 120], seqlen_new=0, window=(50, 0), softcap=5.0),
+    dict(b=2, sq=1, h=6, hk=2, d=256, seqlens=[299, 65], seqlen_new=1, window=(64, -1)),  # a window, one row
+    dict(b=2, sq=4, h=16, hk=2, d=128, seqlens=[200, 299], seqlen_new=0, page_size=128, causal=True),
+], ids=["verify", "two-blocks", "group-5", "local", "window-decode", "paged"])
+@pytest.mark.parametrize("num_splits", [1, 0, 5])
+def test_hopper_query_fold(case, num_splits, hopper_cache_entry):
+    """The query fold (`Sm90FwdConfig.query_group`): several query rows (or one under a window
+    edge) of a GQA group as consecutive rows of one tile, row r query r // g, with causal and
+    local masks, appends with rotary, pages, splits; run_case's checks against the reference, and
+    the plan folded on sm_90."""
+    from cute_flash.launch import gpu, kvcache
+
+    case = dict(case)
+    shape = [case.pop(k) for k in ("b", "sq", "h", "hk", "d")]
+    kvcache._calls.clear()
+    run_case(*shape, torch.bfloat16, 300 if "page_size" not in case else 512, case.pop("seqlens"),
+             case.pop("seqlen_new"), num_splits, **case)
+    if gpu.device_arch(torch.cuda.current_device()) == 90:
+        assert {call.plan.query_group for call in kvcache._calls.values()} == {shape[2] // shape[3]}
+
+
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("path", ["sm80", "sm90"])
 @pytest.mark.parametrize("d", [64, 128])
@@ -228,11 +253,12 @@ def test_hopper_two_ctas_per_sm_split(d, hopper_cache_entry):
 
 @pytest.mark.parametrize("ctas", [1, 5, 13, 132, 300])
 @pytest.mark.parametrize("case", [
-    dict(b=3, sq=1, h=8, hk=2, d=128, seqlens=[700, 0, 1024]),  # GQA fold, ragged, an empty cache
-    dict(b=2, sq=1, h=32, hk=8, d=128, seqlens=[1024, 1], page_size=128),  # paged; 1 key: one share holds it
-    dict(b=2, sq=70, h=4, hk=2, d=64, seqlens=[600, 900], causal=True),  # chunked prefill: two query blocks
-    dict(b=1, sq=1, h=6, hk=3, d=256, seqlens=[1000], window=(300, -1), softcap=10.0),
-], ids=["fold", "paged", "prefill", "window"])
+    dict(b=3, sq=1, h=8, hk=2, d=128, seqlens=[700, 0, 1024], group=1),  # GQA fold, ragged, an empty cache
+    dict(b=2, sq=1, h=32, hk=8, d=128, seqlens=[1024, 1], page_size=128, group=1),  # paged; 1 key: one share
+    dict(b=2, sq=70, h=4, hk=2, d=64, seqlens=[600, 900], causal=True, group=1),  # chunked prefill: 2 blocks
+    dict(b=1, sq=1, h=6, hk=3, d=256, seqlens=[1000], window=(300, -1), softcap=10.0, group=2),  # query fold
+    dict(b=2, sq=6, h=16, hk=2, d=128, seqlens=[1000, 333], causal=True, group=8),  # query fold: 48 rows
+], ids=["fold", "paged", "prefill", "window", "rows-fold"])
 def test_hopper_stream_k(case, ctas, hopper_cache_entry):
     """Stream-K split-KV on the Hopper entry (`Sm90FwdConfig.stream_k`): `ctas` CTAs share
     every tile's key blocks, from fewer CTAs than tiles (a CTA runs several tiles in turn) to
@@ -242,7 +268,7 @@ def test_hopper_stream_k(case, ctas, hopper_cache_entry):
     from cute_flash.launch.kvcache import flash_fwd_kvcache
 
     case = dict(case)
-    b, sq, h, hk, d = (case.pop(k) for k in ("b", "sq", "h", "hk", "d"))
+    b, sq, h, hk, d, group = (case.pop(k) for k in ("b", "sq", "h", "hk", "d", "group"))
     seqlens = torch.tensor(case.pop("seqlens"), dtype=torch.int32, device="cuda")
     page_size = case.pop("page_size", None)
     causal, window, softcap = case.pop("causal", False), case.pop("window", (-1, -1)), case.pop("softcap", 0.0)
@@ -265,7 +291,8 @@ def test_hopper_stream_k(case, ctas, hopper_cache_entry):
                               signature=signature, **opts) for _ in range(2)]
     torch.cuda.synchronize()
     if gpu.device_arch(torch.cuda.current_device()) == 90:
-        assert kvcache._calls[signature, "sm90"].plan.config.stream_k
+        plan = kvcache._calls[signature, "sm90"].plan
+        assert plan.config.stream_k and plan.query_group == group
     assert_matches_reference(*outs[0], q, *clean, ref_fn=ref_with(None, None), **opts)
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import cute_flash
+from cute_flash.launch import kvcache
 from cute_flash.reference import attention_kvcache_ref
 from tests.helpers.gpu_utils import assert_matches_reference, on_path
 
@@ -44,9 +45,12 @@ def test_packed_queries_against_each_sequence_alone(arch_path, kernels, page_siz
     lens = [4000, 0, 1234, 17, 3000, 255, 4090, 64]
     case = _case(n_q, lens, page_size, rotary, seed=len(n_q) + (page_size or 0))
     before = [c.clone() for c in (case["k_cache"], case["v_cache"])]
+    kvcache._calls.clear()
     out, lse = cute_flash.flash_attn_with_kvcache(**case, causal=True, return_softmax_lse=True)
     assert out.shape == case["q"].shape and lse.shape == (H, sum(n_q))
     assert kernels == on_path(arch_path, "fwd")
+    if on_path(arch_path, "fwd") == on_path("sm90", "fwd"):  # the Hopper entry folds the 16 rows' groups
+        assert {call.plan.query_group for call in kvcache._calls.values()} == {H // HK}
     cu = case["cu_seqlens_q"].tolist()
     for b in range(len(n_q)):
         rows = slice(cu[b], cu[b + 1])

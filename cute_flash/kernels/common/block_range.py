@@ -3,6 +3,10 @@
 Query i sees key j in [i + sk - sq - left, i + sk - sq + right] (causal is right = 0). Blocks
 that a diagonal or window edge crosses need the mask; `unmasked` gives the ones every row of
 the m-block sees whole, where the main loop runs a mask-free step (`visit_key_block`).
+
+Under a query fold (`Window.group` g > 1: the KV-cache entry's GQA fold of several query rows)
+row r of a tile is query r // g: g heads' rows of one query are consecutive, and seqlen_q
+counts rows (g x the queries).
 """
 from dataclasses import dataclass
 
@@ -14,11 +18,25 @@ from cute_flash.kernels.common.seq_info import SeqInfo
 
 @dataclass(frozen=True)
 class Window:
-    """Window edges as the kernel takes them (run time) and whether each exists (compile time)."""
+    """Window edges as the kernel takes them (run time), whether each exists, and the rows a
+    query holds (compile time)."""
     left: object
     right: object
     has_left: bool
     has_right: bool
+    group: int = 1  # rows per query: row r is query r // group (a query fold), seqlen_q / group queries
+
+    def query(self, row):
+        """The query of tile row `row`."""
+        return row // self.group if self.group > 1 else row
+
+    def query_end(self, row_end):
+        """One past the query of row `row_end` - 1: the queries of rows [.., row_end)."""
+        return (row_end - 1) // self.group + 1 if self.group > 1 else row_end
+
+    def shift(self, seqlen_q, seqlen_k):
+        """sk - sq in queries (seqlen_q counts rows): query i's diagonal lies at key i + shift."""
+        return seqlen_k - (seqlen_q // self.group if self.group > 1 else seqlen_q)
 
 
 @dataclass(frozen=True)
@@ -31,14 +49,14 @@ class BlockRange:
              split_idx=0, num_splits=1, split: cutlass.Constexpr = False):
         """Blocks holding any key visible from this m-block; a split takes the split_idx-th of
         num_splits equal shares of them."""
-        shift = seq.seqlen_k - seq.seqlen_q
+        shift = window.shift(seq.seqlen_q, seq.seqlen_k)
         n_block_max = cute.ceil_div(seq.seqlen_k, block_n)
         if cutlass.const_expr(window.has_right):
-            last_col = (m_block + 1) * block_m + shift + window.right
+            last_col = window.query_end((m_block + 1) * block_m) + shift + window.right
             n_block_max = cutlass.min(n_block_max, cute.ceil_div(cutlass.max(last_col, 0), block_n))
         n_block_min = 0
         if cutlass.const_expr(window.has_left):
-            first_col = m_block * block_m + shift - window.left
+            first_col = window.query(m_block * block_m) + shift - window.left
             n_block_min = cutlass.max(first_col, 0) // block_n
         if cutlass.const_expr(split):
             per_split = cute.ceil_div(n_block_max - n_block_min, num_splits)
@@ -49,13 +67,14 @@ class BlockRange:
     @staticmethod
     def unmasked(seq: SeqInfo, m_block, block_m: cutlass.Constexpr, block_n: cutlass.Constexpr, window: Window):
         """[lo, hi): key blocks every row of this m-block sees whole, so no mask is applied there."""
-        shift = seq.seqlen_k - seq.seqlen_q
+        shift = window.shift(seq.seqlen_q, seq.seqlen_k)
         hi = seq.seqlen_k // block_n
         if cutlass.const_expr(window.has_right):
-            hi = cutlass.min(hi, cutlass.max(m_block * block_m + shift + window.right + 1, 0) // block_n)
+            hi = cutlass.min(hi, cutlass.max(window.query(m_block * block_m) + shift + window.right + 1, 0) // block_n)
         lo = 0
         if cutlass.const_expr(window.has_left):
-            lo = cute.ceil_div(cutlass.max((m_block + 1) * block_m - 1 + shift - window.left, 0), block_n)
+            lo = cute.ceil_div(cutlass.max(window.query((m_block + 1) * block_m - 1) + shift - window.left, 0),
+                               block_n)
         return lo, hi
 
 

@@ -32,10 +32,11 @@ class Mask:
 
     @cute.jit
     def apply(self, acc_s_mn: cute.Tensor, tScS_mn: cute.Tensor, row0, col0):
-        """Set invisible scores to -inf; row0/col0 are the tile's first query row and key column."""
-        shift = self.seqlen_k - self.seqlen_q
+        """Set invisible scores to -inf; row0/col0 are the tile's first row and key column (a row is
+        a query unless the rows are folded, `Window.group`)."""
+        shift = self.window.shift(self.seqlen_q, self.seqlen_k)
         for r in cutlass.range_constexpr(cute.size(acc_s_mn.shape[0])):
-            row = row0 + tScS_mn[r, 0][0]
+            row = self.window.query(row0 + tScS_mn[r, 0][0])
             limit_right = self.seqlen_k
             if cutlass.const_expr(self.window.has_right):
                 limit_right = cutlass.min(limit_right, row + shift + self.window.right + 1)

@@ -108,6 +108,9 @@ class Sm90FwdConfig:
     split: bool = False        # KV caches: split-KV, fp32 partials merged by each tile's last split CTA
     paged: bool = False        # KV caches or packed batches: keys in pages of a multiple of block_n rows
     pack_gqa: bool = False     # KV caches, one query row: the GQA group folded into rows (kernels/common/gqa_fold.py)
+    query_group: int = 1       # KV caches, several query rows: the host folded each query's g heads into g
+                               # consecutive rows of its K / V head (launch/kvcache.py:fold_queries); masks and
+                               # key-block ranges read row r as query r // g (`Window.group`)
     ctas_per_sm: int = 1       # KV caches: 2 fits two CTAs an SM (64-key blocks, d <= 128; launch/policy.py)
     cluster_merge: bool = False  # split-KV: a tile's splits are one cluster, merged in shared memory (ClusterMerge)
     stream_k: bool = False     # split-KV: the grid's CTAs share all tiles' key blocks evenly (split_kv.StreamSplit)
@@ -151,8 +154,11 @@ class Sm90FwdConfig:
                                   or self.kv_multicast):
             raise ValueError("block sparsity lists the blocks a mask_mod cuts, in a dense launch without K / V "
                              "multicast (whose paired tiles load the same blocks)")
-        if (self.split or self.pack_gqa) and not self.kvcache:
-            raise ValueError("split-KV and the GQA fold belong to KV caches (kvcache)")
+        if (self.split or self.pack_gqa or self.query_group > 1) and not self.kvcache:
+            raise ValueError("split-KV and the GQA folds belong to KV caches (kvcache)")
+        if self.query_group < 1 or (self.query_group > 1 and (self.pack_gqa or self.has_alibi)):
+            raise ValueError("query_group folds g >= 2 heads' rows of several queries, not with pack_gqa (one "
+                             "query row) or ALiBi (whose slopes are per head)")
         if self.paged and not (self.kvcache or self.varlen):
             raise ValueError("paged keys belong to KV caches (kvcache) or packed batches (varlen)")
         if self.kv_multicast and not (self.persistent and not (self.has_left or self.has_right)):
@@ -242,7 +248,7 @@ class Sm90FwdConfig:
         mods = "" if self.mods is None else "-M" + "".join(
             m.digest for m in (self.mods.score_mod, self.mods.mask_mod) if m is not None)
         return f"{self.traits.name}_s{self.stages}{schedule}-{score_letters(self)}{mods}" + (
-            "-sink" if self.learnable_sink else "")
+            "-sink" if self.learnable_sink else "") + (f"-q{self.query_group}" if self.query_group > 1 else "")
 
 
 class FlashFwdSm90(TileScheduler, Producer, Consumer, Epilogue):

@@ -114,7 +114,7 @@ class Consumer:
         slope = cutlass.Float32(0.0)
         if cutlass.const_expr(cfg.has_alibi):
             slope = args.mAlibi[tile.bidb, tile.bidh] * scalars.alibi_div
-        window = Window(scalars.window_left, scalars.window_right, cfg.has_left, cfg.has_right)
+        window = Window(scalars.window_left, scalars.window_right, cfg.has_left, cfg.has_right, cfg.query_group)
         user = None
         if cutlass.const_expr(cfg.mods is not None):
             user = ModCall.make(cfg.mods, tile.bidb, tile.bidh, tile.seq, args.aux, scalars.score_premul)

@@ -130,7 +130,7 @@ class TileScheduler:
         else:
             seq = SeqInfo.make(bidb, args.tma_mQ.shape[0], rows_k, args.varlen.mCuSeqlensQ, args.varlen.mCuSeqlensK,
                                args.varlen.mSeqUsedK, paged=cfg.paged)
-        window = Window(scalars.window_left, scalars.window_right, cfg.has_left, cfg.has_right)
+        window = Window(scalars.window_left, scalars.window_right, cfg.has_left, cfg.has_right, cfg.query_group)
         num_splits = 1
         if cutlass.const_expr(cfg.split and not cfg.stream_k):
             num_splits = args.cache.split.num_splits
