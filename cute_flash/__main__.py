@@ -289,6 +289,8 @@ def main(argv=None):
         m.add_argument("--retry-aborted", action="store_true",
                        help="run the tests of each process the sanitizer aborted again, one process each, launches "
                             "blocking, and name the first call to see the fault")
+        m.add_argument("--deadline", type=float, default=None, metavar="S",
+                       help="after S seconds start no process and stop the running ones; name those left for --only")
     o = command("occupancy", "achieved occupancy, registers, time and throughput of representative "
                                          "calls' kernels under Nsight Compute (GPU, ncu)")
     o.add_argument("--case", default=None, help=argparse.SUPPRESS)  # the child ncu profiles
@@ -341,7 +343,7 @@ def main(argv=None):
     elif cmd in ("memcheck", "racecheck"):
         from cute_flash.tools import sanitize
 
-        return sanitize.run(cmd, extra, args.jobs, args.chunk, args.only, args.retry_aborted)
+        return sanitize.run(cmd, extra, args.jobs, args.chunk, args.only, args.retry_aborted, args.deadline)
     elif cmd == "occupancy":
         from cute_flash.tools import occupancy
 

@@ -1,5 +1,5 @@
 """The GPU suite under compute-sanitizer: `python -m cute_flash memcheck|racecheck [--jobs N]
-[--chunk N] [--only i,j] [--retry-aborted] [pytest args]`.
+[--chunk N] [--only i,j] [--retry-aborted] [--deadline S] [pytest args]`.
 
 memcheck finds out-of-bounds and misaligned accesses (torch's caching allocator is off, so
 each tensor is its own allocation and a read just past it is caught; host API errors are not
@@ -13,7 +13,9 @@ processes, spread over the visible GPUs (run it from the repository root: the co
 relative to it); `chunk` gives each process that many consecutive tests instead, `jobs` at a
 time (`Plan`). A process starts only when its GPU has `MIN_FREE_MIB` free (or none of ours
 running); tests marked `sanitizer_slow` start first, one process each, and tests marked
-`whole_gpu` run after the others, one process at a time. Never pytest-xdist's `-n`: with 15
+`whole_gpu` run after the others, one process at a time. `deadline` S: after S seconds no
+process starts and the running ones are stopped, and the command names the processes left
+for `--only` to finish (a whole-suite run in calls of a fixed length). Never pytest-xdist's `-n`: with 15
 xdist workers under one sanitizer no test finished in 570 s on the H200 machine, while one
 process ran 17 tests in 160 s (compiles dominate, so separate processes scale with the cores).
 """
@@ -23,6 +25,7 @@ import collections
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -135,14 +138,17 @@ class Plan:
 
 
 def run(tool_name: str, pytest_args: list, jobs: int = 1, chunk: int | None = None, only=None,
-        retry_aborted: bool = False) -> int:
+        retry_aborted: bool = False, deadline: float | None = None) -> int:
     """The GPU tests (default: all of `tests`) under `tool_name`; prints every process's output,
     a line per finished process and the sum of their findings. Fails on any finding, a failed
     test or a process with no summary (a sanitizer that did not run), and, for a tool with a
     canary, on a canary it reports nothing for. `retry_aborted`: the tests of each process the
     sanitizer aborted (whose later tests then failed for want of a CUDA context) run again, one
     process each and with launches blocking, and stand for that process; for each that aborts
-    again it names the first call to see the fault (`CUDA_ERROR_AT`)."""
+    again it names the first call to see the fault (`CUDA_ERROR_AT`). `deadline`: seconds from
+    now after which no process starts and running ones are stopped; those left are named for
+    `--only`, and the command fails (a run cut short is not clean)."""
+    stop_at = None if deadline is None else time.monotonic() + deadline
     sanitizer, plan = sanitizer_path(), Plan(jobs, chunk, tuple(only) if only else None)
     tool = bounded(TOOLS[tool_name], sanitizer)
     # CUTE_FLASH_MEMCHECK=1 tells the tests they are sanitized (hypothesis draws fewer shapes)
@@ -173,9 +179,14 @@ def run(tool_name: str, pytest_args: list, jobs: int = 1, chunk: int | None = No
               flush=True)
     picked = [i for i in range(len(shards)) if plan.only is None or i in plan.only]
     gpus = _visible_gpus() if len(shards) > 1 else None  # one process: the caller's environment as it is
-    first = _pool(tool, sanitizer, env, shards, [i for i in picked if i < shared], jobs, gpus, "")
-    first.add(_pool(tool, sanitizer, env, shards, [i for i in picked if i >= shared], 1, gpus, ""))
+    first = _pool(tool, sanitizer, env, shards, [i for i in picked if i < shared], jobs, gpus, "", stop_at)
+    first.add(_pool(tool, sanitizer, env, shards, [i for i in picked if i >= shared], 1, gpus, "", stop_at))
     print(first.line(tool, picked), flush=True)
+    left = [i for i in picked if i not in first.codes or i in first.stopped]
+    if stop_at is not None and left:
+        print(f"{tool.name}: the deadline ({deadline:g} s) left {len(left)} processes unfinished; to finish: the same "
+              f"command with --only {','.join(str(i) for i in left)}", flush=True)
+        return 1
     if not (retry_aborted and first.aborts):
         return 0 if first.clean(picked) else 1
     kept = [i for i in picked if i not in first.aborts]
@@ -184,7 +195,7 @@ def run(tool_name: str, pytest_args: list, jobs: int = 1, chunk: int | None = No
     print(f"{tool.name}: the {len(again)} tests of the {len(first.aborts)} aborted processes again, one process "
           f"each", flush=True)
     blocking = dict(env, CUDA_LAUNCH_BLOCKING="1")  # the fault seen at (or just after) its launch
-    retried = _pool(tool, sanitizer, blocking, again, list(range(len(again))), jobs, gpus, "r")
+    retried = _pool(tool, sanitizer, blocking, again, list(range(len(again))), jobs, gpus, "r", stop_at)
     print(retried.line(tool, list(range(len(again)))), flush=True)
     for i in sorted(retried.aborts):
         where = retried.faults.get(i, "no CUDA error in its traceback")
@@ -196,12 +207,14 @@ def run(tool_name: str, pytest_args: list, jobs: int = 1, chunk: int | None = No
 class PoolResult:
     """What a pool of sanitized processes printed: each one's summed findings, its exit code,
     those the sanitizer aborted, and where each one's first CUDA error was raised ("path:line:
-    source"); and the most GPU memory (MiB) nvidia-smi listed for each one's processes."""
+    source"); the most GPU memory (MiB) nvidia-smi listed for each one's processes; and those
+    the deadline stopped."""
     summaries: dict
     codes: dict
     aborts: set
     faults: dict
     peaks: dict = field(default_factory=dict)
+    stopped: set = field(default_factory=set)
 
     def add(self, other: "PoolResult") -> None:
         """Take in another pool's processes (of other shard indices)."""
@@ -210,6 +223,7 @@ class PoolResult:
         self.aborts |= other.aborts
         self.faults.update(other.faults)
         self.peaks.update(other.peaks)
+        self.stopped |= other.stopped
 
     def clean(self, picked) -> bool:
         """Every one of `picked` ran to its summary: no finding, no failed test, no abort."""
@@ -222,11 +236,18 @@ class PoolResult:
                 f"pytest/sanitizer exits {[self.codes.get(i) for i in picked]}")
 
 
-def _pool(tool: Tool, sanitizer: str, env: dict, shards: list, picked: list, jobs: int, gpus, label: str):
+def _pool(tool: Tool, sanitizer: str, env: dict, shards: list, picked: list, jobs: int, gpus, label: str,
+          stop_at: float | None = None):
     """`shards[i]` for i in `picked` under the tool, `jobs` processes at a time, spread over
-    `gpus` (None: the caller's environment); each process's output tagged [label i]."""
+    `gpus` (None: the caller's environment); each process's output tagged [label i]. At
+    `stop_at` (time.monotonic()) none starts and the running ones are stopped, process tree and
+    all (`PoolResult.stopped`)."""
     result, lock = PoolResult({}, {}, set(), {}), threading.Lock()
     todo = list(reversed(picked))
+    procs = {}  # shard -> its running sanitizer
+
+    def late() -> bool:
+        return stop_at is not None and time.monotonic() >= stop_at
 
     def sanitized(i):
         shard = shards[i]
@@ -238,6 +259,7 @@ def _pool(tool: Tool, sanitizer: str, env: dict, shards: list, picked: list, job
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=shard_env)
         with lock:
             roots[proc.pid] = i
+            procs[i] = proc
         source = ""  # the last traceback line marked ">" (the raising call's source)
         for line in proc.stdout:
             with lock:
@@ -255,6 +277,10 @@ def _pool(tool: Tool, sanitizer: str, env: dict, shards: list, picked: list, job
         result.codes[i] = proc.wait()
         with lock:
             del roots[proc.pid]
+            del procs[i]
+            if i in result.stopped:
+                print(f"{tag}stopped at the deadline, exit {result.codes[i]}", flush=True)
+                return
             aborted = " (the sanitizer aborted: its count is that abort)" if i in result.aborts else ""
             peak = f", GPU memory peak {result.peaks[i]} MiB" if i in result.peaks else ""
             print(f"{tag}done: {result.summaries.get(i, 'no summary')} {tool.noun}{aborted}, exit {result.codes[i]}"
@@ -274,15 +300,26 @@ def _pool(tool: Tool, sanitizer: str, env: dict, shards: list, picked: list, job
                 with lock:
                     result.peaks[shard] = max(result.peaks.get(shard, 0), mib)
 
+    def stop():
+        """At the deadline, stop every running process (its sanitizer and what runs under it)."""
+        if stop_at is None or finished.wait(max(stop_at - time.monotonic(), 0)):
+            return
+        with lock:
+            for i, proc in procs.items():
+                result.stopped.add(i)
+                _kill_tree(proc.pid)
+
     def slot():
         while True:
             with lock:
-                if not todo:
+                if not todo or late():
                     return
                 i = todo.pop()
             gpu = gpus[i % len(gpus)] if gpus else None
             while True:  # wait for memory, unless this GPU runs none of ours (then nothing would free it)
                 with lock:
+                    if late():
+                        return
                     free = _free_mib(gpu) if running[gpu] else None
                     if free is None or free >= MIN_FREE_MIB:
                         running[gpu] += 1
@@ -295,14 +332,36 @@ def _pool(tool: Tool, sanitizer: str, env: dict, shards: list, picked: list, job
                     running[gpu] -= 1
 
     threads = [threading.Thread(target=slot) for _ in range(min(jobs, len(picked)) or 1)]
-    sampler = threading.Thread(target=sample)
-    for t in threads + [sampler]:
+    watchers = [threading.Thread(target=sample), threading.Thread(target=stop)]
+    for t in threads + watchers:
         t.start()
     for t in threads:
         t.join()
     finished.set()
-    sampler.join()
+    for t in watchers:
+        t.join()
     return result
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL `pid` and every process under it (found through /proc; `pid` alone where there
+    is no /proc): the sanitizer's target would outlive it otherwise."""
+    def under(p):
+        for _ in range(64):  # a bound on the walk up
+            if p is None or p == pid:
+                return p == pid
+            p = _parent_pid(p)
+        return False
+
+    try:
+        pids = [int(name) for name in os.listdir("/proc") if name.isdigit()]
+    except OSError:
+        pids = []
+    for p in [p for p in pids if p != pid and under(p)] + [pid]:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except OSError:
+            pass
 
 
 def memory_by_root(apps: list, parent, roots: dict) -> dict:

@@ -149,6 +149,26 @@ def test_chunks_run_in_order_a_few_at_a_time_and_only_picks_some(fake_machine, c
     assert "memcheck: 1 sanitized processes, 0 errors" in capsys.readouterr().out
 
 
+def test_the_deadline_stops_the_run_and_names_what_is_left(fake_machine, monkeypatch, capsys):
+    """--deadline: no process starts after it, the running one is stopped with the processes
+    under it, the command fails naming the processes left, and --only with those finishes the
+    run (every test run once, counting the first run's)."""
+    tests, record = fake_machine
+    monkeypatch.setenv("HOLD", "60")  # each fake sanitizer sleeps 60 s before its tests
+    # 8 s: the collection (a second or two) is done and the first process is in its sleep
+    assert sanitize.run("memcheck", ["-q", "-p", "no:cacheprovider", tests], jobs=1, chunk=2, deadline=8) == 1
+    out = capsys.readouterr().out
+    assert "[0] stopped at the deadline" in out
+    assert ("memcheck: the deadline (8 s) left 3 processes unfinished; to finish: the same command with "
+            "--only 0,1,2") in out
+    held = [int(p) for p in (record / "pids").read_text().split()]
+    assert len(held) == 1 and not os.path.exists(f"/proc/{held[0]}")  # the stopped sanitizer ...
+    assert not [p for p in record.iterdir() if p.name != "pids"]  # ... ran no test (its sleep was stopped too)
+    monkeypatch.delenv("HOLD")
+    assert sanitize.run("memcheck", ["-q", "-p", "no:cacheprovider", tests], jobs=1, chunk=2, only=[0, 1, 2]) == 0
+    assert sorted(p.name for p in record.iterdir() if p.name != "pids") == ["0", "1", "2", "3", "4"]
+
+
 def test_a_sanitizer_abort_is_named_apart_from_findings(fake_machine, monkeypatch, capsys):
     tests, _ = fake_machine
     monkeypatch.setenv("ABORT", "1")
