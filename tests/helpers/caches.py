@@ -62,6 +62,10 @@ def run_case(b, sq, h, hk, d, dtype, capacity, seqlens, seqlen_new, num_splits, 
     check output, LSE and both caches."""
     from cute_flash import flash_attn_with_kvcache
 
+    # a case whose appends run past the cache is bad metadata (tests/helpers/bad_metadata.py):
+    # here the reference's rotary gather would assert on the device and take the worker's
+    # CUDA context (every later test of the worker) with it
+    assert all(n + seqlen_new <= capacity for n in seqlens), f"cache_seqlens {seqlens} + {seqlen_new} > {capacity}"
     cache_seqlens = torch.tensor(seqlens, dtype=torch.int32, device="cuda")
     block_table = None
     if page_size is None:
