@@ -105,8 +105,9 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
     where `kv_stages` gives short keys them, the packed-batch entry of every 128-row traits
     with and without seqused_k, paged and not, and the KV-cache entry of every bucket and dtype
     with every score flag but dropout, split and not, paged and not, GQA-folded and not (the
-    fold without window edges or ALiBi; the query fold of `QUERY_GROUPS` without ALiBi), at one CTA an SM and (up to `TWO_CTAS_MAX_HEAD_DIM`)
-    two, at the K / V stages `policy.cache_stages` gives each. Otherwise the CI subset: every
+    fold without window edges or ALiBi; the query fold of `QUERY_GROUPS` without ALiBi), at
+    one CTA an SM and (up to `TWO_CTAS_MAX_HEAD_DIM`) two, at the K / V stages
+    `policy.cache_stages` gives each. Otherwise the CI subset: every
     bucket in bf16 with a causal edge (the persistent variant where it fits, so both schedules
     compile; speculative maxima, as at 1024 keys and more), d 64's 192-row tiles likewise
     (speculating in place, as under a causal mask at any length), d 64 causal with three K / V

@@ -15,9 +15,10 @@ time (`Plan`). A process starts only when its GPU has `MIN_FREE_MIB` free (or no
 running); tests marked `sanitizer_slow` start first, one process each, and tests marked
 `whole_gpu` run after the others, one process at a time. `deadline` S: after S seconds no
 process starts and the running ones are stopped, and the command names the processes left
-for `--only` to finish (a whole-suite run in calls of a fixed length). Never pytest-xdist's `-n`: with 15
-xdist workers under one sanitizer no test finished in 570 s on the H200 machine, while one
-process ran 17 tests in 160 s (compiles dominate, so separate processes scale with the cores).
+for `--only` to finish (a whole-suite run in calls of a fixed length). Never pytest-xdist's
+`-n`: with 15 xdist workers under one sanitizer no test finished in 570 s on the H200 machine,
+while one process ran 17 tests in 160 s (compiles dominate, so separate processes scale with
+the cores).
 """
 from __future__ import annotations
 
