@@ -68,14 +68,30 @@ def cache_root() -> Path:
     return Path(os.environ.get("CUTE_FLASH_CACHE_DIR") or Path.home() / ".cache" / "cute_flash")
 
 
+# the distributions whose versions key the cache, and the module each installs
+VERSIONED = (("nvidia-cutlass-dsl", "cutlass"), ("apache-tvm-ffi", "tvm_ffi"))
+
+
+def _version(dist: str, module: str) -> str:
+    """`dist`'s installed version; where it has no package metadata (a vendored copy on the
+    path, as a bundle unpacked without its wheel's dist-info), its module's `__version__`."""
+    from importlib import import_module, metadata
+
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        try:
+            return f"{module} {getattr(import_module(module), '__version__', 'unversioned')}"
+        except ImportError:
+            return "absent"
+
+
 @functools.lru_cache(maxsize=None)
 def fingerprint() -> str:
     """What invalidates every entry: the DSL, tvm-ffi and Python versions and our source."""
-    from importlib import metadata
-
     digest = hashlib.sha256()
-    for dist in ("nvidia-cutlass-dsl", "apache-tvm-ffi"):
-        digest.update(f"{dist}={metadata.version(dist)};".encode())
+    for dist, module in VERSIONED:
+        digest.update(f"{dist}={_version(dist, module)};".encode())
     digest.update(sys.version.encode())
     root = Path(__file__).resolve().parents[2]  # the folder holding cute_flash/ and layouts/
     for package in (root / "cute_flash", root / "layouts"):

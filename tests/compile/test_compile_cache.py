@@ -72,6 +72,23 @@ def test_keys_and_fingerprint_name_their_inputs(cache_dir):
     assert len(compile_cache.fingerprint()) == 16
 
 
+def test_a_package_without_metadata_is_versioned_by_its_module(monkeypatch):
+    """A DSL or tvm-ffi copy on the path without its wheel's dist-info (a bundle unpacked
+    alone) keys the cache by its module's __version__ instead of stopping every compile at
+    `PackageNotFoundError` (the tenth session's first GPU call)."""
+    import types
+    from importlib import metadata
+
+    def no_metadata(dist):
+        raise metadata.PackageNotFoundError(dist)
+
+    monkeypatch.setattr(metadata, "version", no_metadata)
+    monkeypatch.setitem(sys.modules, "tvm_ffi", types.SimpleNamespace(__version__="9.9"))
+    assert compile_cache._version("apache-tvm-ffi", "tvm_ffi") == "tvm_ffi 9.9"
+    monkeypatch.setitem(sys.modules, "tvm_ffi", None)  # not importable
+    assert compile_cache._version("apache-tvm-ffi", "tvm_ffi") == "absent"
+
+
 FINGERPRINT = "from cute_flash.compile import cache; print(cache.fingerprint())"
 
 
