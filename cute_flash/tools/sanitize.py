@@ -245,7 +245,6 @@ def _pool(tool: Tool, sanitizer: str, env: dict, shards: list, picked: list, job
     all (`PoolResult.stopped`)."""
     result, lock = PoolResult({}, {}, set(), {}), threading.Lock()
     todo = list(reversed(picked))
-    procs = {}  # shard -> its running sanitizer
 
     def late() -> bool:
         return stop_at is not None and time.monotonic() >= stop_at
@@ -260,7 +259,6 @@ def _pool(tool: Tool, sanitizer: str, env: dict, shards: list, picked: list, job
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=shard_env)
         with lock:
             roots[proc.pid] = i
-            procs[i] = proc
         source = ""  # the last traceback line marked ">" (the raising call's source)
         for line in proc.stdout:
             with lock:
@@ -278,7 +276,6 @@ def _pool(tool: Tool, sanitizer: str, env: dict, shards: list, picked: list, job
         result.codes[i] = proc.wait()
         with lock:
             del roots[proc.pid]
-            del procs[i]
             if i in result.stopped:
                 print(f"{tag}stopped at the deadline, exit {result.codes[i]}", flush=True)
                 return
@@ -306,9 +303,9 @@ def _pool(tool: Tool, sanitizer: str, env: dict, shards: list, picked: list, job
         if stop_at is None or finished.wait(max(stop_at - time.monotonic(), 0)):
             return
         with lock:
-            for i, proc in procs.items():
+            for pid, i in roots.items():
                 result.stopped.add(i)
-                _kill_tree(proc.pid)
+                _kill_tree(pid)
 
     def slot():
         while True:
@@ -347,18 +344,11 @@ def _pool(tool: Tool, sanitizer: str, env: dict, shards: list, picked: list, job
 def _kill_tree(pid: int) -> None:
     """SIGKILL `pid` and every process under it (found through /proc; `pid` alone where there
     is no /proc): the sanitizer's target would outlive it otherwise."""
-    def under(p):
-        for _ in range(64):  # a bound on the walk up
-            if p is None or p == pid:
-                return p == pid
-            p = _parent_pid(p)
-        return False
-
     try:
         pids = [int(name) for name in os.listdir("/proc") if name.isdigit()]
     except OSError:
         pids = []
-    for p in [p for p in pids if p != pid and under(p)] + [pid]:
+    for p in [p for p in pids if p != pid and _root_of(p, _parent_pid, {pid}) == pid] + [pid]:
         try:
             os.kill(p, signal.SIGKILL)
         except OSError:
@@ -371,13 +361,20 @@ def memory_by_root(apps: list, parent, roots: dict) -> dict:
     pid, or None) from the app up; apps under no root count for none."""
     out = {}
     for pid, mib in apps:
-        for _ in range(64):  # a bound on the walk up
-            if pid is None or pid in roots:
-                break
-            pid = parent(pid)
-        if pid in roots:
-            out[roots[pid]] = out.get(roots[pid], 0) + mib
+        root = _root_of(pid, parent, roots)
+        if root is not None:
+            out[roots[root]] = out.get(roots[root], 0) + mib
     return out
+
+
+def _root_of(pid, parent, roots):
+    """The first of `roots` (pids) met walking up from `pid` through `parent` (pid -> its
+    parent's pid, or None), `pid` itself included; None if none is."""
+    for _ in range(64):  # a bound on the walk up
+        if pid is None or pid in roots:
+            break
+        pid = parent(pid)
+    return pid if pid in roots else None
 
 
 def _nvidia_smi(*args) -> str:
