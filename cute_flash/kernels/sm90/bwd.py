@@ -37,6 +37,13 @@ zero them in shared memory (`clear_rows`: the key block's last K / V rows once, 
 block's Q / dO rows) before a wgmma reads them, and dK / dV go out by a row-predicated copy
 (`store_dkv_rows`) in place of TMA. LSE, D and dQaccum rows are padded per
 sequence to whole query blocks (`kernels/common/dq_accum.py:first_tile`).
+
+Deterministic mode adds each query tile's dQ in key-block order (`DqTurn`): a CTA waits until
+the key blocks before it have added. That wait is not the consumers': warp 1 + w of the
+producer warpgroup takes warpgroup w's staged run (`hand_dq`, `write_dq`; named barriers
+`DQ_FULL` / `DQ_EMPTY` of the warpgroup's 128 threads and the warp's 32), waits for the turn,
+issues the bulk add and hands the staging run back once the add has read it, while the
+warpgroup goes on with its next query block.
 """
 from __future__ import annotations
 
@@ -380,6 +387,10 @@ class FlashBwdSm90:
             cute.arch.setmaxregister_decrease(producer_regs)
             if warp == 0:
                 self.produce(args, recipe, pipes, smem, tile)
+            if cutlass.const_expr(cfg.deterministic):
+                if warp >= 1:
+                    if warp <= self.wgs:  # warp 1 + w: warpgroup w's dQ adds, each in its turn
+                        self.write_dq(args, smem, tile, window, warp - 1)
         else:
             cute.arch.setmaxregister_increase(consumer_regs)
             self.consume(args, scalars, recipe, pipes, smem, tile, window, tidx - 128)
@@ -560,8 +571,10 @@ class FlashBwdSm90:
                         accumulate=True)
             warpgroup.wait_group(1)  # dV and dQ landed; dK runs under dQ's staging and bulk add
             self.release(pipes.do, read)
-            self.add_dq(acc_dq, self.dq_chunk(args.mdQaccum, tile, m_block), smem.sdQaccum, mma_tidx,
-                        self.dq_turn(args, tile, m_block, window))
+            if cutlass.const_expr(cfg.deterministic):
+                self.hand_dq(acc_dq, smem.sdQaccum, mma_tidx)
+            else:
+                self.add_dq(acc_dq, self.dq_chunk(args.mdQaccum, tile, m_block), smem.sdQaccum, mma_tidx)
             warpgroup.wait_group(0)
             self.release(pipes.q, read)
         self.store_dkv(acc_dk, acc_dv, scalars, recipe, args, smem, tile, mma_tidx)
@@ -576,9 +589,7 @@ class FlashBwdSm90:
     def dq_turn(self, args: Sm90BwdTensors, tile: KeyTile, m_block, window: Window):
         """Deterministic mode: this CTA's `DqTurn` at query block m_block, whose key blocks are
         [n_block_min, n_block_max) (`BlockRange`, exactly the blocks whose `QueryBlocks` hold
-        m_block), counted from below, or from above with `dq_descending`; None otherwise."""
-        if cutlass.const_expr(not self.config.deterministic):
-            return None
+        m_block), counted from below, or from above with `dq_descending`."""
         if cutlass.const_expr(tile.seq.sum_s_q is None):
             row = args.mSemaphore[tile.bidb, tile.bidh, None]
         else:
@@ -669,11 +680,10 @@ class FlashBwdSm90:
         return transposed(lmma.acc_mn_view(recipe.mma_sdp.get_slice(mma_tidx).partition_C(cSt)))
 
     @cute.jit
-    def add_dq(self, acc_dq: cute.Tensor, chunk: cute.Tensor, sdQaccum: cute.Tensor, mma_tidx, turn):
+    def add_dq(self, acc_dq: cute.Tensor, chunk: cute.Tensor, sdQaccum: cute.Tensor, mma_tidx):
         """This warpgroup's dQ values -> its run of sdQaccum (16-byte stores, a warp's covering
         512 consecutive bytes) -> one bulk reduce-add of the run into the same run of `chunk`,
-        issued by the warpgroup's first thread once the previous one has read the run; with a
-        `DqTurn` (deterministic), in its turn, and counted once the adds are done."""
+        issued by the warpgroup's first thread once the previous one has read the run."""
         run = cute.size(acc_dq) * 128  # floats
         wg_idx = mma_tidx // 128
         first = mma_tidx % 128 == 0
@@ -683,11 +693,45 @@ class FlashBwdSm90:
         stage_run(acc_dq, sdQaccum, chunk_index(0, mma_tidx, cute.size(acc_dq), HOPPER_VEC, 128), HOPPER_VEC, 128)
         cute.arch.barrier(barrier_id=BwdBarrier.DQ + wg_idx, number_of_threads=128)
         if first:
-            if cutlass.const_expr(turn is not None):
-                wait_turn(turn)
             bulk_add_run(chunk, sdQaccum, wg_idx * run, run)
-            if cutlass.const_expr(turn is not None):
+
+    @cute.jit
+    def hand_dq(self, acc_dq: cute.Tensor, sdQaccum: cute.Tensor, mma_tidx):
+        """Deterministic mode: this warpgroup's dQ values into its run of sdQaccum once its
+        writer warp's last bulk add has read the run (`DQ_EMPTY`), then handed to that warp
+        (`DQ_FULL`, an arrive: the warpgroup does not wait for the add's turn)."""
+        wg_idx = mma_tidx // 128
+        cute.arch.barrier(barrier_id=BwdBarrier.DQ_EMPTY + wg_idx, number_of_threads=128 + 32)
+        stage_run(acc_dq, sdQaccum, chunk_index(0, mma_tidx, cute.size(acc_dq), HOPPER_VEC, 128), HOPPER_VEC, 128)
+        cute.arch.barrier_arrive(barrier_id=BwdBarrier.DQ_FULL + wg_idx, number_of_threads=128 + 32)
+
+    @cute.jit
+    def write_dq(self, args: Sm90BwdTensors, smem: Sm90BwdSmem, tile: KeyTile, window: Window, wg_idx):
+        """Deterministic mode, one warp of the producer warpgroup: consumer warpgroup wg_idx's dQ
+        adds, query block by query block as the consumers visit them. The staging run starts
+        free; each staged run (`hand_dq`) is added by lane 0 in the tile's turn (`DqTurn`),
+        handed back once the bulk add has read it, and counted once the add is written. The
+        warp stays converged around the named barriers."""
+        run = self.t.block_m * self.t.head_dim // self.wgs  # floats: a warpgroup's share of the tile
+        lane = cute.arch.lane_idx()
+        count = tile.count()
+        if count > 0:
+            cute.arch.barrier_arrive(barrier_id=BwdBarrier.DQ_EMPTY + wg_idx, number_of_threads=128 + 32)
+        for i in cutlass.range(count, unroll=1):
+            m_block = tile.m_block(i)
+            turn = self.dq_turn(args, tile, m_block, window)
+            chunk = self.dq_chunk(args.mdQaccum, tile, m_block)  # (bm * d,)
+            cute.arch.barrier(barrier_id=BwdBarrier.DQ_FULL + wg_idx, number_of_threads=128 + 32)
+            if lane == 0:
+                wait_turn(turn)
+                bulk_add_run(chunk, smem.sdQaccum, wg_idx * run, run)
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+            cute.arch.sync_warp()
+            if i + 1 < count:  # the last run is never staged over: no arrive waits for it
+                cute.arch.barrier_arrive(barrier_id=BwdBarrier.DQ_EMPTY + wg_idx, number_of_threads=128 + 32)
+            if lane == 0:
                 end_turn(turn)
+            cute.arch.sync_warp()
 
     @cute.jit
     def store_dkv(self, acc_dk: cute.Tensor, acc_dv: cute.Tensor, scalars: BwdScalars, recipe: Sm90BwdRecipe,
