@@ -3,11 +3,12 @@ of any output must read back NaN, whichever of the caching allocator's pools ser
 import pytest
 import torch
 
-from tests.helpers.gpu_utils import poison_allocator
+from tests.helpers.gpu_utils import poison_allocator, poisons_the_cache
 
 pytestmark = pytest.mark.gpu
 
 
+@poisons_the_cache
 @pytest.mark.parametrize("nbytes", [512, 4096, 100_000, 1 << 20, 3 << 20, 40 << 20])
 def test_poisoned_allocations_read_nan(nbytes):
     # leave stale finite values in freed blocks of both pools, with live blocks between them

@@ -69,6 +69,7 @@ def test_kvcache_matches_reference(rng, data, b, ratio, hk, d, sq, dtype, mask, 
              batch_idx, leftpad, rotary, **opts)
 
 
+@pytest.mark.whole_gpu  # a sanitized process of these reached 80.8 GB (docs/tuning/gpu-suite.md, eleventh session)
 @pytest.mark.parametrize("path", ["sm80", "sm90"])
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("num_splits", [0, 1, 20, 32])

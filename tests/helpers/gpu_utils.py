@@ -6,10 +6,15 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-UNDER_MEMCHECK = os.environ.get("CUTE_FLASH_MEMCHECK") == "1"  # set by `python -m cute_flash memcheck`
-# A CUDA graph's capture needs torch's caching allocator, which the memcheck run switches off
-# (each tensor its own cudaMalloc, not permitted while a stream captures).
-captures_graph = pytest.mark.skipif(UNDER_MEMCHECK, reason="captures a CUDA graph: needs the caching allocator")
+UNDER_MEMCHECK = os.environ.get("CUTE_FLASH_MEMCHECK") == "1"  # set by the sanitizer commands
+# The memcheck run switches torch's caching allocator off (each tensor its own cudaMalloc, so
+# the tool sees each one's bounds); racecheck keeps it.
+NO_CACHING_ALLOCATOR = os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING") == "1"
+# A CUDA graph's capture needs the caching allocator (no cudaMalloc while a stream captures).
+captures_graph = pytest.mark.skipif(NO_CACHING_ALLOCATOR, reason="captures a CUDA graph: needs the caching allocator")
+# `poison_allocator` fills the caching allocator's free blocks: with no cache there are none.
+poisons_the_cache = pytest.mark.skipif(NO_CACHING_ALLOCATOR,
+                                       reason="checks the caching allocator's poisoning: the allocator is off")
 
 
 def on_path(path: str, *parts: str) -> set:
