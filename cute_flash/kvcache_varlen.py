@@ -17,12 +17,20 @@ import torch
 from torch import Tensor
 
 
-def _rows(cu_seqlens: Tensor, total: int):
-    """(sequence of each packed row, its index inside the sequence) for `total` rows."""
+def _per_row(cu_seqlens: Tensor, values: Tensor, total: int) -> Tensor:
+    """values[b] + t for each packed row t of `total`, b its sequence (int64): a per-sequence
+    offset plus the row's packed index, where the row's index in its sequence took a gather
+    (repeat_interleave is given its size: no host sync)."""
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-    seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=cu_seqlens.device), lengths,
-                                  output_size=total)
-    return seq, torch.arange(total, device=cu_seqlens.device) - cu_seqlens[seq].long()
+    return (torch.repeat_interleave(values, lengths, output_size=total)
+            + torch.arange(total, device=cu_seqlens.device))
+
+
+def _sequences(cu_seqlens: Tensor, total: int) -> Tensor:
+    """The sequence of each of `total` packed rows."""
+    batch = cu_seqlens.shape[0] - 1
+    return torch.repeat_interleave(torch.arange(batch, device=cu_seqlens.device), cu_seqlens[1:] - cu_seqlens[:-1],
+                                   output_size=total)
 
 
 def rotate(x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, interleaved: bool) -> Tensor:
@@ -48,10 +56,13 @@ def append(k_cache, v_cache, k, v, cu_seqlens_k_new, cache_seqlens, block_table,
     pages, are clamped into them, as the append kernel keeps bad metadata inside the tensors
     (docs/architecture.md, "Bad metadata"): such a call's cache contents are undefined, no
     write leaves the caches, and nothing syncs with the host."""
-    seq, j = _rows(cu_seqlens_k_new, k.shape[0])
+    total = k.shape[0]
+    seq = _sequences(cu_seqlens_k_new, total)
     page_size = k_cache.shape[1]
     capacity = page_size if block_table is None else block_table.shape[1] * page_size
-    pos = (cache_seqlens.long()[seq] + j).clamp(0, capacity - 1)
+    # row j of sequence b (packed row t = cu[b] + j) lands at cache_seqlens[b] + j = t + cache_seqlens[b] - cu[b]
+    base = cache_seqlens.long() - cu_seqlens_k_new[:-1]
+    pos = (base[seq] + torch.arange(total, device=k.device)).clamp_(0, capacity - 1)
     if rotary is not None:
         k = rotate(k, rotary[0], rotary[1], pos, rotary[2])
     if block_table is None:
@@ -67,9 +78,10 @@ def pad_queries(q: Tensor, cu_seqlens_q: Tensor, max_seqlen_q: int) -> tuple[Ten
     """q (total_q, heads, d) as (batch, max_seqlen_q, heads, d), each sequence's rows last, and
     the flat row of each packed row in it."""
     batch = cu_seqlens_q.shape[0] - 1
-    seq, i = _rows(cu_seqlens_q, q.shape[0])
-    lengths = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
-    flat = seq * max_seqlen_q + max_seqlen_q - lengths[seq] + i
+    # row i of sequence b (packed row t = cu[b] + i) goes to row b max + max - len_b + i,
+    # which is t + (b + 1) max - cu[b + 1]
+    ends = torch.arange(max_seqlen_q, (batch + 1) * max_seqlen_q, max_seqlen_q, device=q.device)
+    flat = _per_row(cu_seqlens_q, ends - cu_seqlens_q[1:], q.shape[0])
     padded = q.new_zeros(batch * max_seqlen_q, *q.shape[1:])
     padded[flat] = q
     return padded.view(batch, max_seqlen_q, *q.shape[1:]), flat
@@ -78,8 +90,9 @@ def pad_queries(q: Tensor, cu_seqlens_q: Tensor, max_seqlen_q: int) -> tuple[Ten
 def query_positions(cu_seqlens_q: Tensor, total_q: int, cache_seqlens: Tensor, per_row: bool) -> Tensor:
     """The rotary position of each packed query row: cache_seqlens[b] + i (`per_row`: causal or
     local calls), else cache_seqlens[b] for every row, as the fixed-length call rotates q."""
-    seq, i = _rows(cu_seqlens_q, total_q)
-    return cache_seqlens.long()[seq] + (i if per_row else 0)
+    if per_row:
+        return _per_row(cu_seqlens_q, cache_seqlens.long() - cu_seqlens_q[:-1], total_q)
+    return torch.repeat_interleave(cache_seqlens.long(), cu_seqlens_q[1:] - cu_seqlens_q[:-1], output_size=total_q)
 
 
 def unpad(out: Tensor, lse: Tensor, flat: Tensor) -> tuple[Tensor, Tensor]:
