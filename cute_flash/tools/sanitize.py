@@ -397,6 +397,13 @@ def _compute_apps() -> list:
     return apps
 
 
+def gpu_mib(pid: int) -> int | None:
+    """The GPU memory nvidia-smi lists for process `pid` (MiB, summed over GPUs), None where it
+    lists none: the sanitized tests print theirs after each test (tests/gpu/conftest.py)."""
+    used = [mib for p, mib in _compute_apps() if p == pid]
+    return sum(used) if used else None
+
+
 def _parent_pid(pid: int) -> int | None:
     """The parent of `pid` (from /proc), or None."""
     try:

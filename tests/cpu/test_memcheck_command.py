@@ -335,3 +335,11 @@ def test_the_queue_of_launches_is_bounded_where_the_sanitizer_can(fake_machine, 
     assert ("--force-synchronization-limit" in out) != old
     if not old:
         assert f"--force-synchronization-limit {sanitize.SYNC_LIMIT}" in out
+
+
+def test_gpu_mib_sums_a_process_over_the_gpus_it_holds(monkeypatch):
+    """What a sanitized test prints after it (tests/gpu/conftest.py): the process's MiB over
+    every GPU nvidia-smi lists it on, None where it lists the process nowhere."""
+    listing = "4242, 1000\n77, 5\n4242, 24\nnot a row\n"
+    monkeypatch.setattr(sanitize, "_nvidia_smi", lambda *args: listing)
+    assert sanitize.gpu_mib(4242) == 1024 and sanitize.gpu_mib(77) == 5 and sanitize.gpu_mib(1) is None

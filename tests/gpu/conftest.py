@@ -1,5 +1,6 @@
 """Fixtures of the GPU tests."""
 import os
+import sys
 
 import pytest
 import torch
@@ -17,9 +18,15 @@ def arch_path(request, monkeypatch) -> str:
 
 
 @pytest.fixture(autouse=True)
-def _sanitized_processes_hold_no_cache():
+def _sanitized_processes_hold_no_cache(request):
     """Under the sanitizer commands (several pytest processes share a GPU) each test gives its
-    cached blocks back to the driver, so a process holds its live tensors only."""
+    cached blocks back to the driver, so a process holds its live tensors only, and prints what
+    the process then holds on the GPU (to the sanitizer's log, past pytest's capture): one
+    sanitized process grew to 80 GB from test to test (docs/tuning/gpu-suite.md, eleventh
+    session), which these lines pin to a test."""
     yield
     if os.environ.get("CUTE_FLASH_MEMCHECK"):
+        from cute_flash.tools.sanitize import gpu_mib
+
         torch.cuda.empty_cache()
+        sys.__stderr__.write(f"[gpu memory] {request.node.nodeid}: {gpu_mib(os.getpid())} MiB after it\n")
