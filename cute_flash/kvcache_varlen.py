@@ -17,20 +17,16 @@ import torch
 from torch import Tensor
 
 
+def _each_row(cu_seqlens: Tensor, values: Tensor, total: int) -> Tensor:
+    """values[b] for each of `total` packed rows, b the row's sequence (repeat_interleave given
+    its size: no host sync)."""
+    return torch.repeat_interleave(values, cu_seqlens[1:] - cu_seqlens[:-1], output_size=total)
+
+
 def _per_row(cu_seqlens: Tensor, values: Tensor, total: int) -> Tensor:
     """values[b] + t for each packed row t of `total`, b its sequence (int64): a per-sequence
-    offset plus the row's packed index, where the row's index in its sequence took a gather
-    (repeat_interleave is given its size: no host sync)."""
-    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-    return (torch.repeat_interleave(values, lengths, output_size=total)
-            + torch.arange(total, device=cu_seqlens.device))
-
-
-def _sequences(cu_seqlens: Tensor, total: int) -> Tensor:
-    """The sequence of each of `total` packed rows."""
-    batch = cu_seqlens.shape[0] - 1
-    return torch.repeat_interleave(torch.arange(batch, device=cu_seqlens.device), cu_seqlens[1:] - cu_seqlens[:-1],
-                                   output_size=total)
+    offset plus the row's packed index, where the row's index in its sequence took a gather."""
+    return _each_row(cu_seqlens, values, total) + torch.arange(total, device=cu_seqlens.device)
 
 
 def rotate(x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, interleaved: bool) -> Tensor:
@@ -57,7 +53,7 @@ def append(k_cache, v_cache, k, v, cu_seqlens_k_new, cache_seqlens, block_table,
     (docs/architecture.md, "Bad metadata"): such a call's cache contents are undefined, no
     write leaves the caches, and nothing syncs with the host."""
     total = k.shape[0]
-    seq = _sequences(cu_seqlens_k_new, total)
+    seq = _each_row(cu_seqlens_k_new, torch.arange(cu_seqlens_k_new.shape[0] - 1, device=k.device), total)
     page_size = k_cache.shape[1]
     capacity = page_size if block_table is None else block_table.shape[1] * page_size
     # row j of sequence b (packed row t = cu[b] + j) lands at cache_seqlens[b] + j = t + cache_seqlens[b] - cu[b]
@@ -92,7 +88,7 @@ def query_positions(cu_seqlens_q: Tensor, total_q: int, cache_seqlens: Tensor, p
     local calls), else cache_seqlens[b] for every row, as the fixed-length call rotates q."""
     if per_row:
         return _per_row(cu_seqlens_q, cache_seqlens.long() - cu_seqlens_q[:-1], total_q)
-    return torch.repeat_interleave(cache_seqlens.long(), cu_seqlens_q[1:] - cu_seqlens_q[:-1], output_size=total_q)
+    return _each_row(cu_seqlens_q, cache_seqlens.long(), total_q)
 
 
 def unpad(out: Tensor, lse: Tensor, flat: Tensor) -> tuple[Tensor, Tensor]:
