@@ -50,8 +50,7 @@ class Epilogue:
             cute.copy(recipe.tma_o, tOsO_tma, tOgO)
             cute.arch.cp_async_bulk_commit_group()
         rows_q = tile.seq.seqlen_q - tile.m_block * bm
-        cO = cute.make_identity_tensor((bm, d))
-        tOcO_mn = lmma.acc_mn_view(recipe.mma_pv.get_slice(mma_tidx).partition_C(cO))  # (rows, cols) coordinates
+        tOcO_mn = self.acc_coords(recipe, mma_tidx)  # (rows, cols) coordinates
         for r in cutlass.range_constexpr(cute.size(lse)):
             row = tOcO_mn[r, 0][0]
             if row < rows_q and tOcO_mn[0, 0][1] == 0:
@@ -91,11 +90,16 @@ class Epilogue:
         merge.merge(cute.domain_offset((row0, 0), rows.mO), cute.domain_offset((row0,), rows.mLSE),
                     cutlass.min(rows.rows_q, self.t.block_m), mma_tidx)
 
+    def acc_coords(self, recipe: Sm90Recipe, mma_tidx) -> cute.Tensor:
+        """(rows, cols) tile coordinates of the thread's O accumulators, in their (row, col)
+        view (`acc_mn_view`): which rows a thread's LSE, stores and merges are."""
+        cO = cute.make_identity_tensor((self.t.block_m, self.t.dv))
+        return lmma.acc_mn_view(recipe.mma_pv.get_slice(mma_tidx).partition_C(cO))
+
     def merge_rows(self, args: Sm90Tensors, recipe: Sm90Recipe, tile: Tile, mma_tidx) -> "MergeRows":
         """What both split-KV merges read: the thread's accumulator coordinates, the tile's
         real query rows, and the head's O and LSE rows."""
-        cO = cute.make_identity_tensor((self.t.block_m, self.t.head_dim))
-        return MergeRows(lmma.acc_mn_view(recipe.mma_pv.get_slice(mma_tidx).partition_C(cO)),
+        return MergeRows(self.acc_coords(recipe, mma_tidx),
                          tile.seq.seqlen_q - tile.m_block * self.t.block_m,
                          head_rows(args.cache.split.mO, tile.seq, tile.bidb, tile.bidh),
                          head_rows(args.mLSE, tile.seq, tile.bidb, tile.bidh))
