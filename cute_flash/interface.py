@@ -616,10 +616,10 @@ def flash_attn_with_kvcache(
             rotary_interleaved=bool(rotary_interleaved),
             alibi_slopes=alibi_slopes,
             num_splits=num_splits,
-            return_lse=return_softmax_lse or learnable_sink is not None,
+            return_lse=return_softmax_lse,
+            learnable_sink=learnable_sink,
             signature=key,
         )
-        out, lse = sinks.fold(out, lse, learnable_sink)
     out = no_backward("flash_attn_with_kvcache", "it is inference-only and has no backward pass (as in flash-attn)",
                       out, (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),
                             ("learnable_sink", learnable_sink)))

@@ -144,8 +144,7 @@ def fwd_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor]
         cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, block_table=block_table,
         softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right), softcap=softcap,
         rotary_interleaved=rotary_interleaved, alibi_slopes=alibi_slopes, num_splits=num_splits,
-        return_lse=True)
-    out, lse = sinks.fold(out, lse, learnable_sink)
+        return_lse=True, learnable_sink=learnable_sink)
     return _fresh(out), lse
 
 

@@ -8,9 +8,9 @@ So the sink can be folded in after a kernel, exactly:
 
     L' = logaddexp(L, sink)        O' = O * exp(L - L')
 
-(a row that sees no key has L = +inf from the kernels, O = 0: there L' = sink, O' = 0). The
-dense and packed forward kernels do the same in their epilogue (`OnlineSoftmax.finalize`);
-`fold` does it after the KV-cache call. The
+(a row that sees no key has L = +inf from the kernels, O = 0: there L' = sink, O' = 0). Every
+forward kernel does the same in its epilogue (`OnlineSoftmax.finalize`); `fold` gives calls
+that launch none (no key at all) their output. The
 backward of attention with a sink is the kernels' backward given O' and L': they recompute
 P_ij = exp(s_ij - L'_i), which are the rows' key probabilities with the sink, and use
 D_i = rowsum(dO_i * O'_i); the sink's own column has no value, so it adds nothing to dQ, dK,

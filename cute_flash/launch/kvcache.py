@@ -18,7 +18,7 @@ from cute_flash.kernels.sm80.fwd import FwdConfig
 from cute_flash.kernels.sm90.fwd import Sm90FwdConfig
 from cute_flash.launch import compiled, gpu
 from cute_flash.launch.align import aligned, is_aligned
-from cute_flash.launch.args import alibi_2d, positive_scale, scales, score_flags, window_edges
+from cute_flash.launch.args import alibi_2d, positive_scale, scales, score_flags, sink_logits, window_edges
 from cute_flash.launch.batch_chunks import batch_chunks, chunked, rows_of, slopes_of, splits_within_grid
 from cute_flash.launch.clusters import resident_clusters
 from cute_flash.launch.per_stream import per_stream, zeroed_counters
@@ -85,11 +85,13 @@ def flash_fwd_kvcache(q, k_cache, v_cache, *, k=None, v=None, rotary_cos=None, r
                       cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                       softmax_scale, causal=False, window_size=(-1, -1), softcap=0.0,
                       rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_lse=True,
-                      signature=None, hopper_variant=None):
+                      learnable_sink=None, signature=None, hopper_variant=None):
     """`flash_attn_with_kvcache` on validated CUDA tensors: append (rotary) k/v into the caches in
     place, then split-KV attention over them, merged in the same launch. Returns (out, lse (b, h,
-    sq)), lse None unless return_lse. `signature`: the interface's summary of every argument's
-    metadata and options (`_validate.signature`); calls that share one share their setup.
+    sq)), lse None unless return_lse. `learnable_sink` (h,): a logit per head in each row's
+    denominator, added by either kernel's epilogue (its config's `learnable_sink`). `signature`:
+    the interface's summary of every argument's metadata and options (`_validate.signature`);
+    calls that share one share their setup.
     `hopper_variant` (tuning, `python -m cute_flash tune --decode` / `--splits`): dict(traits=
     HopperTileTraits, ctas_per_sm=1 or 2, stream_ctas=CTAs of a stream-K launch, dependent_launch=
     bool, stages=K / V pipeline depth) for the Hopper entry in place of its own choice, on a call
@@ -101,7 +103,8 @@ def flash_fwd_kvcache(q, k_cache, v_cache, *, k=None, v=None, rotary_cos=None, r
                                 cache_leftpad=cache_leftpad, block_table=block_table, softmax_scale=softmax_scale,
                                 causal=causal, window_size=window_size, softcap=softcap,
                                 rotary_interleaved=rotary_interleaved, alibi_slopes=alibi_slopes,
-                                num_splits=num_splits, return_lse=return_lse, hopper_variant=hopper_variant)
+                                num_splits=num_splits, return_lse=return_lse, learnable_sink=learnable_sink,
+                                hopper_variant=hopper_variant)
     q, softmax_scale, _ = positive_scale(q, softmax_scale)  # rotary is linear: it commutes with -q
     key = None if signature is None else (signature, arch_path())  # the path picks the kernel
     call = _calls.get(key) if key is not None else None
@@ -120,14 +123,14 @@ def flash_fwd_kvcache(q, k_cache, v_cache, *, k=None, v=None, rotary_cos=None, r
                 cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
                 block_table=block_table, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                 softcap=softcap, rotary_interleaved=rotary_interleaved, alibi_slopes=alibi_slopes,
-                num_splits=num_splits, return_lse=return_lse)
+                num_splits=num_splits, return_lse=return_lse, learnable_sink=learnable_sink)
             if k is not None:
                 k_cache.copy_(k_al[..., :d])
                 v_cache.copy_(v_al[..., :d])
             return out[..., :d], lse
         call = _kvcache_call(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
                              softmax_scale, causal, window_size, softcap, alibi_slopes, rotary_cos, num_splits,
-                             hopper_variant)
+                             learnable_sink is not None, hopper_variant)
         if key is not None:
             if len(_calls) >= _CALLS_MAX:
                 _calls.clear()
@@ -148,8 +151,8 @@ def flash_fwd_kvcache(q, k_cache, v_cache, *, k=None, v=None, rotary_cos=None, r
     o_acc, lse_acc, counters, lse = _workspace(plan, call.device)
     if return_lse:
         lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=call.device)
-    plan.launch(q, k_cache, v_cache, out, lse, o_acc, lse_acc, counters, alibi_2d(alibi_slopes, b, h), seqlens,
-                cache_leftpad, cache_batch_idx, block_table, *call.scalars)
+    plan.launch(q, k_cache, v_cache, out, lse, o_acc, lse_acc, counters, alibi_2d(alibi_slopes, b, h),
+                sink_logits(learnable_sink), seqlens, cache_leftpad, cache_batch_idx, block_table, *call.scalars)
     if group > 1:
         out, lse = unfold_rows(out, lse if return_lse else None, group)
     return out, (lse if return_lse else None)
@@ -192,7 +195,7 @@ def _by_batch_chunks(q, k_cache, v_cache, *, k, v, cache_seqlens, cache_batch_id
 
 
 def _kvcache_call(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, softmax_scale,
-                  causal, window_size, softcap, alibi_slopes, rotary_cos, num_splits, hopper_variant=None):
+                  causal, window_size, softcap, alibi_slopes, rotary_cos, num_splits, sink, hopper_variant=None):
     b, sq, h, d = q.shape
     device = q.device
     index = gpu.device_index(device)
@@ -252,12 +255,12 @@ def _kvcache_call(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, 
                                pack_gqa=pack_gqa, query_group=group, ctas_per_sm=ctas_per_sm,
                                stream_k=bool(stream_ctas),
                                cluster_merge=not stream_ctas and 1 < num_splits <= CLUSTER_MAX_SPLITS,
-                               dependent_launch=variant.get("dependent_launch", pdl), **flags)
+                               dependent_launch=variant.get("dependent_launch", pdl), learnable_sink=sink, **flags)
     else:
         config = FwdConfig(traits, **flags, even_k=d == traits.head_dim, paged=paged,
                            any_page_size=paged and k_cache.shape[1] % PAGE_ROWS != 0, kvcache=True,
                            split=num_splits > 1, has_leftpad=cache_leftpad is not None,
-                           has_batch_idx=cache_batch_idx is not None, pack_gqa=pack_gqa)
+                           has_batch_idx=cache_batch_idx is not None, pack_gqa=pack_gqa, learnable_sink=sink)
     launch = compiled.kernel_for(config, index)
     plan = KVCachePlan(config, num_splits, launch, b, h, sq, rows, heads, m_blocks, group)
     append = k is not None and (k.shape[1] > 0 or rotary_cos is not None)  # an empty grid cannot launch

@@ -32,13 +32,13 @@ def fwd_variants(arch: int, full: bool = False) -> list[FwdConfig]:
     """Configs the dispatcher can choose on `arch`.
 
     full: every forward traits times every dense and varlen flag combination, and every
-    KV-cache traits times every cache flag combination (causal or not).
+    KV-cache traits times every cache flag combination (causal or not, with a sink or not).
     Otherwise a covering subset for CI (a compile takes 5-20 s on its 2 cores): every head-dim
     bucket of both kernels (forward and KV-cache), fp16 on sm_80 and bf16 on sm_90 (the dtype
     only changes the MMA atom); the varlen, seqused_k and paged variants (pages of a multiple of
-    16 rows, and of any size); dropout, dense and varlen; a learnable sink, dense and varlen; and
-    on sm_90 each score flag alone and all together, each cache flag alone, and the split + paged
-    pair with both page forms.
+    16 rows, and of any size); dropout, dense and varlen; a learnable sink, dense, varlen and KV
+    cache (split, GQA-folded); and on sm_90 each score flag alone and all together, each cache
+    flag alone, and the split + paged pair with both page forms.
     """
     combos = [dict(zip(SCORE_FLAGS, bits)) for bits in itertools.product((False, True), repeat=len(SCORE_FLAGS))]
     causal = dict(has_left=False, has_right=True, has_alibi=False, has_softcap=False, even_k=True)
@@ -53,8 +53,8 @@ def fwd_variants(arch: int, full: bool = False) -> list[FwdConfig]:
         combos += [dict(f, learnable_sink=True) for f in combos]
         varlen = [dict(f, varlen=True, has_seqused_k=u, paged=p, any_page_size=a) for f in combos
                   for u in (False, True) for p in (False, True) for a in (False, True) if p or not a]
-        cache = [dict(has_right=r, kvcache=True, **c) for r in (False, True) for c in cache_flags
-                 if not (r and c["pack_gqa"])]
+        cache = [dict(has_right=r, kvcache=True, learnable_sink=k, **c) for r in (False, True) for c in cache_flags
+                 for k in (False, True) if not (r and c["pack_gqa"])]
         pairs = [(t, f) for t in fwd_traits for f in combos + varlen] + [(t, f) for t in decode_traits for f in cache]
         return [FwdConfig(t, **f) for t, f in pairs]
     dtype = "bf16" if arch >= 90 else "fp16"
@@ -66,7 +66,8 @@ def fwd_variants(arch: int, full: bool = False) -> list[FwdConfig]:
                (pivot, dict(causal, varlen=True, paged=True)),
                (pivot, dict(causal, varlen=True, paged=True, any_page_size=True)),
                (pivot, dict(causal, has_dropout=True)), (pivot, dict(causal, varlen=True, has_dropout=True)),
-               (pivot, dict(causal, learnable_sink=True)), (pivot, dict(causal, varlen=True, learnable_sink=True))]
+               (pivot, dict(causal, learnable_sink=True)), (pivot, dict(causal, varlen=True, learnable_sink=True)),
+               (decode_pivot, dict(kvcache=True, split=True, pack_gqa=True, learnable_sink=True))]
     if arch >= 90:
         all_on = dict(has_left=True, has_right=True, has_alibi=True, has_softcap=True, even_k=False)
         plain = dict(causal, has_right=False)
@@ -118,8 +119,9 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
     with every flag, d 128 GQA-folded at two CTAs an SM; query folds: d 128 causal by 4, split in a
     cluster, paged and by 8, d 64 stream-K with both window edges and softcap by 4), d 128 with K / V multicast (as
     without a mask from 2048 keys), MLA's d 192 with V's 128 (`VALUE_DIM_PAIRS`), causal,
-    dense and packed, and a learnable sink (d 128 causal persistent, d 64 causal packed); the
-    full list has every dense and packed variant with a sink too."""
+    dense and packed, and a learnable sink (d 128 causal persistent, d 64 causal packed; KV
+    caches: d 128 GQA-folded split in a cluster, d 128 split and paged, d 64 causal stream-K
+    folded by 4); the full list has every variant with a sink too."""
     if full:
         out = []
         for t in shipped_hopper_traits():
@@ -151,6 +153,7 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
                     out += [Sm90FwdConfig(t, varlen=True, has_seqused_k=u, paged=p, **flags)
                             for u in (False, True) for p in (False, True)]
         out += [replace(c, learnable_sink=True) for c in out]  # every dense and packed one with a sink
+        caches = []
         for ctas in (1, 2):
             for t in shipped_hopper_cache_traits(ctas):
                 for bits in itertools.product((False, True), repeat=4):
@@ -159,7 +162,7 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
                     folds = (False,) if flags["has_left"] or flags["has_right"] or flags["has_alibi"] else (False, True)
                     # ... and the query fold of several rows without ALiBi (`query_fold_group`), at common groups
                     groups = (1,) if flags["has_alibi"] else (1,) + QUERY_GROUPS
-                    out += [Sm90FwdConfig(t, cache_stages(t, ctas), kvcache=True, split=s, cluster_merge=m,
+                    caches += [Sm90FwdConfig(t, cache_stages(t, ctas), kvcache=True, split=s, cluster_merge=m,
                                           stream_k=w, paged=p, pack_gqa=f, query_group=g, ctas_per_sm=ctas,
                                           dependent_launch=pdl, **flags)
                             for s, m, w in ((False, False, False), (True, False, False), (True, True, False),
@@ -167,7 +170,7 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
                             for p in (False, True) for f in folds for g in ((1,) if f else groups)
                             # stream-K fills every slot; two CTAs an SM stream at most 4096 keys each
                             for pdl in ((False, True) if ctas == 1 and not w else (True,))]
-        return out
+        return out + caches + [replace(c, learnable_sink=True) for c in caches]  # and every one with a sink
     traits = [choose_hopper_traits(d, "bf16") for d in HEAD_DIM_BUCKETS]
     d64, cache64 = choose_hopper_traits(64, "bf16"), choose_hopper_cache_traits(64, "bf16")
     (mla_d, mla_dv), = VALUE_DIM_PAIRS
@@ -209,6 +212,12 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
                                 cluster_merge=True, paged=True, query_group=8),
                   Sm90FwdConfig(cache64, cache_stages(cache64, 1), has_left=True, has_right=True, has_softcap=True,
                                 kvcache=True, split=True, stream_k=True, query_group=4),
+                  Sm90FwdConfig(choose_hopper_cache_traits(128, "bf16"), kvcache=True, split=True, cluster_merge=True,
+                                pack_gqa=True, learnable_sink=True),
+                  Sm90FwdConfig(choose_hopper_cache_traits(128, "bf16"), kvcache=True, split=True, paged=True,
+                                learnable_sink=True),
+                  Sm90FwdConfig(cache64, cache_stages(cache64, 1), has_right=True, kvcache=True, split=True,
+                                stream_k=True, query_group=4, learnable_sink=True),
                   Sm90FwdConfig(mla, persistent=Sm90FwdConfig.fits_persistent(mla), has_right=True),
                   Sm90FwdConfig(mla, has_right=True, varlen=True),
                   Sm90FwdConfig(choose_hopper_traits(128, "bf16"), persistent=True, has_right=True,
@@ -219,7 +228,7 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
 @functools.cache
 def sm90_traits_stages() -> tuple:
     """Every (traits, K / V stages) pair of a Hopper forward variant the dispatcher can choose
-    (`sm90_variants(full=True)`: about 9k configs, built in a tenth of a second), sorted by
+    (`sm90_variants(full=True)`: about 28k configs, built in a fifth of a second), sorted by
     name: what `python -m layouts report` checks, so that a traits is proved in the stage count
     it runs with (three at d <= 96 for short keys, and in the KV-cache entry at d <= 64)."""
     return tuple(sorted({(c.traits, c.stages) for c in sm90_variants(full=True)}, key=lambda p: (p[0].name, p[1])))

@@ -778,6 +778,39 @@ def test_packed_backward_with_a_zero_maximum_launches_nothing(recorder, max_q, m
     assert grads[1].shape == k.shape and grads[3].shape == (4, 9) and not grads[3].any()
 
 
+@pytest.mark.parametrize("path", ["sm90", "sm80"])
+@pytest.mark.parametrize("num_splits, window", [(1, -1), (3, -1), (12, -1), (0, 100)])
+def test_a_learnable_sink_goes_into_either_kv_cache_kernel(recorder, monkeypatch, path, num_splits, window):
+    """Both KV-cache kernels add a learnable sink in their epilogue (`gqa_fold.row_sinks`): the
+    config has the sink, the kernel gets the logits as contiguous fp32 (heads,), and no fold
+    runs on the host, unsplit, split (on the Hopper entry in a cluster, or through the
+    workspace) and, with a window, under the Hopper entry's query fold; the caller's out and
+    LSE are the kernel's where nothing is folded on the host."""
+    from cute_flash import sinks
+    from cute_flash.kernels.sm80.fwd import FwdConfig
+    from cute_flash.kernels.sm90.fwd import Sm90FwdConfig
+    from cute_flash.launch import flash_fwd_kvcache
+
+    monkeypatch.setattr(sinks, "fold", lambda *args: pytest.fail("a sink folded on the host"))
+    monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", path)
+    q = torch.randn(2, 4 if window > 0 else 1, 8, 64, dtype=torch.bfloat16)
+    cache = torch.randn(2, 2000, 2, 64, dtype=torch.bfloat16)
+    seqlens = torch.tensor([1999, 3], dtype=torch.int32)
+    sink = torch.randn(16, dtype=torch.bfloat16)[::2]  # strided, not fp32: the launcher's copy goes in
+    out, lse = flash_fwd_kvcache(q, cache, cache, cache_seqlens=seqlens, softmax_scale=0.125, num_splits=num_splits,
+                                 learnable_sink=sink, window_size=(window, 0) if window > 0 else (-1, -1))
+    launch = recorder.launches[-1]
+    config = launch.config
+    assert isinstance(config, Sm90FwdConfig if path == "sm90" else FwdConfig) and config.learnable_sink
+    assert launch["mSink"].dtype == torch.float32 and launch["mSink"].is_contiguous()
+    assert torch.equal(launch["mSink"], sink.float())
+    assert config.split == (launch["num_splits"] > 1) and lse.shape == (2, 8, q.shape[1])
+    if path == "sm90":
+        assert config.cluster_merge == (num_splits == 3) and config.query_group == (4 if window > 0 else 1)
+    if window < 0 or path == "sm80":
+        assert launch["mO"] is out and launch["mLSE"] is lse
+
+
 def test_kvcache_on_sm90_defaults_to_the_hopper_entry(recorder, monkeypatch):
     """Without CUTE_FLASH_ARCH_PATH (or with sm90) a KV-cache call on sm_90 launches the Hopper
     kernel's KV-cache entry (64-row tiles) after the append, with the SM80 entry's parameters:

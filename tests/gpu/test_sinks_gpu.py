@@ -68,16 +68,58 @@ def test_packed_forward_and_backward_with_a_sink(arch_path, kernels):
     assert kernels == on_path(arch_path, "fwd") | backward_on_path(arch_path, 128)
 
 
+def _no_host_fold(monkeypatch):
+    """A call that folds the sink in on the host (`sinks.fold`) fails the test: the kernels'
+    epilogues add it."""
+    from cute_flash import sinks
+
+    monkeypatch.setattr(sinks, "fold", lambda *args: pytest.fail("a sink folded on the host"))
+
+
+@pytest.mark.parametrize("num_splits", [0, 1, 3, 12])
 @pytest.mark.parametrize("seqlen_q", [1, 4])
-def test_kvcache_with_a_sink(arch_path, kernels, seqlen_q):
-    q, k_cache, v_cache, _, sink = _inputs(3, seqlen_q, 4096, 32, 8, 128, seed=seqlen_q)
-    lens = torch.tensor([4096, 1000, 17], dtype=torch.int32, device="cuda")
+def test_kvcache_with_a_sink(arch_path, kernels, seqlen_q, num_splits, monkeypatch):
+    """Either KV-cache kernel adds the sink in its epilogue (one query row: the GQA fold of the
+    heads into rows; four: the Hopper entry's query fold), unsplit, split (3: the Hopper entry's
+    cluster; 12: through the workspace) or as the split rule picks (0), with an empty cache (a
+    row of the sink alone); no fold on the host."""
+    _no_host_fold(monkeypatch)
+    q, k_cache, v_cache, _, sink = _inputs(3, seqlen_q, 4096, 32, 8, 128, seed=seqlen_q + 10 * num_splits)
+    lens = torch.tensor([4096, 1000, 0], dtype=torch.int32, device="cuda")
     out, lse = cute_flash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, causal=True,
-                                                  return_softmax_lse=True, learnable_sink=sink)
+                                                  num_splits=num_splits, return_softmax_lse=True, learnable_sink=sink)
     keys = torch.arange(4096, device="cuda") < lens[:, None]
     assert_matches_reference(out, lse, q, k_cache, v_cache, causal=True, key_padding_mask=keys,
                              learnable_sink=sink)
     assert kernels == on_path(arch_path, "fwd")
+
+
+@pytest.mark.parametrize("ctas", [5, 300])
+@pytest.mark.parametrize("seqlen_q, h", [(1, 8), (6, 16)], ids=["gqa-fold", "query-fold"])
+def test_hopper_stream_k_with_a_sink(seqlen_q, h, ctas, kernels, monkeypatch):
+    """Stream-K on the Hopper entry with a sink: `ctas` CTAs share the tiles' key blocks, fewer
+    CTAs than tiles or more than key blocks (a tile's first share, which carries the sink, may
+    hold no key), an empty cache among them."""
+    from cute_flash.launch import gpu, kvcache
+    from cute_flash.launch.kvcache import flash_fwd_kvcache
+
+    if gpu.device_arch(torch.cuda.current_device()) != 90:
+        pytest.skip("the Hopper KV-cache entry runs on sm_90")
+    _no_host_fold(monkeypatch)
+    monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", "sm90")
+    q, k_cache, v_cache, _, sink = _inputs(3, seqlen_q, 1024, h, 2, 128, seed=ctas + seqlen_q)
+    lens = torch.tensor([700, 0, 1024], dtype=torch.int32, device="cuda")
+    causal = seqlen_q > 1  # one row without a mask edge: the GQA fold (pack_gqa), else the query fold
+    signature = ("stream-K sink test", seqlen_q, h, ctas)  # keeps the plan
+    out, lse = flash_fwd_kvcache(q, k_cache, v_cache, cache_seqlens=lens, softmax_scale=128 ** -0.5, causal=causal,
+                                 learnable_sink=sink, hopper_variant=dict(stream_ctas=ctas), signature=signature)
+    plan = kvcache._calls[signature, "sm90"].plan
+    assert plan.config.stream_k and plan.config.learnable_sink
+    assert plan.config.pack_gqa == (not causal) and plan.query_group == (8 if causal else 1)
+    keys = torch.arange(1024, device="cuda") < lens[:, None]
+    assert_matches_reference(out, lse, q, k_cache, v_cache, causal=causal, key_padding_mask=keys,
+                             learnable_sink=sink)
+    assert kernels == {"sm90_fwd"}
 
 
 def test_compiled_training_step_with_a_sink_matches_eager():

@@ -189,7 +189,12 @@ class OnlineSoftmax:
         sink's logit times log2 e (cute_flash/sinks.py), joins each row's denominator: with m
         the row's max and t = max(m, sink), O / (sum exp2(m - t) + exp2(sink - t)) * exp2(m - t)
         and LSE (t + log2 of that denominator) ln 2; a row with no key gets O 0 and LSE the sink.
+        One value for every row (a head's rows), or a register tensor of one per row (`lse`'s
+        layout: KV-cache tiles, whose folded rows are several heads'), where -inf is no sink
+        (the split partials that do not carry it): a row with neither keys nor sink then gets
+        `empty_lse`.
         """
+        per_row = cutlass.const_expr(isinstance(sink_log2, cute.Tensor))
         for r in cutlass.range_constexpr(cute.size(self.row_max)):
             row_sum = quad_allreduce_sum(self.row_sum[r])
             empty = row_sum == 0.0 or row_sum != row_sum
@@ -202,9 +207,22 @@ class OnlineSoftmax:
                     else (self.row_max[r] * self.scale_log2 + cute.math.log2(row_sum, fastmath=True)) * LN2
                 )
             else:
+                sink = sink_log2
+                if cutlass.const_expr(per_row):
+                    sink = sink_log2[r]
                 row_max = self.row_max[r] * self.scale_log2
-                top = sink_log2 if empty else cute.arch.fmax(row_max, sink_log2)
+                top = sink if empty else cute.arch.fmax(row_max, sink)
+                nothing = False  # a row with neither keys nor sink (per row, -inf: no sink)
+                if cutlass.const_expr(per_row):
+                    nothing = empty and sink == -cutlass.Float32.inf
+                    top = 0.0 if nothing else top
                 keys = 0.0 if empty else cute.math.exp2(row_max - top, fastmath=True)
-                total = (0.0 if empty else row_sum * keys) + cute.math.exp2(sink_log2 - top, fastmath=True)
-                acc_o_mn[r, None] = acc_o_mn[r, None].load() * (keys * cute.arch.rcp_approx(total))
+                total = (0.0 if empty else row_sum * keys) + cute.math.exp2(sink - top, fastmath=True)
+                if cutlass.const_expr(per_row):
+                    acc_o_mn[r, None] = acc_o_mn[r, None].load() * (
+                        0.0 if nothing else keys * cute.arch.rcp_approx(total))
+                else:
+                    acc_o_mn[r, None] = acc_o_mn[r, None].load() * (keys * cute.arch.rcp_approx(total))
                 lse[r] = (top + cute.math.log2(total, fastmath=True)) * LN2
+                if cutlass.const_expr(per_row):
+                    lse[r] = empty_lse if nothing else lse[r]

@@ -43,7 +43,7 @@ from cute_flash.kernels.common.constants import LOG2E
 from cute_flash.kernels.common.fake import fake_stream, fake_tensor
 from cute_flash.kernels.common.flags import FLAG_LETTERS
 from cute_flash.kernels.common.gemm import MmaOperands
-from cute_flash.kernels.common.gqa_fold import fold_heads, fold_lse
+from cute_flash.kernels.common.gqa_fold import fold_heads, fold_lse, row_sinks
 from cute_flash.kernels.common.philox import Dropout, sm80_groups
 from cute_flash.kernels.common.score_mods import Mask, ScoreMods
 from cute_flash.kernels.common.seq_info import SeqInfo, clamp
@@ -84,13 +84,10 @@ class FwdConfig:
     mods: object = None           # UserMods: Python-written score / mask mods (kernels/common/user_mods.py)
     block_sparse: bool = False    # dense: each query block visits its listed key blocks alone, the mask_mod
                                   # evaluated on the partial ones (kernels/common/block_sparse.py)
-    learnable_sink: bool = False  # dense or packed: a logit per head joins each row's softmax denominator in
-                                  # the epilogue (`OnlineSoftmax.finalize`; cute_flash/sinks.py)
+    learnable_sink: bool = False  # a logit per head joins each row's softmax denominator in the epilogue
+                                  # (`OnlineSoftmax.finalize`; cute_flash/sinks.py; KV caches: `row_sinks`)
 
     def __post_init__(self):
-        if self.learnable_sink and self.kvcache:
-            raise ValueError("the learnable sink is folded into dense and packed forwards; KV caches (whose split "
-                             "partials and folded rows are no whole rows of one head) fold it on the host")
         if self.kvcache and self.varlen:
             raise ValueError("kvcache and varlen are two different entry points")
         if (self.split or self.has_leftpad or self.has_batch_idx) and not self.kvcache:
@@ -300,7 +297,7 @@ class FlashFwd:
 
     @cute.jit
     def call_kvcache(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
-                     mLSE: cute.Tensor, mOaccum, mLSEaccum, mCounters, mAlibi, mCacheSeqlens: cute.Tensor,
+                     mLSE: cute.Tensor, mOaccum, mLSEaccum, mCounters, mAlibi, mSink, mCacheSeqlens: cute.Tensor,
                      mLeftpadK, mBatchIdx, mBlockTable,
                      k_extra: cutlass.Int32, num_splits: cutlass.Int32,
                      scale_log2: cutlass.Float32, score_premul: cutlass.Float32, alibi_div: cutlass.Float32,
@@ -308,7 +305,8 @@ class FlashFwd:
         """Attention over a KV cache: mQ (batch, seqlen_q, heads, d); mK/mV (batch_cache,
         seqlen_cache, heads_k, d) or paged (num_blocks, page_size, heads_k, d); sequence b uses
         keys [leftpad[b], cache_seqlens[b] + k_extra) of cache row batch_idx[b] (or b). mO like
-        mQ, mLSE (batch, heads, seqlen_q).
+        mQ, mLSE (batch, heads, seqlen_q), mSink (heads,) fp32 learnable sink logits
+        (`FwdConfig.learnable_sink`) or None.
         Split (Flash-Decoding): the grid's z holds num_splits x heads; each split writes its
         normalised partial O to mOaccum (num_splits, batch, heads, seqlen_q, kHeadDim) fp32 and
         its LSE (-inf when it saw no key) to mLSEaccum (num_splits, batch, heads, seqlen_q), and
@@ -326,7 +324,7 @@ class FlashFwd:
         if cutlass.const_expr(cfg.split):
             split = SplitWorkspace(mOaccum, mLSEaccum, mCounters)
         args = FwdTensors(mQ, mK, mV, mO, mLSE, split, mAlibi, None, None, mCacheSeqlens, mLeftpadK, mBatchIdx,
-                          mBlockTable)
+                          mBlockTable, mSink=mSink)
         self.launch(args, FwdScalars(k_extra, num_splits, scale_log2, score_premul, alibi_div, window_left,
                                      window_right),
                     (cute.ceil_div(mQ.shape[1], self.t.block_m), mQ.shape[0], mQ.shape[2] * num_splits), stream)
@@ -498,7 +496,10 @@ class FlashFwd:
         # for a split's partial so that the combine gives it no weight).
         lse = cute.make_rmem_tensor(softmax.row_max.layout, cutlass.Float32)
         sink_log2 = None  # the sink joins the denominator here (`FwdConfig.learnable_sink`)
-        if cutlass.const_expr(cfg.learnable_sink):
+        if cutlass.const_expr(cfg.learnable_sink and cfg.kvcache):  # per row: folded heads, the first split's
+            group = seq.seqlen_q if cutlass.const_expr(cfg.pack_gqa) else 1  # the GQA fold's g rows of one query
+            sink_log2 = row_sinks(views.mSink, tOcO_mn, lse.layout, m_block * bm, cta.bidh, group, cta.split_idx == 0)
+        elif cutlass.const_expr(cfg.learnable_sink):
             sink_log2 = views.mSink[cta.bidh] * LOG2E
         softmax.finalize(acc_o_mn, lse, -cutlass.Float32.inf if cutlass.const_expr(cfg.split)
                          else cutlass.Float32.inf, sink_log2)
@@ -700,7 +701,8 @@ def fake_args(config: FwdConfig) -> list:
         split = config.split
         accum = (fake_tensor(cutlass.Float32, 5, ALIGN, COPY_BYTES, last_extent=config.traits.head_dim)
                  if split else None)
-        return ([elems(4), elems(4), elems(4), elems(4), f32(3), accum, f32(4, split), i32(1, split), alibi, i32(1)]
+        return ([elems(4), elems(4), elems(4), elems(4), f32(3), accum, f32(4, split), i32(1, split), alibi, sink,
+                 i32(1)]
                 + [i32(1, config.has_leftpad), i32(1, config.has_batch_idx), i32(2, config.paged), 0, 1] + scalars)
     sparse = fake_block_sparse() if config.block_sparse else None
     return [elems(4) for _ in range(4)] + [f32(3), alibi, sink, rng, aux, sparse] + scalars

@@ -124,13 +124,10 @@ class Sm90FwdConfig:
     mods: object = None        # UserMods: Python-written score / mask mods (kernels/common/user_mods.py)
     block_sparse: bool = False  # dense: each query block visits its listed key blocks alone, the mask_mod
                                 # evaluated on the partial ones (kernels/common/block_sparse.py)
-    learnable_sink: bool = False  # dense or packed: a logit per head joins each row's softmax denominator in
-                                  # the epilogue (`OnlineSoftmax.finalize`; cute_flash/sinks.py)
+    learnable_sink: bool = False  # a logit per head joins each row's softmax denominator in the epilogue
+                                  # (`OnlineSoftmax.finalize`; cute_flash/sinks.py; KV caches: `cache_sinks`)
 
     def __post_init__(self):
-        if self.learnable_sink and self.kvcache:
-            raise ValueError("the learnable sink is folded into dense and packed forwards; KV caches (whose split "
-                             "partials and folded rows are no whole rows of one head) fold it on the host")
         if (self.varlen or self.kvcache) and self.persistent:
             raise ValueError("packed batches and KV caches take one CTA per tile, not the persistent schedule")
         if self.varlen and self.kvcache:
@@ -280,7 +277,7 @@ class FlashFwdSm90(TileScheduler, Producer, Consumer, Epilogue):
 
     @cute.jit
     def call_kvcache(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
-                     mOaccum, mLSEaccum, mCounters, mAlibi, mSeqlensK: cute.Tensor, mLeftpadK, mBatchIdx,
+                     mOaccum, mLSEaccum, mCounters, mAlibi, mSink, mSeqlensK: cute.Tensor, mLeftpadK, mBatchIdx,
                      mBlockTable, k_extra: cutlass.Int32, num_splits: cutlass.Int32, scale_log2: cutlass.Float32,
                      score_premul: cutlass.Float32, alibi_div: cutlass.Float32, window_left: cutlass.Int32,
                      window_right: cutlass.Int32, stream):
@@ -290,8 +287,9 @@ class FlashFwdSm90(TileScheduler, Producer, Consumer, Epilogue):
         group) under `pack_gqa`; mK / mV (batch, capacity, heads_k, d) caches, or pages
         (num_pages, page_size, heads_k, d) with mBlockTable (batch, max_blocks) int32
         (`Sm90FwdConfig.paged`; page_size a multiple of block_n), mLSE (batch, heads, seqlen_q)
-        fp32, mSeqlensK (batch,) int32 cache_seqlens, k_extra the rows appended after them; one
-        CTA per tile. mLeftpadK and mBatchIdx must be None (such calls stay on the SM80 kernel).
+        fp32, mSink (heads,) fp32 learnable sink logits (`Sm90FwdConfig.learnable_sink`) or None,
+        mSeqlensK (batch,) int32 cache_seqlens, k_extra the rows appended after them; one CTA per
+        tile. mLeftpadK and mBatchIdx must be None (such calls stay on the SM80 kernel).
         Split (`Sm90FwdConfig.split`): num_splits CTAs per tile, each writing its partials to
         mOaccum (num_splits, batch, heads, seqlen_q, d) / mLSEaccum (num_splits, batch, heads,
         seqlen_q) fp32 (heads and rows as folded) and counting itself on mCounters (m_blocks *
@@ -309,7 +307,7 @@ class FlashFwdSm90(TileScheduler, Producer, Consumer, Epilogue):
         if cutlass.const_expr(self.config.split):
             split = Sm90Split(mOaccum, mLSEaccum, mCounters, num_splits, mO)
         self.launch(mQ, mK, mV, mO, mLSE, mAlibi, None, None, None, Sm90Cache(mSeqlensK, mBlockTable, k_extra, split),
-                    scalars, 0, stream)
+                    scalars, 0, stream, sink=mSink)
 
     @cute.jit
     def call_varlen(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
@@ -479,7 +477,7 @@ def fake_args(config: Sm90FwdConfig) -> list:
         alibi = fake_tensor(cutlass.Float32, 2) if config.has_alibi else None
         table = fake_tensor(cutlass.Int32, 2) if config.paged else None
         return ([fake_tensor(dtype, 4, ALIGN, COPY_BYTES) for _ in range(4)] + [fake_tensor(cutlass.Float32, 3)]
-                + split + [alibi, fake_tensor(cutlass.Int32, 1), None, None, table, 0, 2]
+                + split + [alibi, sink, fake_tensor(cutlass.Int32, 1), None, None, table, 0, 2]
                 + [1.0, 1.0, 1.0, -1, -1, fake_stream()])
     return [fake_tensor(dtype, 4, ALIGN, COPY_BYTES) for _ in range(4)] + [
         fake_tensor(cutlass.Float32, 3), fake_tensor(cutlass.Float32, 2) if config.has_alibi else None, sink,

@@ -13,6 +13,7 @@ from cutlass.experimental.primitives import nvvm_wrapper as nvvm
 from cute_flash.kernels.common.block_range import BlockRange, Window, visit_key_block
 from cute_flash.kernels.common.constants import LOG2E
 from cute_flash.kernels.common.gemm import wgmma, wgmma_issue
+from cute_flash.kernels.common.gqa_fold import row_sinks
 from cute_flash.kernels.common.philox import Dropout, wgmma_groups
 from cute_flash.kernels.common.score_mods import Mask, ScoreMods
 from cute_flash.kernels.common.softmax import OnlineSoftmax
@@ -137,7 +138,9 @@ class Consumer:
         # no key seen: LSE +inf, or -inf in a split's partial so that the merge gives it no weight
         lse = cute.make_rmem_tensor(softmax.row_max.layout, cutlass.Float32)
         sink_log2 = None  # the sink joins the denominator here (`Sm90FwdConfig.learnable_sink`)
-        if cutlass.const_expr(cfg.learnable_sink):
+        if cutlass.const_expr(cfg.learnable_sink and cfg.kvcache):
+            sink_log2 = self.cache_sinks(args, recipe, tile, lse, mma_tidx)
+        elif cutlass.const_expr(cfg.learnable_sink):
             sink_log2 = args.mSink[tile.bidh] * LOG2E
         softmax.finalize(acc_o_mn, lse, -cutlass.Float32.inf if cutlass.const_expr(cfg.split) else cutlass.Float32.inf,
                          sink_log2)
@@ -149,6 +152,20 @@ class Consumer:
             self.store_split(acc_o_mn, lse, pipes.tile_slot, args, recipe, tile, mma_tidx)
         else:
             self.store(acc_o, lse, sO, args, recipe, tile, mma_tidx)
+
+    @cute.jit
+    def cache_sinks(self, args: Sm90Tensors, recipe: Sm90Recipe, tile: Tile, lse: cute.Tensor, mma_tidx):
+        """KV caches: each of the thread's rows' sink (`gqa_fold.row_sinks`), its rows folded by
+        the GQA fold's group (`pack_gqa`), the query fold's (`query_group`) or none; carried by
+        the tile's first split (split_idx 0, in stream-K too)."""
+        cfg = self.config
+        group = 1
+        if cutlass.const_expr(cfg.pack_gqa):
+            group = tile.seq.seqlen_q  # the GQA fold's g rows of one query
+        elif cutlass.const_expr(cfg.query_group > 1):
+            group = cfg.query_group
+        return row_sinks(args.mSink, self.acc_coords(recipe, mma_tidx), lse.layout, tile.m_block * self.t.block_m,
+                         tile.bidh, group, tile.split_idx == 0)
 
     @cute.jit
     def mainloop(self, loop: Sm90Loop, tile: Tile, recipe: Sm90Recipe):
