@@ -49,10 +49,13 @@ def _specs(batch: int, seqlen: int, nheads: int):
 
 
 def _flex(spec, batch, nheads, seqlen):
-    """FlexAttention on (b, s, h, d) tensors with the variant's twins, compiled, or None."""
+    """FlexAttention on (b, s, h, d) tensors with the variant's twins, compiled. Dynamo is reset
+    first: every variant recompiles `flex_attention`, and past dynamo's recompile limit (8) it
+    runs the unfused eager fallback, 12 TFLOP/s on an H100 (docs/tuning/mods.md)."""
     import torch
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+    torch._dynamo.reset()
     compiled = torch.compile(flex_attention)
     block_mask = None
     if spec.ref_mask_mod is not None:
