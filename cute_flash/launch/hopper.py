@@ -91,13 +91,16 @@ def flash_fwd_sm90(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1)
 
 def flash_fwd_varlen_sm90(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale, causal=False,
                           window_size=(-1, -1), softcap=0.0, alibi_slopes=None, seqused_k=None, block_table=None,
-                          dropout: DropoutArgs | None = None, mods: ModArgs | None = None, learnable_sink=None):
+                          dropout: DropoutArgs | None = None, mods: ModArgs | None = None, learnable_sink=None,
+                          persistent=False):
     """Packed batches on the Hopper kernel: q (total_q, h, d), k (total_k, hk, d) and v (..,
     d_v), or pages (num_pages, page_size, hk, d / d_v) through block_table (`hopper_pages_fit`),
     int32 prefix sums, seqused_k (batch,) int32 key lengths or None; returns (out (total_q, h,
     d_v), lse (h, total_q)) as `flash_fwd_varlen` does; `learnable_sink` as `flash_fwd_sm90`'s.
-    One CTA per tile, the tiles with the most key blocks first (`varlen_order`), and 128-row
-    tiles at every d (192-row ones ran at half speed with one CTA per tile)."""
+    The tiles with the most key blocks first (`varlen_order`), 128-row tiles at every d (192-row
+    ones ran at half speed with one CTA per tile), one CTA per tile; `persistent`: one CTA an
+    SM claiming the tiles in that order instead (built, not measured yet: docs/tuning/backward.md,
+    "Packed batches measured")."""
     total_q, h, _ = q.shape
     d_v = v.shape[-1]
     q, k, v = aligned(q), aligned(k), aligned(v)
@@ -105,16 +108,18 @@ def flash_fwd_varlen_sm90(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     lse = torch.empty((h, total_q), dtype=torch.float32, device=q.device)
     left, right = window_edges(causal, window_size)
     traits = choose_hopper_traits(q.shape[-1], gpu.DTYPE_NAMES[q.dtype], head_dim_v=own_value_dim(q, v))
-    config = Sm90FwdConfig(traits, varlen=True,
+    config = Sm90FwdConfig(traits, varlen=True, persistent=persistent,
                            has_seqused_k=seqused_k is not None, paged=block_table is not None,
                            learnable_sink=learnable_sink is not None,
                            **score_flags(left, right, alibi_slopes, softcap, dropout), **dict(mod_flags(mods)))
     cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     seqused = None if seqused_k is None else seqused_k.contiguous()
-    compiled.kernel_for(config, gpu.device_index(q.device))(
+    index = gpu.device_index(q.device)
+    compiled.kernel_for(config, index)(
         q, k, v, out, lse, alibi_2d(alibi_slopes, cu_seqlens_q.shape[0] - 1, h), sink_logits(learnable_sink),
         rng_of(dropout, q.device), aux_of(mods), cu_seqlens_q, cu_seqlens_k, seqused, block_table,
         query_blocks_longest_first(cu_seqlens_q, cu_seqlens_k, total_q, traits.block_m, traits.block_n, right),
+        tile_counter(q.device) if persistent else None, gpu.num_sms(index),
         *scales(softmax_scale, softcap, has_score_mod(mods)), left, right)
     return value_cols(out, d_v), lse
 

@@ -104,7 +104,8 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
     192-row tiles, which the launcher does not give it), with and without speculative maxima
     where the key count decides (`takes_speculative_max`), persistent with three K / V stages
     where `kv_stages` gives short keys them, the packed-batch entry of every 128-row traits
-    with and without seqused_k, paged and not, and the KV-cache entry of every bucket and dtype
+    with and without seqused_k, paged and not, one CTA per tile and persistent (where it fits),
+    and the KV-cache entry of every bucket and dtype
     with every score flag but dropout, split and not, paged and not, GQA-folded and not (the
     fold without window edges or ALiBi; the query fold of `QUERY_GROUPS` without ALiBi), at
     one CTA an SM and (up to `TWO_CTAS_MAX_HEAD_DIM`) two, at the K / V stages
@@ -113,8 +114,9 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
     compile; speculative maxima, as at 1024 keys and more), d 64's 192-row tiles likewise
     (speculating in place, as under a causal mask at any length), d 64 causal with three K / V
     stages (as up to 1024 keys), d 128 in fp16, d 128 with every score flag on, dropout at d 64
-    (causal, one CTA per tile) and d 128 (persistent), packed batches (d 128 causal, d 96 with
-    seqused_k, d 64 fp16 with every flag, d 128 causal over pages) and KV caches (d 128 plain, d
+    (causal, one CTA per tile) and d 128 (persistent), packed batches (d 128 causal, in both
+    schedules, d 96 with seqused_k, d 64 fp16 with every flag, one CTA per tile and persistent,
+    d 128 causal over pages) and KV caches (d 128 plain, d
     64 split with softcap at its three stages, d 128 split, paged and GQA-folded, d 256 fp16
     with every flag, d 128 GQA-folded at two CTAs an SM; query folds: d 128 causal by 4, split in a
     cluster, paged and by 8, d 64 stream-K with both window edges and softcap by 4), d 128 with K / V multicast (as
@@ -150,7 +152,8 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
                             t, 2 * t.block_m, KV_MULTICAST_MIN_SEQLEN_K, masked, True, dropout):
                         out.append(Sm90FwdConfig(t, persistent=True, kv_multicast=True, **kinds, **flags))
                 if t.warpgroups != 3:
-                    out += [Sm90FwdConfig(t, varlen=True, has_seqused_k=u, paged=p, **flags)
+                    out += [Sm90FwdConfig(t, varlen=True, persistent=s, has_seqused_k=u, paged=p, **flags)
+                            for s in (False, True) if not s or Sm90FwdConfig.fits_persistent(t)
                             for u in (False, True) for p in (False, True)]
         out += [replace(c, learnable_sink=True) for c in out]  # every dense and packed one with a sink
         caches = []
@@ -192,6 +195,9 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
                   Sm90FwdConfig(choose_hopper_traits(128, "bf16"), has_right=True, varlen=True, paged=True),
                   Sm90FwdConfig(choose_hopper_traits(64, "fp16"), has_left=True, has_alibi=True, has_softcap=True,
                                 has_dropout=True, varlen=True),
+                  Sm90FwdConfig(choose_hopper_traits(128, "bf16"), persistent=True, has_right=True, varlen=True),
+                  Sm90FwdConfig(choose_hopper_traits(64, "fp16"), persistent=True, has_left=True, has_alibi=True,
+                                has_softcap=True, has_dropout=True, varlen=True),
                   Sm90FwdConfig(choose_hopper_cache_traits(128, "bf16"), kvcache=True, dependent_launch=True),
                   Sm90FwdConfig(cache64, cache_stages(cache64, 1), has_softcap=True, kvcache=True, split=True,
                                 dependent_launch=True),

@@ -6,13 +6,16 @@ packed LLM batches come; d 64 and 128 at hidden 2048; causal and not. Columns: o
 path), our SM80 kernels (sm_90 only), flash-attn-4's varlen, and ours dense on a batch of equal
 sequences of the mean length, which the packed call is held to (the bar: 0.9 of it; and at or
 above flash-attn-4). TFLOP/s count the real tokens' visible pairs, 3.5x the forward's FLOPs.
+A second table times the forward alone (which part of the step loses): ours, the Hopper
+forward's persistent schedule (`flash_fwd_varlen_sm90(persistent=True)`, sm_90 only) and the
+SM80 forward.
 """
 from __future__ import annotations
 
 import itertools
 import random
 
-from cute_flash.tools.peers import arch_path, grad_ms, hopper_gpu, visible_pairs
+from cute_flash.tools.peers import arch_path, grad_ms, hopper_gpu, time_ms, visible_pairs
 
 TOKENS = 16384
 HIDDEN = 2048
@@ -62,9 +65,20 @@ def bench_cell(d: int, mean: int, causal: bool) -> dict:
         return work / ms / 1e9 if ms else None
 
     row["ours"] = tflops(grad_ms(ours, leaves, dout))
+    fwd_flops = flops / 3.5
+    with torch.no_grad():
+        row["ours_fwd"] = tflops(time_ms(lambda: ours(q, k, v)), fwd_flops)
     if hopper_gpu():
+        from cute_flash.launch.hopper import flash_fwd_varlen_sm90
+
+        with torch.no_grad():
+            row["persistent_fwd"] = tflops(time_ms(lambda: flash_fwd_varlen_sm90(
+                q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=smax, softmax_scale=d ** -0.5,
+                causal=causal, persistent=True)), fwd_flops)
         with arch_path("sm80"):
             row["sm80"] = tflops(grad_ms(ours, leaves, dout))
+            with torch.no_grad():
+                row["sm80_fwd"] = tflops(time_ms(lambda: ours(q, k, v)), fwd_flops)
     fa4 = _fa4_varlen()
     row["fa4"] = tflops(grad_ms(lambda q, k, v: fa4(q, k, v, cu, smax, causal), leaves, dout)) if fa4 else None
     batch = TOKENS // mean
@@ -90,4 +104,12 @@ def format_train_varlen(rows) -> str:
         ratios = [f"{r['ours'] / r[k]:.3f}" if r.get("ours") and r.get(k) else "-" for k in ("fa4", "dense_equal")]
         out.append(f"| {r['d']} | {r['causal']} | {r['mean']} | {r['sequences']} ({r['longest']}) | "
                    + " | ".join(cells + ratios) + " |")
+    out += ["", "The forward alone, TFLOP/s:", "",
+            "| d | causal | mean length | ours | ours, persistent | SM80 | persistent/ours | ours/SM80 |",
+            "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        cells = [f"{r[k]:.0f}" if r.get(k) else "-" for k in ("ours_fwd", "persistent_fwd", "sm80_fwd")]
+        ratios = [f"{r[a] / r[b]:.3f}" if r.get(a) and r.get(b) else "-"
+                  for a, b in (("persistent_fwd", "ours_fwd"), ("ours_fwd", "sm80_fwd"))]
+        out.append(f"| {r['d']} | {r['causal']} | {r['mean']} | " + " | ".join(cells + ratios) + " |")
     return "\n".join(out)

@@ -143,6 +143,27 @@ def test_packed_forwards_on_sm90_default_to_the_hopper_kernel(recorder, monkeypa
     assert [type(x.config) for x in recorder.launches[2:]] == [FwdConfig] * 3
 
 
+def test_the_packed_hopper_forwards_persistent_schedule(recorder, monkeypatch):
+    """`flash_fwd_varlen_sm90(persistent=True)` launches the persistent packed variant with the
+    per-stream tile counter (zero) and the SM count as its CTA bound; one CTA per tile (the
+    default) passes no counter."""
+    from cute_flash.launch.hopper import flash_fwd_varlen_sm90, tile_counter
+
+    tile_counter.cache_clear()
+    q = torch.randn(9, 4, 128, dtype=torch.bfloat16)
+    k = torch.randn(500, 2, 128, dtype=torch.bfloat16)
+    opts = dict(cu_seqlens_q=torch.tensor([0, 4, 9], dtype=torch.int32),
+                cu_seqlens_k=torch.tensor([0, 200, 500], dtype=torch.int32), max_seqlen_q=5, softmax_scale=0.5)
+    flash_fwd_varlen_sm90(q, k, k, causal=True, persistent=True, **opts)
+    flash_fwd_varlen_sm90(q, k, k, causal=True, **opts)
+    persistent, per_tile = recorder.launches
+    assert persistent.config.persistent and persistent.config.varlen and persistent.config.has_right
+    assert persistent["mTileCounter"] is tile_counter(q.device) and persistent["mTileCounter"].tolist() == [0, 0]
+    assert persistent["max_ctas"] == gpu.num_sms(0)
+    assert persistent.config.name.split("_")[-1].startswith("s2pv-")
+    assert not per_tile.config.persistent and per_tile["mTileCounter"] is None
+
+
 def test_a_learnable_sink_goes_to_either_kernels_epilogue(recorder, monkeypatch):
     """The forward kernels, Hopper and SM80, dense and packed, get the sink logits as fp32 (h,)
     (`learnable_sink` in their configs) and their O and LSE come back as the kernel wrote them,

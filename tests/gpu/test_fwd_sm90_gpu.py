@@ -98,6 +98,38 @@ def test_kv_multicast_matches_unicast(d, sq, sk, h, hk, opts):
         flash_fwd_sm90(q[:, :100], k, v, softmax_scale=d ** -0.5, kv_multicast=True)
 
 
+@pytest.mark.parametrize("opts", [{}, dict(causal=True), dict(window_size=(100, 37), softcap=20.0)],
+                         ids=["plain", "causal", "window-softcap"])
+@pytest.mark.parametrize("d, hh", [(64, (8, 8)), (128, (8, 2))], ids=["d64", "d128-gqa"])
+def test_packed_persistent_schedule(d, hh, opts):
+    """The packed entry's persistent schedule (`flash_fwd_varlen_sm90(persistent=True)`) on more
+    tiles than SMs (40 sequences of up to 1100 rows, empty ones, one row, a block and a row past
+    it, 8 heads), so each CTA claims several of the list's tiles, the list's entries past every
+    sequence among them: bit for bit what one CTA per tile computes (the same tiles, in another
+    order), and the reference; the tile counter is left zero for the next launch."""
+    import random
+
+    from cute_flash.launch.hopper import flash_fwd_varlen_sm90, tile_counter
+    from cute_flash.reference import attention_varlen_ref
+    from tests.helpers.gpu_utils import cu_seqlens, poison_allocator
+
+    gen = random.Random(d)
+    lq = [gen.choice([0, 1, 128, 129]) if i % 5 == 0 else gen.randint(1, 1100) for i in range(40)]
+    lk = [n if i % 3 else gen.randint(1, 900) for i, n in enumerate(lq)]
+    h, hk = hh
+    q = torch.randn(sum(lq), h, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(sum(lk), hk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    cu_q, cu_k = cu_seqlens(lq), cu_seqlens(lk)
+    poison_allocator()
+    (o0, l0), (o1, l1) = (flash_fwd_varlen_sm90(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lq),
+                                                softmax_scale=d ** -0.5, persistent=p, **opts) for p in (False, True))
+    torch.cuda.synchronize()
+    assert torch.equal(o0, o1) and torch.equal(l0, l1)
+    assert_matches_reference(o1, l1, q, k, v, ref_fn=attention_varlen_ref, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                             **opts)
+    assert tile_counter(q.device).tolist() == [0, 0]
+
+
 @pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "cta-per-tile"])
 @pytest.mark.parametrize("sections", [1, 5, 36, 1000])
 def test_scheduling_sections(persistent, sections):

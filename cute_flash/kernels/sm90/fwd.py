@@ -34,9 +34,9 @@ the other's GEMMs occupy the tensor cores (ping-pong). TMA zero-fills what lies 
 end (rows past seqlen, columns past a padded head dim), so no load needs a predicate; the first
 block processed (the last one) and blocks a window edge crosses run the mask.
 
-Packed batches (`call_varlen`, one CTA per tile of a list of the batch's query blocks, the most
-key blocks first (`VarlenTiles`); key lengths from the
-prefix sums or seqused_k): the TMA boxes of a tile start at its sequence's first row, so loads
+Packed batches (`call_varlen`: a list of the batch's query blocks, the most key blocks first
+(`VarlenTiles`), one CTA per tile or persistent CTAs claiming them in that order; key lengths
+from the prefix sums or seqused_k): the TMA boxes of a tile start at its sequence's first row, so loads
 past the sequence's end read the next sequence's rows instead of zeros. Q's extra rows are never
 stored and K's extra columns are masked, but P = 0 times a NaN in the next sequence's V is NaN,
 so the consumers zero the V rows past seqlen_k of the last key block (`clear_v_tail`) before its
@@ -101,7 +101,7 @@ class Sm90FwdConfig:
     has_alibi: bool = False
     has_softcap: bool = False
     has_dropout: bool = False  # P's elements dropped by the Philox mask (docs/semantics.md, Dropout)
-    varlen: bool = False       # packed batches (call_varlen); one CTA per tile
+    varlen: bool = False       # packed batches (call_varlen); one CTA per tile, or persistent
     has_seqused_k: bool = False  # packed batches whose key lengths come from seqused_k
     kvcache: bool = False      # KV caches (call_kvcache): key lengths from cache_seqlens; one CTA per tile
                                # (or stream-K's CTAs, `stream_k`)
@@ -128,8 +128,8 @@ class Sm90FwdConfig:
                                   # (`OnlineSoftmax.finalize`; cute_flash/sinks.py; KV caches: `cache_sinks`)
 
     def __post_init__(self):
-        if (self.varlen or self.kvcache) and self.persistent:
-            raise ValueError("packed batches and KV caches take one CTA per tile, not the persistent schedule")
+        if self.kvcache and self.persistent:
+            raise ValueError("KV caches take one CTA per tile (or stream-K's CTAs), not the persistent schedule")
         if self.varlen and self.kvcache:
             raise ValueError("an entry is packed (varlen) or a KV cache (kvcache), not both")
         if self.has_seqused_k and not self.varlen:
@@ -158,8 +158,8 @@ class Sm90FwdConfig:
                              "query row) or ALiBi (whose slopes are per head)")
         if self.paged and not (self.kvcache or self.varlen):
             raise ValueError("paged keys belong to KV caches (kvcache) or packed batches (varlen)")
-        if self.kv_multicast and not (self.persistent and not (self.has_left or self.has_right)):
-            raise ValueError("K / V multicast pairs the equal tiles of the persistent schedule without a mask")
+        if self.kv_multicast and (self.varlen or not self.persistent or self.has_left or self.has_right):
+            raise ValueError("K / V multicast pairs the equal tiles of a dense persistent schedule without a mask")
         if self.dependent_launch and not self.kvcache:
             raise ValueError("the programmatic dependent launch is the KV-cache entry's (kvcache)")
         if self.ctas_per_sm not in (1, 2):
@@ -232,7 +232,7 @@ class Sm90FwdConfig:
 
     @property
     def name(self) -> str:
-        schedule = "p" if self.persistent else "v" if self.varlen else "c" if self.kvcache else ""
+        schedule = ("p" if self.persistent else "") + ("v" if self.varlen else "c" if self.kvcache else "")
         schedule += ("x" if self.split else "") + ("m" if self.cluster_merge else "") + ("w" if self.stream_k else "")
         schedule += "g" if self.paged else ""
         schedule += "f" if self.pack_gqa else ""
@@ -313,7 +313,7 @@ class FlashFwdSm90(TileScheduler, Producer, Consumer, Epilogue):
     def call_varlen(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
                     mAlibi, mSink, mRng, aux_tensors, mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, mSeqUsedK,
                     mBlockTable,
-                    mTiles: cute.Tensor,
+                    mTiles: cute.Tensor, mTileCounter, max_ctas: cutlass.Int32,
                     scale_log2: cutlass.Float32, score_premul: cutlass.Float32, alibi_div: cutlass.Float32,
                     window_left: cutlass.Int32, window_right: cutlass.Int32, stream):
         """Packed batches, with the SM80 kernel's `call_varlen` parameters: mQ / mO (total_q,
@@ -321,12 +321,14 @@ class FlashFwdSm90(TileScheduler, Producer, Consumer, Epilogue):
         with mBlockTable (batch, max_blocks) int32 (`Sm90FwdConfig.paged`; page_size a multiple
         of block_n; the prefix sums of the keys then only give lengths), mLSE (heads, total_q)
         fp32, mSink as `__call__`'s, int32 prefix sums mCuSeqlens* (batch + 1,), mSeqUsedK (batch,) int32 key lengths
-        or None; mTiles (entries, 2) int32 (sequence, query block) of each CTA's tile, in launch
-        order (`VarlenTiles`), entries past a sequence's end storing nothing."""
+        or None; mTiles (entries, 2) int32 (sequence, query block) of each tile times the heads,
+        in launch order (`VarlenTiles`), entries past a sequence's end storing nothing. A
+        persistent variant's CTAs (at most max_ctas) take them in that order, claimed from
+        mTileCounter as `__call__`'s (None for one CTA per tile)."""
         scalars = Sm90Scalars(scale_log2, score_premul, alibi_div, window_left, window_right, 1)
         varlen = Sm90Varlen(mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, VarlenTiles(mTiles, mQ.shape[1]), mO, mBlockTable)
-        self.launch(mQ, mK, mV, mO, mLSE, mAlibi, mRng, None, varlen, None, scalars, 0, stream, aux_tensors,
-                    sink=mSink)
+        self.launch(mQ, mK, mV, mO, mLSE, mAlibi, mRng, mTileCounter, varlen, None, scalars, max_ctas, stream,
+                    aux_tensors, sink=mSink)
 
     @cute.jit
     def launch(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, mAlibi,
@@ -468,7 +470,8 @@ def fake_args(config: Sm90FwdConfig) -> list:
             fake_tensor(cutlass.Float32, 2), fake_tensor(cutlass.Float32, 2) if config.has_alibi else None, sink,
             fake_tensor(cutlass.Uint32, 1) if config.has_dropout else None, aux, fake_tensor(cutlass.Int32, 1),
             fake_tensor(cutlass.Int32, 1), fake_tensor(cutlass.Int32, 1) if config.has_seqused_k else None,
-            fake_tensor(cutlass.Int32, 2) if config.paged else None, fake_tiles(), 1.0, 1.0, 1.0, -1, -1, fake_stream()]
+            fake_tensor(cutlass.Int32, 2) if config.paged else None, fake_tiles(),
+            fake_tensor(cutlass.Int32, 1) if config.persistent else None, 132, 1.0, 1.0, 1.0, -1, -1, fake_stream()]
     if config.kvcache:
         split = [fake_tensor(cutlass.Float32, 5, ALIGN, COPY_BYTES, last_extent=config.traits.head_dim),
                  fake_tensor(cutlass.Float32, 4), fake_tensor(cutlass.Int32, 1)] \
