@@ -15,7 +15,7 @@ backward (the other sections' convention).
 """
 from __future__ import annotations
 
-from cute_flash.tools.peers import grad_ms, time_ms, visible_pairs
+from cute_flash.tools.peers import grad_ms, graph_time_ms, time_ms, visible_pairs
 
 MLA_CELLS = ((4096, True), (4096, False), (16384, True))  # (seqlen, causal), 16k tokens, 128 heads' worth
 SINK_CELLS = ((4096, True), (16384, True), (4096, False))
@@ -103,8 +103,10 @@ def run_sinks(cells=SINK_CELLS, d=128, tokens=16384, nheads=32, nheads_k=8):
 
 def run_varlen_decode(caches=VARLEN_CACHES, batch=64, nheads=32, nheads_k=8, d=128, max_new=16, seed=0):
     """Packed queries of 1..max_new tokens per sequence (drawn), each appending as many keys,
-    against plain decode (one query, one appended key) on the same caches; GB/s of K / V read;
-    and the plain decode's ms with a learnable sink and without."""
+    against plain decode (one query, one appended key) on the same caches; GB/s of K / V read,
+    eager and replayed from a CUDA graph (as a serving loop runs decode: the packed call's torch
+    calls around the kernel then cost their GPU time alone); and the plain decode's ms with a
+    learnable sink and without."""
     import torch
 
     from cute_flash import flash_attn_with_kvcache
@@ -136,9 +138,12 @@ def run_varlen_decode(caches=VARLEN_CACHES, batch=64, nheads=32, nheads_k=8, d=1
         keys_decode = batch * (cache - max_new + 1)
         per_key = 2 * nheads_k * d * 2  # K and V, bf16
         decode_ms = time_ms(decode)
+        packed_graph_ms, decode_graph_ms = graph_time_ms(packed), graph_time_ms(decode)
         row = dict(batch=batch, cache=cache, new_tokens=total,
                    packed_gbs=keys_packed * per_key / time_ms(packed) / 1e6,
                    decode_gbs=keys_decode * per_key / decode_ms / 1e6, decode_ms=decode_ms,
+                   packed_graph_gbs=keys_packed * per_key / packed_graph_ms / 1e6 if packed_graph_ms else None,
+                   decode_graph_gbs=keys_decode * per_key / decode_graph_ms / 1e6 if decode_graph_ms else None,
                    decode_sink_ms=time_ms(lambda: decode(learnable_sink=sink)))
         rows.append(row)
         print(row, flush=True)
@@ -173,11 +178,15 @@ def format_shapes(result: dict) -> str:
             cells += [_x(plain, ".3f"), _x(sink, ".3f"), _x(fa4, ".3f"),
                       _x(sink / plain if plain and sink else None, ".3f")]
         out.append(f"| {r['seqlen']} | {r['causal']} | {r['batch']}x{r['nheads']} | " + " | ".join(cells) + " |")
-    out += ["", "Packed queries in the KV-cache call, GB/s of K / V read (the bar: 0.9 of plain decode):", "",
-            "| sequences | cache | new tokens | packed | plain decode | packed / decode |", "|---|---|---|---|---|---|"]
+    out += ["", "Packed queries in the KV-cache call, GB/s of K / V read (the bar: 0.9 of plain decode), eager "
+            "and under CUDA graphs:", "",
+            "| sequences | cache | new tokens | packed | plain decode | packed / decode | packed, graph "
+            "| plain decode, graph | packed / decode, graph |", "|---|---|---|---|---|---|---|---|---|"]
     for r in result.get("varlen_decode", []):
+        packed, decode = r.get("packed_graph_gbs"), r.get("decode_graph_gbs")
         out.append(f"| {r['batch']} | {r['cache']} | {r['new_tokens']} | {r['packed_gbs']:.0f} "
-                   f"| {r['decode_gbs']:.0f} | {r['packed_gbs'] / r['decode_gbs']:.3f} |")
+                   f"| {r['decode_gbs']:.0f} | {r['packed_gbs'] / r['decode_gbs']:.3f} | {_x(packed)} | {_x(decode)} "
+                   f"| {_x(packed / decode if packed and decode else None, '.3f')} |")
     out += ["", "Learnable sinks in decode (the KV-cache call, one query a sequence), ms (the bar is 1.03):", "",
             "| sequences | cache | decode | decode, sink | sink / none |", "|---|---|---|---|---|"]
     for r in result.get("varlen_decode", []):

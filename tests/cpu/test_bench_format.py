@@ -87,11 +87,14 @@ def test_shapes_tables_give_each_bar_its_ratio():
         sinks=[dict(seqlen=4096, causal=True, batch=4, nheads=32, ours_fwd_ms=1.0, ours_sink_fwd_ms=1.02,
                     fa4_sink_fwd_ms=None, ours_fwdbwd_ms=3.0, ours_sink_fwdbwd_ms=3.3, fa4_sink_fwdbwd_ms=2.9)],
         varlen_decode=[dict(batch=64, cache=4096, new_tokens=500, packed_gbs=3600.0, decode_gbs=4000.0,
-                            decode_ms=0.5, decode_sink_ms=0.51)])
+                            decode_ms=0.5, decode_sink_ms=0.51, packed_graph_gbs=3800.0, decode_graph_gbs=4000.0),
+                       dict(batch=64, cache=8192, new_tokens=500, packed_gbs=3000.0, decode_gbs=4000.0,
+                            decode_ms=0.5, packed_graph_gbs=None, decode_graph_gbs=None)])
     lines = format_shapes(result).splitlines()
     assert "| 4096 | True | 4x16 | 500 | 400 | - | 300 | 350 | - | 1.250 | 0.857 |" in lines
     assert "| 4096 | True | 4x32 | 1.000 | 1.020 | - | 1.020 | 3.000 | 3.300 | 2.900 | 1.100 |" in lines
-    assert "| 64 | 4096 | 500 | 3600 | 4000 | 0.900 |" in lines
+    assert "| 64 | 4096 | 500 | 3600 | 4000 | 0.900 | 3800 | 4000 | 0.950 |" in lines
+    assert "| 64 | 8192 | 500 | 3000 | 4000 | 0.750 | - | - | - |" in lines  # no graph: the call refused capture
     assert "| 64 | 4096 | 0.500 | 0.510 | 1.020 |" in lines
 
 
