@@ -111,20 +111,20 @@ def test_packed_training_lengths_hold_the_tokens_and_their_mean():
 
 def test_packed_training_table_gives_each_bar_its_ratio():
     """`format_train_varlen` on hand-made rows: ours over FA4 and over our dense call on equal
-    lengths; the forward alone, the persistent schedule over ours and ours over SM80; a column
-    that did not run shows '-'."""
+    lengths; the forward alone, ours over SM80 and the persistent schedule over one CTA a tile;
+    a column that did not run shows '-'."""
     from cute_flash.tools.bench_train_varlen import format_train_varlen
 
     rows = [dict(d=128, mean=512, causal=True, sequences=31, longest=2900, ours=400.0, sm80=200.0, fa4=320.0,
-                 dense_equal=500.0, ours_fwd=300.0, persistent_fwd=360.0, sm80_fwd=250.0),
+                 dense_equal=500.0, ours_fwd=300.0, persistent_fwd=360.0, one_cta_fwd=320.0, sm80_fwd=250.0),
             dict(d=64, mean=2048, causal=False, sequences=8, longest=5000, ours=300.0, fa4=None, dense_equal=310.0,
                  ours_fwd=200.0)]
     lines = format_train_varlen(rows).splitlines()
     step = lines.index("The forward alone, TFLOP/s:")
     assert lines[step - 3] == "| 128 | True | 512 | 31 (2900) | 400 | 200 | 320 | 500 | 1.250 | 0.800 |"
     assert lines[step - 2] == "| 64 | False | 2048 | 8 (5000) | 300 | - | - | 310 | - | 0.968 |"
-    assert lines[-2] == "| 128 | True | 512 | 300 | 360 | 250 | 1.200 | 1.200 |"
-    assert lines[-1] == "| 64 | False | 2048 | 200 | - | - | - | - |"
+    assert lines[-2] == "| 128 | True | 512 | 300 | 250 | 320 | 360 | 1.200 | 1.125 |"
+    assert lines[-1] == "| 64 | False | 2048 | 200 | - | - | - | - | - |"
 
 
 def test_mods_table_gives_ours_over_each_peer():
