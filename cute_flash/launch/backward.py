@@ -14,7 +14,6 @@ from dataclasses import replace
 
 import torch
 
-from cute_flash.kernels.common.constants import LOG2E
 from cute_flash.kernels.sm80.bwd import BwdConfig
 from cute_flash.kernels.sm80.bwd_preprocess import PreprocessConfig
 from cute_flash.kernels.sm80.dq_convert import DQConvertConfig
@@ -105,8 +104,9 @@ def _semaphores(config: Sm90BwdConfig, dq_accum: torch.Tensor):
 def _flash_bwd_sm90(dout, q, k, v, out, lse, config: BwdConfig, index, softmax_scale, softcap, alibi_slopes, left,
                     right, grads, d, dropout, mods: ModArgs | None = None, block_mask=None):
     """The Hopper backward on aligned tensors. LSE (times log2 e) and D go in rows padded to
-    whole query blocks, +inf and 0 past seqlen_q, so the kernel's bulk copies of a block's
-    values need no bounds and its rows past the sequence get P = 0. A block mask's lists (by key
+    whole query blocks, +inf and 0 past seqlen_q (the preprocess writes them there,
+    `PreprocessConfig.hopper_rows`), so the kernel's bulk copies of a block's values need no
+    bounds and its rows past the sequence get P = 0. A block mask's lists (by key
     block) skip the query blocks it leaves empty, except in deterministic mode, whose dQ turns
     count every key block of a query block."""
     b, sq, h, d_pad = q.shape
@@ -114,10 +114,10 @@ def _flash_bwd_sm90(dout, q, k, v, out, lse, config: BwdConfig, index, softmax_s
     t = choose_hopper_bwd_traits(config.traits.head_dim, config.traits.dtype)
     even_k = d_pad == t.head_dim  # the bucket 96 runs on the d 128 tiles
     sq_pad = -(-sq // t.block_m) * t.block_m
-    dot_pad = torch.zeros((b, h, sq_pad), dtype=torch.float32, device=q.device)
+    lse_log2, dot_pad = (torch.empty((b, h, sq_pad), dtype=torch.float32, device=q.device) for _ in range(2))
     dot = dot_pad[..., :sq]
-    compiled.kernel_for(PreprocessConfig(t.head_dim, t.dtype, even_k), index)(out, dout, dot)
-    lse_log2 = torch.nn.functional.pad(lse * LOG2E, (0, sq_pad - sq), value=float("inf"))
+    compiled.kernel_for(PreprocessConfig(t.head_dim, t.dtype, even_k, hopper_rows=t.block_m), index)(
+        out, dout, dot, lse, lse_log2, dot_pad)
     dq_accum = torch.zeros((1, b, h, sq_pad // t.block_m, t.block_m * t.head_dim), dtype=torch.float32,
                            device=q.device)
     dk_h = torch.empty((b, sk, h, d_pad), dtype=q.dtype, device=q.device)
@@ -136,30 +136,14 @@ def _flash_bwd_sm90(dout, q, k, v, out, lse, config: BwdConfig, index, softmax_s
     return _finish(dq_out, dk_h, dv_h, d, hk, grads, dot)
 
 
-def padded_rows(cu_seqlens_q: torch.Tensor, total_q: int, block_m: int) -> torch.Tensor:
-    """Where each packed query row goes in rows padded per sequence to whole query blocks (the
-    dQaccum tiles' rows: sequence b from row (cu_seqlens_q[b] // block_m + b) * block_m, as
-    `varlen_dq_tiles` lays them out). Rows no sequence covers go to the last tile, which no
-    sequence reaches. Computed on the device, no sync; every index inside the padded rows
-    whatever the prefix sums hold."""
-    batch = cu_seqlens_q.shape[0] - 1
-    rows = torch.arange(total_q, device=cu_seqlens_q.device)
-    cu = cu_seqlens_q.long().clamp(0, total_q)
-    seq = torch.searchsorted(cu[1:], rows, right=True)  # the sequence of each row (batch: none)
-    covered = (seq < batch) & (rows >= cu[0])
-    seq = seq.clamp(max=batch - 1)
-    pos = (cu[seq] // block_m + seq) * block_m + rows - cu[seq]
-    last = varlen_dq_tiles(total_q, batch, block_m) * block_m - 1
-    return torch.where(covered, pos, last).clamp(0, last)
-
-
 def _flash_bwd_sm90_varlen(dout, q, k, v, out, lse, config: BwdConfig, index, cu_seqlens_q, cu_seqlens_k, seqused_k,
                            max_seqlen_q, softmax_scale, softcap, alibi_slopes, left, right, grads, d,
                            dropout, mods: ModArgs | None = None):
     """The Hopper backward of a packed batch on aligned tensors: LSE (times log2 e), D and
-    dQaccum in rows padded per sequence to whole query blocks (`padded_rows`: +inf, 0 and 0
-    past each sequence), so the kernel's bulk copies need no bounds, as in the dense call; its
-    CTAs take the key blocks longest first (`varlen_order`)."""
+    dQaccum in rows padded per sequence to whole query blocks (sequence b's from tile
+    cu_seqlens_q[b] // block_m + b; +inf, 0 and 0 past each sequence: the preprocess writes LSE
+    and D there, `PreprocessConfig.hopper_rows`), so the kernel's bulk copies need no bounds,
+    as in the dense call; its CTAs take the key blocks longest first (`varlen_order`)."""
     total_q, h, d_pad = q.shape
     total_k, hk = k.shape[0], k.shape[1]
     batch = cu_seqlens_q.shape[0] - 1
@@ -167,13 +151,10 @@ def _flash_bwd_sm90_varlen(dout, q, k, v, out, lse, config: BwdConfig, index, cu
     even_k = d_pad == t.head_dim  # the bucket 96 runs on the d 128 tiles
     tiles = varlen_dq_tiles(total_q, batch, t.block_m)
     dot = torch.empty((h, total_q), dtype=torch.float32, device=q.device)
-    compiled.kernel_for(PreprocessConfig(t.head_dim, t.dtype, even_k, True), index)(
-        out, dout, dot, cu_seqlens_q, max_seqlen_q)
-    where = padded_rows(cu_seqlens_q, total_q, t.block_m)
-    lse_log2 = torch.full((h, tiles * t.block_m), float("inf"), dtype=torch.float32, device=q.device)
-    lse_log2[:, where] = lse * LOG2E
-    dot_pad = torch.zeros((h, tiles * t.block_m), dtype=torch.float32, device=q.device)
-    dot_pad[:, where] = dot
+    # rows between the sequences' padded runs and in the last tile: never read
+    lse_log2, dot_pad = (torch.empty((h, tiles * t.block_m), dtype=torch.float32, device=q.device) for _ in range(2))
+    compiled.kernel_for(PreprocessConfig(t.head_dim, t.dtype, even_k, True, hopper_rows=t.block_m), index)(
+        out, dout, dot, cu_seqlens_q, max_seqlen_q, lse, lse_log2, dot_pad)
     dq_accum = torch.zeros((1, h, tiles, t.block_m * t.head_dim), dtype=torch.float32, device=q.device)
     dk_h = torch.zeros((total_k, h, d_pad), dtype=q.dtype, device=q.device)  # keys no sequence covers (or past
     dv_h = torch.zeros((total_k, h, d_pad), dtype=q.dtype, device=q.device)  # seqused_k) get a zero gradient
@@ -241,7 +222,7 @@ def flash_bwd(dout, q, k, v, out, lse, *, softmax_scale, causal=False, window_si
         lists = block_lists(block_mask, b, h, sq, sk, config.traits.block_m, config.traits.block_n, by_key=True)
     dot = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
     compiled.kernel_for(PreprocessConfig(config.traits.head_dim, config.traits.dtype, config.even_k),
-                            index)(out, dout, dot)
+                            index)(out, dout, dot, None, None, None)
     grid_x = _grid_x(config, sk, b, h, index)
     t = config.traits
     dq_accum = torch.zeros((grid_x if deterministic else 1, b, h, -(-sq // t.block_m), t.block_m * t.head_dim),
@@ -306,7 +287,7 @@ def flash_bwd_varlen(dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max
         if i:
             dq_accum.zero_()  # a chunk's row blocks count from its own first sequence: they overlap the last's
         compiled.kernel_for(PreprocessConfig(t.head_dim, t.dtype, config.even_k, True), index)(
-            out, dout, dot, cu_q, max_seqlen_q)
+            out, dout, dot, cu_q, max_seqlen_q, None, None, None)
         compiled.kernel_for(config, index)(
             q, k, v, dout, lse, dot, dq_accum, dk_h, dv_h, rows_of(alibi, s), rng, aux_of(mods), cu_q, cu_k,
             rows_of(seqused, s), softmax_scale, *scales(softmax_scale, softcap, has_score_mod(mods)), left, right,

@@ -10,6 +10,7 @@ import itertools
 from dataclasses import replace
 
 from cute_flash.kernels.common.flags import CACHE_FLAGS, SCORE_FLAGS
+from cute_flash.kernels.common.varlen_order import VarlenOrderConfig
 from cute_flash.kernels.sm80.append import AppendConfig
 from cute_flash.kernels.sm80.bwd import BwdConfig
 from cute_flash.kernels.sm80.bwd_preprocess import PreprocessConfig
@@ -284,7 +285,9 @@ def sm90_bwd_variants(full: bool = False) -> list:
     (bf16), at d 128 no flag, each other flag alone, all together, and fp16; packed, every bucket
     causal and d 128 with every flag and seqused_k; deterministic at d 64 causal and d 128 with
     every flag, dense and packed; the converts of every bucket's tiles, dense and packed, and
-    with a padded head dim at d 128."""
+    with a padded head dim at d 128; the preprocess writing each bucket's padded LSE / D rows
+    (`PreprocessConfig.hopper_rows`), dense and packed, and at d 128 with a padded head dim
+    (full: every traits, all four)."""
     flags = ("has_left", "has_right", "has_alibi", "has_softcap", "has_dropout")
     if full:
         traits = [choose_hopper_bwd_traits(d, dt) for d in BWD_HEAD_DIMS for dt in DTYPES]
@@ -293,7 +296,8 @@ def sm90_bwd_variants(full: bool = False) -> list:
                  for varlen, used in ((False, False), (True, False), (True, True))]
         mains += [replace(c, deterministic=True) for c in mains]
         return mains + [DQConvertConfig(t, e, v, 4, hopper=True) for t in traits for e in (False, True)
-                        for v in (False, True)]
+                        for v in (False, True)] + [PreprocessConfig(t.head_dim, t.dtype, e, v, t.block_m)
+                                                   for t in traits for e in (False, True) for v in (False, True)]
     traits = [choose_hopper_bwd_traits(d) for d in BWD_HEAD_DIMS]
     pivot = choose_hopper_bwd_traits(128)
     mains = [Sm90BwdConfig(t, has_right=True) for t in traits]
@@ -306,7 +310,19 @@ def sm90_bwd_variants(full: bool = False) -> list:
     mains += [Sm90BwdConfig(choose_hopper_bwd_traits(64), has_right=True, deterministic=True)]
     mains += [Sm90BwdConfig(pivot, **{f: True for f in flags}, varlen=v, deterministic=True) for v in (False, True)]
     converts = [DQConvertConfig(t, True, v, 4, hopper=True) for t in traits for v in (False, True)]
-    return mains + converts + [DQConvertConfig(pivot, False, v, 4, hopper=True) for v in (False, True)]
+    converts += [DQConvertConfig(pivot, False, v, 4, hopper=True) for v in (False, True)]
+    # the preprocess, writing LSE and D in each bucket's padded rows, dense and packed (a padded head dim at d 128)
+    pre = [PreprocessConfig(t.head_dim, t.dtype, True, v, t.block_m) for t in traits for v in (False, True)]
+    return mains + converts + pre + [PreprocessConfig(pivot.head_dim, pivot.dtype, False, v, pivot.block_m)
+                                     for v in (False, True)]
+
+
+def order_variants() -> list[VarlenOrderConfig]:
+    """The launch-order kernel's configs (`launch/varlen_order.py`): the forward's list and the
+    backward's, with and without a right edge, and deterministic mode's descending one (which
+    only a right edge asks for)."""
+    return [VarlenOrderConfig(by_key, right) for by_key in (False, True) for right in (False, True)] + [
+        VarlenOrderConfig(True, True, True)]
 
 
 def every_variant(archs, full: bool = False) -> list[tuple[int, object]]:
@@ -316,5 +332,5 @@ def every_variant(archs, full: bool = False) -> list[tuple[int, object]]:
     jobs += [(arch, config) for arch in archs for config in append_variants(full)]
     jobs += [(arch, config) for arch in archs for config in bwd_variants(arch, full)]
     if 90 in archs:
-        jobs += [(90, config) for config in sm90_variants(full) + sm90_bwd_variants(full)]
+        jobs += [(90, config) for config in sm90_variants(full) + sm90_bwd_variants(full) + order_variants()]
     return jobs

@@ -1,6 +1,8 @@
 """The launch order of a packed batch's work tiles (`kernels/common/varlen_tiles.py`): every
 sequence's blocks listed once, those with the most work first (longest-processing-time order),
-computed on the device from the prefix sums with no host sync.
+computed on the device from the prefix sums with no host sync: by one kernel
+(`kernels/common/varlen_order.py`) up to its CAPACITY entries, by torch calls (about thirty
+launches) past it and on CPU tensors, the same list either way.
 
 One CTA per (block, head) over max_seqlen's blocks of every sequence, in sequence order, left
 most CTAs of a batch of mixed lengths with nothing to do and could start a long sequence's
@@ -11,13 +13,29 @@ from __future__ import annotations
 
 import torch
 
-PAST = 1 << 20  # the block an entry past the batch's blocks names: past any sequence's end
+from cute_flash.kernels.common.varlen_order import CAPACITY, PAST, VarlenOrderConfig
+from cute_flash.launch import compiled, gpu
 
 
 def tile_bound(total: int, batch: int, block: int) -> int:
     """Entries of the list: sum over sequences of ceil(length / block) is at most
     total // block + batch for lengths summing to `total`."""
     return total // block + batch
+
+
+def builds_on_device(cu_seqlens: torch.Tensor, entries: int) -> bool:
+    """The list from the launch-order kernel: CUDA prefix sums, at most its CAPACITY entries."""
+    return cu_seqlens.is_cuda and entries <= CAPACITY
+
+
+def _on_device(config: VarlenOrderConfig, cu_seqlens_q, cu_seqlens_k, entries: int, block_m: int, block_n: int,
+               right: int) -> torch.Tensor:
+    """(entries, 2) int32, the list `config` names, from one launch of the launch-order kernel."""
+    tiles = torch.empty((entries, 2), dtype=torch.int32, device=cu_seqlens_q.device)
+    padded = 1 << (entries - 1).bit_length()  # the sort's length: a power of two
+    compiled.kernel_for(config, gpu.device_index(cu_seqlens_q.device))(cu_seqlens_q, cu_seqlens_k, tiles, block_m,
+                                                                        block_n, right, padded)
+    return tiles
 
 
 def _lengths(cu_seqlens: torch.Tensor) -> torch.Tensor:
@@ -50,6 +68,10 @@ def key_blocks_longest_first(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Ten
     increasing order: what deterministic mode's `DqTurn` waits rely on). `descending`
     (`Sm90BwdConfig.dq_descending`): the sequences by their first key block's work, most
     first, each one's key blocks last first, the order its `DqTurn`s count."""
+    entries = tile_bound(total_k, cu_seqlens_k.shape[0] - 1, block_n)
+    if builds_on_device(cu_seqlens_k, entries):
+        return _on_device(VarlenOrderConfig(True, right >= 0, descending), cu_seqlens_q, cu_seqlens_k, entries,
+                          block_m, block_n, right)
     lq, lk = _lengths(cu_seqlens_q), _lengths(cu_seqlens_k)
 
     def work(seq, n_block):
@@ -69,6 +91,10 @@ def query_blocks_longest_first(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.T
                                block_n: int, right: int) -> torch.Tensor:
     """The forward's list: (sequence, query block), ordered by the key blocks the query block
     visits (cut by the right window edge `right`, -1 for none; the left edge left out)."""
+    entries = tile_bound(total_q, cu_seqlens_q.shape[0] - 1, block_m)
+    if builds_on_device(cu_seqlens_q, entries):
+        return _on_device(VarlenOrderConfig(False, right >= 0), cu_seqlens_q, cu_seqlens_k, entries, block_m,
+                          block_n, right)
     lq, lk = _lengths(cu_seqlens_q), _lengths(cu_seqlens_k)
 
     def work(seq, m_block):

@@ -14,7 +14,8 @@ import pytest
 from cute_flash.compile.registry import arch_option, build
 from cute_flash.kernels.common.flags import CACHE_FLAGS, SCORE_FLAGS
 from cute_flash.kernels.sm80.fwd import FwdConfig
-from cute_flash.launch.variants import BWD_FLAGS, append_variants, bwd_variants, fwd_variants, sm90_bwd_variants
+from cute_flash.launch.variants import (BWD_FLAGS, append_variants, bwd_variants, fwd_variants, order_variants,
+                                       sm90_bwd_variants)
 from cute_flash.tools.race_canary import compile_race
 from cute_flash.tools.sanitize import OUR_KERNELS
 from layouts.traits import SMEM_LIMIT, shipped_fwd_traits
@@ -323,6 +324,15 @@ def test_hopper_backward_compiles_to_wgmma(config, tmp_path):
 def test_hopper_backward_full_sweep(config, tmp_path):
     build(config, 90, f"--keep-ptx --dump-dir={tmp_path}")
     _assert_one_kernel_for(90, tmp_path)
+
+
+@pytest.mark.parametrize("config", order_variants(), ids=lambda c: c.name)
+def test_launch_order_kernel_compiles(config, tmp_path):
+    """The packed batches' launch-order kernel (kernels/common/varlen_order.py), for the Hopper
+    kernels that read its list: its key sort in shared memory behind barriers."""
+    _compile(90, config, tmp_path)
+    text = next(tmp_path.glob("*.ptx")).read_text()
+    assert "bar.sync" in text and "st.shared.b64" in text and "shfl.sync.up" in text
 
 
 @pytest.mark.parametrize("arch", [80, 90])

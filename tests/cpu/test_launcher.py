@@ -510,7 +510,7 @@ def test_the_kernels_fixture_names_the_attention_kernels_that_ran(recorder, kern
 def test_dense_backwards_on_sm90_default_to_the_hopper_kernel(recorder, monkeypatch):
     """Without CUTE_FLASH_ARCH_PATH an sm_90 dense backward launches the preprocess, the Hopper
     kernel and the Hopper dQ convert, with LSE (times log2 e) and D in rows padded to whole
-    query blocks (+inf and 0 past seqlen_q; the preprocess writes D into the padded rows), and
+    query blocks (+inf and 0 past seqlen_q; the preprocess writes both there), and
     with dropout too (given the forward's Philox state), the bucket 96 on the d 128 tiles (the
     preprocess and the convert predicating the columns), deterministic (with one zeroed
     semaphore per dQaccum tile); a head dim the Hopper kernel does not take (bucket 160), sm80
@@ -519,7 +519,6 @@ def test_dense_backwards_on_sm90_default_to_the_hopper_kernel(recorder, monkeypa
     from cute_flash.kernels.sm80.bwd_preprocess import PreprocessConfig
     from cute_flash.kernels.sm90.bwd import Sm90BwdConfig
     from cute_flash.kernels.sm80.bwd import BwdConfig
-    from cute_flash.kernels.common.constants import LOG2E
     from cute_flash.kernels.sm80.dq_convert import DQConvertConfig
     from cute_flash.launch.backward import flash_bwd
 
@@ -534,9 +533,9 @@ def test_dense_backwards_on_sm90_default_to_the_hopper_kernel(recorder, monkeypa
     assert main.config.traits.head_dim == 32 and main.config.traits.block_m == 128 and convert.config.hopper
     assert not convert.config.even_k  # d 20 of 32: the convert predicates the columns
     padded = (2, 4, 128)
-    assert main["mLSE"].shape == padded and torch.equal(main["mLSE"][..., :70], lse * LOG2E)
-    assert (main["mLSE"][..., 70:] == float("inf")).all()
-    assert main["mD"].shape == padded and (main["mD"][..., 70:] == 0).all()
+    # the preprocess writes LSE times log2 e and D (0 and +inf past the 70 rows) where the kernel reads them
+    assert pre.config.hopper_rows == 128 and pre["mLSE"] is lse
+    assert main["mLSE"].shape == padded and pre["mLSEPadded"] is main["mLSE"] and pre["mDPadded"] is main["mD"]
     assert pre["mD"].data_ptr() == main["mD"].data_ptr() and pre["mD"].shape == (2, 4, 70)
     assert softmax_d.shape == (2, 4, 70) and softmax_d.data_ptr() == main["mD"].data_ptr()
     assert main["mdQaccum"].shape == (1, 2, 4, 1, 128 * 32) and convert["mdQaccum"] is main["mdQaccum"]
@@ -572,12 +571,11 @@ def test_dense_backwards_on_sm90_default_to_the_hopper_kernel(recorder, monkeypa
 
 def test_packed_backwards_on_sm90_take_the_hopper_kernel(recorder, monkeypatch):
     """Without CUTE_FLASH_ARCH_PATH an sm_90 packed backward launches the packed preprocess, the
-    Hopper kernel's `call_varlen` and the packed Hopper dQ convert, with LSE (times log2 e) and
-    D in rows padded per sequence to whole query blocks (sequence b from row (cu_seqlens_q[b] //
-    128 + b) * 128; +inf and 0 elsewhere); deterministic too, with one zeroed semaphore per
+    Hopper kernel's `call_varlen` and the packed Hopper dQ convert, the preprocess writing LSE
+    (times log2 e) and D in the rows the Hopper kernel reads, padded per sequence to whole query
+    blocks (`PreprocessConfig.hopper_rows`); deterministic too, with one zeroed semaphore per
     dQaccum tile; deterministic and causal, with each sequence's key blocks listed last first
     (`dq_descending`)."""
-    from cute_flash.kernels.common.constants import LOG2E
     from cute_flash.kernels.sm80.bwd_preprocess import PreprocessConfig
     from cute_flash.kernels.sm80.dq_convert import DQConvertConfig
     from cute_flash.kernels.sm90.bwd import Sm90BwdConfig
@@ -600,11 +598,9 @@ def test_packed_backwards_on_sm90_take_the_hopper_kernel(recorder, monkeypatch):
     assert main["mTiles"].tolist() == [[0, 0], [2, 0], [1, 0]]  # 90 // 128 + 3 entries, all listed
     tiles = 75 // 128 + 3 + 1
     assert main["mLSE"].shape == main["mD"].shape == (4, tiles * 128)
-    rows = list(range(70)) + list(range(256, 261))  # sequence 2 (rows 70..74) from tile 70 // 128 + 2
-    assert torch.equal(main["mLSE"][:, rows], lse * LOG2E)
-    others = torch.ones(tiles * 128, dtype=torch.bool)
-    others[rows] = False
-    assert (main["mLSE"][:, others] == float("inf")).all() and (main["mD"][:, others] == 0).all()
+    # the preprocess writes them: the forward's LSE in, LSE times log2 e and D out, padded per sequence
+    assert pre.config.hopper_rows == main.config.traits.block_m == 128
+    assert pre["mLSE"] is lse and pre["mLSEPadded"] is main["mLSE"] and pre["mDPadded"] is main["mD"]
     assert pre["mD"].shape == (4, 75) and softmax_d.data_ptr() == pre["mD"].data_ptr()
     assert main["mdQaccum"].shape == (1, 4, tiles, 128 * 32) and convert["mdQaccum"] is main["mdQaccum"]
     assert main["mdK"].shape == (90, 4, 24)  # per query head, summed over the group after
@@ -621,21 +617,6 @@ def test_packed_backwards_on_sm90_take_the_hopper_kernel(recorder, monkeypatch):
     assert main.config.dq_descending  # a right edge: each sequence's key blocks listed last first
     assert torch.equal(main["mTiles"], key_blocks_longest_first(lens["cu_seqlens_q"], lens["cu_seqlens_k"], 90,
                                                                 main.config.traits.block_m, 128, 0, descending=True))
-
-
-def test_padded_rows_stay_inside_whatever_the_prefix_sums_hold():
-    """Each packed row's place in the per-sequence padded rows; rows no sequence covers, and
-    every row under bad prefix sums, land inside the padded rows (the last tile, which no
-    sequence reaches, takes the uncovered ones)."""
-    from cute_flash.launch.backward import padded_rows, varlen_dq_tiles
-
-    cu = torch.tensor([0, 3, 3, 130], dtype=torch.int32)
-    assert padded_rows(cu, 130, 64).tolist() == [0, 1, 2] + list(range(2 * 64, 2 * 64 + 127))  # 3 // 64 + 2
-    last = varlen_dq_tiles(140, 3, 64) * 64 - 1
-    assert padded_rows(cu, 140, 64).tolist()[130:] == [last] * 10  # past the last sequence
-    for bad in ([5, 3, 200, 1], [-4, 0, 7, 2 ** 30], [0, 0, 0, 0]):
-        where = padded_rows(torch.tensor(bad, dtype=torch.int32), 140, 64)
-        assert 0 <= where.min() and where.max() <= last
 
 
 @pytest.mark.parametrize("arch", [86, 89, 120, 121])

@@ -74,3 +74,32 @@ def test_every_query_block_once_most_key_blocks_first(lens, right):
 
     works = [work(s, m) for s, m in listed]
     assert works == sorted(works, reverse=True)
+
+
+def test_on_the_gpu_each_list_is_one_launch_of_the_order_kernel(recorder, monkeypatch):
+    """On CUDA prefix sums (the dispatch told so here) a list is one launch of the launch-order
+    kernel, its config naming the list, with the list's entries and the sort's power of two;
+    past the kernel's CAPACITY (and on CPU tensors) torch builds it."""
+    from cute_flash.kernels.common.varlen_order import CAPACITY, VarlenOrderConfig
+    from cute_flash.launch import varlen_order
+
+    monkeypatch.setattr(varlen_order, "builds_on_device", lambda cu, entries: entries <= CAPACITY)
+    cu_q, cu_k = prefix([5, 300]), prefix([200, 700])
+    key_blocks_longest_first(cu_q, cu_k, 900, 64, 128, 0, descending=True)
+    query_blocks_longest_first(cu_q, cu_k, 305, 128, 128, -1)
+    past = key_blocks_longest_first(prefix([128 * CAPACITY]), prefix([128 * CAPACITY]), 128 * CAPACITY, 64, 128, -1)
+    keys, queries = recorder.launches
+    assert keys.config == VarlenOrderConfig(by_key=True, has_right=True, descending=True)
+    assert keys["mCuSeqlensQ"] is cu_q and keys["mCuSeqlensK"] is cu_k
+    assert keys["mTiles"].shape == (tile_bound(900, 2, 128), 2) and keys["padded"] == 16  # 9 entries
+    assert (keys["block_m"], keys["block_n"], keys["right"]) == (64, 128, 0)
+    assert queries.config == VarlenOrderConfig(by_key=False, has_right=False)
+    assert queries["mTiles"].shape == (4, 2) and queries["padded"] == 4 and queries["right"] == -1
+    assert past.shape == (CAPACITY + 1, 2) and past[0].tolist() == [0, 0]
+
+
+def test_cpu_prefix_sums_take_the_torch_calls():
+    """The kernel runs on CUDA prefix sums only: CPU ones (these tests) take the torch calls."""
+    from cute_flash.launch.varlen_order import builds_on_device
+
+    assert not builds_on_device(prefix([5, 300]), 4)

@@ -279,7 +279,7 @@ class FlashBwdSm90:
                     alibi_div: cutlass.Float32, window_left: cutlass.Int32, window_right: cutlass.Int32, stream):
         """Packed batches: mQ / mdO (total_q, heads, d), mK / mV (total_k, heads_k, d), mdK / mdV
         (total_k, heads, d) zeroed, mLSE / mD (heads, tiles * bm) and mdQaccum (1, heads, tiles, bm
-        * d) in rows padded per sequence to whole query blocks (launch/backward.py:padded_rows),
+        * d) in rows padded per sequence to whole query blocks (`dq_accum.first_tile`),
         cu_seqlens (batch + 1,) int32, seqused_k (batch,) int32 or None, mSemaphore (heads, tiles)
         int32 zeroed when deterministic, mTiles (entries, 2) int32 (sequence, key block) in launch
         order (`VarlenTiles`; deterministic: a sequence's key blocks in increasing order)."""
