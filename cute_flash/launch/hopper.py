@@ -46,9 +46,10 @@ def flash_fwd_sm90(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1)
     `speculative_max`, `speculative_in_place` and `stages` (K / V pipeline depth) override the
     kernel's choices (`tune --sm90`); `kv_multicast` (sharing each K / V block between a
     cluster's two tiles) too, where `kv_multicast_fits`. `mods`: the call's Python-written mods
-    (no speculative maxima then); `block_mask`: a FlexAttention BlockMask of the mask_mod, whose
-    empty blocks are skipped (`launch/block_sparse.py`); `learnable_sink` (h,): a logit per head
-    in each row's denominator, folded in by the epilogue (`Sm90FwdConfig.learnable_sink`)."""
+    (no speculative maxima with a score_mod); `block_mask`: a FlexAttention BlockMask of the
+    mask_mod, whose empty blocks are skipped (`launch/block_sparse.py`); `learnable_sink` (h,):
+    a logit per head in each row's denominator, folded in by the epilogue
+    (`Sm90FwdConfig.learnable_sink`)."""
     b, sq, h, _ = q.shape
     d_v = v.shape[-1]
     q, k, v = aligned(q), aligned(k), aligned(v)
@@ -61,8 +62,8 @@ def flash_fwd_sm90(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1)
     if persistent is None:
         persistent = prefers_persistent(traits, k.shape[1], masked)
     if speculative_max is None:
-        speculative_max = mods is None and takes_speculative_max(traits, k.shape[1], left >= 0, right >= 0, dropout,
-                                                                 alibi_slopes is not None)
+        speculative_max = (mods is None or mods.mods.score_mod is None) and takes_speculative_max(
+            traits, k.shape[1], left >= 0, right >= 0, dropout, alibi_slopes is not None)
     if speculative_in_place is None:
         speculative_in_place = speculative_max and speculates_in_place(traits)
     if stages is None:

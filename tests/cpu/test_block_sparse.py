@@ -162,15 +162,19 @@ def test_block_sparse_sm80_forwards_compile(d):
     build(config, 80)
 
 
-@pytest.mark.parametrize("d, persistent", [(128, False), (64, True)])
-def test_block_sparse_hopper_forwards_compile(d, persistent):
+@pytest.mark.parametrize("d, persistent, speculative, tall", [(128, False, False, False), (64, True, False, False),
+                                                             (128, True, True, False), (64, True, True, True)])
+def test_block_sparse_hopper_forwards_compile(d, persistent, speculative, tall):
+    """A mask_mod's Hopper forwards, with block lists: both schedules, and speculative maxima (a
+    mask_mod hides scores as a mask does), P beside S and, on 192-row tiles, over it."""
     from cute_flash.compile.registry import build
     from cute_flash.kernels.common.user_mods import UserMod, UserMods
     from cute_flash.kernels.sm90.fwd import Sm90FwdConfig
     from layouts.hopper import choose_hopper_traits
 
-    config = Sm90FwdConfig(choose_hopper_traits(d, "bf16"), persistent=persistent, block_sparse=True,
-                           mods=UserMods(None, UserMod.of(causal)))
+    config = Sm90FwdConfig(choose_hopper_traits(d, "bf16", long_keys=tall), persistent=persistent, block_sparse=True,
+                           mods=UserMods(None, UserMod.of(causal)), speculative_max=speculative,
+                           speculative_in_place=tall)
     assert "b-" in config.name
     build(config, 90)
 

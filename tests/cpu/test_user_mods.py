@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from cute_flash.kernels.common.constants import LOG2E
-from cute_flash.kernels.common.user_mods import UserMod, code_digest
+from cute_flash.kernels.common.user_mods import UserMod, UserMods, code_digest
 from tests.helpers.interface import call, with_
 
 
@@ -47,7 +47,6 @@ def test_digest_survives_the_dsl_tracing_the_mod(tmp_path):
     """The DSL swaps a jit function's code for its rewrite when it first traces it: the digest,
     kept from before, does not move (else the compile cache would miss in the same process)."""
     from cute_flash.compile.registry import build
-    from cute_flash.kernels.common.user_mods import UserMods
     from cute_flash.kernels.sm80.fwd import FwdConfig
     from layouts.traits import choose_fwd_traits
 
@@ -83,8 +82,8 @@ def test_launchers_pass_the_mods_aux_tensors_and_scales(recorder, monkeypatch, p
     assert mask_only.config.mods.score_mod is None and mask_only["aux_tensors"] is None
     assert mask_only["scale_log2"] == pytest.approx(0.5 * LOG2E)
     assert packed.config.mods.score_mod is not None and packed["score_premul"] == 0.5
-    if path == "sm90":
-        assert not both.config.speculative_max
+    if path == "sm90":  # speculative maxima assume scores move by the built-in modifiers: a mask_mod only hides them
+        assert not both.config.speculative_max and mask_only.config.speculative_max
 
 
 @pytest.mark.parametrize("over, error", [
@@ -205,3 +204,16 @@ def test_a_flash_attn_4_style_mod_compiles():
     from layouts.traits import choose_fwd_traits
 
     build(FwdConfig(choose_fwd_traits(128, "bf16", 80), mods=UserMods(UserMod.of(fa4_style))), 80)
+
+
+def test_speculative_maxima_take_a_mask_mod_not_a_score_mod():
+    """A mask_mod only hides scores, as the built-in masks do, so the Hopper forward may take P
+    from the kept row maxima with one; a score_mod moves scores where the speculation's bound
+    does not follow them."""
+    from cute_flash.kernels.sm90.fwd import Sm90FwdConfig
+    from layouts.hopper import choose_hopper_traits
+
+    traits = choose_hopper_traits(128, "bf16")
+    assert Sm90FwdConfig(traits, mods=UserMods(None, UserMod.of(causal)), speculative_max=True).speculative_max
+    with pytest.raises(ValueError, match="speculative maxima"):
+        Sm90FwdConfig(traits, mods=UserMods(UserMod.of(rel_bias), None), speculative_max=True)

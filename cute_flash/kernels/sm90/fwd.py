@@ -145,8 +145,9 @@ class Sm90FwdConfig:
         if self.stream_k and not (self.split and not self.cluster_merge):
             raise ValueError("stream-K is split-KV's (split), merged through the workspace (not cluster_merge)")
         check_mods(self.mods, self.kvcache, self.has_softcap, self.has_alibi)
-        if self.mods is not None and self.speculative_max:
-            raise ValueError("speculative maxima assume a score only moves by the built-in modifiers")
+        if self.mods is not None and self.mods.score_mod is not None and self.speculative_max:
+            raise ValueError("speculative maxima assume a score only moves by the built-in modifiers (a mask_mod "
+                             "only hides scores, as a mask does)")
         if self.block_sparse and (self.mods is None or self.mods.mask_mod is None or self.varlen or self.kvcache
                                   or self.kv_multicast):
             raise ValueError("block sparsity lists the blocks a mask_mod cuts, in a dense launch without K / V "

@@ -281,12 +281,13 @@ class Consumer:
             loop.softmax.update(acc_s_mn, loop.row_scale, is_first, masked or cfg.mods is not None, dst_mn=dst_mn)
         elif cutlass.const_expr(cfg.speculative_in_place):
             loop.softmax.update_speculative(
-                acc_s_mn, None, loop.row_scale, masked,
+                acc_s_mn, None, loop.row_scale, masked or cfg.mods is not None,
                 agree=lambda fits: nvvm.barrier_cta_red_aligned(fits, FwdBarrier.VOTE + loop.consumer_wg, "and",
                                                                 thread_count=128),
                 rescore=lambda: self.rescore(loop, n_block, recipe, masked, k_stage))
         else:
-            loop.softmax.update_speculative(acc_s_mn, lmma.acc_mn_view(loop.acc_p), loop.row_scale, masked)
+            loop.softmax.update_speculative(acc_s_mn, lmma.acc_mn_view(loop.acc_p), loop.row_scale,
+                                            masked or cfg.mods is not None)
         if cutlass.const_expr(cfg.has_dropout):
             bm, bn = self.t.block_m, self.t.block_n
             loop.dropout.apply(recipe.mma_qk, loop.acc_s, wgmma_groups(loop.acc_s.shape), loop.mma_tidx,
