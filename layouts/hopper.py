@@ -223,17 +223,19 @@ def acc_as_operand_a(acc):
 
 
 # The backward (kernels/sm90/bwd.py). One CTA owns block_n keys, a consumer warpgroup per 64 of
-# them; it walks block_m-row query blocks. S and dP are computed transposed (S^T = K Q^T, keys
+# them (above d 128, `bwd_splits_head_dim`: 64 keys and two warpgroups splitting the head dim,
+# below); it walks block_m-row query blocks. S and dP are computed transposed (S^T = K Q^T, keys
 # on the wgmma's M), so each warpgroup's P^T and dS^T sit in its accumulators in the layout of
 # the register A operand of dV += P^T dO and dK += dS^T Q: neither goes through shared memory
 # for those GEMMs. dQ = dS K needs dS whole (every key of the block): dS^T goes to a (block_n,
 # block_m) row-major tile, read back transposed as dQ's MN-major A operand.
 
-BWD_STAGES = 2  # Q and dO pipelines, and dS^T
-BWD_HEAD_DIMS = (32, 64, 128)  # d 96's dQ tile (48 columns per warpgroup) splits its 32-column swizzle atoms
-# head-dim bucket -> the Hopper backward bucket that runs it: 96 on the d 128 tiles, its columns past
-# the head dim zero (as d 97..127 run there)
-BWD_SERVES = {32: 32, 64: 64, 96: 128, 128: 128}
+BWD_STAGES = 2  # dS^T (and P^T), and the Q and dO pipelines unless the traits' q_stages is 1
+BWD_HEAD_DIMS = (32, 64, 128, 256)  # d 96's dQ tile (48 columns per warpgroup) splits its 32-column swizzle
+# atoms, as d 192's 96 columns a warpgroup split its 64-column ones
+# head-dim bucket -> the Hopper backward bucket that runs it: 96 on the d 128 tiles, 160..224 on the
+# d 256 ones, their columns past the head dim zero (as d 97..127 run on the d 128 tiles)
+BWD_SERVES = {32: 32, 64: 64, 96: 128, 128: 128, 160: 256, 192: 256, 224: 256, 256: 256}
 
 
 @functools.lru_cache(maxsize=None)
@@ -249,6 +251,8 @@ def choose_hopper_bwd_traits(head_dim: int, dtype: str = "bf16") -> BwdTraits:
                          f"{head_dim_bucket(head_dim)}")
     if d == 32:
         return BwdTraits(d, 128, 128, 8, 4, 4, 4, dtype=dtype)
+    if d == 256:  # 64 keys; Q and dO one stage each (two do not fit 227 KB beside the dQ staging tile)
+        return BwdTraits(d, 64, 64, 8, 4, 2, 2, q_stages=1, dtype=dtype)
     return BwdTraits(d, 64, 128, 8, 2, 4, 4 if d == 64 else 2, dtype=dtype)
 
 
@@ -256,9 +260,17 @@ def shipped_hopper_bwd_traits() -> list[BwdTraits]:
     return [choose_hopper_bwd_traits(d, dt) for d in BWD_HEAD_DIMS for dt in DTYPES]
 
 
+def bwd_splits_head_dim(traits) -> bool:
+    """Above d 128 one warpgroup cannot hold dK and dV of 64 keys (2 x 64 x d fp32 over 128
+    threads: 256 registers at d 256), so a CTA owns 64 keys and its two warpgroups split every
+    GEMM along N: S^T and dP^T by queries, dK, dV and dQ by head-dim columns. P^T and dS^T go
+    through shared memory, where dV and dK read them whole as their A operands."""
+    return traits.head_dim > 128
+
+
 def bwd_warpgroups(traits) -> int:
-    """Consumer warpgroups of the backward: one per 64 keys."""
-    return traits.block_n // WGMMA_M
+    """Consumer warpgroups of the backward: one per 64 keys, or two splitting the head dim."""
+    return 2 if bwd_splits_head_dim(traits) else traits.block_n // WGMMA_M
 
 
 def smem_layout_ds(traits, stages: int):
@@ -272,14 +284,22 @@ def tiled_mma_sdp_t(traits):
     """S^T = K Q^T and dP^T = V dO^T: (block_n, block_m) tiles, both operands K-major (the head
     dim contiguous), a warpgroup per 64 keys."""
     dtype = element_type(traits)
+    atoms, tiler = (bwd_warpgroups(traits), 1, 1), (WGMMA_M, traits.block_m)
+    if bwd_splits_head_dim(traits):  # the warpgroups take half the queries each
+        atoms, tiler = (1, 2, 1), (WGMMA_M, traits.block_m // 2)
     return sm90.make_trivial_tiled_mma(dtype, dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
-                                       cutlass.Float32, (bwd_warpgroups(traits), 1, 1), (WGMMA_M, traits.block_m))
+                                       cutlass.Float32, atoms, tiler)
 
 
 def tiled_mma_dkv(traits):
     """dV += P^T dO and dK += dS^T Q: (block_n, head_dim), A from registers (the converted S^T /
-    dP^T accumulators), B = dO^T / Q^T read MN-major from their row-major tiles."""
+    dP^T accumulators; above d 128 from their shared-memory tiles), B = dO^T / Q^T read MN-major
+    from their row-major tiles."""
     dtype = element_type(traits)
+    if bwd_splits_head_dim(traits):  # A = P^T / dS^T whole from shared memory, half the columns each
+        return sm90.make_trivial_tiled_mma(dtype, dtype, cute.nvgpu.OperandMajorMode.K,
+                                           cute.nvgpu.OperandMajorMode.MN, cutlass.Float32, (1, 2, 1),
+                                           (WGMMA_M, traits.head_dim // 2))
     return sm90.make_trivial_tiled_mma(dtype, dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
                                        cutlass.Float32, (bwd_warpgroups(traits), 1, 1), (WGMMA_M, traits.head_dim),
                                        a_source=warpgroup.OperandSource.RMEM)

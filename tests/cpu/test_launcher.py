@@ -261,22 +261,21 @@ def test_a_value_head_dim_of_its_own_on_either_kernel(recorder, monkeypatch):
 def test_backwards_pad_a_value_head_dim_of_their_own(recorder, monkeypatch):
     """The backward kernels take one head dim: a backward with v 128 wide beside q / k 64 runs
     the Hopper backward on q and k padded with zero columns to 128, and returns dq / dk 64 wide;
-    with q / k 192 and v 128 (no Hopper backward at d 192: the SM80 one), v, out and dout are
-    padded to 192, dv 128 wide; packed batches alike."""
-    from cute_flash.kernels.sm80.bwd import BwdConfig
+    with q / k 192 and v 128 (the Hopper backward's d 256 tiles), v, out and dout are padded to
+    192, dv 128 wide; packed batches alike."""
     from cute_flash.kernels.sm90.bwd import Sm90BwdConfig
     from cute_flash.launch.backward import flash_bwd, flash_bwd_varlen
 
     monkeypatch.delenv("CUTE_FLASH_ARCH_PATH", raising=False)
     lse = torch.randn(2, 4, 5)
-    for d, d_v, kind in ((64, 128, Sm90BwdConfig), (192, 128, BwdConfig)):
+    for d, d_v in ((64, 128), (192, 128)):
         q = torch.randn(2, 5, 4, d, dtype=torch.bfloat16)
         k = torch.randn(2, 7, 2, d, dtype=torch.bfloat16)
         v = torch.randn(2, 7, 2, d_v, dtype=torch.bfloat16)
         out, dout = (torch.randn(2, 5, 4, d_v, dtype=torch.bfloat16) for _ in range(2))
         start = len(recorder.launches)
         dq, dk, dv, _ = flash_bwd(dout, q, k, v, out, lse, softmax_scale=0.5, causal=True)
-        (main,) = [x for x in recorder.launches[start:] if isinstance(x.config, kind)]
+        (main,) = [x for x in recorder.launches[start:] if isinstance(x.config, Sm90BwdConfig)]
         wide = max(d, d_v)
         assert all(main[name].shape[-1] == wide for name in ("mQ", "mK", "mV", "mdO"))
         narrow = ("mQ", "mK") if d < d_v else ("mV", "mdO")
@@ -513,8 +512,8 @@ def test_dense_backwards_on_sm90_default_to_the_hopper_kernel(recorder, monkeypa
     query blocks (+inf and 0 past seqlen_q; the preprocess writes both there), and
     with dropout too (given the forward's Philox state), the bucket 96 on the d 128 tiles (the
     preprocess and the convert predicating the columns), deterministic (with one zeroed
-    semaphore per dQaccum tile); a head dim the Hopper kernel does not take (bucket 160), sm80
-    in the variable, or another GPU take the SM80 kernel."""
+    semaphore per dQaccum tile), the bucket 160 on the d 256 tiles (64 keys a CTA); sm80 in the
+    variable, or another GPU, take the SM80 kernel."""
     from cute_flash.launch.rng import DropoutArgs
     from cute_flash.kernels.sm80.bwd_preprocess import PreprocessConfig
     from cute_flash.kernels.sm90.bwd import Sm90BwdConfig
@@ -557,16 +556,20 @@ def test_dense_backwards_on_sm90_default_to_the_hopper_kernel(recorder, monkeypa
     assert isinstance(main.config, Sm90BwdConfig) and main.config.deterministic
     assert main["mSemaphore"].dtype == torch.int32 and main["mSemaphore"].shape == (2, 4, 1)
     assert not main["mSemaphore"].any()
-    del recorder.launches[3:12]  # the calls below all take the SM80 kernel
-    q160 = torch.randn(2, 70, 4, 160, dtype=torch.bfloat16)
+    q160 = torch.randn(2, 70, 4, 160, dtype=torch.bfloat16)  # the bucket 160 on the d 256 tiles
     flash_bwd(q160, q160, q160, q160, q160, lse, softmax_scale=0.5)
+    pre, main, convert = recorder.launches[12:15]
+    assert isinstance(main.config, Sm90BwdConfig) and main.config.traits.head_dim == 256
+    assert main.config.traits.block_n == 64 and main["mQ"].shape[-1] == 160
+    assert pre.config.head_dim == 256 and not pre.config.even_k and not convert.config.even_k
+    del recorder.launches[3:]  # the calls below all take the SM80 kernel
     monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", "sm80")
     flash_bwd(dout, q, k, v, q, lse, softmax_scale=0.5)
     monkeypatch.delenv("CUTE_FLASH_ARCH_PATH")
     monkeypatch.setattr(gpu, "device_arch", lambda index: 80)
     flash_bwd(dout, q, k, v, q, lse, softmax_scale=0.5)
     mains = [x.config for x in recorder.launches[3:] if not isinstance(x.config, (PreprocessConfig, DQConvertConfig))]
-    assert [type(c) for c in mains] == [BwdConfig] * 3
+    assert [type(c) for c in mains] == [BwdConfig] * 2
 
 
 def test_packed_backwards_on_sm90_take_the_hopper_kernel(recorder, monkeypatch):

@@ -3,9 +3,9 @@ registers, a producer warp and two consumer warpgroups (FlashAttention-3's desig
 here). Device code only.
 
 One CTA owns block_n = 128 keys of one (batch, head); consumer warpgroup w owns keys
-64 w .. 64 w + 63 of them. The producer loads K and V once, then Q (with LSE) and dO (with D)
-of each query block that sees a key of the block into two-stage pipelines. Per query block,
-each consumer warpgroup:
+64 w .. 64 w + 63 of them (above d 128, below, 64 keys shared by both). The producer loads K
+and V once, then Q (with LSE) and dO (with D) of each query block that sees a key of the
+block into two-stage pipelines. Per query block, each consumer warpgroup:
 
     S^T  = K_w Q^T,  dP^T = V_w dO^T         (issued together; keys on wgmma's M)
     P^T  = exp2(S^T * scale_log2 - LSE_log2)  (masks, ALiBi, softcap as the forward's)
@@ -28,6 +28,14 @@ the sequence need no test: TMA zero-fills their Q and dO, and drops dK / dV rows
 dQaccum holds each query tile in warpgroup-run order (kernels/common/dq_accum.py), converted by
 `DQConvert` with `hopper=True`. With GQA every query head writes its own dK / dV rows and the
 host sums a group's heads, as on the SM80 path.
+
+Above d 128 (`layouts.hopper.bwd_splits_head_dim`) one warpgroup's dK and dV of 64 keys would
+take 256 registers a thread (d 256), so a CTA owns 64 keys and its two warpgroups split each
+GEMM along N: S^T and dP^T by queries (64 keys x block_m / 2 each), dV, dK and dQ by head-dim
+columns (d / 2 each). P^T and dS^T go to shared memory (two stages each), where dV += P^T dO
+and dK += dS^T Q read them whole as A operands after the warpgroups meet; warpgroup 0 stores
+dK, warpgroup 1 dV. Q and dO take one stage at d 256 (`BwdTraits.q_stages`: two do not fit
+beside the dQ staging tile); the head-dim buckets 160..224 run on the d 256 tiles.
 
 Packed batches (`call_varlen`): a CTA per (key block, head) of a list of the batch's key blocks
 in launch order (`VarlenTiles`: the host puts those with the most query blocks first); an entry
@@ -75,7 +83,7 @@ from layouts import smem as lsmem
 from layouts.traits import ALIGN, COPY_BYTES, ELEMENT_BYTES, BwdTraits, element_type
 
 REGISTERS = (24, 240)  # (producer, consumer) per thread: 128 x 24 + 256 x 240 <= 64K
-STAGES = hopper.BWD_STAGES  # Q and dO pipelines, and dS^T
+STAGES = hopper.BWD_STAGES  # dS^T (and P^T); Q and dO take the traits' q_stages
 
 
 @dataclass(frozen=True)
@@ -97,8 +105,10 @@ class Sm90BwdConfig:
                                  # evaluated on the partial ones (kernels/common/block_sparse.py)
 
     def __post_init__(self):
-        if self.traits.block_n != 128 or self.traits.block_m % 64:
-            raise ValueError("the Hopper backward takes 128 keys per CTA and query blocks of 64 rows or more")
+        keys = 64 if hopper.bwd_splits_head_dim(self.traits) else 128
+        if self.traits.block_n != keys or self.traits.block_m % 64:
+            raise ValueError("the Hopper backward takes 128 keys per CTA (64 above d 128) and query blocks of 64 "
+                             "rows or more")
         if self.has_seqused_k and not self.varlen:
             raise ValueError("has_seqused_k belongs to packed batches (varlen)")
         check_mods(self.mods, False, self.has_softcap, self.has_alibi, backward=True)
@@ -124,11 +134,13 @@ class Sm90BwdConfig:
 
     @property
     def smem_bytes(self) -> int:
-        """Q and dO (two stages each), K, V, dS^T (two stages), the fp32 dQ staging tile, LSE
-        and D (two stages each) and the mbarriers."""
+        """Q and dO (q_stages each), K, V, dS^T (two stages; P^T too above d 128), the fp32 dQ
+        staging tile, LSE and D (q_stages each) and the mbarriers."""
         t = self.traits
-        tiles = ELEMENT_BYTES * (4 * t.block_m * t.head_dim + 2 * t.block_n * t.head_dim + 2 * t.block_n * t.block_m)
-        return tiles + 4 * t.block_m * t.head_dim + 4 * 4 * t.block_m + 8 * (1 + 4 * STAGES)
+        staged = 2 if hopper.bwd_splits_head_dim(t) else 1  # dS^T, and P^T
+        tiles = ELEMENT_BYTES * (2 * t.q_stages * t.block_m * t.head_dim + 2 * t.block_n * t.head_dim
+                                 + staged * STAGES * t.block_n * t.block_m)
+        return tiles + 4 * t.block_m * t.head_dim + 4 * 2 * t.q_stages * t.block_m + 8 * (1 + 4 * t.q_stages)
 
     @property
     def name(self) -> str:
@@ -143,9 +155,9 @@ class Sm90BwdConfig:
 @dataclass(frozen=True)
 class Sm90BwdRecipe:
     """Compile-time layouts, TMA atoms and TiledMMAs (layouts/hopper.py)."""
-    sQ_layout: cute.ComposedLayout    # (bm, d, stages), also dO's
+    sQ_layout: cute.ComposedLayout    # (bm, d, q_stages), also dO's
     sKV_layout: cute.ComposedLayout   # (bn, d)
-    sdS_layout: cute.ComposedLayout   # (bn, bm, stages): dS^T
+    sdS_layout: cute.ComposedLayout   # (bn, bm, stages): dS^T, also P^T's above d 128
     tma_q: cute.CopyAtom
     tma_do: cute.CopyAtom
     tma_k: cute.CopyAtom
@@ -189,14 +201,15 @@ class Sm90BwdTensors:
 
 @dataclass(frozen=True)
 class Sm90BwdSmem:
-    sQ: cute.Tensor        # (bm, d, stages)
-    sdO: cute.Tensor       # (bm, d, stages)
+    sQ: cute.Tensor        # (bm, d, q_stages)
+    sdO: cute.Tensor       # (bm, d, q_stages)
     sK: cute.Tensor        # (bn, d)
     sV: cute.Tensor        # (bn, d)
     sdS: cute.Tensor       # (bn, bm, stages): dS^T
-    sLSE: cute.Tensor      # (bm, stages) fp32
-    sD: cute.Tensor        # (bm, stages) fp32
+    sLSE: cute.Tensor      # (bm, q_stages) fp32
+    sD: cute.Tensor        # (bm, q_stages) fp32
     sdQaccum: cute.Tensor  # (bm * d,) fp32: a run per consumer warpgroup
+    sP: object = None      # (bn, bm, stages): P^T above d 128 (`bwd_splits_head_dim`), else None
 
 
 @dataclass(frozen=True)
@@ -252,6 +265,8 @@ class FlashBwdSm90:
         self.t = config.traits
         self.dtype = element_type(config.traits)
         self.wgs = hopper.bwd_warpgroups(config.traits)
+        self.split = hopper.bwd_splits_head_dim(config.traits)
+        self.q_stages = config.traits.q_stages  # Q / dO / LSE / D stages
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
@@ -296,7 +311,7 @@ class FlashBwdSm90:
         """The TMA atoms, shared storage and recipe of either entry, then the kernel on `grid`."""
         t = self.t
         bm, bn, d = t.block_m, t.block_n, t.head_dim
-        sQ_layout = hopper.smem_layout_staged(t, bm, STAGES)
+        sQ_layout = hopper.smem_layout_staged(t, bm, self.q_stages)
         sKV_layout = hopper.smem_layout(t, bn)
         sdS_layout = hopper.smem_layout_ds(t, STAGES)
         s64_layout = hopper.smem_layout(t, hopper.WGMMA_M)
@@ -310,12 +325,15 @@ class FlashBwdSm90:
 
         qdo = (self.dtype, cute.cosize(sQ_layout), 1024)
         kv = (self.dtype, cute.cosize(sKV_layout), 1024)
-        stat = (cutlass.Float32, bm * STAGES, 128)
-        SharedStorage = lsmem.smem_struct({
-            "kv_barrier": (cutlass.Int64, 1, None), "q_barriers": (cutlass.Int64, 2 * STAGES, None),
-            "do_barriers": (cutlass.Int64, 2 * STAGES, None),
+        stat = (cutlass.Float32, bm * self.q_stages, 128)
+        fields = {
+            "kv_barrier": (cutlass.Int64, 1, None), "q_barriers": (cutlass.Int64, 2 * self.q_stages, None),
+            "do_barriers": (cutlass.Int64, 2 * self.q_stages, None),
             "sQ": qdo, "sdO": qdo, "sK": kv, "sV": kv, "sdS": (self.dtype, cute.cosize(sdS_layout), 1024),
-            "sdQaccum": (cutlass.Float32, bm * d, 1024), "sLSE": stat, "sD": stat})
+            "sdQaccum": (cutlass.Float32, bm * d, 1024), "sLSE": stat, "sD": stat}
+        if cutlass.const_expr(self.split):
+            fields["sP"] = (self.dtype, cute.cosize(sdS_layout), 1024)
+        SharedStorage = lsmem.smem_struct(fields)
 
         recipe = Sm90BwdRecipe(sQ_layout, sKV_layout, sdS_layout, tma_q, tma_do, tma_k, tma_v, tma_dk, tma_dv,
                                hopper.tiled_mma_sdp_t(t), hopper.tiled_mma_dkv(t), hopper.tiled_mma_dq(t))
@@ -348,14 +366,17 @@ class FlashBwdSm90:
         stage_bytes = cute.size_in_bytes(self.dtype, cute.slice_(recipe.sQ_layout, (None, None, 0))) + 4 * t.block_m
         consumer_threads = pipeline.CooperativeGroup(pipeline.Agent.Thread, 128 * self.wgs)  # all arrive: `release`
         q_pipe, do_pipe = (pipeline.PipelineTmaAsync.create(
-            barrier_storage=barriers, num_stages=STAGES,
+            barrier_storage=barriers, num_stages=self.q_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread), consumer_group=consumer_threads,
             tx_count=stage_bytes, defer_sync=True) for barriers in (storage.q_barriers.data_ptr(),
                                                                     storage.do_barriers.data_ptr()))
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
         pipes = Sm90BwdPipes(kv_full, q_pipe, do_pipe)
-        stat_layout = cute.make_layout((t.block_m, STAGES))
+        stat_layout = cute.make_layout((t.block_m, self.q_stages))
+        sP = None
+        if cutlass.const_expr(self.split):
+            sP = storage.sP.get_tensor(recipe.sdS_layout.outer, swizzle=recipe.sdS_layout.inner)
         smem = Sm90BwdSmem(
             storage.sQ.get_tensor(recipe.sQ_layout.outer, swizzle=recipe.sQ_layout.inner),
             storage.sdO.get_tensor(recipe.sQ_layout.outer, swizzle=recipe.sQ_layout.inner),
@@ -363,7 +384,7 @@ class FlashBwdSm90:
             storage.sV.get_tensor(recipe.sKV_layout.outer, swizzle=recipe.sKV_layout.inner),
             storage.sdS.get_tensor(recipe.sdS_layout.outer, swizzle=recipe.sdS_layout.inner),
             storage.sLSE.get_tensor(stat_layout), storage.sD.get_tensor(stat_layout),
-            storage.sdQaccum.get_tensor(cute.make_layout(t.block_m * t.head_dim)))
+            storage.sdQaccum.get_tensor(cute.make_layout(t.block_m * t.head_dim)), sP)
 
         window = Window(scalars.window_left, scalars.window_right, cfg.has_left, cfg.has_right)
         if cutlass.const_expr(args.varlen is None):
@@ -426,7 +447,7 @@ class FlashBwdSm90:
         lse_row, d_row = self.stat_rows(args.mLSE, tile), self.stat_rows(args.mD, tile)  # (seqlen_q_pad,)
         for i in cutlass.range(tile.count(), unroll=1):
             m_block = tile.m_block(i)
-            write = use_state(i, STAGES, producer=True)
+            write = use_state(i, self.q_stages, producer=True)
             pipes.q.producer_acquire(write)
             bar = pipes.q.producer_get_barrier(write)
             cute.copy(recipe.tma_q, tQgQ[None, m_block], tQsQ[None, write.index], tma_bar_ptr=bar)
@@ -477,6 +498,10 @@ class FlashBwdSm90:
         tdKrQ = recipe.mma_dkv.make_fragment_B(wg_dkv.partition_B(lsmem.transposed_view(smem.sQ)))    # (.., stages)
         tdQrdS = recipe.mma_dq.make_fragment_A(wg_dq.partition_A(lsmem.transposed_view(smem.sdS)))    # (.., stages)
         tdQrK = recipe.mma_dq.make_fragment_B(wg_dq.partition_B(lsmem.transposed_view(smem.sK)))      # (MMA, N, K)
+        tdVsP = tdKsdS = None  # above d 128: dV's and dK's A operands, P^T and dS^T whole from shared memory
+        if cutlass.const_expr(self.split):
+            tdVsP = recipe.mma_dkv.make_fragment_A(wg_dkv.partition_A(smem.sP))    # (MMA, MMA_M, MMA_K, stages)
+            tdKsdS = recipe.mma_dkv.make_fragment_A(wg_dkv.partition_A(smem.sdS))  # (MMA, MMA_M, MMA_K, stages)
         acc_s = cute.make_rmem_tensor(wg_sdp.partition_shape_C((bn, bm)), cutlass.Float32)  # (MMA, MMA_M, MMA_N)
         acc_dp = cute.make_rmem_tensor(wg_sdp.partition_shape_C((bn, bm)), cutlass.Float32)
         acc_dk = cute.make_rmem_tensor(wg_dkv.partition_shape_C((bn, d)), cutlass.Float32)  # (MMA, MMA_M, MMA_N)
@@ -504,7 +529,10 @@ class FlashBwdSm90:
                     self.clear_rows((smem.sK, smem.sV), keys, bn, mma_tidx)
         for i in cutlass.range(tile.count(), unroll=1):
             m_block = tile.m_block(i)
-            read = use_state(i, STAGES, producer=False)
+            read = use_state(i, self.q_stages, producer=False)
+            ds = read.index  # the dS^T (and P^T) stage
+            if cutlass.const_expr(self.q_stages != STAGES):
+                ds = i % STAGES
             # MMAs of this iteration's own: wgmma sets an MMA's accumulate field, state that
             # must not escape the loop it was set in.
             mma_s, mma_dp = hopper.tiled_mma_sdp_t(t), hopper.tiled_mma_sdp_t(t)
@@ -559,16 +587,28 @@ class FlashBwdSm90:
                 user.backward(transposed(lmma.acc_mn_view(acc_dp)), transposed(lmma.acc_mn_view(pre)), tScS,
                               m_block * bm, tile.n_block * bn)
 
-            tdVrP = hopper.p_operand(acc_s, self.dtype)  # ((2, 2, 2), MMA_M, MMA_K): P^T as dV's A
-            wgmma_issue(mma_dv, acc_dv, tdVrP, tdVrdO[None, None, None, read.index], accumulate=True)
+            if cutlass.const_expr(self.split):  # P^T and dS^T to shared memory: dV and dK read them whole
+                rP = cute.make_rmem_tensor(acc_s.layout, self.dtype)  # (MMA, MMA_M, MMA_N): P^T
+                rP.store(acc_s.load().to(self.dtype))
+                cute.autovec_copy(rP, c_sdp.partition_C(smem.sP[None, None, ds]))
+            else:
+                tdVrP = hopper.p_operand(acc_s, self.dtype)  # ((2, 2, 2), MMA_M, MMA_K): P^T as dV's A
+                wgmma_issue(mma_dv, acc_dv, tdVrP, tdVrdO[None, None, None, read.index], accumulate=True)
             rdS = cute.make_rmem_tensor(acc_dp.layout, self.dtype)  # (MMA, MMA_M, MMA_N): dS^T
             rdS.store(acc_dp.load().to(self.dtype))
-            cute.autovec_copy(rdS, c_sdp.partition_C(smem.sdS[None, None, read.index]))
-            cute.arch.fence_view_async_shared()  # the dS^T stores, before wgmma (async proxy) reads them
+            cute.autovec_copy(rdS, c_sdp.partition_C(smem.sdS[None, None, ds]))
+            cute.arch.fence_view_async_shared()  # the P^T / dS^T stores, before wgmma (async proxy) reads them
             cute.arch.barrier(barrier_id=BwdBarrier.DS, number_of_threads=128 * self.wgs)
-            wgmma_issue(mma_dq, acc_dq, tdQrdS[None, None, None, read.index], tdQrK)
-            wgmma_issue(mma_dk, acc_dk, hopper.acc_as_operand_a(rdS), tdKrQ[None, None, None, read.index],
-                        accumulate=True)
+            if cutlass.const_expr(self.split):
+                wgmma_issue(mma_dv, acc_dv, tdVsP[None, None, None, ds], tdVrdO[None, None, None, read.index],
+                            accumulate=True)
+            wgmma_issue(mma_dq, acc_dq, tdQrdS[None, None, None, ds], tdQrK)
+            if cutlass.const_expr(self.split):
+                wgmma_issue(mma_dk, acc_dk, tdKsdS[None, None, None, ds], tdKrQ[None, None, None, read.index],
+                            accumulate=True)
+            else:
+                wgmma_issue(mma_dk, acc_dk, hopper.acc_as_operand_a(rdS), tdKrQ[None, None, None, read.index],
+                            accumulate=True)
             warpgroup.wait_group(1)  # dV and dQ landed; dK runs under dQ's staging and bulk add
             self.release(pipes.do, read)
             if cutlass.const_expr(cfg.deterministic):
@@ -736,11 +776,10 @@ class FlashBwdSm90:
     @cute.jit
     def store_dkv(self, acc_dk: cute.Tensor, acc_dv: cute.Tensor, scalars: BwdScalars, recipe: Sm90BwdRecipe,
                   args: Sm90BwdTensors, smem: Sm90BwdSmem, tile: KeyTile, mma_tidx):
-        """dK (times the softmax scale) and dV into this warpgroup's rows of sK and sV (their
-        own swizzle atoms) once both warpgroups are done reading them, then one warp's TMA
-        stores of them (TMA drops rows past seqlen_k and columns past the tensors' head dim;
-        packed batches: `store_dkv_rows`)."""
-        d = self.t.head_dim
+        """dK (times the softmax scale) and dV into this warpgroup's part of sK and sV (its rows,
+        or above d 128 its columns) once both warpgroups are done reading them, then TMA stores
+        of them (TMA drops rows past seqlen_k and columns past the tensors' head dim; packed
+        batches: row-predicated copies)."""
         wg_idx = mma_tidx // 128
         for j in cutlass.range(cute.size(acc_dk), unroll_full=True):
             acc_dk[j] = acc_dk[j] * scalars.softmax_scale
@@ -751,6 +790,19 @@ class FlashBwdSm90:
             r.store(acc.load().to(self.dtype))
             cute.autovec_copy(r, c_dkv.partition_C(dst))
         cute.arch.fence_view_async_shared()  # the generic-proxy writes, before TMA (async proxy) reads them
+        if cutlass.const_expr(self.split):
+            # each warpgroup wrote half the columns of both tiles: warpgroup 0 stores dK, 1 dV
+            cute.arch.barrier(barrier_id=BwdBarrier.STORE, number_of_threads=128 * self.wgs)
+            self.store_split(recipe, args, smem, tile, wg_idx, mma_tidx % 128)
+        else:
+            self.store_own_rows(recipe, args, smem, tile, wg_idx, mma_tidx)
+
+    @cute.jit
+    def store_own_rows(self, recipe: Sm90BwdRecipe, args: Sm90BwdTensors, smem: Sm90BwdSmem, tile: KeyTile, wg_idx,
+                       mma_tidx):
+        """Up to d 128: this warpgroup's 64 rows of dK and dV, once its own writes are in, by one
+        warp's TMA stores (packed batches: `store_dkv_rows`)."""
+        d = self.t.head_dim
         cute.arch.barrier(barrier_id=BwdBarrier.STORE + wg_idx, number_of_threads=128)
         if cutlass.const_expr(args.varlen is not None):
             self.store_dkv_rows(smem, args.varlen, tile, wg_idx, mma_tidx % 128)
@@ -762,6 +814,31 @@ class FlashBwdSm90:
                 tXsX, tXgX = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s_wg, 0, 2),
                                                    cute.group_modes(g, 0, 2))  # (TMA,), (TMA,)
                 cute.copy(atom, tXsX, tXgX)
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)  # shared memory outlives the bulk reads
+
+    @cute.jit
+    def store_split(self, recipe: Sm90BwdRecipe, args: Sm90BwdTensors, smem: Sm90BwdSmem, tile: KeyTile, wg_idx,
+                    wg_tidx):
+        """Above d 128 (one warpgroup's 64 rows, both warpgroups' columns): warpgroup 0 stores the
+        whole dK tile from sK, warpgroup 1 dV from sV, by TMA (its first warp) or, packed, by
+        `copy_rows`."""
+        d = self.t.head_dim
+        if cutlass.const_expr(args.varlen is not None):
+            row0 = tile.n_block * self.t.block_n
+            for w, (src, mX) in enumerate(((smem.sK, args.varlen.mdK), (smem.sV, args.varlen.mdV))):
+                if wg_idx == w:
+                    g = cute.domain_offset((tile.seq.sum_s_k, 0), mX[None, tile.bidh, None])  # (seqlen_k, d) this head
+                    copy_rows(src, 0, g, row0, tile.seq.seqlen_k - row0, mX.shape[2], wg_tidx, d)
+        elif wg_tidx < 32:
+            for w, (atom, src, dst) in enumerate(((recipe.tma_dk, smem.sK, args.tma_mdK),
+                                                  (recipe.tma_dv, smem.sV, args.tma_mdV))):
+                if wg_idx == w:
+                    g = cute.local_tile(dst[None, None, tile.bidh, tile.bidb], (hopper.WGMMA_M, d),
+                                        (tile.n_block, 0))  # (64, d)
+                    tXsX, tXgX = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(src, 0, 2),
+                                                       cute.group_modes(g, 0, 2))  # (TMA,), (TMA,)
+                    cute.copy(atom, tXsX, tXgX)
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # shared memory outlives the bulk reads
 

@@ -1,0 +1,121 @@
+"""The Hopper backward above d 128 (kernels/sm90/bwd.py, `layouts.hopper.bwd_splits_head_dim`:
+64 keys a CTA, the two consumer warpgroups splitting the head dim, P^T and dS^T through shared
+memory, Q and dO one stage at d 256; buckets 160..256 on the d 256 tiles) against
+`cute_flash.reference` by the backward's rule (tests/helpers/backward.py). Each test also
+checks that every backward it ran took the Hopper kernel."""
+import functools
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from cute_flash import flash_attn_func, flash_attn_varlen_func
+from cute_flash.reference import attention_ref, attention_varlen_ref
+from tests.helpers.backward import assert_grads_match, check_score_modifiers, check_varlen_grads, inputs, ours, \
+    packed_inputs
+from tests.helpers.gpu_utils import cu_seqlens, gpu_settings, poison_allocator
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def hopper_path(monkeypatch, kernels):
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Hopper kernel is sm_90a")
+    monkeypatch.delenv("CUTE_FLASH_ARCH_PATH", raising=False)  # the default path
+    yield
+    assert "sm90_bwd" in kernels and "sm80_bwd" not in kernels, f"the backwards that ran: {sorted(kernels)}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [256, 192, 160, 224, 200, 129])
+def test_dense_grads_match_reference(d, causal, dtype):
+    """Every bucket the wide tiles serve, GQA 6:2, odd lengths (sq < sk: causal rows see a
+    shifted diagonal)."""
+    q, k, v, dout = inputs(2, 333, 517, 6, 2, d, dtype)
+    out, grads = ours(flash_attn_func, dout, q, k, v, causal=causal)
+    assert_grads_match(grads, q, k, v, dout, out=out, causal=causal)
+
+
+@pytest.mark.parametrize("d", [256, 192])
+@pytest.mark.parametrize("causal", [False, True])
+def test_many_blocks(d, causal):
+    """More CTAs than SMs and up to 16 query blocks per CTA: the one-stage Q / dO pipelines and
+    the two P^T / dS^T stages wrap many times; sq > sk leaves causal key blocks with no row."""
+    q, k, v, dout = inputs(3, 1000, 700, 12, 4, d)
+    out, grads = ours(flash_attn_func, dout, q, k, v, causal=causal)
+    assert_grads_match(grads, q, k, v, dout, out=out, causal=causal)
+
+
+@pytest.mark.parametrize("mod", ["window", "alibi", "softcap", "all"])
+@gpu_settings(4)
+@given(rng=st.random_module(), sq=st.integers(1, 400), sk=st.integers(1, 400), d=st.sampled_from([256, 192, 176]),
+       data=st.data())
+def test_score_modifiers_with_gqa(rng, mod, sq, sk, d, data):
+    check_score_modifiers(mod, sq, sk, (4, 2), d, data)
+
+
+@pytest.mark.parametrize("d, sq, sk, opts", [
+    (256, 1000, 700, dict(causal=True)),
+    (192, 257, 400, dict(window_size=(100, 20), softcap=15.0)),
+], ids=["d256-causal", "d192-window-softcap"])
+def test_dropout_grads_match_reference_with_the_philox_mask(d, sq, sk, opts):
+    """Dropout's keep bits on the S^T tile split by queries between the warpgroups
+    (`Dropout.pair_keep_bits` on each warpgroup's 64 x block_m / 2 part)."""
+    from cute_flash.launch.backward import flash_bwd
+    from cute_flash.launch.dense import flash_fwd
+    from cute_flash.launch.rng import DropoutArgs
+    from layouts import philox
+
+    p, seed, offset = 0.2, 0xC0FFEE_1234, 9
+    drop = DropoutArgs.seeded(p, seed, offset, "cuda")
+    q, k, v, dout = inputs(2, sq, sk, 6, 2, d)
+    out, lse = flash_fwd(q, k, v, softmax_scale=d ** -0.5, dropout=drop, **opts)
+    poison_allocator()
+    dq, dk, dv, _ = flash_bwd(dout, q, k, v, out, lse, softmax_scale=d ** -0.5, dropout=drop, **opts)
+    torch.cuda.synchronize()
+    mask = torch.from_numpy(philox.keep_mask(seed, offset, 2, 6, sq, sk, p)).cuda()
+    assert_grads_match([dq, dk, dv], q, k, v, dout, out=out, ref_fn=functools.partial(attention_ref, dropout_p=p,
+                                                                                     dropout_mask=mask), **opts)
+
+
+@pytest.mark.parametrize("d", [256, 192])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("used", [False, True], ids=["", "seqused_k"])
+def test_varlen_grads_match_reference(d, causal, used):
+    """Packed batches: an empty sequence, one of a single key, one past a key block, GQA; dK
+    and dV leave by row-predicated copies (warpgroup 0 dK, warpgroup 1 dV)."""
+    check_varlen_grads([(0, 40), (77, 1), (300, 257), (130, 129), (1, 60)], (6, 2), d, causal, used)
+
+
+def test_varlen_long_and_short_sequences():
+    check_varlen_grads([(3000, 3000), (5, 200), (130, 1), (64, 64)], (8, 2), 256, True, False)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+def test_deterministic_grads_are_bitwise_repeatable(packed):
+    """deterministic=True: dQ's adds in key-block order (`DqTurn`, 64-key blocks here), three
+    runs equal bit for bit and within the rule."""
+    opts = dict(causal=True, deterministic=True)
+    if packed:
+        lq, lk = [1500, 3, 0, 700], [1700, 90, 20, 700]
+        q, k, v, dout = packed_inputs(lq, lk, 8, 2, 256)
+        cu_q, cu_k = cu_seqlens(lq), cu_seqlens(lk)
+        opts = dict(window_size=(500, 0), deterministic=True)
+
+        def ref(q, k, v, **o):
+            return attention_varlen_ref(q, k, v, cu_q, cu_k, **o)
+
+        def fn(q, k, v, **o):
+            return flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lq), max(lk), **o)
+    else:
+        q, k, v, dout = inputs(2, 1000, 1500, 8, 2, 256)
+        fn, ref = flash_attn_func, attention_ref
+    out, grads = ours(fn, dout, q, k, v, **opts)
+    for _ in range(2):
+        for a, b in zip(grads, ours(fn, dout, q, k, v, **opts)[1]):
+            assert torch.equal(a, b)
+    ref_opts = {key: val for key, val in opts.items() if key != "deterministic"}
+    assert_grads_match(grads, q, k, v, dout, out=out, ref_fn=ref, **ref_opts)
