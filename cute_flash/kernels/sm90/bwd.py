@@ -1,6 +1,7 @@
 """The Hopper backward (sm_90a): TMA loads on mbarrier pipelines, wgmma from shared memory and
 registers, a producer warp and two consumer warpgroups (FlashAttention-3's design, written
-here). Device code only.
+here). Device code only; its state dataclasses are in bwd_state.py, its dQ adds (`DqAdds`) in
+bwd_dq.py, its dK / dV epilogue (`BwdEpilogue`) in bwd_epilogue.py.
 
 One CTA owns block_n = 128 keys of one (batch, head); consumer warpgroup w owns keys
 64 w .. 64 w + 63 of them (above d 128, below, 64 keys shared by both). The producer loads K
@@ -65,7 +66,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from cute_flash.kernels.common.block_range import BlockRange, QueryBlocks, Window, visit_key_block
 from cute_flash.kernels.common.block_sparse import BlockSparse, fake_block_sparse
-from cute_flash.kernels.common.dq_accum import bulk_add_run, fake_dq_accum, first_tile, stage_run, tiles_of
+from cute_flash.kernels.common.dq_accum import fake_dq_accum, first_tile
 from cute_flash.kernels.common.fake import fake_stream, fake_tensor
 from cute_flash.kernels.common.flags import score_letters
 from cute_flash.kernels.common.gemm import wgmma_issue
@@ -75,9 +76,12 @@ from cute_flash.kernels.common.seq_info import SeqInfo
 from cute_flash.kernels.common.user_mods import ModCall, check_mods
 from cute_flash.kernels.common.varlen_tiles import VarlenTiles, fake_tiles
 from cute_flash.kernels.sm90.barriers import BwdBarrier
-from cute_flash.kernels.sm90.pipeline import copy_rows, seq_first, tma_rows, use_state
+from cute_flash.kernels.sm90.bwd_dq import DqAdds
+from cute_flash.kernels.sm90.bwd_epilogue import BwdEpilogue
+from cute_flash.kernels.sm90.bwd_state import (KeyTile, Sm90BwdPipes, Sm90BwdRecipe, Sm90BwdSmem, Sm90BwdTensors,
+                                               Sm90BwdVarlen)
+from cute_flash.kernels.sm90.pipeline import seq_first, tma_rows, use_state
 from layouts import hopper
-from layouts.dq import HOPPER_VEC, chunk_index
 from layouts import mma as lmma
 from layouts import smem as lsmem
 from layouts.traits import ALIGN, COPY_BYTES, ELEMENT_BYTES, BwdTraits, element_type
@@ -152,114 +156,7 @@ class Sm90BwdConfig:
         return f"sm90_bwd_d{t.head_dim}_m{t.block_m}_n{t.block_n}_{t.dtype}-{score_letters(self)}{modes}"
 
 
-@dataclass(frozen=True)
-class Sm90BwdRecipe:
-    """Compile-time layouts, TMA atoms and TiledMMAs (layouts/hopper.py)."""
-    sQ_layout: cute.ComposedLayout    # (bm, d, q_stages), also dO's
-    sKV_layout: cute.ComposedLayout   # (bn, d)
-    sdS_layout: cute.ComposedLayout   # (bn, bm, stages): dS^T, also P^T's above d 128
-    tma_q: cute.CopyAtom
-    tma_do: cute.CopyAtom
-    tma_k: cute.CopyAtom
-    tma_v: cute.CopyAtom
-    tma_dk: cute.CopyAtom             # stores one warpgroup's (64, d) rows
-    tma_dv: cute.CopyAtom
-    mma_sdp: cute.TiledMma
-    mma_dkv: cute.TiledMma
-    mma_dq: cute.TiledMma
-
-
-@dataclass(frozen=True)
-class Sm90BwdVarlen:
-    """A packed batch's metadata, and dK / dV as tensors (their rows are copied, not TMA-stored)."""
-    mCuSeqlensQ: cute.Tensor  # (batch + 1,) int32
-    mCuSeqlensK: cute.Tensor  # (batch + 1,) int32
-    mSeqUsedK: object         # (batch,) int32 or None
-    mdK: cute.Tensor          # (total_k, heads, d): per query head
-    mdV: cute.Tensor
-    tiles: VarlenTiles        # (sequence, key block) of each CTA
-
-
-@dataclass(frozen=True)
-class Sm90BwdTensors:
-    tma_mQ: cute.Tensor    # (seqlen_q, d, heads, batch) TMA coordinates; packed (total_q, d, heads)
-    tma_mK: cute.Tensor    # (seqlen_k, d, heads_k, batch); packed (total_k, d, heads_k)
-    tma_mV: cute.Tensor
-    tma_mdO: cute.Tensor   # like tma_mQ
-    tma_mdK: cute.Tensor   # (seqlen_k, d, heads, batch): per query head
-    tma_mdV: cute.Tensor
-    mLSE: cute.Tensor      # (batch, heads, seqlen_q_pad) fp32: LSE * log2(e), +inf past seqlen_q; packed (heads, rows)
-    mD: cute.Tensor        # (batch, heads, seqlen_q_pad) fp32: rowsum(dO * O), 0 past seqlen_q; packed (heads, rows)
-    mdQaccum: cute.Tensor  # (1, batch, heads, tiles, bm * d) fp32, zeroed; packed (1, heads, tiles, bm * d)
-    mAlibi: object         # (batch, heads) fp32 slopes
-    mRng: object           # (4,) uint32: dropout's Philox key, offset and keep threshold
-    mSemaphore: object     # (batch, heads, tiles) int32 zeroed, packed (heads, tiles): deterministic's `DqTurn`s
-    varlen: object         # Sm90BwdVarlen, or None (dense)
-    aux: object = None     # the mods' aux tensors (a list), or None
-    sparse: object = None  # block_sparse.BlockSparse by key block (a block-sparse launch), or None
-
-
-@dataclass(frozen=True)
-class Sm90BwdSmem:
-    sQ: cute.Tensor        # (bm, d, q_stages)
-    sdO: cute.Tensor       # (bm, d, q_stages)
-    sK: cute.Tensor        # (bn, d)
-    sV: cute.Tensor        # (bn, d)
-    sdS: cute.Tensor       # (bn, bm, stages): dS^T
-    sLSE: cute.Tensor      # (bm, q_stages) fp32
-    sD: cute.Tensor        # (bm, q_stages) fp32
-    sdQaccum: cute.Tensor  # (bm * d,) fp32: a run per consumer warpgroup
-    sP: object = None      # (bn, bm, stages): P^T above d 128 (`bwd_splits_head_dim`), else None
-
-
-@dataclass(frozen=True)
-class Sm90BwdPipes:
-    kv_full: object        # K and V landed (one use per CTA)
-    q: object              # Q + LSE stages (`PipelineTmaAsync`)
-    do: object             # dO + D stages
-
-
-@dataclass(frozen=True)
-class DqTurn:
-    """Deterministic mode: when this CTA's warpgroups may add their dQ into one query tile.
-    The tile's semaphore counts the warpgroup adds done; key blocks add in increasing order (in
-    decreasing order with `Sm90BwdConfig.dq_descending`), so a warpgroup waits until every
-    warpgroup of the tile's key blocks before it in that order has added. Those CTAs were
-    launched before this one (dense: lower x, which counts key blocks down when descending;
-    packed: earlier in `VarlenTiles`), so they run or are done: no wait is on a CTA that waits
-    for a slot."""
-    semaphore: object  # pointer to the tile's int32 count
-    before: object     # adds that come first: warpgroups x the key blocks of this tile before this one
-
-
-@dataclass(frozen=True)
-class KeyTile:
-    """This CTA's key block and the query blocks [m_block_min, m_block_max) that see it, or its
-    sparse row's (`count`, `m_block`)."""
-    n_block: object
-    bidh: object
-    bidb: object
-    seq: SeqInfo
-    m_block_min: object
-    m_block_max: object
-    sparse: object = None  # block_sparse.SparseRow of a block-sparse launch, else None
-
-    def count(self):
-        """Query blocks to visit (>= 0)."""
-        if cutlass.const_expr(self.sparse is not None):
-            return self.sparse.count()
-        return self.m_block_max - self.m_block_min
-
-    @cute.jit
-    def m_block(self, i):
-        """The i-th query block the tile visits."""
-        m = self.m_block_min + i
-        if cutlass.const_expr(self.sparse is not None):
-            m = self.sparse.block(i)
-        return m
-
-
-class FlashBwdSm90:
+class FlashBwdSm90(DqAdds, BwdEpilogue):
     def __init__(self, config: Sm90BwdConfig):
         self.config = config
         self.t = config.traits
@@ -619,28 +516,6 @@ class FlashBwdSm90:
             self.release(pipes.q, read)
         self.store_dkv(acc_dk, acc_dv, scalars, recipe, args, smem, tile, mma_tidx)
 
-    def dq_chunk(self, mdQaccum: cute.Tensor, tile: KeyTile, m_block) -> cute.Tensor:
-        """(bm * d,) dQaccum floats of query block m_block of this (sequence, head)."""
-        if cutlass.const_expr(tile.seq.sum_s_q is None):
-            return mdQaccum[0, tile.bidb, tile.bidh, m_block, None]
-        return tiles_of(mdQaccum, 0, tile.bidb, tile.bidh, True)[first_tile(tile.seq, tile.bidb, self.t.block_m)
-                                                                 + m_block, None]
-
-    def dq_turn(self, args: Sm90BwdTensors, tile: KeyTile, m_block, window: Window):
-        """Deterministic mode: this CTA's `DqTurn` at query block m_block, whose key blocks are
-        [n_block_min, n_block_max) (`BlockRange`, exactly the blocks whose `QueryBlocks` hold
-        m_block), counted from below, or from above with `dq_descending`."""
-        if cutlass.const_expr(tile.seq.sum_s_q is None):
-            row = args.mSemaphore[tile.bidb, tile.bidh, None]
-        else:
-            row = args.mSemaphore[tile.bidh, None]
-        index = first_tile(tile.seq, tile.bidb, self.t.block_m) + m_block
-        blocks = BlockRange.make(tile.seq, m_block, self.t.block_m, self.t.block_n, window)
-        earlier = tile.n_block - blocks.n_block_min  # key blocks that add before this one
-        if cutlass.const_expr(self.config.dq_descending):
-            earlier = blocks.n_block_max - 1 - tile.n_block
-        return DqTurn(cute.domain_offset((index,), row).iterator, earlier * self.wgs)
-
     @cute.jit
     def clear_rows(self, tiles, first_row, rows: cutlass.Constexpr, mma_tidx):
         """Packed batches: zero rows first_row .. rows - 1 of each (rows, d) shared-memory tile in
@@ -718,159 +593,6 @@ class FlashBwdSm90:
         cS = cute.make_identity_tensor((self.t.block_m, self.t.block_n))  # (query, key) coordinates
         cSt = cute.make_tensor(cS.iterator, cute.select(cS.layout, mode=[1, 0]))  # (bn, bm) -> (query, key)
         return transposed(lmma.acc_mn_view(recipe.mma_sdp.get_slice(mma_tidx).partition_C(cSt)))
-
-    @cute.jit
-    def add_dq(self, acc_dq: cute.Tensor, chunk: cute.Tensor, sdQaccum: cute.Tensor, mma_tidx):
-        """This warpgroup's dQ values -> its run of sdQaccum (16-byte stores, a warp's covering
-        512 consecutive bytes) -> one bulk reduce-add of the run into the same run of `chunk`,
-        issued by the warpgroup's first thread once the previous one has read the run."""
-        run = cute.size(acc_dq) * 128  # floats
-        wg_idx = mma_tidx // 128
-        first = mma_tidx % 128 == 0
-        if first:
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
-        cute.arch.barrier(barrier_id=BwdBarrier.DQ + wg_idx, number_of_threads=128)
-        stage_run(acc_dq, sdQaccum, chunk_index(0, mma_tidx, cute.size(acc_dq), HOPPER_VEC, 128), HOPPER_VEC, 128)
-        cute.arch.barrier(barrier_id=BwdBarrier.DQ + wg_idx, number_of_threads=128)
-        if first:
-            bulk_add_run(chunk, sdQaccum, wg_idx * run, run)
-
-    @cute.jit
-    def hand_dq(self, acc_dq: cute.Tensor, sdQaccum: cute.Tensor, mma_tidx):
-        """Deterministic mode: this warpgroup's dQ values into its run of sdQaccum once its
-        writer warp's last bulk add has read the run (`DQ_EMPTY`), then handed to that warp
-        (`DQ_FULL`, an arrive: the warpgroup does not wait for the add's turn)."""
-        wg_idx = mma_tidx // 128
-        cute.arch.barrier(barrier_id=BwdBarrier.DQ_EMPTY + wg_idx, number_of_threads=128 + 32)
-        stage_run(acc_dq, sdQaccum, chunk_index(0, mma_tidx, cute.size(acc_dq), HOPPER_VEC, 128), HOPPER_VEC, 128)
-        cute.arch.barrier_arrive(barrier_id=BwdBarrier.DQ_FULL + wg_idx, number_of_threads=128 + 32)
-
-    @cute.jit
-    def write_dq(self, args: Sm90BwdTensors, smem: Sm90BwdSmem, tile: KeyTile, window: Window, wg_idx):
-        """Deterministic mode, one warp of the producer warpgroup: consumer warpgroup wg_idx's dQ
-        adds, query block by query block as the consumers visit them. The staging run starts
-        free; each staged run (`hand_dq`) is added by lane 0 in the tile's turn (`DqTurn`),
-        handed back once the bulk add has read it, and counted once the add is written. The
-        warp stays converged around the named barriers."""
-        run = self.t.block_m * self.t.head_dim // self.wgs  # floats: a warpgroup's share of the tile
-        lane = cute.arch.lane_idx()
-        count = tile.count()
-        if count > 0:
-            cute.arch.barrier_arrive(barrier_id=BwdBarrier.DQ_EMPTY + wg_idx, number_of_threads=128 + 32)
-        for i in cutlass.range(count, unroll=1):
-            m_block = tile.m_block(i)
-            turn = self.dq_turn(args, tile, m_block, window)
-            chunk = self.dq_chunk(args.mdQaccum, tile, m_block)  # (bm * d,)
-            cute.arch.barrier(barrier_id=BwdBarrier.DQ_FULL + wg_idx, number_of_threads=128 + 32)
-            if lane == 0:
-                wait_turn(turn)
-                bulk_add_run(chunk, smem.sdQaccum, wg_idx * run, run)
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
-            cute.arch.sync_warp()
-            if i + 1 < count:  # the last run is never staged over: no arrive waits for it
-                cute.arch.barrier_arrive(barrier_id=BwdBarrier.DQ_EMPTY + wg_idx, number_of_threads=128 + 32)
-            if lane == 0:
-                end_turn(turn)
-            cute.arch.sync_warp()
-
-    @cute.jit
-    def store_dkv(self, acc_dk: cute.Tensor, acc_dv: cute.Tensor, scalars: BwdScalars, recipe: Sm90BwdRecipe,
-                  args: Sm90BwdTensors, smem: Sm90BwdSmem, tile: KeyTile, mma_tidx):
-        """dK (times the softmax scale) and dV into this warpgroup's part of sK and sV (its rows,
-        or above d 128 its columns) once both warpgroups are done reading them, then TMA stores
-        of them (TMA drops rows past seqlen_k and columns past the tensors' head dim; packed
-        batches: row-predicated copies)."""
-        wg_idx = mma_tidx // 128
-        for j in cutlass.range(cute.size(acc_dk), unroll_full=True):
-            acc_dk[j] = acc_dk[j] * scalars.softmax_scale
-        cute.arch.barrier(barrier_id=BwdBarrier.KV_DONE, number_of_threads=128 * self.wgs)
-        c_dkv = recipe.mma_dkv.get_slice(mma_tidx)
-        for acc, dst in ((acc_dk, smem.sK), (acc_dv, smem.sV)):
-            r = cute.make_rmem_tensor(acc.layout, self.dtype)  # (MMA, MMA_M, MMA_N)
-            r.store(acc.load().to(self.dtype))
-            cute.autovec_copy(r, c_dkv.partition_C(dst))
-        cute.arch.fence_view_async_shared()  # the generic-proxy writes, before TMA (async proxy) reads them
-        if cutlass.const_expr(self.split):
-            # each warpgroup wrote half the columns of both tiles: warpgroup 0 stores dK, 1 dV
-            cute.arch.barrier(barrier_id=BwdBarrier.STORE, number_of_threads=128 * self.wgs)
-            self.store_split(recipe, args, smem, tile, wg_idx, mma_tidx % 128)
-        else:
-            self.store_own_rows(recipe, args, smem, tile, wg_idx, mma_tidx)
-
-    @cute.jit
-    def store_own_rows(self, recipe: Sm90BwdRecipe, args: Sm90BwdTensors, smem: Sm90BwdSmem, tile: KeyTile, wg_idx,
-                       mma_tidx):
-        """Up to d 128: this warpgroup's 64 rows of dK and dV, once its own writes are in, by one
-        warp's TMA stores (packed batches: `store_dkv_rows`)."""
-        d = self.t.head_dim
-        cute.arch.barrier(barrier_id=BwdBarrier.STORE + wg_idx, number_of_threads=128)
-        if cutlass.const_expr(args.varlen is not None):
-            self.store_dkv_rows(smem, args.varlen, tile, wg_idx, mma_tidx % 128)
-        elif mma_tidx % 128 < 32:
-            rows = (tile.n_block * self.wgs + wg_idx, 0)
-            for atom, src, dst in ((recipe.tma_dk, smem.sK, args.tma_mdK), (recipe.tma_dv, smem.sV, args.tma_mdV)):
-                s_wg = cute.local_tile(src, (hopper.WGMMA_M, d), (wg_idx, 0))  # (64, d) this warpgroup's rows
-                g = cute.local_tile(dst[None, None, tile.bidh, tile.bidb], (hopper.WGMMA_M, d), rows)  # (64, d)
-                tXsX, tXgX = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s_wg, 0, 2),
-                                                   cute.group_modes(g, 0, 2))  # (TMA,), (TMA,)
-                cute.copy(atom, tXsX, tXgX)
-            cute.arch.cp_async_bulk_commit_group()
-            cute.arch.cp_async_bulk_wait_group(0, read=True)  # shared memory outlives the bulk reads
-
-    @cute.jit
-    def store_split(self, recipe: Sm90BwdRecipe, args: Sm90BwdTensors, smem: Sm90BwdSmem, tile: KeyTile, wg_idx,
-                    wg_tidx):
-        """Above d 128 (one warpgroup's 64 rows, both warpgroups' columns): warpgroup 0 stores the
-        whole dK tile from sK, warpgroup 1 dV from sV, by TMA (its first warp) or, packed, by
-        `copy_rows`."""
-        d = self.t.head_dim
-        if cutlass.const_expr(args.varlen is not None):
-            row0 = tile.n_block * self.t.block_n
-            for w, (src, mX) in enumerate(((smem.sK, args.varlen.mdK), (smem.sV, args.varlen.mdV))):
-                if wg_idx == w:
-                    g = cute.domain_offset((tile.seq.sum_s_k, 0), mX[None, tile.bidh, None])  # (seqlen_k, d) this head
-                    copy_rows(src, 0, g, row0, tile.seq.seqlen_k - row0, mX.shape[2], wg_tidx, d)
-        elif wg_tidx < 32:
-            for w, (atom, src, dst) in enumerate(((recipe.tma_dk, smem.sK, args.tma_mdK),
-                                                  (recipe.tma_dv, smem.sV, args.tma_mdV))):
-                if wg_idx == w:
-                    g = cute.local_tile(dst[None, None, tile.bidh, tile.bidb], (hopper.WGMMA_M, d),
-                                        (tile.n_block, 0))  # (64, d)
-                    tXsX, tXgX = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(src, 0, 2),
-                                                       cute.group_modes(g, 0, 2))  # (TMA,), (TMA,)
-                    cute.copy(atom, tXsX, tXgX)
-            cute.arch.cp_async_bulk_commit_group()
-            cute.arch.cp_async_bulk_wait_group(0, read=True)  # shared memory outlives the bulk reads
-
-    @cute.jit
-    def store_dkv_rows(self, smem: Sm90BwdSmem, varlen: Sm90BwdVarlen, tile: KeyTile, wg_idx, wg_tidx):
-        """Packed batches: warpgroup wg_idx's 64 rows of dK and dV from sK / sV into mdK / mdV
-        (total_k, heads, d), 16 bytes a copy, leaving out rows past the sequence's keys (the next
-        sequence's) and columns past the tensors' head dim (a multiple of 8)."""
-        row0 = tile.n_block * self.t.block_n + wg_idx * hopper.WGMMA_M  # this warpgroup's first key
-        for src, mX in ((smem.sK, varlen.mdK), (smem.sV, varlen.mdV)):
-            g = cute.domain_offset((tile.seq.sum_s_k, 0), mX[None, tile.bidh, None])  # (seqlen_k, d) this head
-            copy_rows(src, wg_idx * hopper.WGMMA_M, g, row0, tile.seq.seqlen_k - row0, mX.shape[2], wg_tidx,
-                      self.t.head_dim)
-
-
-@cute.jit
-def wait_turn(turn: DqTurn):
-    """Spin until the tile's semaphore reaches turn.before (acquire: the earlier adds, then
-    ours), then order that before this thread's bulk adds (async proxy)."""
-    seen = cute.arch.load(turn.semaphore, cutlass.Int32, sem="acquire", scope="gpu")
-    while seen < turn.before:
-        seen = cute.arch.load(turn.semaphore, cutlass.Int32, sem="acquire", scope="gpu")
-    cute.arch.fence_proxy("async.global")
-
-
-@cute.jit
-def end_turn(turn: DqTurn):
-    """Wait until this thread's bulk adds are done (written, not just read), then count them
-    with a release the next key block's acquire pairs with."""
-    cute.arch.cp_async_bulk_wait_group(0)
-    cute.arch.fence_proxy("async.global")
-    cute.arch.atomic_add(turn.semaphore, cutlass.Int32(1), sem="release", scope="gpu")
 
 
 def transposed(t: cute.Tensor) -> cute.Tensor:

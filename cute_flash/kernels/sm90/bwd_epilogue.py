@@ -1,0 +1,98 @@
+"""The Hopper backward's epilogue (a part of `FlashBwdSm90`): dK and dV out of the consumer
+warpgroups' accumulators, through sK / sV, by TMA stores or (packed batches) row-predicated
+copies."""
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.nvgpu import cpasync
+
+from cute_flash.kernels.common.score_mods import BwdScalars
+from cute_flash.kernels.sm90.barriers import BwdBarrier
+from cute_flash.kernels.sm90.bwd_state import KeyTile, Sm90BwdRecipe, Sm90BwdSmem, Sm90BwdTensors, Sm90BwdVarlen
+from cute_flash.kernels.sm90.pipeline import copy_rows
+from layouts import hopper
+
+
+class BwdEpilogue:
+    """dK and dV out of a consumer warpgroup."""
+
+    @cute.jit
+    def store_dkv(self, acc_dk: cute.Tensor, acc_dv: cute.Tensor, scalars: BwdScalars, recipe: Sm90BwdRecipe,
+                  args: Sm90BwdTensors, smem: Sm90BwdSmem, tile: KeyTile, mma_tidx):
+        """dK (times the softmax scale) and dV into this warpgroup's part of sK and sV (its rows,
+        or above d 128 its columns) once both warpgroups are done reading them, then TMA stores
+        of them (TMA drops rows past seqlen_k and columns past the tensors' head dim; packed
+        batches: row-predicated copies)."""
+        wg_idx = mma_tidx // 128
+        for j in cutlass.range(cute.size(acc_dk), unroll_full=True):
+            acc_dk[j] = acc_dk[j] * scalars.softmax_scale
+        cute.arch.barrier(barrier_id=BwdBarrier.KV_DONE, number_of_threads=128 * self.wgs)
+        c_dkv = recipe.mma_dkv.get_slice(mma_tidx)
+        for acc, dst in ((acc_dk, smem.sK), (acc_dv, smem.sV)):
+            r = cute.make_rmem_tensor(acc.layout, self.dtype)  # (MMA, MMA_M, MMA_N)
+            r.store(acc.load().to(self.dtype))
+            cute.autovec_copy(r, c_dkv.partition_C(dst))
+        cute.arch.fence_view_async_shared()  # the generic-proxy writes, before TMA (async proxy) reads them
+        if cutlass.const_expr(self.split):
+            # each warpgroup wrote half the columns of both tiles: warpgroup 0 stores dK, 1 dV
+            cute.arch.barrier(barrier_id=BwdBarrier.STORE, number_of_threads=128 * self.wgs)
+            self.store_split(recipe, args, smem, tile, wg_idx, mma_tidx % 128)
+        else:
+            self.store_own_rows(recipe, args, smem, tile, wg_idx, mma_tidx)
+
+    @cute.jit
+    def store_own_rows(self, recipe: Sm90BwdRecipe, args: Sm90BwdTensors, smem: Sm90BwdSmem, tile: KeyTile, wg_idx,
+                       mma_tidx):
+        """Up to d 128: this warpgroup's 64 rows of dK and dV, once its own writes are in, by one
+        warp's TMA stores (packed batches: `store_dkv_rows`)."""
+        d = self.t.head_dim
+        cute.arch.barrier(barrier_id=BwdBarrier.STORE + wg_idx, number_of_threads=128)
+        if cutlass.const_expr(args.varlen is not None):
+            self.store_dkv_rows(smem, args.varlen, tile, wg_idx, mma_tidx % 128)
+        elif mma_tidx % 128 < 32:
+            rows = (tile.n_block * self.wgs + wg_idx, 0)
+            for atom, src, dst in ((recipe.tma_dk, smem.sK, args.tma_mdK), (recipe.tma_dv, smem.sV, args.tma_mdV)):
+                s_wg = cute.local_tile(src, (hopper.WGMMA_M, d), (wg_idx, 0))  # (64, d) this warpgroup's rows
+                g = cute.local_tile(dst[None, None, tile.bidh, tile.bidb], (hopper.WGMMA_M, d), rows)  # (64, d)
+                tXsX, tXgX = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s_wg, 0, 2),
+                                                   cute.group_modes(g, 0, 2))  # (TMA,), (TMA,)
+                cute.copy(atom, tXsX, tXgX)
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)  # shared memory outlives the bulk reads
+
+    @cute.jit
+    def store_split(self, recipe: Sm90BwdRecipe, args: Sm90BwdTensors, smem: Sm90BwdSmem, tile: KeyTile, wg_idx,
+                    wg_tidx):
+        """Above d 128 (one warpgroup's 64 rows, both warpgroups' columns): warpgroup 0 stores the
+        whole dK tile from sK, warpgroup 1 dV from sV, by TMA (its first warp) or, packed, by
+        `copy_rows`."""
+        d = self.t.head_dim
+        if cutlass.const_expr(args.varlen is not None):
+            row0 = tile.n_block * self.t.block_n
+            for w, (src, mX) in enumerate(((smem.sK, args.varlen.mdK), (smem.sV, args.varlen.mdV))):
+                if wg_idx == w:
+                    g = cute.domain_offset((tile.seq.sum_s_k, 0), mX[None, tile.bidh, None])  # (seqlen_k, d) this head
+                    copy_rows(src, 0, g, row0, tile.seq.seqlen_k - row0, mX.shape[2], wg_tidx, d)
+        elif wg_tidx < 32:
+            for w, (atom, src, dst) in enumerate(((recipe.tma_dk, smem.sK, args.tma_mdK),
+                                                  (recipe.tma_dv, smem.sV, args.tma_mdV))):
+                if wg_idx == w:
+                    g = cute.local_tile(dst[None, None, tile.bidh, tile.bidb], (hopper.WGMMA_M, d),
+                                        (tile.n_block, 0))  # (64, d)
+                    tXsX, tXgX = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(src, 0, 2),
+                                                       cute.group_modes(g, 0, 2))  # (TMA,), (TMA,)
+                    cute.copy(atom, tXsX, tXgX)
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)  # shared memory outlives the bulk reads
+
+    @cute.jit
+    def store_dkv_rows(self, smem: Sm90BwdSmem, varlen: Sm90BwdVarlen, tile: KeyTile, wg_idx, wg_tidx):
+        """Packed batches: warpgroup wg_idx's 64 rows of dK and dV from sK / sV into mdK / mdV
+        (total_k, heads, d), 16 bytes a copy, leaving out rows past the sequence's keys (the next
+        sequence's) and columns past the tensors' head dim (a multiple of 8)."""
+        row0 = tile.n_block * self.t.block_n + wg_idx * hopper.WGMMA_M  # this warpgroup's first key
+        for src, mX in ((smem.sK, varlen.mdK), (smem.sV, varlen.mdV)):
+            g = cute.domain_offset((tile.seq.sum_s_k, 0), mX[None, tile.bidh, None])  # (seqlen_k, d) this head
+            copy_rows(src, wg_idx * hopper.WGMMA_M, g, row0, tile.seq.seqlen_k - row0, mX.shape[2], wg_tidx,
+                      self.t.head_dim)
