@@ -1,8 +1,8 @@
-"""The Hopper backward (kernels/sm90/bwd.py, the default for dense backwards on sm_90 at head
-dims up to 64 and 97..128) against `cute_flash.reference` under float32 autograd, by the
-backward's rule (tests/helpers/backward.py), with the allocator poisoned first. Each test also
-checks that every backward it ran took the Hopper kernel: a silent fall back to the SM80
-kernel would pass the comparison."""
+"""The Hopper backward (kernels/sm90/bwd.py, the default for dense and packed backwards on
+sm_90) up to d 128 (above it: test_bwd_sm90_wide_gpu.py) against `cute_flash.reference` under
+float32 autograd, by the backward's rule (tests/helpers/backward.py), with the allocator
+poisoned first. Each test also checks that every backward it ran took the Hopper kernel: a
+silent fall back to the SM80 kernel would pass the comparison."""
 import pytest
 import torch
 from hypothesis import given
