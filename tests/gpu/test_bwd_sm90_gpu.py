@@ -10,11 +10,12 @@ from hypothesis import strategies as st
 
 from cute_flash import flash_attn_func, flash_attn_varlen_func
 from cute_flash.reference import attention_varlen_ref
-from tests.helpers.backward import (VARLEN_MOD_IDS, VARLEN_MODS, assert_grads_match, check_private_backward,
-                                    check_score_modifiers, check_varlen_grads, check_varlen_nan_stays_in_its_sequence,
+from tests.helpers.backward import (VARLEN_MOD_IDS, VARLEN_MODS, assert_grads_match, check_bitwise_repeatable,
+                                    check_dropout_grads, check_private_backward, check_score_modifiers,
+                                    check_varlen_grads, check_varlen_nan_stays_in_its_sequence,
                                     check_varlen_score_modifiers, heads, inputs, lengths, ours, packed_inputs,
                                     varlen_lengths)
-from tests.helpers.gpu_utils import cu_seqlens, gpu_settings
+from tests.helpers.gpu_utils import cu_seqlens, gpu_settings, only_the_hopper_kernel
 
 pytestmark = pytest.mark.gpu
 
@@ -24,11 +25,8 @@ hopper_dims = st.one_of(st.sampled_from([32, 64, 96, 128]), st.integers(1, 128))
 
 @pytest.fixture(autouse=True)
 def hopper_path(monkeypatch, kernels):
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the Hopper kernel is sm_90a")
-    monkeypatch.delenv("CUTE_FLASH_ARCH_PATH", raising=False)  # the default path
-    yield
-    assert "sm90_bwd" in kernels and "sm80_bwd" not in kernels, f"the backwards that ran: {sorted(kernels)}"
+    with only_the_hopper_kernel(monkeypatch, kernels, "bwd", "backwards"):
+        yield
 
 
 def test_private_backward_writes_given_tensors_and_returns_softmax_d():
@@ -80,25 +78,7 @@ def test_dropout_grads_match_reference_with_the_philox_mask(d, sq, sk, opts):
     Philox calls and swap keep bits): dq, dk, dv against the reference's autograd with the mask
     `philox.keep_mask` draws for the forward's seed and offset; a wrong bit, word or partner in
     any element moves a gradient far past the rule."""
-    import functools
-
-    from layouts import philox
-    from cute_flash.launch.rng import DropoutArgs
-    from cute_flash.launch.backward import flash_bwd
-    from cute_flash.launch.dense import flash_fwd
-    from cute_flash.reference import attention_ref
-    from tests.helpers.gpu_utils import poison_allocator
-
-    p, seed, offset = 0.2, 0xC0FFEE_1234, 9
-    drop = DropoutArgs.seeded(p, seed, offset, "cuda")
-    q, k, v, dout = inputs(2, sq, sk, 12, 4, d)
-    out, lse = flash_fwd(q, k, v, softmax_scale=d ** -0.5, dropout=drop, **opts)
-    poison_allocator()
-    dq, dk, dv, _ = flash_bwd(dout, q, k, v, out, lse, softmax_scale=d ** -0.5, dropout=drop, **opts)
-    torch.cuda.synchronize()
-    mask = torch.from_numpy(philox.keep_mask(seed, offset, 2, 12, sq, sk, p)).cuda()
-    assert_grads_match([dq, dk, dv], q, k, v, dout, out=out, ref_fn=functools.partial(attention_ref, dropout_p=p,
-                                                                             dropout_mask=mask), **opts)
+    check_dropout_grads(d, sq, sk, (12, 4), opts)
 
 
 # tests/gpu/test_bwd_gpu.py's packed-batch tests, here on the Hopper kernel (`call_varlen`)
@@ -131,11 +111,7 @@ def test_deterministic_grads_are_bitwise_repeatable(opts):
     runs equal bit for bit and within the rule, with 16 key blocks adding into each query tile,
     GQA, and a left window edge (its key blocks counted from the tile's first, not 0)."""
     q, k, v, dout = inputs(2, 1000, 2000, 8, 2, 128)
-    out, grads = ours(flash_attn_func, dout, q, k, v, deterministic=True, **opts)
-    for _ in range(2):
-        for a, b in zip(grads, ours(flash_attn_func, dout, q, k, v, deterministic=True, **opts)[1]):
-            assert torch.equal(a, b)
-    assert_grads_match(grads, q, k, v, dout, out=out, **opts)
+    check_bitwise_repeatable(flash_attn_func, dout, q, k, v, **opts)
 
 
 def test_varlen_deterministic_grads_are_bitwise_repeatable():
@@ -144,15 +120,6 @@ def test_varlen_deterministic_grads_are_bitwise_repeatable():
     lq, lk = [1500, 3, 0, 700], [1700, 90, 20, 700]
     q, k, v, dout = packed_inputs(lq, lk, 8, 2, 64)
     cu_q, cu_k = cu_seqlens(lq), cu_seqlens(lk)
-    opts = dict(window_size=(500, 0), deterministic=True)
-
-    def run():
-        return ours(lambda q, k, v, **o: flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lq), max(lk), **o), dout,
-                    q, k, v, **opts)
-
-    out, grads = run()
-    for _ in range(2):
-        for a, b in zip(grads, run()[1]):
-            assert torch.equal(a, b)
-    assert_grads_match(grads, q, k, v, dout, out=out, window_size=opts["window_size"],
-                       ref_fn=lambda q, k, v, **o: attention_varlen_ref(q, k, v, cu_q, cu_k, **o))
+    check_bitwise_repeatable(lambda q, k, v, **o: flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lq), max(lk), **o),
+                             dout, q, k, v, ref_fn=lambda q, k, v, **o: attention_varlen_ref(q, k, v, cu_q, cu_k, **o),
+                             window_size=(500, 0))

@@ -3,29 +3,24 @@
 memory, Q and dO one stage at d 256; buckets 160..256 on the d 256 tiles) against
 `cute_flash.reference` by the backward's rule (tests/helpers/backward.py). Each test also
 checks that every backward it ran took the Hopper kernel."""
-import functools
-
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 from cute_flash import flash_attn_func, flash_attn_varlen_func
-from cute_flash.reference import attention_ref, attention_varlen_ref
-from tests.helpers.backward import assert_grads_match, check_score_modifiers, check_varlen_grads, inputs, ours, \
-    packed_inputs
-from tests.helpers.gpu_utils import cu_seqlens, gpu_settings, poison_allocator
+from cute_flash.reference import attention_varlen_ref
+from tests.helpers.backward import (assert_grads_match, check_bitwise_repeatable, check_dropout_grads,
+                                    check_score_modifiers, check_varlen_grads, inputs, ours, packed_inputs)
+from tests.helpers.gpu_utils import cu_seqlens, gpu_settings, only_the_hopper_kernel
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(autouse=True)
 def hopper_path(monkeypatch, kernels):
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the Hopper kernel is sm_90a")
-    monkeypatch.delenv("CUTE_FLASH_ARCH_PATH", raising=False)  # the default path
-    yield
-    assert "sm90_bwd" in kernels and "sm80_bwd" not in kernels, f"the backwards that ran: {sorted(kernels)}"
+    with only_the_hopper_kernel(monkeypatch, kernels, "bwd", "backwards"):
+        yield
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -64,21 +59,7 @@ def test_score_modifiers_with_gqa(rng, mod, sq, sk, d, data):
 def test_dropout_grads_match_reference_with_the_philox_mask(d, sq, sk, opts):
     """Dropout's keep bits on the S^T tile split by queries between the warpgroups
     (`Dropout.pair_keep_bits` on each warpgroup's 64 x block_m / 2 part)."""
-    from cute_flash.launch.backward import flash_bwd
-    from cute_flash.launch.dense import flash_fwd
-    from cute_flash.launch.rng import DropoutArgs
-    from layouts import philox
-
-    p, seed, offset = 0.2, 0xC0FFEE_1234, 9
-    drop = DropoutArgs.seeded(p, seed, offset, "cuda")
-    q, k, v, dout = inputs(2, sq, sk, 6, 2, d)
-    out, lse = flash_fwd(q, k, v, softmax_scale=d ** -0.5, dropout=drop, **opts)
-    poison_allocator()
-    dq, dk, dv, _ = flash_bwd(dout, q, k, v, out, lse, softmax_scale=d ** -0.5, dropout=drop, **opts)
-    torch.cuda.synchronize()
-    mask = torch.from_numpy(philox.keep_mask(seed, offset, 2, 6, sq, sk, p)).cuda()
-    assert_grads_match([dq, dk, dv], q, k, v, dout, out=out, ref_fn=functools.partial(attention_ref, dropout_p=p,
-                                                                                     dropout_mask=mask), **opts)
+    check_dropout_grads(d, sq, sk, (6, 2), opts)
 
 
 @pytest.mark.parametrize("d", [256, 192])
@@ -94,28 +75,19 @@ def test_varlen_long_and_short_sequences():
     check_varlen_grads([(3000, 3000), (5, 200), (130, 1), (64, 64)], (8, 2), 256, True, False)
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
-def test_deterministic_grads_are_bitwise_repeatable(packed):
+def test_deterministic_grads_are_bitwise_repeatable():
     """deterministic=True: dQ's adds in key-block order (`DqTurn`, 64-key blocks here), three
     runs equal bit for bit and within the rule."""
-    opts = dict(causal=True, deterministic=True)
-    if packed:
-        lq, lk = [1500, 3, 0, 700], [1700, 90, 20, 700]
-        q, k, v, dout = packed_inputs(lq, lk, 8, 2, 256)
-        cu_q, cu_k = cu_seqlens(lq), cu_seqlens(lk)
-        opts = dict(window_size=(500, 0), deterministic=True)
+    q, k, v, dout = inputs(2, 1000, 1500, 8, 2, 256)
+    check_bitwise_repeatable(flash_attn_func, dout, q, k, v, causal=True)
 
-        def ref(q, k, v, **o):
-            return attention_varlen_ref(q, k, v, cu_q, cu_k, **o)
 
-        def fn(q, k, v, **o):
-            return flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lq), max(lk), **o)
-    else:
-        q, k, v, dout = inputs(2, 1000, 1500, 8, 2, 256)
-        fn, ref = flash_attn_func, attention_ref
-    out, grads = ours(fn, dout, q, k, v, **opts)
-    for _ in range(2):
-        for a, b in zip(grads, ours(fn, dout, q, k, v, **opts)[1]):
-            assert torch.equal(a, b)
-    ref_opts = {key: val for key, val in opts.items() if key != "deterministic"}
-    assert_grads_match(grads, q, k, v, dout, out=out, ref_fn=ref, **ref_opts)
+def test_varlen_deterministic_grads_are_bitwise_repeatable():
+    """Packed batches, deterministic, with a window: equal bit for bit over three runs, and the
+    reference rule per sequence."""
+    lq, lk = [1500, 3, 0, 700], [1700, 90, 20, 700]
+    q, k, v, dout = packed_inputs(lq, lk, 8, 2, 256)
+    cu_q, cu_k = cu_seqlens(lq), cu_seqlens(lk)
+    check_bitwise_repeatable(lambda q, k, v, **o: flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lq), max(lk), **o),
+                             dout, q, k, v, ref_fn=lambda q, k, v, **o: attention_varlen_ref(q, k, v, cu_q, cu_k, **o),
+                             window_size=(500, 0))

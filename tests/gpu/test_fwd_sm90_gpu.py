@@ -9,18 +9,15 @@ import torch
 
 from tests.helpers.forward import (check_dense_matches_reference, check_every_head_dim_bucket, dense_cases,
                                    head_dim_cases, inputs, run_forward)
-from tests.helpers.gpu_utils import assert_matches_reference, captures_graph
+from tests.helpers.gpu_utils import assert_matches_reference, captures_graph, only_the_hopper_kernel
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(autouse=True)
 def hopper_path(monkeypatch, kernels):
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the Hopper kernel is sm_90a")
-    monkeypatch.delenv("CUTE_FLASH_ARCH_PATH", raising=False)  # the default path
-    yield
-    assert "sm90_fwd" in kernels and "sm80_fwd" not in kernels, f"the forwards that ran: {sorted(kernels)}"
+    with only_the_hopper_kernel(monkeypatch, kernels, "fwd", "forwards"):
+        yield
 
 
 # The SM80 forward's shape tests (tests/gpu/test_fwd_gpu.py), here under this module's fixture (Hopper path on).

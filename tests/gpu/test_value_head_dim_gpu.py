@@ -10,7 +10,7 @@ import cute_flash
 from cute_flash.reference import attention_varlen_ref
 from tests.helpers.backward import assert_grads_match
 from tests.helpers.caches import paged_cache
-from tests.helpers.gpu_utils import (assert_matches_reference, backward_on_path, cu_seqlens, on_path,
+from tests.helpers.gpu_utils import (assert_matches_reference, backward_on_path, config_lookups, cu_seqlens, on_path,
                                      varlen_attention)
 from layouts.traits import head_dim_bucket
 
@@ -60,17 +60,8 @@ def test_packed_call_with_a_value_head_dim_of_its_own(arch_path, kernels):
 def hopper_value_dims(monkeypatch):
     """The V head dims (`traits.head_dim_v`) of the Hopper forwards the test's calls looked up."""
     from cute_flash.kernels.sm90.fwd import Sm90FwdConfig
-    from cute_flash.launch import compiled
 
-    seen, lookup = [], compiled.kernel_for
-
-    def record(config, *args, **kwargs):
-        if isinstance(config, Sm90FwdConfig):
-            seen.append(config.traits.head_dim_v)
-        return lookup(config, *args, **kwargs)
-
-    monkeypatch.setattr(compiled, "kernel_for", record)
-    return seen
+    return config_lookups(monkeypatch, Sm90FwdConfig, lambda config: config.traits.head_dim_v)
 
 
 @pytest.mark.parametrize("d, d_v, causal, seqlen", [

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from cute_flash.kernels.common.varlen_order import CAPACITY, VarlenOrderConfig
 from cute_flash.launch.varlen_order import key_blocks_longest_first, query_blocks_longest_first, tile_bound
-from tests.helpers.gpu_utils import cu_seqlens, gpu_settings
+from tests.helpers.gpu_utils import config_lookups, cu_seqlens, gpu_settings
 
 pytestmark = pytest.mark.gpu
 
@@ -20,17 +20,7 @@ pytestmark = pytest.mark.gpu
 @pytest.fixture
 def order_launches(monkeypatch):
     """The launch-order kernel's configs looked up by the test's calls."""
-    from cute_flash.launch import compiled
-
-    seen, lookup = [], compiled.kernel_for
-
-    def record(config, index):
-        if isinstance(config, VarlenOrderConfig):
-            seen.append(config)
-        return lookup(config, index)
-
-    monkeypatch.setattr(compiled, "kernel_for", record)
-    return seen
+    return config_lookups(monkeypatch, VarlenOrderConfig)
 
 
 def lists(lq, lk, block_m, right, which):

@@ -154,6 +154,39 @@ varlen_lengths = st.lists(st.tuples(st.integers(0, 300), st.integers(0, 300)), m
     lambda lens: sum(a for a, _ in lens) > 0 and sum(b for _, b in lens) > 0)
 
 
+def check_dropout_grads(d, sq, sk, hh, opts):
+    """dq, dk, dv of a dropout forward's backward (p 0.2, a fixed seed and offset) against the
+    reference's autograd with the mask `philox.keep_mask` draws for that seed and offset: a
+    wrong bit, word or partner in any element moves a gradient far past the rule."""
+    import functools
+
+    from cute_flash.launch.backward import flash_bwd
+    from cute_flash.launch.dense import flash_fwd
+    from cute_flash.launch.rng import DropoutArgs
+    from layouts import philox
+
+    p, seed, offset = 0.2, 0xC0FFEE_1234, 9
+    drop = DropoutArgs.seeded(p, seed, offset, "cuda")
+    q, k, v, dout = inputs(2, sq, sk, *hh, d)
+    out, lse = flash_fwd(q, k, v, softmax_scale=d ** -0.5, dropout=drop, **opts)
+    poison_allocator()
+    dq, dk, dv, _ = flash_bwd(dout, q, k, v, out, lse, softmax_scale=d ** -0.5, dropout=drop, **opts)
+    torch.cuda.synchronize()
+    mask = torch.from_numpy(philox.keep_mask(seed, offset, 2, hh[0], sq, sk, p)).cuda()
+    assert_grads_match([dq, dk, dv], q, k, v, dout, out=out,
+                       ref_fn=functools.partial(attention_ref, dropout_p=p, dropout_mask=mask), **opts)
+
+
+def check_bitwise_repeatable(fn, dout, q, k, v, ref_fn=attention_ref, **opts):
+    """Gradients through `fn` with deterministic=True: three runs equal bit for bit, and within
+    the rule against `ref_fn` with `opts`."""
+    out, grads = ours(fn, dout, q, k, v, deterministic=True, **opts)
+    for _ in range(2):
+        for a, b in zip(grads, ours(fn, dout, q, k, v, deterministic=True, **opts)[1]):
+            assert torch.equal(a, b)
+    assert_grads_match(grads, q, k, v, dout, out=out, ref_fn=ref_fn, **opts)
+
+
 def check_private_backward():
     """The private `_flash_attn_backward` writes the given dq, dk, dv and returns softmax_d (d 64)."""
     from cute_flash.flash_attn_interface import _flash_attn_backward, _flash_attn_forward

@@ -1,5 +1,6 @@
 """Helpers shared by the GPU tests: hypothesis settings, poisoned allocations and the error
 criterion of docs/semantics.md."""
+import contextlib
 import os
 
 import pytest
@@ -15,6 +16,35 @@ captures_graph = pytest.mark.skipif(NO_CACHING_ALLOCATOR, reason="captures a CUD
 # `poison_allocator` fills the caching allocator's free blocks: with no cache there are none.
 poisons_the_cache = pytest.mark.skipif(NO_CACHING_ALLOCATOR,
                                        reason="checks the caching allocator's poisoning: the allocator is off")
+
+
+@contextlib.contextmanager
+def only_the_hopper_kernel(monkeypatch, kernels: set, part: str, what: str):
+    """The body of a Hopper test module's autouse fixture: skipped off sm_90, the default path
+    for the test, and after it the `kernels` fixture's record holds the Hopper `part` ("fwd" or
+    "bwd") kernel and not the SM80 one (a silent fall back would pass the comparison); `what`
+    names the calls in the message."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Hopper kernel is sm_90a")
+    monkeypatch.delenv("CUTE_FLASH_ARCH_PATH", raising=False)  # the default path
+    yield
+    assert f"sm90_{part}" in kernels and f"sm80_{part}" not in kernels, f"the {what} that ran: {sorted(kernels)}"
+
+
+def config_lookups(monkeypatch, config_type, field=lambda config: config) -> list:
+    """`field` of each config of `config_type` the test's calls look up at the compiled-kernel
+    seam (`launch.compiled.kernel_for`), in order: which variant of a kernel the calls launched."""
+    from cute_flash.launch import compiled
+
+    seen, lookup = [], compiled.kernel_for
+
+    def record(config, *args, **kwargs):
+        if isinstance(config, config_type):
+            seen.append(field(config))
+        return lookup(config, *args, **kwargs)
+
+    monkeypatch.setattr(compiled, "kernel_for", record)
+    return seen
 
 
 def on_path(path: str, *parts: str) -> set:
