@@ -103,17 +103,22 @@ def o_staging_checks(traits: HopperTileTraits) -> dict:
     return staging_checks(traits, traits.block_m, traits.warpgroups, traits.dv)
 
 
-def staging_checks(traits, tile_rows: int, warpgroups: int, head_dim: int | None = None) -> dict:
+def staging_checks(traits, tile_rows: int, warpgroups: int, head_dim: int | None = None, bwd: bool = False) -> dict:
     """`o_staging_checks` for a (tile_rows, head_dim) tile (default the traits' head dim)
-    written by `warpgroups` warpgroups of 64 rows each (O in the forward; dK and dV in sK / sV
-    in the backward)."""
+    written by `warpgroups` warpgroups of 64 rows each (O in the forward, `hopper.smem_layout`;
+    dK and dV in sK / sV in the backward, `bwd`: `hopper.bwd_smem_layout`, its atom picked for
+    `bwd_atom_cols`)."""
     head_dim = head_dim or traits.head_dim
 
     def run():
         rows = hopper.WGMMA_M
-        atom = hopper.swizzle_atom(traits, head_dim)
+        if bwd:
+            atom = hopper.swizzle_atom(traits, hopper.bwd_atom_cols(traits))
+            tile = HostLayout.of(hopper.bwd_smem_layout(traits, tile_rows))
+        else:
+            atom = hopper.swizzle_atom(traits, head_dim)
+            tile = HostLayout.of(hopper.smem_layout(traits, tile_rows, head_dim))
         cols = cute.size(atom.shape[1])
-        tile = HostLayout.of(hopper.smem_layout(traits, tile_rows, head_dim))
         box = HostLayout.of(cute.tile_to_shape(atom, (rows, cols), order=(0, 1)))
         r, c = (x.ravel() for x in np.meshgrid(np.arange(rows), np.arange(cols), indexing="ij"))
         box_offsets = box(r + rows * c)
@@ -163,8 +168,8 @@ def bwd_checks(traits: BwdTraits) -> dict:
 
     def run():
         out = {}
-        for name, layout in (("sQ", hopper.smem_layout_staged(traits, bm, traits.q_stages)),
-                             ("sKV", hopper.smem_layout(traits, bn)),
+        for name, layout in (("sQ", hopper.bwd_smem_layout(traits, bm, traits.q_stages)),
+                             ("sKV", hopper.bwd_smem_layout(traits, bn)),
                              ("sdS", hopper.smem_layout_ds(traits, hopper.BWD_STAGES))):
             host = HostLayout.of(layout)
             out[name] = is_bijection(host(np.arange(host.size)))
@@ -185,7 +190,7 @@ def bwd_checks(traits: BwdTraits) -> dict:
         return out
 
     out = in_arch_trace("sm_90a", run)
-    out["dkv_staging"] = staging_checks(traits, bn, 1 if split else hopper.bwd_warpgroups(traits))["ok"]
+    out["dkv_staging"] = staging_checks(traits, bn, 1 if split else hopper.bwd_warpgroups(traits), bwd=True)["ok"]
     out["ok"] = all(out.values())
     return out
 

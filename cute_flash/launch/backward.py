@@ -112,7 +112,7 @@ def _flash_bwd_sm90(dout, q, k, v, out, lse, config: BwdConfig, index, softmax_s
     b, sq, h, d_pad = q.shape
     sk, hk = k.shape[1], k.shape[2]
     t = choose_hopper_bwd_traits(config.traits.head_dim, config.traits.dtype)
-    even_k = d_pad == t.head_dim  # 96 runs on the d 128 tiles, 160..224 on the d 256 ones
+    even_k = d_pad == t.head_dim  # 96, 160, 224 run on the d 128 / 192 / 256 tiles
     sq_pad = -(-sq // t.block_m) * t.block_m
     lse_log2, dot_pad = (torch.empty((b, h, sq_pad), dtype=torch.float32, device=q.device) for _ in range(2))
     dot = dot_pad[..., :sq]
@@ -148,7 +148,7 @@ def _flash_bwd_sm90_varlen(dout, q, k, v, out, lse, config: BwdConfig, index, cu
     total_k, hk = k.shape[0], k.shape[1]
     batch = cu_seqlens_q.shape[0] - 1
     t = choose_hopper_bwd_traits(config.traits.head_dim, config.traits.dtype)
-    even_k = d_pad == t.head_dim  # 96 runs on the d 128 tiles, 160..224 on the d 256 ones
+    even_k = d_pad == t.head_dim  # 96, 160, 224 run on the d 128 / 192 / 256 tiles
     tiles = varlen_dq_tiles(total_q, batch, t.block_m)
     dot = torch.empty((h, total_q), dtype=torch.float32, device=q.device)
     # rows between the sequences' padded runs and in the last tile: never read

@@ -35,8 +35,8 @@ def takes_hopper_path(index: int) -> bool:
 
 def takes_hopper_bwd(config: BwdConfig, index: int) -> bool:
     """Dense and packed backwards on sm_90 take the Hopper kernel (kernels/sm90/bwd.py) where it
-    exists: every head-dim bucket (`layouts.hopper.BWD_SERVES`: 96 on the d 128 tiles, 160..224
-    on the d 256 ones), deterministic too (dQ's adds in key-block order);
+    exists: every head-dim bucket (`layouts.hopper.BWD_SERVES`: 96 on the d 128 tiles, 160 on
+    the d 192 ones, 224 on the d 256 ones), deterministic too (dQ's adds in key-block order);
     `CUTE_FLASH_ARCH_PATH=sm80` selects the SM80 kernel.
     docs/tuning/backward.md lists what falls back and why."""
     return takes_hopper_path(index) and config.traits.head_dim in BWD_SERVES

@@ -284,11 +284,11 @@ def sm90_bwd_variants(full: bool = False) -> list:
     (with and without seqused_k), each also deterministic. Otherwise, for CI: every bucket causal
     (bf16), at d 128 no flag, each other flag alone, all together, and fp16; packed, every bucket
     causal and d 128 with every flag and seqused_k; deterministic at d 64 causal and d 128 with
-    every flag, dense and packed; d 256 (the head dim split) with every flag, dense and packed,
-    each also deterministic; the converts of every bucket's tiles, dense and packed, and with a
-    padded head dim at d 128 and 256; the preprocess writing each bucket's padded LSE / D rows
-    (`PreprocessConfig.hopper_rows`), dense and packed, and at d 128 and 256 with a padded head
-    dim (full: every traits, all four)."""
+    every flag, dense and packed; d 192 and 256 (the head dim split) with every flag, dense and
+    packed, each also deterministic; the converts of every bucket's tiles, dense and packed, and
+    with a padded head dim at d 128, 192 and 256; the preprocess writing each bucket's padded
+    LSE / D rows (`PreprocessConfig.hopper_rows`), dense and packed, and at d 128, 192 and 256
+    with a padded head dim (full: every traits, all four)."""
     flags = ("has_left", "has_right", "has_alibi", "has_softcap", "has_dropout")
     if full:
         traits = [choose_hopper_bwd_traits(d, dt) for d in BWD_HEAD_DIMS for dt in DTYPES]
@@ -310,17 +310,18 @@ def sm90_bwd_variants(full: bool = False) -> list:
     # deterministic: causal at d 64, every flag dense and packed at d 128
     mains += [Sm90BwdConfig(choose_hopper_bwd_traits(64), has_right=True, deterministic=True)]
     mains += [Sm90BwdConfig(pivot, **{f: True for f in flags}, varlen=v, deterministic=True) for v in (False, True)]
-    # the d 256 tiles (the head dim split between the warpgroups): every flag, dense and packed, deterministic too
-    wide = choose_hopper_bwd_traits(256)
-    mains += [Sm90BwdConfig(wide, **{f: True for f in flags}, varlen=v, deterministic=det)
-              for v in (False, True) for det in (False, True)]
+    # the d 192 and 256 tiles (the head dim split between the warpgroups): every flag, dense and packed,
+    # deterministic too
+    wide = [choose_hopper_bwd_traits(d) for d in (192, 256)]
+    mains += [Sm90BwdConfig(t, **{f: True for f in flags}, varlen=v, deterministic=det)
+              for t in wide for v in (False, True) for det in (False, True)]
     converts = [DQConvertConfig(t, True, v, 4, hopper=True) for t in traits for v in (False, True)]
-    converts += [DQConvertConfig(t, False, v, 4, hopper=True) for t in (pivot, wide) for v in (False, True)]
-    # the preprocess, writing LSE and D in each bucket's padded rows, dense and packed (a padded head dim at d 128
-    # and 256)
+    converts += [DQConvertConfig(t, False, v, 4, hopper=True) for t in (pivot, *wide) for v in (False, True)]
+    # the preprocess, writing LSE and D in each bucket's padded rows, dense and packed (a padded head dim at d 128,
+    # 192 and 256)
     pre = [PreprocessConfig(t.head_dim, t.dtype, True, v, t.block_m) for t in traits for v in (False, True)]
     return mains + converts + pre + [PreprocessConfig(t.head_dim, t.dtype, False, v, t.block_m)
-                                     for t in (pivot, wide) for v in (False, True)]
+                                     for t in (pivot, *wide) for v in (False, True)]
 
 
 def order_variants() -> list[VarlenOrderConfig]:

@@ -261,7 +261,7 @@ def test_a_value_head_dim_of_its_own_on_either_kernel(recorder, monkeypatch):
 def test_backwards_pad_a_value_head_dim_of_their_own(recorder, monkeypatch):
     """The backward kernels take one head dim: a backward with v 128 wide beside q / k 64 runs
     the Hopper backward on q and k padded with zero columns to 128, and returns dq / dk 64 wide;
-    with q / k 192 and v 128 (the Hopper backward's d 256 tiles), v, out and dout are padded to
+    with q / k 192 and v 128 (the Hopper backward's d 192 tiles), v, out and dout are padded to
     192, dv 128 wide; packed batches alike."""
     from cute_flash.kernels.sm90.bwd import Sm90BwdConfig
     from cute_flash.launch.backward import flash_bwd, flash_bwd_varlen
@@ -512,7 +512,7 @@ def test_dense_backwards_on_sm90_default_to_the_hopper_kernel(recorder, monkeypa
     query blocks (+inf and 0 past seqlen_q; the preprocess writes both there), and
     with dropout too (given the forward's Philox state), the bucket 96 on the d 128 tiles (the
     preprocess and the convert predicating the columns), deterministic (with one zeroed
-    semaphore per dQaccum tile), the bucket 160 on the d 256 tiles (64 keys a CTA); sm80 in the
+    semaphore per dQaccum tile), the bucket 160 on the d 192 tiles (64 keys a CTA); sm80 in the
     variable, or another GPU, take the SM80 kernel."""
     from cute_flash.launch.rng import DropoutArgs
     from cute_flash.kernels.sm80.bwd_preprocess import PreprocessConfig
@@ -556,12 +556,12 @@ def test_dense_backwards_on_sm90_default_to_the_hopper_kernel(recorder, monkeypa
     assert isinstance(main.config, Sm90BwdConfig) and main.config.deterministic
     assert main["mSemaphore"].dtype == torch.int32 and main["mSemaphore"].shape == (2, 4, 1)
     assert not main["mSemaphore"].any()
-    q160 = torch.randn(2, 70, 4, 160, dtype=torch.bfloat16)  # the bucket 160 on the d 256 tiles
+    q160 = torch.randn(2, 70, 4, 160, dtype=torch.bfloat16)  # the bucket 160 on the d 192 tiles
     flash_bwd(q160, q160, q160, q160, q160, lse, softmax_scale=0.5)
     pre, main, convert = recorder.launches[12:15]
-    assert isinstance(main.config, Sm90BwdConfig) and main.config.traits.head_dim == 256
+    assert isinstance(main.config, Sm90BwdConfig) and main.config.traits.head_dim == 192
     assert main.config.traits.block_n == 64 and main["mQ"].shape[-1] == 160
-    assert pre.config.head_dim == 256 and not pre.config.even_k and not convert.config.even_k
+    assert pre.config.head_dim == 192 and not pre.config.even_k and not convert.config.even_k
     del recorder.launches[3:]  # the calls below all take the SM80 kernel
     monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", "sm80")
     flash_bwd(dout, q, k, v, q, lse, softmax_scale=0.5)

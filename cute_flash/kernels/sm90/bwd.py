@@ -36,7 +36,9 @@ GEMM along N: S^T and dP^T by queries (64 keys x block_m / 2 each), dV, dK and d
 columns (d / 2 each). P^T and dS^T go to shared memory (two stages each), where dV += P^T dO
 and dK += dS^T Q read them whole as A operands after the warpgroups meet; warpgroup 0 stores
 dK, warpgroup 1 dV. Q and dO take one stage at d 256 (`BwdTraits.q_stages`: two do not fit
-beside the dQ staging tile); the head-dim buckets 160..224 run on the d 256 tiles.
+beside the dQ staging tile). The tiles of d 192 take 32-column swizzle atoms
+(`layouts.hopper.bwd_atom_cols`), so that each warpgroup's 96 columns start on one; the
+buckets 160 and 224 run on the d 192 and d 256 tiles.
 
 Packed batches (`call_varlen`): a CTA per (key block, head) of a list of the batch's key blocks
 in launch order (`VarlenTiles`: the host puts those with the most query blocks first); an entry
@@ -208,10 +210,10 @@ class FlashBwdSm90(DqAdds, BwdEpilogue):
         """The TMA atoms, shared storage and recipe of either entry, then the kernel on `grid`."""
         t = self.t
         bm, bn, d = t.block_m, t.block_n, t.head_dim
-        sQ_layout = hopper.smem_layout_staged(t, bm, self.q_stages)
-        sKV_layout = hopper.smem_layout(t, bn)
+        sQ_layout = hopper.bwd_smem_layout(t, bm, self.q_stages)
+        sKV_layout = hopper.bwd_smem_layout(t, bn)
         sdS_layout = hopper.smem_layout_ds(t, STAGES)
-        s64_layout = hopper.smem_layout(t, hopper.WGMMA_M)
+        s64_layout = hopper.bwd_smem_layout(t, hopper.WGMMA_M)
         sQ_stage = cute.slice_(sQ_layout, (None, None, 0))
         tma_q, tma_mQ = hopper.tma_load_atom(t, seq_first(mQ), sQ_stage, bm)
         tma_do, tma_mdO = hopper.tma_load_atom(t, seq_first(mdO), sQ_stage, bm)
@@ -499,11 +501,11 @@ class FlashBwdSm90(DqAdds, BwdEpilogue):
             if cutlass.const_expr(self.split):
                 wgmma_issue(mma_dv, acc_dv, tdVsP[None, None, None, ds], tdVrdO[None, None, None, read.index],
                             accumulate=True)
-            wgmma_issue(mma_dq, acc_dq, tdQrdS[None, None, None, ds], tdQrK)
-            if cutlass.const_expr(self.split):
+                wgmma_issue(mma_dq, acc_dq, tdQrdS[None, None, None, ds], tdQrK)
                 wgmma_issue(mma_dk, acc_dk, tdKsdS[None, None, None, ds], tdKrQ[None, None, None, read.index],
                             accumulate=True)
             else:
+                wgmma_issue(mma_dq, acc_dq, tdQrdS[None, None, None, ds], tdQrK)
                 wgmma_issue(mma_dk, acc_dk, hopper.acc_as_operand_a(rdS), tdKrQ[None, None, None, read.index],
                             accumulate=True)
             warpgroup.wait_group(1)  # dV and dQ landed; dK runs under dQ's staging and bulk add
