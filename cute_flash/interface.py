@@ -660,19 +660,20 @@ def _kvcache_varlen(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
     _validate.check_dtypes([("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)],
                            optional=("k", "v"))
     rotary = None if rotary_cos is None else (rotary_cos, rotary_sin, bool(rotary_interleaved))
-    new = torch.zeros_like(cache_seqlens) if k is None else cu_seqlens_k_new[1:] - cu_seqlens_k_new[:-1]
-    lengths = (cache_seqlens + new).to(torch.int32)
-    if rotary is not None:
-        per_row = bool(causal) or window[0] >= 0 or window[1] >= 0
-        positions = kvcache_varlen.query_positions(cu_seqlens_q, q.shape[0], cache_seqlens, per_row)
-        q = kvcache_varlen.rotate(q, rotary_cos, rotary_sin, positions, rotary[2])
-    q_pad, flat = kvcache_varlen.pad_queries(q, cu_seqlens_q, max(int(max_seqlen_q), 1))
+    q_pad = q.new_zeros(batch, max(int(max_seqlen_q), 1), *q.shape[1:])
+    lengths = torch.empty_like(cache_seqlens)  # cache_seqlens + the new keys, written by the packing launch
     # the fixed-length call's checks, before the appends (a refused call leaves the caches as they were), under the
     # signature of that call's arguments below, which then finds them done
     _check_kvcache_once(q_pad, k_cache, v_cache, None, None, None, None, lengths, None, None, block_table, scale,
                         causal, window, softcap, True, alibi_slopes, num_splits, learnable_sink)
-    if k is not None:
-        kvcache_varlen.append(k_cache, v_cache, k, v, cu_seqlens_k_new, cache_seqlens, block_table, rotary)
+    per_row = bool(causal) or window[0] >= 0 or window[1] >= 0
+    if torch.compiler.is_compiling():  # one graph node (cute_flash/ops.py), its writes declared
+        flat = torch.ops.cute_flash.pack_kvcache_queries(
+            q, q_pad, lengths, k_cache, v_cache, k, v, cu_seqlens_q, cu_seqlens_k_new, cache_seqlens, block_table,
+            rotary_cos, rotary_sin, bool(rotary_interleaved), per_row)
+    else:
+        flat = _kernels().pack_kvcache_queries(q, q_pad, lengths, k_cache, v_cache, k, v, cu_seqlens_q,
+                                               cu_seqlens_k_new, cache_seqlens, block_table, rotary, per_row)
     out, lse = flash_attn_with_kvcache(
         q_pad, k_cache, v_cache, cache_seqlens=lengths, block_table=block_table, softmax_scale=scale, causal=causal,
         window_size=window, softcap=softcap, alibi_slopes=alibi_slopes, num_splits=num_splits,

@@ -156,6 +156,26 @@ def _fwd_kvcache_fake(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_s
     return q.new_empty(q.shape), q.new_empty((b, h, sq), dtype=torch.float32)
 
 
+@torch.library.custom_op("cute_flash::pack_kvcache_queries", mutates_args=("q_pad", "lengths", "k_cache", "v_cache"))
+def pack_kvcache_queries(q: Tensor, q_pad: Tensor, lengths: Tensor, k_cache: Tensor, v_cache: Tensor,
+                         k: Optional[Tensor], v: Optional[Tensor], cu_seqlens_q: Tensor,
+                         cu_seqlens_k_new: Optional[Tensor], cache_seqlens: Tensor, block_table: Optional[Tensor],
+                         rotary_cos: Optional[Tensor], rotary_sin: Optional[Tensor], rotary_interleaved: bool,
+                         per_row: bool) -> Tensor:
+    """Packed queries' setup in the KV-cache call (`launch.kvcache.pack_kvcache_queries`): the
+    appends into the caches, q into q_pad, `lengths` written (all in place); returns each packed
+    query's flat row of q_pad (int64)."""
+    rotary = None if rotary_cos is None else (rotary_cos, rotary_sin, rotary_interleaved)
+    return _launch().pack_kvcache_queries(q, q_pad, lengths, k_cache, v_cache, k, v, cu_seqlens_q, cu_seqlens_k_new,
+                                          cache_seqlens, block_table, rotary, per_row)
+
+
+@pack_kvcache_queries.register_fake
+def _pack_kvcache_queries_fake(q, q_pad, lengths, k_cache, v_cache, k, v, cu_seqlens_q, cu_seqlens_k_new,
+                               cache_seqlens, block_table, rotary_cos, rotary_sin, rotary_interleaved, per_row):
+    return q.new_empty(q.shape[0], dtype=torch.int64)
+
+
 @torch.library.custom_op("cute_flash::bwd", mutates_args=())
 def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, softmax_scale: float, causal: bool,
         window_left: int, window_right: int, softcap: float, alibi_slopes: Optional[Tensor],

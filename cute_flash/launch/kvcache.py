@@ -14,6 +14,7 @@ import torch
 
 from cute_flash.kernels.common.split_kv import StreamSplit, workspace_shapes
 from cute_flash.kernels.sm80.append import AppendConfig
+from cute_flash.kernels.sm80.append_packed import PackedAppendConfig
 from cute_flash.kernels.sm80.fwd import FwdConfig
 from cute_flash.kernels.sm90.fwd import Sm90FwdConfig
 from cute_flash.launch import compiled, gpu
@@ -282,6 +283,29 @@ def _append(q, k, v, k_cache, v_cache, seqlens, cache_batch_idx, block_table, ro
     append = compiled.kernel_for(config, index)
     append(k, v, k_cache, v_cache, seqlens, cache_batch_idx, block_table, cos, sin, q, q_new)
     return q_new if rotary else q
+
+
+def pack_kvcache_queries(q, q_pad, lengths, k_cache, v_cache, k, v, cu_seqlens_q, cu_seqlens_k_new, cache_seqlens,
+                         block_table, rotary, per_row: bool):
+    """Packed queries' setup around the fixed-length call (`cute_flash.kvcache_varlen`), in one
+    launch of the packed append (kernels/sm80/append_packed.py): k, v (total_new, heads_k, d)
+    into the caches from cache_seqlens[b] (None: nothing new), q (total_q, heads, d) into the
+    zeroed q_pad (batch, max_seqlen_q, heads, d) at each sequence's last rows, rotated when
+    `rotary` is (cos, sin, interleaved) (query i at cache_seqlens[b] + i when `per_row`),
+    `lengths` (batch,) int32 the keys each sequence then has; returns each packed query's flat
+    row of q_pad (int64, on the device: no sync)."""
+    flat = torch.empty(q.shape[0], dtype=torch.int64, device=q.device)
+    if lengths.numel() == 0:  # no sequence: no row to launch for (an empty grid cannot launch)
+        return flat
+    has_new = k is not None
+    config = PackedAppendConfig(gpu.DTYPE_NAMES[q.dtype], block_table is not None, has_new, rotary is not None,
+                                rotary is not None and rotary[2], rotary is not None and per_row)
+    cos, sin = (None, None) if rotary is None else (rotary[0].contiguous(), rotary[1].contiguous())
+    k, v = (k.contiguous(), v.contiguous()) if has_new else (None, None)
+    compiled.kernel_for(config, gpu.device_index(q.device))(
+        q.contiguous(), q_pad.view(-1, *q_pad.shape[2:]), flat, lengths, cu_seqlens_q, cache_seqlens, k, v,
+        cu_seqlens_k_new if has_new else None, k_cache, v_cache, block_table, cos, sin)
+    return flat
 
 
 @per_stream

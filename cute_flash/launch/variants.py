@@ -12,6 +12,7 @@ from dataclasses import replace
 from cute_flash.kernels.common.flags import CACHE_FLAGS, SCORE_FLAGS
 from cute_flash.kernels.common.varlen_order import VarlenOrderConfig
 from cute_flash.kernels.sm80.append import AppendConfig
+from cute_flash.kernels.sm80.append_packed import PackedAppendConfig
 from cute_flash.kernels.sm80.bwd import BwdConfig
 from cute_flash.kernels.sm80.bwd_preprocess import PreprocessConfig
 from cute_flash.kernels.sm80.dq_convert import DQConvertConfig
@@ -92,6 +93,22 @@ def append_variants(full: bool = False) -> list:
     layouts = [(False, False), (False, True), (True, False)]
     rotary = [(False, False, False)] + [(True, i, q) for i in (False, True) for q in (False, True)]
     return [AppendConfig(dt, *lay, *rot) for dt in DTYPES for lay in layouts for rot in rotary]
+
+
+def packed_append_variants(full: bool = False) -> list:
+    """PackedAppendConfigs packed queries in the KV-cache call can launch (fp16 and bf16 with
+    `full`, else bf16): contiguous or paged caches, with or without new keys, with or without
+    rotary (interleaving and per-row angles only with it). CI compiles four: new keys into a
+    contiguous cache without rotary, into pages with per-row rotary, interleaved rotary with no
+    new keys, and pages with neither."""
+    if not full:
+        return [PackedAppendConfig("bf16", False, True, False, False, False),
+                PackedAppendConfig("bf16", True, True, True, False, True),
+                PackedAppendConfig("bf16", False, False, True, True, False),
+                PackedAppendConfig("bf16", True, False, False, False, False)]
+    rotary = [(False, False, False)] + [(True, i, q) for i in (False, True) for q in (False, True)]
+    return [PackedAppendConfig(dt, paged, new, *rot) for dt in DTYPES for paged in (False, True)
+            for new in (False, True) for rot in rotary]
 
 
 BWD_FLAGS = ("has_left", "has_right", "has_alibi", "has_softcap", "has_dropout", "even_k", "deterministic")
@@ -336,7 +353,7 @@ def every_variant(archs, full: bool = False) -> list[tuple[int, object]]:
     """(arch, config) for every kernel's variants on `archs` (80 and / or 90; the Hopper kernels
     on 90 only): what `python -m cute_flash compile` builds."""
     jobs = [(arch, config) for arch in archs for config in fwd_variants(arch, full)]
-    jobs += [(arch, config) for arch in archs for config in append_variants(full)]
+    jobs += [(arch, config) for arch in archs for config in append_variants(full) + packed_append_variants(full)]
     jobs += [(arch, config) for arch in archs for config in bwd_variants(arch, full)]
     if 90 in archs:
         jobs += [(90, config) for config in sm90_variants(full) + sm90_bwd_variants(full) + order_variants()]

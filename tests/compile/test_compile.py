@@ -15,6 +15,7 @@ from cute_flash.compile.registry import arch_option, build
 from cute_flash.kernels.common.flags import CACHE_FLAGS, SCORE_FLAGS
 from cute_flash.kernels.sm80.fwd import FwdConfig
 from cute_flash.launch.variants import (BWD_FLAGS, append_variants, bwd_variants, fwd_variants, order_variants,
+                                       packed_append_variants,
                                        sm90_bwd_variants)
 from cute_flash.tools.race_canary import compile_race
 from cute_flash.tools.sanitize import OUR_KERNELS
@@ -140,7 +141,7 @@ def test_bwd_subset_covers_every_bucket_and_every_flag():
 
 
 @pytest.mark.parametrize("arch", [80, 90])
-@pytest.mark.parametrize("config", append_variants(), ids=lambda c: c.name)
+@pytest.mark.parametrize("config", append_variants() + packed_append_variants(), ids=lambda c: c.name)
 def test_append_kernel_compiles(arch, config, tmp_path):
     build(config, arch, f"--keep-ptx --dump-dir={tmp_path}")
     _assert_one_kernel_for(arch, tmp_path)

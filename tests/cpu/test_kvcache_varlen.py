@@ -73,7 +73,7 @@ def test_each_sequence_gets_its_own_queries_and_appends(launch, page_size, rotar
     out, lse = cute_flash.flash_attn_with_kvcache(**case, causal=True, rotary_interleaved=interleaved,
                                                   return_softmax_lse=True)
     assert out.shape == case["q"].shape and lse.shape == (H, case["q"].shape[0])
-    assert launch.calls == ["flash_fwd_kvcache"]
+    assert launch.calls == ["pack_kvcache_queries", "flash_fwd_kvcache"]
     _check_each_sequence(case, out, lse, before, causal=True, rotary_interleaved=interleaved)
     # the appends landed where the reference puts them
     ref = case.copy()
@@ -141,10 +141,10 @@ def test_a_refused_call_leaves_the_caches_as_they_were(launch):
 
 def test_appends_past_the_cache_stay_inside_it(launch):
     """Bad metadata (rows past the capacity) writes nowhere outside the caches and raises nothing,
-    as the append kernel's clamping does (docs/architecture.md, Bad metadata)."""
+    as the append kernels skip such rows (docs/architecture.md, Bad metadata)."""
     case = _case([4, 1], [4, 1], [CAPACITY - 2, 0])
     cute_flash.flash_attn_with_kvcache(**case, causal=True)
-    assert launch.calls == ["flash_fwd_kvcache"]
+    assert launch.calls == ["pack_kvcache_queries", "flash_fwd_kvcache"]
 
 
 def test_checks_run_once_per_signature(launch, monkeypatch):

@@ -1331,3 +1331,31 @@ def test_a_transposed_lse_reaches_the_sm80_backward_dense(recorder):
     flash_bwd(dout, q, q, q, q, lse, softmax_scale=0.5)
     main = next(launch for launch in recorder.launches if type(launch.config).__name__ == "BwdConfig")
     assert main["mLSE"].is_contiguous() and torch.equal(main["mLSE"], lse)
+
+
+def test_packed_kvcache_queries_take_one_packing_launch(recorder):
+    """`pack_kvcache_queries` is one launch of the packed append: its config from the call
+    (paged, new keys, rotary; interleaving and per-row angles only with rotary), q_pad viewed as
+    (batch * max_seqlen_q) rows, the int64 flat row of each packed query returned."""
+    from cute_flash.kernels.sm80.append_packed import PackedAppendConfig
+    from cute_flash.launch.kvcache import pack_kvcache_queries
+
+    q = torch.randn(5, 4, 64, dtype=torch.bfloat16)
+    q_pad = torch.zeros(2, 3, 4, 64, dtype=torch.bfloat16)
+    lengths = torch.empty(2, dtype=torch.int32)
+    cu, lens = torch.tensor([0, 2, 5], dtype=torch.int32), torch.tensor([3, 4], dtype=torch.int32)
+    k_cache, v_cache = (torch.randn(2, 16, 2, 64, dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(5, 2, 64, dtype=torch.bfloat16) for _ in range(2))
+    flat = pack_kvcache_queries(q, q_pad, lengths, k_cache, v_cache, k, v, cu, cu, lens, None, None, True)
+    (launch,) = recorder.launches
+    assert launch.config == PackedAppendConfig("bf16", False, True, False, False, False)
+    assert launch["mQpad"].shape == (6, 4, 64) and launch["mQpad"].data_ptr() == q_pad.data_ptr()
+    assert launch["mFlat"] is flat and flat.dtype == torch.int64 and flat.shape == (5,)
+    assert launch["mLengths"] is lengths and launch["mCuSeqlensK"] is cu and launch["mBlockTable"] is None
+    table = torch.zeros(2, 4, dtype=torch.int32)
+    cos, sin = (torch.randn(32, 16, dtype=torch.bfloat16) for _ in range(2))
+    pack_kvcache_queries(q, q_pad, lengths, k_cache, v_cache, None, None, cu, None, lens, table, (cos, sin, True),
+                         False)
+    launch = recorder.launches[-1]
+    assert launch.config == PackedAppendConfig("bf16", True, False, True, True, False)
+    assert launch["mKnew"] is None and launch["mCuSeqlensK"] is None and launch["mBlockTable"] is table

@@ -117,7 +117,7 @@ def test_a_dynamic_sequence_length_compiles_once(fake):
 
 def test_ops_are_registered_under_the_package_namespace():
     assert cute_flash.ops.fwd._qualname == "cute_flash::fwd"
-    for name in ("fwd", "fwd_varlen", "fwd_kvcache", "bwd", "bwd_varlen"):
+    for name in ("fwd", "fwd_varlen", "fwd_kvcache", "pack_kvcache_queries", "bwd", "bwd_varlen"):
         assert hasattr(torch.ops.cute_flash, name)
 
 
@@ -276,3 +276,21 @@ def test_block_lists_from_an_ops_arguments_are_the_block_masks():
                     block_sparse.block_lists(block_mask, 2, 4, 300, 500, 128, 128)):
         assert torch.equal(a, b)
     assert block_sparse.BlockLists.of_op([], []) is None
+
+
+def test_packed_kvcache_queries_are_one_graph(fake):
+    """Packed queries in the KV-cache call (`cu_seqlens_q`): the packing op, which declares its
+    writes (the padded queries, the lengths, the caches), then the fixed-length call's op."""
+    q = torch.randn(7, 32, 128, **BF16)
+    k_cache, v_cache = torch.randn(3, 1024, 8, 128, **BF16), torch.randn(3, 1024, 8, 128, **BF16)
+    k_new = torch.randn(7, 8, 128, **BF16)
+    cu = torch.tensor([0, 1, 5, 7], device="cuda", dtype=torch.int32)
+    lens = torch.full((3,), 100, device="cuda", dtype=torch.int32)
+    explained = _one_graph(lambda q, kc, vc, kn, vn: flash_attn_with_kvcache(
+        q, kc, vc, kn, vn, cache_seqlens=lens, causal=True, cu_seqlens_q=cu, cu_seqlens_k_new=cu, max_seqlen_q=4),
+        q, k_cache, v_cache, k_new, k_new)
+    ops = [str(n.target) for g in explained.graphs for n in g.graph.nodes if n.op == "call_function"]
+    assert [op for op in ops if "cute_flash" in op] == ["cute_flash.pack_kvcache_queries", "cute_flash.fwd_kvcache"], ops
+    schema = torch.ops.cute_flash.pack_kvcache_queries.default._schema
+    assert [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write] == [
+        "q_pad", "lengths", "k_cache", "v_cache"]

@@ -9,7 +9,7 @@ import torch
 import cute_flash
 from cute_flash.launch import kvcache
 from cute_flash.reference import attention_kvcache_ref
-from tests.helpers.gpu_utils import assert_matches_reference, on_path
+from tests.helpers.gpu_utils import assert_matches_reference, config_lookups, on_path
 
 pytestmark = pytest.mark.gpu
 H, HK, D, CAPACITY = 32, 8, 128, 4096
@@ -75,3 +75,64 @@ def test_packed_queries_against_each_sequence_alone(arch_path, kernels, page_siz
             end = lens[b] + n_q[b]
             torch.testing.assert_close(case["k_cache"][b, lens[b]:end].float(), k_new[0, lens[b]:end].float(),
                                        atol=1e-2, rtol=1e-2)  # rotated in fp32 by each, rounded to bf16
+
+
+@pytest.fixture
+def packing(monkeypatch):
+    """The packed-append configs the calls looked up (kernels/sm80/append_packed.py)."""
+    from cute_flash.kernels.sm80.append_packed import PackedAppendConfig
+
+    return config_lookups(monkeypatch, PackedAppendConfig)
+
+
+def test_queries_without_new_keys_interleaved_rotary(packing):
+    """Verifying tokens already in the cache: no append, every query rotated at its sequence's
+    cache length (not causal: flash-attn's rule), interleaved pairs; against the reference."""
+    n_q, lens = [3, 0, 7, 1], [100, 50, 2000, CAPACITY - 1]  # the last row of the rotary table
+    case = _case(n_q, lens, None, True, seed=5)
+    for key in ("k", "v", "cu_seqlens_k_new"):
+        del case[key]
+    out, lse = cute_flash.flash_attn_with_kvcache(**case, rotary_interleaved=True, return_softmax_lse=True)
+    assert [(c.has_new, c.rotary, c.interleaved, c.q_per_row) for c in packing] == [(False, True, True, False)]
+    cu = case["cu_seqlens_q"].tolist()
+    for b in range(len(n_q)):
+        rows = slice(cu[b], cu[b + 1])
+        if cu[b] == cu[b + 1]:
+            continue
+        per_seq = dict(cache_seqlens=case["cache_seqlens"][b:b + 1], rotary_cos=case["rotary_cos"],
+                       rotary_sin=case["rotary_sin"], rotary_interleaved=True)
+        k_cache, v_cache = (c[b:b + 1] for c in (case["k_cache"], case["v_cache"]))
+
+        def ref_fn(q, k, v, upcast=True, **opts):
+            out, lse, *_ = attention_kvcache_ref(q, k, v, upcast=upcast, **opts)
+            return out, lse
+
+        assert_matches_reference(out[None, rows], lse[None, :, rows], case["q"][None, rows], k_cache, v_cache,
+                                 ref_fn, **per_seq)
+
+
+@pytest.mark.parametrize("page_size", [None, 256])
+def test_appends_past_the_cache_are_skipped(packing, page_size):
+    """Bad metadata: new rows past the capacity (contiguous caches) or in a page id past the pages
+    (paged; its capacity kept, which the host guard checks) are skipped by the packing launch;
+    every other cache row is as before or the call's append."""
+    n_q = [4, 2]
+    lens = [CAPACITY - 2, 10] if page_size is None else [100, 10]
+    case = _case(n_q, lens, page_size, False, seed=9)
+    if page_size is not None:
+        case["block_table"][1, 0] = 1 << 20  # sequence 1's first page: past the pages
+    before = [c.clone() for c in (case["k_cache"], case["v_cache"])]
+    cute_flash.flash_attn_with_kvcache(**case, causal=True)
+    torch.cuda.synchronize()
+    assert [c.paged for c in packing] == [page_size is not None]
+    if page_size is None:
+        k_new = case["k"]
+        assert torch.equal(case["k_cache"][0, CAPACITY - 2:], k_new[:2])  # rows 2 and 3 fell past the cache
+        assert torch.equal(case["k_cache"][0, :CAPACITY - 2], before[0][0, :CAPACITY - 2])
+        assert torch.equal(case["k_cache"][1, 10:12], k_new[4:6])
+        assert torch.equal(case["k_cache"][1, 12:], before[0][1, 12:])
+    else:
+        changed = (case["k_cache"] != before[0]).flatten(1).any(1).nonzero().flatten().tolist()
+        first = int(case["block_table"][0, 0])  # sequence 0's rows 100..103; sequence 1's page is past the pages
+        assert changed == [first]
+        assert torch.equal(case["k_cache"][first, 100:104], case["k"][:4])

@@ -116,6 +116,11 @@ class FakeKernels(types.ModuleType):
         lse_shape = (q.shape[0], q.shape[2], q.shape[1])
         return self._launch("flash_fwd_kvcache", (q, k_cache, v_cache), kw, q, lse_shape)
 
+    def pack_kvcache_queries(self, q, q_pad, lengths, *args):
+        """Packed queries' setup: recorded; every packed query's flat row 0."""
+        self.calls.append(("pack_kvcache_queries", (q, q_pad, lengths, *args), {}))
+        return torch.zeros(q.shape[0], dtype=torch.int64)
+
     def _backward(self, fn, dout, q, k, v, out, lse, dq=None, dk=None, dv=None, **kw):
         """Gradients filled with 1, 2, 3 (for q, k, v), written into the given tensors as the
         real launcher does."""

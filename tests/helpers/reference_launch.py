@@ -10,7 +10,7 @@ import types
 
 import torch
 
-from cute_flash.reference import attention_kvcache_ref, attention_ref, attention_varlen_ref
+from cute_flash.reference import apply_rotary_ref, attention_kvcache_ref, attention_ref, attention_varlen_ref
 
 
 def _forward_options(kw):
@@ -39,6 +39,16 @@ def _grads(dout, q, k, v, out, lse, kw):
     b, sk, hk, _ = k.shape
     dk, dv = (x.view(b, sk, hk, group, x.shape[-1]).sum(3) for x in (dk, dv))
     return dq, dk, dv, d.float()
+
+
+def _rotated(x, rotary, pos):
+    """Rows x (heads, d) rotated at position `pos` (clamped into the tables) when `rotary` is
+    (cos, sin, interleaved): `apply_rotary_ref` on one token."""
+    if rotary is None:
+        return x
+    cos, sin, interleaved = rotary
+    pos = min(max(pos, 0), cos.shape[0] - 1)
+    return apply_rotary_ref(x[None, None], cos, sin, seqlen_offsets=pos, interleaved=interleaved)[0, 0]
 
 
 def _write(dest, value, like):
@@ -74,6 +84,39 @@ class ReferenceLaunch(types.ModuleType):
         out, lse, *_ = attention_kvcache_ref(q, k_cache, v_cache, cache_seqlens=cache_seqlens,
                                              block_table=kw["block_table"], **_forward_options(kw))
         return out, lse
+
+    def pack_kvcache_queries(self, q, q_pad, lengths, k_cache, v_cache, k, v, cu_seqlens_q, cu_seqlens_k_new,
+                             cache_seqlens, block_table, rotary, per_row):
+        """The packing launch's work (kernels/sm80/append_packed.py), sequence by sequence: new
+        rows into the caches (rows outside them skipped), the queries into q_pad's last rows of
+        each sequence, rotated; lengths written; each packed query's flat row returned."""
+        self.calls.append("pack_kvcache_queries")
+        batch, max_q = q_pad.shape[:2]
+        rows = q_pad.view(-1, *q_pad.shape[2:])
+        page_size = k_cache.shape[1]
+        capacity = page_size if block_table is None else block_table.shape[1] * page_size
+        flat = torch.empty(q.shape[0], dtype=torch.int64)
+        for b in range(batch):
+            start, new = int(cache_seqlens[b]), 0
+            if k is not None:
+                first, new = int(cu_seqlens_k_new[b]), int(cu_seqlens_k_new[b + 1] - cu_seqlens_k_new[b])
+                for j in range(new):
+                    pos = start + j
+                    if not 0 <= pos < capacity:
+                        continue
+                    page, row = b, pos
+                    if block_table is not None:
+                        page, row = int(block_table[b, pos // page_size]), pos % page_size
+                        if not 0 <= page < k_cache.shape[0]:
+                            continue
+                    k_cache[page, row] = _rotated(k[first + j], rotary, pos)
+                    v_cache[page, row] = v[first + j]
+            lengths[b] = start + new
+            first, n = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1] - cu_seqlens_q[b])
+            for i in range(n):
+                flat[first + i] = b * max_q + max_q - n + i
+                rows[flat[first + i]] = _rotated(q[first + i], rotary, start + i if per_row else start)
+        return flat
 
     def flash_bwd(self, dout, q, k, v, out, lse, *, dq=None, dk=None, dv=None, **kw):
         self.calls.append("flash_bwd")

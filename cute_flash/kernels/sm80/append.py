@@ -81,23 +81,11 @@ class AppendKV:
         start = mCacheSeqlens[bidb]
         if x < seqlen_new:
             if bidh < mKnew.shape[2]:
-                pos = start + x
-                if cutlass.const_expr(self.paged):
-                    page_size = mKcache.shape[1]
-                    if pos >= 0 and pos < mBlockTable.shape[1] * page_size:
-                        page = mBlockTable[bidb, pos // page_size]
-                        if page >= 0 and page < mKcache.shape[0]:
-                            self.write_row(mKnew[bidb, x, bidh, None], mVnew[bidb, x, bidh, None],
-                                           mKcache[page, pos % page_size, bidh, None],
-                                           mVcache[page, pos % page_size, bidh, None], mCos, mSin, pos)
-                else:
-                    row_b = bidb
-                    if cutlass.const_expr(self.has_batch_idx):
-                        row_b = mBatchIdx[bidb]
-                    if row_b >= 0 and row_b < mKcache.shape[0] and pos >= 0 and pos < mKcache.shape[1]:
-                        self.write_row(mKnew[bidb, x, bidh, None], mVnew[bidb, x, bidh, None],
-                                       mKcache[row_b, pos, bidh, None], mVcache[row_b, pos, bidh, None],
-                                       mCos, mSin, pos)
+                row_b = bidb
+                if cutlass.const_expr(self.has_batch_idx):
+                    row_b = mBatchIdx[bidb]
+                self.append_key(mKnew[bidb, x, bidh, None], mVnew[bidb, x, bidh, None], mKcache, mVcache,
+                                mBlockTable, mCos, mSin, row_b, bidh, start + x)
         else:
             if cutlass.const_expr(self.rotary):
                 i = x - seqlen_new
@@ -105,6 +93,23 @@ class AppendKV:
                 if cutlass.const_expr(self.q_per_row):
                     pos = start + i
                 self.rotate(mQ[bidb, i, bidh, None], mQrot[bidb, i, bidh, None], mCos, mSin, pos)
+
+    @cute.jit
+    def append_key(self, k_row, v_row, mKcache: cute.Tensor, mVcache: cute.Tensor, mBlockTable, mCos, mSin, row_b,
+                   bidh, pos):
+        """One new key row into the cache at `pos` of cache row `row_b` (paged: of block-table
+        row `row_b`), skipped where the row, the position or its page lies outside the cache."""
+        if cutlass.const_expr(self.paged):
+            page_size = mKcache.shape[1]
+            if pos >= 0 and pos < mBlockTable.shape[1] * page_size:
+                page = mBlockTable[row_b, pos // page_size]
+                if page >= 0 and page < mKcache.shape[0]:
+                    self.write_row(k_row, v_row, mKcache[page, pos % page_size, bidh, None],
+                                   mVcache[page, pos % page_size, bidh, None], mCos, mSin, pos)
+        else:
+            if row_b >= 0 and row_b < mKcache.shape[0] and pos >= 0 and pos < mKcache.shape[1]:
+                self.write_row(k_row, v_row, mKcache[row_b, pos, bidh, None], mVcache[row_b, pos, bidh, None], mCos,
+                               mSin, pos)
 
     @cute.jit
     def write_row(self, k_row, v_row, k_dst, v_dst, mCos, mSin, pos):
