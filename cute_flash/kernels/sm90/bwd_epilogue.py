@@ -51,13 +51,9 @@ class BwdEpilogue:
         if cutlass.const_expr(args.varlen is not None):
             self.store_dkv_rows(smem, args.varlen, tile, wg_idx, mma_tidx % 128)
         elif mma_tidx % 128 < 32:
-            rows = (tile.n_block * self.wgs + wg_idx, 0)
             for atom, src, dst in ((recipe.tma_dk, smem.sK, args.tma_mdK), (recipe.tma_dv, smem.sV, args.tma_mdV)):
                 s_wg = cute.local_tile(src, (hopper.WGMMA_M, d), (wg_idx, 0))  # (64, d) this warpgroup's rows
-                g = cute.local_tile(dst[None, None, tile.bidh, tile.bidb], (hopper.WGMMA_M, d), rows)  # (64, d)
-                tXsX, tXgX = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s_wg, 0, 2),
-                                                   cute.group_modes(g, 0, 2))  # (TMA,), (TMA,)
-                cute.copy(atom, tXsX, tXgX)
+                self.tma_store(atom, s_wg, dst, tile, tile.n_block * self.wgs + wg_idx)
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # shared memory outlives the bulk reads
 
@@ -78,13 +74,19 @@ class BwdEpilogue:
             for w, (atom, src, dst) in enumerate(((recipe.tma_dk, smem.sK, args.tma_mdK),
                                                   (recipe.tma_dv, smem.sV, args.tma_mdV))):
                 if wg_idx == w:
-                    g = cute.local_tile(dst[None, None, tile.bidh, tile.bidb], (hopper.WGMMA_M, d),
-                                        (tile.n_block, 0))  # (64, d)
-                    tXsX, tXgX = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(src, 0, 2),
-                                                       cute.group_modes(g, 0, 2))  # (TMA,), (TMA,)
-                    cute.copy(atom, tXsX, tXgX)
+                    self.tma_store(atom, src, dst, tile, tile.n_block)
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # shared memory outlives the bulk reads
+
+    @cute.jit
+    def tma_store(self, atom, s: cute.Tensor, mX: cute.Tensor, tile: KeyTile, block):
+        """One TMA store of the (64, d) shared-memory tile `s` into 64-row block `block` of mX's
+        rows of this (head, batch)."""
+        g = cute.local_tile(mX[None, None, tile.bidh, tile.bidb], (hopper.WGMMA_M, self.t.head_dim),
+                            (block, 0))  # (64, d)
+        tXsX, tXgX = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2),
+                                           cute.group_modes(g, 0, 2))  # (TMA,), (TMA,)
+        cute.copy(atom, tXsX, tXgX)
 
     @cute.jit
     def store_dkv_rows(self, smem: Sm90BwdSmem, varlen: Sm90BwdVarlen, tile: KeyTile, wg_idx, wg_tidx):
