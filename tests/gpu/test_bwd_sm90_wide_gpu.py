@@ -8,11 +8,11 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cute_flash import flash_attn_func, flash_attn_varlen_func
-from cute_flash.reference import attention_varlen_ref
+from cute_flash import flash_attn_func
 from tests.helpers.backward import (assert_grads_match, check_bitwise_repeatable, check_dropout_grads,
-                                    check_score_modifiers, check_varlen_grads, inputs, ours, packed_inputs)
-from tests.helpers.gpu_utils import cu_seqlens, gpu_settings, only_the_hopper_kernel
+                                    check_score_modifiers, check_varlen_bitwise_repeatable, check_varlen_grads, inputs,
+                                    ours)
+from tests.helpers.gpu_utils import gpu_settings, only_the_hopper_kernel
 
 pytestmark = pytest.mark.gpu
 
@@ -85,9 +85,4 @@ def test_deterministic_grads_are_bitwise_repeatable():
 def test_varlen_deterministic_grads_are_bitwise_repeatable():
     """Packed batches, deterministic, with a window: equal bit for bit over three runs, and the
     reference rule per sequence."""
-    lq, lk = [1500, 3, 0, 700], [1700, 90, 20, 700]
-    q, k, v, dout = packed_inputs(lq, lk, 8, 2, 256)
-    cu_q, cu_k = cu_seqlens(lq), cu_seqlens(lk)
-    check_bitwise_repeatable(lambda q, k, v, **o: flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lq), max(lk), **o),
-                             dout, q, k, v, ref_fn=lambda q, k, v, **o: attention_varlen_ref(q, k, v, cu_q, cu_k, **o),
-                             window_size=(500, 0))
+    check_varlen_bitwise_repeatable(256)

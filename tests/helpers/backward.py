@@ -187,6 +187,17 @@ def check_bitwise_repeatable(fn, dout, q, k, v, ref_fn=attention_ref, **opts):
     assert_grads_match(grads, q, k, v, dout, out=out, ref_fn=ref_fn, **opts)
 
 
+def check_varlen_bitwise_repeatable(d):
+    """Packed batches at head dim d, deterministic, with a window: equal bit for bit over three
+    runs, and the reference rule per sequence."""
+    lq, lk = [1500, 3, 0, 700], [1700, 90, 20, 700]
+    q, k, v, dout = packed_inputs(lq, lk, 8, 2, d)
+    cu_q, cu_k = cu_seqlens(lq), cu_seqlens(lk)
+    check_bitwise_repeatable(lambda q, k, v, **o: flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lq), max(lk), **o),
+                             dout, q, k, v, ref_fn=lambda q, k, v, **o: attention_varlen_ref(q, k, v, cu_q, cu_k, **o),
+                             window_size=(500, 0))
+
+
 def check_private_backward():
     """The private `_flash_attn_backward` writes the given dq, dk, dv and returns softmax_d (d 64)."""
     from cute_flash.flash_attn_interface import _flash_attn_backward, _flash_attn_forward
