@@ -262,6 +262,9 @@ def main(argv=None):
     command("coldstart", "first calls of a fresh process, empty vs warm compile cache (GPU)")
     t = command("tune", "TFLOP/s of each tile candidate per head dim (GPU)")
     t.add_argument("--bwd", action="store_true", help="the backward's tile candidates instead of the forward's")
+    t.add_argument("--bwd-dq", action="store_true",
+                   help="the Hopper backward's dQ paths, deterministic mode and the policy's choice, interleaved "
+                        "(sm_90 GPUs)")
     t.add_argument("--sm90", action="store_true", help="the Hopper forward's tile candidates (sm_90 GPUs)")
     t.add_argument("--decode", action="store_true",
                    help="the Hopper KV-cache entry's candidates on decode cells, GB/s (sm_90 GPUs)")
@@ -363,8 +366,8 @@ def main(argv=None):
     elif cmd == "tune":
         from cute_flash.tools import bench as tuners
 
-        tuner = (tuners.tune_bwd if args.bwd else tuners.tune_sm90 if args.sm90 else tuners.tune_decode if args.decode
-                 else tuners.tune_decode_splits if args.splits else tuners.tune)
+        tuner = (tuners.tune_bwd if args.bwd else tuners.tune_bwd_dq if args.bwd_dq else tuners.tune_sm90 if args.sm90
+                 else tuners.tune_decode if args.decode else tuners.tune_decode_splits if args.splits else tuners.tune)
         tuner()
     return 0
 

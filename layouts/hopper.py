@@ -284,6 +284,18 @@ def bwd_smem_layout(traits, rows: int, stages: int | None = None):
     return cute.tile_to_shape(atom, (rows, traits.head_dim, stages), order=(0, 1, 2))
 
 
+def bwd_smem_bytes(traits, staging: bool = True) -> int:
+    """The backward's shared memory: Q and dO (q_stages each), K, V, dS^T (`BWD_STAGES`; P^T too
+    above d 128), the fp32 dQ staging tile unless dQ goes out by atomics (`staging`), LSE and D
+    (q_stages each) and the mbarriers."""
+    t = traits
+    staged = 2 if bwd_splits_head_dim(t) else 1  # dS^T, and P^T
+    tiles = ELEMENT_BYTES * (2 * t.q_stages * t.block_m * t.head_dim + 2 * t.block_n * t.head_dim
+                             + staged * BWD_STAGES * t.block_n * t.block_m)
+    dq = 4 * t.block_m * t.head_dim if staging else 0
+    return tiles + dq + 4 * 2 * t.q_stages * t.block_m + 8 * (1 + 4 * t.q_stages)
+
+
 def bwd_warpgroups(traits) -> int:
     """Consumer warpgroups of the backward: one per 64 keys, or two splitting the head dim."""
     return 2 if bwd_splits_head_dim(traits) else traits.block_n // WGMMA_M

@@ -101,8 +101,21 @@ def _semaphores(config: Sm90BwdConfig, dq_accum: torch.Tensor):
     return torch.zeros(dq_accum.shape[1:-1], dtype=torch.int32, device=dq_accum.device)
 
 
+def _hopper_config(config: BwdConfig, hopper_variant, **fields) -> Sm90BwdConfig:
+    """The Hopper backward's config of a call the dispatcher gave `config` (its score flags,
+    deterministic mode, mods; the bucket's Hopper tiles), with `fields`, then the policy's dQ
+    path (`policy.hopper_bwd_dq`) or, where the caller gives them, its `hopper_variant` fields
+    instead."""
+    sm90 = Sm90BwdConfig(choose_hopper_bwd_traits(config.traits.head_dim, config.traits.dtype), config.has_left,
+                         config.has_right, config.has_alibi, config.has_softcap, config.has_dropout,
+                         deterministic=config.deterministic, mods=config.mods, **fields)
+    if hopper_variant is None:
+        return replace(sm90, **policy.hopper_bwd_dq(sm90.traits, sm90.deterministic))
+    return replace(sm90, **hopper_variant)
+
+
 def _flash_bwd_sm90(dout, q, k, v, out, lse, config: BwdConfig, index, softmax_scale, softcap, alibi_slopes, left,
-                    right, grads, d, dropout, mods: ModArgs | None = None, block_mask=None):
+                    right, grads, d, dropout, mods: ModArgs | None = None, block_mask=None, hopper_variant=None):
     """The Hopper backward on aligned tensors. LSE (times log2 e) and D go in rows padded to
     whole query blocks, +inf and 0 past seqlen_q (the preprocess writes them there,
     `PreprocessConfig.hopper_rows`), so the kernel's bulk copies of a block's values need no
@@ -111,7 +124,9 @@ def _flash_bwd_sm90(dout, q, k, v, out, lse, config: BwdConfig, index, softmax_s
     count every key block of a query block."""
     b, sq, h, d_pad = q.shape
     sk, hk = k.shape[1], k.shape[2]
-    t = choose_hopper_bwd_traits(config.traits.head_dim, config.traits.dtype)
+    sparse = block_mask is not None and not config.deterministic
+    sm90 = _hopper_config(config, hopper_variant, block_sparse=sparse)
+    t = sm90.traits
     even_k = d_pad == t.head_dim  # 96, 160, 224 run on the d 128 / 192 / 256 tiles
     sq_pad = -(-sq // t.block_m) * t.block_m
     lse_log2, dot_pad = (torch.empty((b, h, sq_pad), dtype=torch.float32, device=q.device) for _ in range(2))
@@ -122,23 +137,20 @@ def _flash_bwd_sm90(dout, q, k, v, out, lse, config: BwdConfig, index, softmax_s
                            device=q.device)
     dk_h = torch.empty((b, sk, h, d_pad), dtype=q.dtype, device=q.device)
     dv_h = torch.empty((b, sk, h, d_pad), dtype=q.dtype, device=q.device)
-    sparse = block_mask is not None and not config.deterministic
-    sm90 = Sm90BwdConfig(t, config.has_left, config.has_right, config.has_alibi, config.has_softcap,
-                         config.has_dropout, deterministic=config.deterministic, mods=config.mods, block_sparse=sparse)
     lists = block_lists(block_mask, b, h, sq, sk, t.block_m, t.block_n, by_key=True) if sparse else None
     compiled.kernel_for(sm90, index)(q, k, v, dout, lse_log2, dot_pad, dq_accum, dk_h, dv_h,
                                      alibi_2d(alibi_slopes, b, h), rng_of(dropout, q.device),
                                      _semaphores(sm90, dq_accum), aux_of(mods), lists, softmax_scale,
                                      *scales(softmax_scale, softcap, has_score_mod(mods)), left, right)
     dq_out = torch.empty((b, sq, h, d_pad), dtype=q.dtype, device=q.device)
-    compiled.kernel_for(DQConvertConfig(t, even_k, False, 4, hopper=True), index)(
+    compiled.kernel_for(DQConvertConfig.of_hopper(t, even_k, False), index)(
         dq_accum, dq_out, softmax_scale)
     return _finish(dq_out, dk_h, dv_h, d, hk, grads, dot)
 
 
 def _flash_bwd_sm90_varlen(dout, q, k, v, out, lse, config: BwdConfig, index, cu_seqlens_q, cu_seqlens_k, seqused_k,
                            max_seqlen_q, softmax_scale, softcap, alibi_slopes, left, right, grads, d,
-                           dropout, mods: ModArgs | None = None):
+                           dropout, mods: ModArgs | None = None, hopper_variant=None):
     """The Hopper backward of a packed batch on aligned tensors: LSE (times log2 e), D and
     dQaccum in rows padded per sequence to whole query blocks (sequence b's from tile
     cu_seqlens_q[b] // block_m + b; +inf, 0 and 0 past each sequence: the preprocess writes LSE
@@ -147,7 +159,8 @@ def _flash_bwd_sm90_varlen(dout, q, k, v, out, lse, config: BwdConfig, index, cu
     total_q, h, d_pad = q.shape
     total_k, hk = k.shape[0], k.shape[1]
     batch = cu_seqlens_q.shape[0] - 1
-    t = choose_hopper_bwd_traits(config.traits.head_dim, config.traits.dtype)
+    sm90 = _hopper_config(config, hopper_variant, varlen=True, has_seqused_k=seqused_k is not None)
+    t = sm90.traits
     even_k = d_pad == t.head_dim  # 96, 160, 224 run on the d 128 / 192 / 256 tiles
     tiles = varlen_dq_tiles(total_q, batch, t.block_m)
     dot = torch.empty((h, total_q), dtype=torch.float32, device=q.device)
@@ -158,9 +171,6 @@ def _flash_bwd_sm90_varlen(dout, q, k, v, out, lse, config: BwdConfig, index, cu
     dq_accum = torch.zeros((1, h, tiles, t.block_m * t.head_dim), dtype=torch.float32, device=q.device)
     dk_h = torch.zeros((total_k, h, d_pad), dtype=q.dtype, device=q.device)  # keys no sequence covers (or past
     dv_h = torch.zeros((total_k, h, d_pad), dtype=q.dtype, device=q.device)  # seqused_k) get a zero gradient
-    sm90 = Sm90BwdConfig(t, config.has_left, config.has_right, config.has_alibi, config.has_softcap,
-                         config.has_dropout, varlen=True, has_seqused_k=seqused_k is not None,
-                         deterministic=config.deterministic, mods=config.mods)
     compiled.kernel_for(sm90, index)(q, k, v, dout, lse_log2, dot_pad, dq_accum, dk_h, dv_h,
                                      alibi_2d(alibi_slopes, batch, h), rng_of(dropout, q.device),
                                      _semaphores(sm90, dq_accum), aux_of(mods), cu_seqlens_q, cu_seqlens_k, seqused_k,
@@ -168,18 +178,20 @@ def _flash_bwd_sm90_varlen(dout, q, k, v, out, lse, config: BwdConfig, index, cu
                                                               t.block_n, right, sm90.dq_descending), softmax_scale,
                                      *scales(softmax_scale, softcap, has_score_mod(mods)), left, right)
     dq_out = torch.zeros((total_q, h, d_pad), dtype=q.dtype, device=q.device)  # rows no sequence covers: 0
-    compiled.kernel_for(DQConvertConfig(t, even_k, True, 4, hopper=True), index)(
+    compiled.kernel_for(DQConvertConfig.of_hopper(t, even_k, True), index)(
         dq_accum, dq_out, cu_seqlens_q, max_seqlen_q, softmax_scale)
     return _finish(dq_out, dk_h, dv_h, d, hk, grads, dot)
 
 
 def flash_bwd(dout, q, k, v, out, lse, *, softmax_scale, causal=False, window_size=(-1, -1), softcap=0.0,
               alibi_slopes=None, deterministic=False, dq=None, dk=None, dv=None, variant=None,
-              dropout: DropoutArgs | None = None, mods=None, block_mask=None):
+              dropout: DropoutArgs | None = None, mods=None, block_mask=None, hopper_variant=None):
     """Gradients of the dense forward: q/dout/out (b, sq, h, d), k/v (b, sk, hk, d), lse
     (b, h, sq) from the forward; returns (dq, dk, dv, softmax_d), the gradients written into
     dq/dk/dv when given; softmax_d (b, h, sq) fp32 is D = rowsum(dO * O). `variant`: BwdConfig
-    fields replacing the dispatcher's choice (traits, dq_bulk: `python -m cute_flash tune --bwd`).
+    fields replacing the dispatcher's choice (traits, dq_bulk: `python -m cute_flash tune --bwd`);
+    `hopper_variant`: Sm90BwdConfig fields replacing the Hopper kernel's (the bucket's tiles and
+    "bulk" dQ path, not the policy's), on a call it takes (`python -m cute_flash tune --bwd-dq`).
     `dropout`: the forward's (the same seed and offset recompute its mask); `mods`: the forward's
     Python-written mods with the score_mod's backward (`ModArgs.of`); `block_mask`: the forward's
     FlexAttention BlockMask of the mask_mod, whose empty blocks either kernel skips (the Hopper
@@ -193,7 +205,7 @@ def flash_bwd(dout, q, k, v, out, lse, *, softmax_scale, causal=False, window_si
         return padded_backward(functools.partial(
             flash_bwd, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
             alibi_slopes=alibi_slopes, deterministic=deterministic, variant=variant, dropout=dropout, mods=mods,
-            block_mask=block_mask), dout, q, k, v, out, lse, dq, dk, dv)
+            block_mask=block_mask, hopper_variant=hopper_variant), dout, q, k, v, out, lse, dq, dk, dv)
     if chunked(b):  # launch/batch_chunks.py: each chunk writes its rows of the gradients
         refuse_chunked_dropout(dropout, b)
         refuse_chunked_mods(mods, b)
@@ -202,7 +214,8 @@ def flash_bwd(dout, q, k, v, out, lse, *, softmax_scale, causal=False, window_si
         for s in batch_chunks(b):
             dot[s] = flash_bwd(dout[s], q[s], k[s], v[s], out[s], lse[s], softmax_scale=softmax_scale, causal=causal,
                                window_size=window_size, softcap=softcap, alibi_slopes=slopes_of(alibi_slopes, s),
-                               deterministic=deterministic, dq=dq[s], dk=dk[s], dv=dv[s], variant=variant)[3]
+                               deterministic=deterministic, dq=dq[s], dk=dk[s], dv=dv[s], variant=variant,
+                               hopper_variant=hopper_variant)[3]
         return dq, dk, dv, dot
     q, softmax_scale, dq_sign = positive_scale(q, softmax_scale)
     q, k, v, out, dout = (aligned(x) for x in (q, k, v, out, dout))
@@ -214,7 +227,8 @@ def flash_bwd(dout, q, k, v, out, lse, *, softmax_scale, causal=False, window_si
                      dropout, mods)
     if variant is None and policy.takes_hopper_bwd(config, index):
         return _signed_dq(_flash_bwd_sm90(dout, q, k, v, out, lse, config, index, softmax_scale, softcap,
-                                          alibi_slopes, left, right, (dq, dk, dv), d, dropout, mods, block_mask),
+                                          alibi_slopes, left, right, (dq, dk, dv), d, dropout, mods, block_mask,
+                                          hopper_variant),
                           dq_sign)
     config = replace(config, **(variant or {}), block_sparse=block_mask is not None)
     lists = None
@@ -241,9 +255,10 @@ def flash_bwd(dout, q, k, v, out, lse, *, softmax_scale, causal=False, window_si
 def flash_bwd_varlen(dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                      softmax_scale, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                      seqused_k=None, deterministic=False, dq=None, dk=None, dv=None,
-                     dropout: DropoutArgs | None = None, mods=None):
+                     dropout: DropoutArgs | None = None, mods=None, hopper_variant=None):
     """Gradients of the packed forward: q/dout/out (total_q, h, d), k/v (total_k, hk, d), lse
-    (h, total_q); returns (dq, dk, dv, softmax_d (h, total_q)). `dropout`, `mods`: the forward's."""
+    (h, total_q); returns (dq, dk, dv, softmax_d (h, total_q)). `dropout`, `mods`: the forward's;
+    `hopper_variant` as `flash_bwd`'s."""
     total_q, h, d = q.shape
     total_k, hk = k.shape[0], k.shape[1]
     batch = cu_seqlens_q.shape[0] - 1
@@ -254,7 +269,7 @@ def flash_bwd_varlen(dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max
             flash_bwd_varlen, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
             max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
             softcap=softcap, alibi_slopes=alibi_slopes, seqused_k=seqused_k, deterministic=deterministic,
-            dropout=dropout, mods=mods), dout, q, k, v, out, lse, dq, dk, dv)
+            dropout=dropout, mods=mods, hopper_variant=hopper_variant), dout, q, k, v, out, lse, dq, dk, dv)
     refuse_chunked_dropout(dropout, batch)
     mods = ModArgs.of(mods)
     refuse_chunked_mods(mods, batch)
@@ -271,7 +286,8 @@ def flash_bwd_varlen(dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max
     if policy.takes_hopper_bwd(config, index) and not chunked(batch):
         return _signed_dq(_flash_bwd_sm90_varlen(dout, q, k, v, out, lse, config, index, cu_seqlens_q, cu_seqlens_k,
                                                  seqused, max_seqlen_q, softmax_scale, softcap,
-                                                 alibi_slopes, left, right, (dq, dk, dv), d, dropout, mods),
+                                                 alibi_slopes, left, right, (dq, dk, dv), d, dropout, mods,
+                                                 hopper_variant),
                           dq_sign)
     grid_x = _grid_x(config, max_seqlen_k, batch, h, index)
     t = config.traits

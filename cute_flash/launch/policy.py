@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from cute_flash.kernels.sm80.bwd import DQ_STAGE_BYTES, BwdConfig
 from cute_flash.kernels.sm90.fwd import Sm90FwdConfig
@@ -40,6 +40,19 @@ def takes_hopper_bwd(config: BwdConfig, index: int) -> bool:
     `CUTE_FLASH_ARCH_PATH=sm80` selects the SM80 kernel.
     docs/tuning/backward.md lists what falls back and why."""
     return takes_hopper_path(index) and config.traits.head_dim in BWD_SERVES
+
+
+def hopper_bwd_dq(traits: BwdTraits, deterministic: bool) -> dict:
+    """The default mode's dQ path on the Hopper backward's tiles (Sm90BwdConfig fields): at d 64
+    and 128 (96 too) the producer's writer warps issue the bulk adds (1.03-1.05x the consumers'
+    own), at d 256 (224 too) `red.global` adds from registers, the staging tile's room a second
+    Q / dO stage (1.29-1.31x); d 32 (not measured), 192 (the others 0.90-0.99) and deterministic
+    mode keep theirs. docs/tuning/policy.md; docs/tuning/backward.md, "The dQ paths measured"."""
+    if deterministic or traits.head_dim in (32, 192):
+        return {}
+    if traits.head_dim == 256:
+        return dict(dq_path="atomic", traits=replace(traits, q_stages=2))
+    return dict(dq_path="writer")
 
 
 PERSISTENT_MAX_KEY_BLOCKS = 64

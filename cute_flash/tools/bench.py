@@ -847,6 +847,85 @@ def tune_bwd(seqlens=(512, 2048, 8192)):
     return rows
 
 
+def _dq_ways(d: int) -> dict:
+    """`tune_bwd_dq`'s ways, as flash_bwd / flash_bwd_varlen keywords."""
+    from dataclasses import replace
+
+    from layouts.hopper import choose_hopper_bwd_traits
+
+    one = choose_hopper_bwd_traits(d)  # the bucket's tiles, whatever the policy's path changes in them
+    ways = {path: dict(hopper_variant=dict(dq_path=path, traits=one)) for path in ("bulk", "writer", "atomic")}
+    ways |= {"deterministic": dict(deterministic=True), "policy": dict()}
+    if d == 256:
+        ways["atomic_2stages"] = dict(hopper_variant=dict(dq_path="atomic", traits=replace(one, q_stages=2)))
+    return ways
+
+
+def _time_ways(label: str, call, ways: dict, flops: float, rounds: int) -> dict:
+    """Each way's median backward-alone TFLOP/s over `rounds` interleaved timings, and its max
+    |dQ - bulk's dQ| (bulk against itself: the unordered adds' spread)."""
+    dq_default = call(**ways["bulk"])[0].float()
+    err = {w: (call(**kw)[0].float() - dq_default).abs().max().item() for w, kw in ways.items()}
+    times = {w: [] for w in ways}
+    for _ in range(rounds):
+        for w, kw in ways.items():
+            times[w].append(time_ms(functools.partial(call, **kw)))
+    tflops = {w: flops / statistics.median(t) / 1e9 for w, t in times.items()}
+    print(f"{label} " + " ".join(f"{w} {tflops[w]:.0f} ({err[w]:.1e}, {tflops[w] / tflops['bulk']:.3f})"
+                                 for w in ways), flush=True)
+    return dict(tflops=tflops, max_dq_diff=err)
+
+
+def tune_bwd_dq(seqlens=(4096,), means=(512, 2048), rounds=3):
+    """The Hopper backward's dQ paths (`Sm90BwdConfig.dq_path`: "bulk", "writer", "atomic", each
+    on the bucket's tiles; at d 256 "atomic" also with two Q / dO stages in the staging tile's
+    room), deterministic mode and the policy's choice
+    (`policy.hopper_bwd_dq`), interleaved `rounds` times per cell (the median kept):
+    backward-alone TFLOP/s at d 64 / 128 / 192 / 256, causal or not, and on packed batches at
+    d 128 (the train_varlen section's lengths), each with max |dQ - bulk's dQ| and its rate over
+    bulk's: `python -m cute_flash tune --bwd-dq` (sm_90 GPUs)."""
+    import itertools
+
+    import torch
+
+    from cute_flash.launch.backward import flash_bwd, flash_bwd_varlen
+    from cute_flash.launch.dense import flash_fwd, flash_fwd_varlen
+    from cute_flash.tools.bench_train_varlen import exponential_lengths
+
+    def rnd(*shape, g):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g)
+
+    rows = []
+    for d in (64, 128, 192, 256):
+        for causal in (False, True):
+            for s in seqlens:
+                b, h = max(1, TOKENS // s), HIDDEN // d
+                g = torch.Generator(device="cuda").manual_seed(d + s)
+                q, k, v, dout = (rnd(b, s, h, d, g=g) for _ in range(4))
+                out, lse = flash_fwd(q, k, v, softmax_scale=d ** -0.5, causal=causal)
+                call = functools.partial(flash_bwd, dout, q, k, v, out, lse, softmax_scale=d ** -0.5, causal=causal)
+                flops = 2.5 * 4 * b * h * d * visible_pairs(s, s, causal)
+                rows.append(dict(d=d, causal=causal, seqlen=s, **_time_ways(
+                    f"d{d} causal={causal!s:5} s{s:6}", call, _dq_ways(d), flops, rounds)))
+    d = 128
+    for mean in means:
+        for causal in (False, True):
+            lengths = exponential_lengths(mean, TOKENS)
+            cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device="cuda")
+            h, smax = HIDDEN // d, max(lengths)
+            g = torch.Generator(device="cuda").manual_seed(mean)
+            q, k, v, dout = (rnd(sum(lengths), h, d, g=g) for _ in range(4))
+            lens = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=smax, max_seqlen_k=smax)
+            out, lse = flash_fwd_varlen(q, k, v, softmax_scale=d ** -0.5, causal=causal, **lens)
+            call = functools.partial(flash_bwd_varlen, dout, q, k, v, out, lse, softmax_scale=d ** -0.5,
+                                     causal=causal, **lens)
+            flops = 2.5 * sum(4 * h * d * visible_pairs(n, n, causal) for n in lengths)
+            rows.append(dict(d=d, causal=causal, mean=mean, **_time_ways(
+                f"packed d{d} causal={causal!s:5} mean {mean} ({len(lengths)} seqs, longest {smax})", call,
+                _dq_ways(d), flops, rounds)))
+    return rows
+
+
 def format_grid(rows) -> str:
     """ours/FLASH, ours against the better of CUDNN and flash-attn-4, and on sm_90 ours (the
     Hopper kernel) against our SM80 kernel."""

@@ -25,14 +25,15 @@ wide) read exactly its rows of O's staging tile, from 1024-byte aligned bases. A
 the Hopper backward's tiles (layouts.verify_hopper.bwd_checks): sQ / sKV / sdS bijections with
 aligned stages, `P->A` the S^T and dP^T accumulators as the register A operands of dV and dK,
 the S^T / dKV / dQ accumulators' cover, dQ's warpgroup runs filling the chunk, and the dK / dV
-TMA store boxes.
+TMA store boxes; beside the buckets' tiles, those the policy's dQ path gives a second Q / dO
+stage (`-atomic`: no dQ staging tile in the shared-memory count).
 """
 from pathlib import Path
 
-from cute_flash.kernels.sm90.bwd import Sm90BwdConfig
+from cute_flash.launch.policy import hopper_bwd_dq
 from cute_flash.launch.variants import sm90_traits_stages
 from layouts import verify, verify_bwd, verify_hopper
-from layouts.hopper import shipped_hopper_bwd_traits
+from layouts.hopper import bwd_smem_bytes, shipped_hopper_bwd_traits
 from layouts.traits import ELEMENT_BYTES, SMEM_LIMIT, shipped_bwd_traits, shipped_fwd_traits
 
 BANK_COLUMNS = {"ldsm_q": "ldsmQ", "ldsm_k": "ldsmK", "ldsm_vt": "ldsmVt", "cpasync_q": "cpQ",
@@ -147,18 +148,22 @@ def print_hopper_report() -> bool:
 def print_hopper_bwd_report() -> bool:
     """The Hopper backward's traits (sm_90), one row each: the names of failed checks, if any."""
     header = ["hopper bwd traits", "smem B", "fits", "failed checks"]
-    widths = [36, WIDTHS["smem"], WIDTHS["fits"], 30]
+    widths = [40, WIDTHS["smem"], WIDTHS["fits"], 30]
     print(_row(header, widths), flush=True)
     failed = []
-    for t in shipped_hopper_bwd_traits():
+    shipped = shipped_hopper_bwd_traits()
+    chosen = [hopper_bwd_dq(t, deterministic=False) for t in shipped]  # the policy's dQ path may change the tiles
+    rows = [(t, True) for t in shipped] + [(c["traits"], c["dq_path"] != "atomic") for c in chosen if "traits" in c]
+    for t, staged in rows:
+        name = t.name + ("" if staged else "-atomic")  # no dQ staging tile
         checks = verify_hopper.bwd_checks(t)
-        smem = Sm90BwdConfig(t).smem_bytes
+        smem = bwd_smem_bytes(t, staged)
         fits = smem <= SMEM_LIMIT[90]
         bad = [k for k, v in checks.items() if k != "ok" and not v]
         if bad or not fits:
-            failed.append(t.name)
-        print(_row([t.name, f"{smem}", _ok(fits), ", ".join(bad) or "-"], widths), flush=True)
-    n = len(shipped_hopper_bwd_traits())
+            failed.append(name)
+        print(_row([name, f"{smem}", _ok(fits), ", ".join(bad) or "-"], widths), flush=True)
+    n = len(rows)
     print(f"sm90: {n - len(failed)}/{n} Hopper backward traits pass" + (f"; FAILED: {', '.join(failed)}" if failed
                                                                           else ""), flush=True)
     return not failed

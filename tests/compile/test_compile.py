@@ -303,7 +303,10 @@ def test_hopper_backward_compiles_to_wgmma(config, tmp_path):
     one per 16-wide k step: S^T and dP^T over the head dim, dV and dK over the query block, dQ
     over the 128 keys. With dropout each Philox call's four words are decided by four bf16x2
     compares to masks (`Dropout.pair_keep_bits`). Deterministic variants order dQ's adds with an
-    acquire load and a release add (`DqTurn`), the others have neither."""
+    acquire load and a release add (`DqTurn`), the others have neither; those that hand dQ to
+    writer warps (deterministic, `dq_path` "writer") meet them at 160-thread barriers (a
+    warpgroup and its writer warp), the others have none; the "atomic" dQ path adds with vector
+    atomics and no bulk reduce, the others the reverse."""
     from cute_flash.kernels.sm90.bwd import Sm90BwdConfig
 
     assert config.smem_bytes <= SMEM_LIMIT[90]
@@ -318,6 +321,9 @@ def test_hopper_backward_compiles_to_wgmma(config, tmp_path):
         assert (compares > 0) == config.has_dropout and compares % 4 == 0
         # deterministic: each warpgroup's first thread spins on its tile's count, then counts its adds
         assert ("ld.acquire.gpu.global" in text) == ("atom.global.release.add" in text) == config.deterministic
+        assert bool(re.search(r"bar\.(sync|arrive)\s+\S+, 160;", text)) == config.writes_dq_apart
+        assert ("cp.reduce.async.bulk" in text) == config.stages_dq
+        assert ("red.relaxed.gpu.global.add.v4.f32" in text) != config.stages_dq
 
 
 @pytest.mark.slow

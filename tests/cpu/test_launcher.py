@@ -1359,3 +1359,70 @@ def test_packed_kvcache_queries_take_one_packing_launch(recorder):
     launch = recorder.launches[-1]
     assert launch.config == PackedAppendConfig("bf16", True, False, True, True, False)
     assert launch["mKnew"] is None and launch["mCuSeqlensK"] is None and launch["mBlockTable"] is table
+
+
+def test_a_hopper_variant_reaches_the_hopper_backward(recorder, monkeypatch):
+    """`hopper_variant`'s Sm90BwdConfig fields replace the Hopper backward's (the dQ path, the
+    tiles: `tune --bwd-dq`) on the bucket's config, the policy's path left out; the call's
+    other choices stay the dispatcher's. Deterministic mode refuses another dQ path (its adds
+    are its writer warps', in turn), and a config whose tiles do not fit shared memory is
+    refused before it compiles (d 256's second Q / dO stage beside the dQ staging tile)."""
+    from dataclasses import replace
+
+    from cute_flash.kernels.sm90.bwd import Sm90BwdConfig
+    from cute_flash.launch.backward import flash_bwd
+    from layouts.hopper import choose_hopper_bwd_traits
+
+    monkeypatch.delenv("CUTE_FLASH_ARCH_PATH")
+    q = torch.randn(2, 70, 4, 128, dtype=torch.bfloat16)
+    lse = torch.randn(2, 4, 70)
+    for path, letters in (("bulk", ""), ("writer", "-W"), ("atomic", "-A")):
+        flash_bwd(q, q, q, q, q, lse, softmax_scale=0.5, causal=True, hopper_variant=dict(dq_path=path))
+        main = [launch for launch in recorder.launches if isinstance(launch.config, Sm90BwdConfig)][-1]
+        assert main.config == Sm90BwdConfig(main.config.traits, has_right=True, dq_path=path)
+        assert main.config.writes_dq_apart == (path == "writer") and main.config.stages_dq == (path != "atomic")
+        assert main.config.name.endswith("_bf16-.R...." + letters)
+    with pytest.raises(ValueError, match="dq_path"):
+        flash_bwd(q, q, q, q, q, lse, softmax_scale=0.5, deterministic=True, hopper_variant=dict(dq_path="writer"))
+    one_stage = choose_hopper_bwd_traits(256)
+    two_stages = replace(one_stage, q_stages=2)
+    assert Sm90BwdConfig(two_stages, dq_path="atomic").smem_bytes <= 232448
+    with pytest.raises(ValueError, match="shared memory"):
+        Sm90BwdConfig(two_stages)
+    del recorder.launches[:]
+    q256 = torch.randn(2, 70, 4, 256, dtype=torch.bfloat16)
+    flash_bwd(q256, q256, q256, q256, q256, lse, softmax_scale=0.5, hopper_variant=dict(dq_path="bulk",
+                                                                                          traits=one_stage))
+    pre, main, convert = recorder.launches
+    assert main.config == Sm90BwdConfig(one_stage) and main.config.name.startswith("sm90_bwd_d256_m64_n64_q1_")
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_the_hopper_backward_takes_the_policy_dq_path(recorder, monkeypatch, deterministic):
+    """The default mode's dQ path per head dim, dense and packed (docs/tuning/backward.md, "The
+    dQ paths measured"): the writer warps' bulk adds at d 64 / 96 / 128, the consumers' own at
+    d 32 and 160 / 192, vector atomics with two Q / dO stages at d 224 / 256; deterministic
+    mode keeps its turns (bulk adds, staged) and d 256's one stage. The dQ convert is keyed by
+    the tiles alone: the same config whatever the main kernel's stages."""
+    from cute_flash.kernels.sm80.dq_convert import DQConvertConfig
+    from cute_flash.kernels.sm90.bwd import Sm90BwdConfig
+    from cute_flash.launch.backward import flash_bwd, flash_bwd_varlen
+
+    monkeypatch.delenv("CUTE_FLASH_ARCH_PATH")
+    expected = {32: ("bulk", 2), 64: ("writer", 2), 96: ("writer", 2), 128: ("writer", 2), 160: ("bulk", 2),
+                192: ("bulk", 2), 224: ("atomic", 2), 256: ("atomic", 2)}
+    for d, (path, stages) in expected.items():
+        if deterministic:
+            path, stages = "bulk", 1 if d > 192 else 2
+        q = torch.randn(2, 70, 4, d, dtype=torch.bfloat16)
+        lse = torch.randn(2, 4, 70)
+        cu = torch.tensor([0, 30, 70], dtype=torch.int32)
+        del recorder.launches[:]
+        flash_bwd(q, q, q, q, q, lse, softmax_scale=0.5, causal=True, deterministic=deterministic)
+        flash_bwd_varlen(q[0], q[0], q[0], q[0], q[0], lse[0], cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=40,
+                         max_seqlen_k=40, softmax_scale=0.5, deterministic=deterministic)
+        mains = [x.config for x in recorder.launches if isinstance(x.config, Sm90BwdConfig)]
+        converts = [x.config for x in recorder.launches if isinstance(x.config, DQConvertConfig)]
+        assert [c.varlen for c in mains] == [False, True] and len(converts) == 2, d
+        assert all((c.dq_path, c.traits.q_stages) == (path, stages) for c in mains), (d, [c.name for c in mains])
+        assert all(c.traits.q_stages == 1 for c in converts)

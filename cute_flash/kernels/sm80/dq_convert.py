@@ -9,7 +9,7 @@ atomics with a permuted copy partition the same way.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import cutlass
 import cutlass.cute as cute
@@ -34,6 +34,13 @@ class DQConvertConfig:
     varlen: bool = False
     dq_vec: int = 1  # as the main kernel's BwdConfig.dq_vec
     hopper: bool = False  # written by the Hopper backward: its dQ wgmma's partition, warpgroup runs
+
+    @classmethod
+    def of_hopper(cls, traits: BwdTraits, even_k: bool, varlen: bool) -> DQConvertConfig:
+        """The convert of a Hopper backward on `traits`, keyed by the tiles it reads: the main
+        kernel's Q / dO stages (two at d 256 on the "atomic" dQ path, one beside its staging
+        tile) change nothing here."""
+        return cls(replace(traits, q_stages=1), even_k, varlen, 4, hopper=True)
 
     @property
     def entry(self) -> str:

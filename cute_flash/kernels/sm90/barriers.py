@@ -17,5 +17,5 @@ class BwdBarrier(IntEnum):
     KV_DONE = 4    # both consumer warpgroups are done reading sK / sV
     STORE = 5      # 5, 6: consumer warpgroup 0's / 1's dK / dV rows are in shared memory
     CLEAR = 7      # packed batches: both consumer warpgroups' zeroing of the next sequence's rows
-    DQ_FULL = 8    # 8, 9: deterministic: consumer warpgroup 0's / 1's dQ run staged for its writer warp
-    DQ_EMPTY = 10  # 10, 11: deterministic: the writer warp's bulk add has read the run (`write_dq`)
+    DQ_FULL = 8    # 8, 9: writer warps: consumer warpgroup 0's / 1's dQ run staged for its writer warp
+    DQ_EMPTY = 10  # 10, 11: writer warps: the writer warp's bulk add has read the run (`write_dq`)

@@ -86,10 +86,18 @@ from cute_flash.kernels.sm90.pipeline import seq_first, tma_rows, use_state
 from layouts import hopper
 from layouts import mma as lmma
 from layouts import smem as lsmem
-from layouts.traits import ALIGN, COPY_BYTES, ELEMENT_BYTES, BwdTraits, element_type
+from layouts.traits import ALIGN, COPY_BYTES, ELEMENT_BYTES, SMEM_LIMIT, BwdTraits, element_type
 
 REGISTERS = (24, 240)  # (producer, consumer) per thread: 128 x 24 + 256 x 240 <= 64K
 STAGES = hopper.BWD_STAGES  # dS^T (and P^T); Q and dO take the traits' q_stages
+
+
+# the default mode's dQ adds -> the name's letters: "bulk", each consumer warpgroup stages its run
+# in shared memory and issues one bulk reduce-add of it; "writer", the staged run handed to a
+# producer warp that issues the add (as deterministic mode's, without its turn); "atomic",
+# `red.global.add.v4.f32` from registers (no staging tile: its 4 * block_m * head_dim bytes of
+# shared memory free, e.g. for a second Q / dO stage at d 256)
+DQ_PATHS = {"bulk": "", "writer": "-W", "atomic": "-A"}
 
 
 @dataclass(frozen=True)
@@ -106,6 +114,7 @@ class Sm90BwdConfig:
     varlen: bool = False       # packed batches (`call_varlen`)
     has_seqused_k: bool = False
     deterministic: bool = False  # dQ's adds in key-block order (`DqTurn`): bitwise repeatable
+    dq_path: str = "bulk"        # how the other mode adds dQ (`DQ_PATHS`)
     mods: object = None          # UserMods: Python-written score / mask mods (kernels/common/user_mods.py)
     block_sparse: bool = False   # dense: each key block visits its listed query blocks alone, the mask_mod
                                  # evaluated on the partial ones (kernels/common/block_sparse.py)
@@ -122,6 +131,23 @@ class Sm90BwdConfig:
                                   or self.deterministic):
             raise ValueError("block sparsity lists the blocks a mask_mod cuts, in a dense launch; deterministic "
                              "dQ adds count every key block of a query block")
+        if self.dq_path not in DQ_PATHS or (self.deterministic and self.dq_path != "bulk"):
+            raise ValueError(f"dq_path is one of {tuple(DQ_PATHS)}, the default mode's: deterministic mode's dQ "
+                             "adds are its writer warps', in turn")
+        if self.smem_bytes > SMEM_LIMIT[90]:  # e.g. a tuning override's stages beside the dQ staging tile
+            raise ValueError(f"{self.name} takes {self.smem_bytes} bytes of shared memory, over {SMEM_LIMIT[90]}")
+
+    @property
+    def writes_dq_apart(self) -> bool:
+        """Consumer warpgroups hand their staged dQ run to a producer warp that issues its bulk
+        add (`DqAdds.write_dq`) and go on: deterministic mode (in turn) and the "writer" path."""
+        return self.deterministic or self.dq_path == "writer"
+
+    @property
+    def stages_dq(self) -> bool:
+        """dQ goes through an fp32 staging tile in shared memory (every path but "atomic";
+        deterministic mode's is "bulk")."""
+        return self.dq_path != "atomic"
 
     @property
     def dq_descending(self) -> bool:
@@ -140,22 +166,18 @@ class Sm90BwdConfig:
 
     @property
     def smem_bytes(self) -> int:
-        """Q and dO (q_stages each), K, V, dS^T (two stages; P^T too above d 128), the fp32 dQ
-        staging tile, LSE and D (q_stages each) and the mbarriers."""
-        t = self.traits
-        staged = 2 if hopper.bwd_splits_head_dim(t) else 1  # dS^T, and P^T
-        tiles = ELEMENT_BYTES * (2 * t.q_stages * t.block_m * t.head_dim + 2 * t.block_n * t.head_dim
-                                 + staged * STAGES * t.block_n * t.block_m)
-        return tiles + 4 * t.block_m * t.head_dim + 4 * 2 * t.q_stages * t.block_m + 8 * (1 + 4 * t.q_stages)
+        """`layouts.hopper.bwd_smem_bytes` of its tiles and dQ path."""
+        return hopper.bwd_smem_bytes(self.traits, self.stages_dq)
 
     @property
     def name(self) -> str:
         t = self.traits
-        modes = ("-V" if self.varlen else "") + ("-D" if self.deterministic else "") + ("-B" if self.block_sparse
-                                                                                        else "")
+        modes = ("-V" if self.varlen else "") + ("-D" if self.deterministic else "") + DQ_PATHS[self.dq_path]
+        modes += "-B" if self.block_sparse else ""
         if self.mods is not None:
             modes += "-M" + "".join(m.digest for m in (self.mods.score_mod, self.mods.mask_mod) if m is not None)
-        return f"sm90_bwd_d{t.head_dim}_m{t.block_m}_n{t.block_n}_{t.dtype}-{score_letters(self)}{modes}"
+        return (f"sm90_bwd_d{t.head_dim}_m{t.block_m}_n{t.block_n}_q{t.q_stages}_{t.dtype}-{score_letters(self)}"
+                f"{modes}")
 
 
 class FlashBwdSm90(DqAdds, BwdEpilogue):
@@ -230,6 +252,8 @@ class FlashBwdSm90(DqAdds, BwdEpilogue):
             "do_barriers": (cutlass.Int64, 2 * self.q_stages, None),
             "sQ": qdo, "sdO": qdo, "sK": kv, "sV": kv, "sdS": (self.dtype, cute.cosize(sdS_layout), 1024),
             "sdQaccum": (cutlass.Float32, bm * d, 1024), "sLSE": stat, "sD": stat}
+        if cutlass.const_expr(not self.config.stages_dq):
+            del fields["sdQaccum"]
         if cutlass.const_expr(self.split):
             fields["sP"] = (self.dtype, cute.cosize(sdS_layout), 1024)
         SharedStorage = lsmem.smem_struct(fields)
@@ -283,7 +307,7 @@ class FlashBwdSm90(DqAdds, BwdEpilogue):
             storage.sV.get_tensor(recipe.sKV_layout.outer, swizzle=recipe.sKV_layout.inner),
             storage.sdS.get_tensor(recipe.sdS_layout.outer, swizzle=recipe.sdS_layout.inner),
             storage.sLSE.get_tensor(stat_layout), storage.sD.get_tensor(stat_layout),
-            storage.sdQaccum.get_tensor(cute.make_layout(t.block_m * t.head_dim)), sP)
+            storage.sdQaccum.get_tensor(cute.make_layout(t.block_m * t.head_dim)) if cfg.stages_dq else None, sP)
 
         window = Window(scalars.window_left, scalars.window_right, cfg.has_left, cfg.has_right)
         if cutlass.const_expr(args.varlen is None):
@@ -307,9 +331,9 @@ class FlashBwdSm90(DqAdds, BwdEpilogue):
             cute.arch.setmaxregister_decrease(producer_regs)
             if warp == 0:
                 self.produce(args, recipe, pipes, smem, tile)
-            if cutlass.const_expr(cfg.deterministic):
+            if cutlass.const_expr(cfg.writes_dq_apart):
                 if warp >= 1:
-                    if warp <= self.wgs:  # warp 1 + w: warpgroup w's dQ adds, each in its turn
+                    if warp <= self.wgs:  # warp 1 + w: warpgroup w's dQ adds (deterministic: each in its turn)
                         self.write_dq(args, smem, tile, window, warp - 1)
         else:
             cute.arch.setmaxregister_increase(consumer_regs)
@@ -510,8 +534,10 @@ class FlashBwdSm90(DqAdds, BwdEpilogue):
                             accumulate=True)
             warpgroup.wait_group(1)  # dV and dQ landed; dK runs under dQ's staging and bulk add
             self.release(pipes.do, read)
-            if cutlass.const_expr(cfg.deterministic):
+            if cutlass.const_expr(cfg.writes_dq_apart):
                 self.hand_dq(acc_dq, smem.sdQaccum, mma_tidx)
+            elif cutlass.const_expr(not cfg.stages_dq):
+                self.add_dq_atomic(acc_dq, self.dq_chunk(args.mdQaccum, tile, m_block), mma_tidx)
             else:
                 self.add_dq(acc_dq, self.dq_chunk(args.mdQaccum, tile, m_block), smem.sdQaccum, mma_tidx)
             warpgroup.wait_group(0)

@@ -1,6 +1,7 @@
-"""The Hopper backward's dQ adds (a part of `FlashBwdSm90`): a warpgroup's dQ values staged in
-shared memory and added into dQaccum by one bulk reduce-add, or, in deterministic mode, handed
-to a producer warp that adds them in the tile's turn (`DqTurn`)."""
+"""The Hopper backward's dQ adds (a part of `FlashBwdSm90`, `DQ_PATHS`): a warpgroup's dQ values
+staged in shared memory and added into dQaccum by one bulk reduce-add, issued by the warpgroup or
+handed to a producer warp that issues it (`Sm90BwdConfig.writes_dq_apart`; deterministic mode:
+in the tile's turn, `DqTurn`), or added from registers by vector atomics."""
 from __future__ import annotations
 
 import cutlass
@@ -14,7 +15,7 @@ from layouts.dq import HOPPER_VEC, chunk_index
 
 
 class DqAdds:
-    """dQ out of a consumer warpgroup, and deterministic mode's writer warps."""
+    """dQ out of a consumer warpgroup, and the writer warps."""
 
     def dq_chunk(self, mdQaccum: cute.Tensor, tile: KeyTile, m_block) -> cute.Tensor:
         """(bm * d,) dQaccum floats of query block m_block of this (sequence, head)."""
@@ -55,10 +56,23 @@ class DqAdds:
             bulk_add_run(chunk, sdQaccum, wg_idx * run, run)
 
     @cute.jit
+    def add_dq_atomic(self, acc_dq: cute.Tensor, chunk: cute.Tensor, mma_tidx):
+        """The "atomic" path: this thread's dQ values added into `chunk` from registers, four
+        floats a `red.global.add.v4.f32` at their places in the warpgroup's run (the staged
+        paths' order, so the convert reads either alike)."""
+        per_thread = cute.size(acc_dq)
+        for j in cutlass.range(per_thread // HOPPER_VEC, unroll_full=True):
+            where = chunk.iterator + chunk_index(j * HOPPER_VEC, mma_tidx, per_thread, HOPPER_VEC, 128)
+            pack = cute.make_rmem_tensor((HOPPER_VEC,), cutlass.Float32)
+            for u in cutlass.range_constexpr(HOPPER_VEC):
+                pack[u] = acc_dq[j * HOPPER_VEC + u]
+            cute.arch.red(where, pack.load(), op="add", dtype="f32", sem="relaxed", scope="gpu")
+
+    @cute.jit
     def hand_dq(self, acc_dq: cute.Tensor, sdQaccum: cute.Tensor, mma_tidx):
-        """Deterministic mode: this warpgroup's dQ values into its run of sdQaccum once its
-        writer warp's last bulk add has read the run (`DQ_EMPTY`), then handed to that warp
-        (`DQ_FULL`, an arrive: the warpgroup does not wait for the add's turn)."""
+        """With writer warps: this warpgroup's dQ values into its run of sdQaccum once its writer
+        warp's last bulk add has read the run (`DQ_EMPTY`), then handed to that warp (`DQ_FULL`,
+        an arrive: the warpgroup waits neither for the add nor, deterministic, for its turn)."""
         wg_idx = mma_tidx // 128
         cute.arch.barrier(barrier_id=BwdBarrier.DQ_EMPTY + wg_idx, number_of_threads=128 + 32)
         stage_run(acc_dq, sdQaccum, chunk_index(0, mma_tidx, cute.size(acc_dq), HOPPER_VEC, 128), HOPPER_VEC, 128)
@@ -66,31 +80,36 @@ class DqAdds:
 
     @cute.jit
     def write_dq(self, args: Sm90BwdTensors, smem: Sm90BwdSmem, tile: KeyTile, window: Window, wg_idx):
-        """Deterministic mode, one warp of the producer warpgroup: consumer warpgroup wg_idx's dQ
-        adds, query block by query block as the consumers visit them. The staging run starts
-        free; each staged run (`hand_dq`) is added by lane 0 in the tile's turn (`DqTurn`),
-        handed back once the bulk add has read it, and counted once the add is written. The
-        warp stays converged around the named barriers."""
+        """One warp of the producer warpgroup: consumer warpgroup wg_idx's dQ adds, query block by
+        query block as the consumers visit them. The staging run starts free; each staged run
+        (`hand_dq`) is added by lane 0 (deterministic: in the tile's turn, `DqTurn`) and handed
+        back once the bulk add has read it (deterministic: and counted once the add is written).
+        The warp stays converged around the named barriers."""
         run = self.t.block_m * self.t.head_dim // self.wgs  # floats: a warpgroup's share of the tile
         lane = cute.arch.lane_idx()
         count = tile.count()
         if count > 0:
             cute.arch.barrier_arrive(barrier_id=BwdBarrier.DQ_EMPTY + wg_idx, number_of_threads=128 + 32)
+        ordered = cutlass.const_expr(self.config.deterministic)
         for i in cutlass.range(count, unroll=1):
             m_block = tile.m_block(i)
-            turn = self.dq_turn(args, tile, m_block, window)
+            turn = None
+            if cutlass.const_expr(ordered):
+                turn = self.dq_turn(args, tile, m_block, window)
             chunk = self.dq_chunk(args.mdQaccum, tile, m_block)  # (bm * d,)
             cute.arch.barrier(barrier_id=BwdBarrier.DQ_FULL + wg_idx, number_of_threads=128 + 32)
             if lane == 0:
-                wait_turn(turn)
+                if cutlass.const_expr(ordered):
+                    wait_turn(turn)
                 bulk_add_run(chunk, smem.sdQaccum, wg_idx * run, run)
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
             cute.arch.sync_warp()
             if i + 1 < count:  # the last run is never staged over: no arrive waits for it
                 cute.arch.barrier_arrive(barrier_id=BwdBarrier.DQ_EMPTY + wg_idx, number_of_threads=128 + 32)
-            if lane == 0:
-                end_turn(turn)
-            cute.arch.sync_warp()
+            if cutlass.const_expr(ordered):
+                if lane == 0:
+                    end_turn(turn)
+                cute.arch.sync_warp()
 
 
 @cute.jit

@@ -67,7 +67,7 @@ class Sm90BwdSmem:
     sdS: cute.Tensor       # (bn, bm, stages): dS^T
     sLSE: cute.Tensor      # (bm, q_stages) fp32
     sD: cute.Tensor        # (bm, q_stages) fp32
-    sdQaccum: cute.Tensor  # (bm * d,) fp32: a run per consumer warpgroup
+    sdQaccum: object       # (bm * d,) fp32: a run per consumer warpgroup; None on the "atomic" dQ path
     sP: object = None      # (bn, bm, stages): P^T above d 128 (`bwd_splits_head_dim`), else None
 
 
