@@ -660,7 +660,7 @@ def _kvcache_varlen(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
     _validate.check_dtypes([("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)],
                            optional=("k", "v"))
     rotary = None if rotary_cos is None else (rotary_cos, rotary_sin, bool(rotary_interleaved))
-    q_pad = q.new_zeros(batch, max(int(max_seqlen_q), 1), *q.shape[1:])
+    q_pad = q.new_empty(batch, max(int(max_seqlen_q), 1), *q.shape[1:])  # every row written by the packing launch
     lengths = torch.empty_like(cache_seqlens)  # cache_seqlens + the new keys, written by the packing launch
     # the fixed-length call's checks, before the appends (a refused call leaves the caches as they were), under the
     # signature of that call's arguments below, which then finds them done

@@ -289,11 +289,12 @@ def pack_kvcache_queries(q, q_pad, lengths, k_cache, v_cache, k, v, cu_seqlens_q
                          block_table, rotary, per_row: bool):
     """Packed queries' setup around the fixed-length call (`cute_flash.kvcache_varlen`), in one
     launch of the packed append (kernels/sm80/append_packed.py): k, v (total_new, heads_k, d)
-    into the caches from cache_seqlens[b] (None: nothing new), q (total_q, heads, d) into the
-    zeroed q_pad (batch, max_seqlen_q, heads, d) at each sequence's last rows, rotated when
-    `rotary` is (cos, sin, interleaved) (query i at cache_seqlens[b] + i when `per_row`),
-    `lengths` (batch,) int32 the keys each sequence then has; returns each packed query's flat
-    row of q_pad (int64, on the device: no sync)."""
+    into the caches from cache_seqlens[b] (None: nothing new), q (total_q, heads, d) into
+    q_pad (batch, max_seqlen_q, heads, d) at each sequence's last rows (the rows before them
+    zeroed: q_pad may come uninitialised), rotated when `rotary` is (cos, sin, interleaved)
+    (query i at cache_seqlens[b] + i when `per_row`), `lengths` (batch,) int32 the keys each
+    sequence then has; returns each packed query's flat row of q_pad (int64, on the device: no
+    sync)."""
     flat = torch.empty(q.shape[0], dtype=torch.int64, device=q.device)
     if lengths.numel() == 0:  # no sequence: no row to launch for (an empty grid cannot launch)
         return flat

@@ -136,3 +136,31 @@ def test_appends_past_the_cache_are_skipped(packing, page_size):
         first = int(case["block_table"][0, 0])  # sequence 0's rows 100..103; sequence 1's page is past the pages
         assert changed == [first]
         assert torch.equal(case["k_cache"][first, 100:104], case["k"][:4])
+
+
+@pytest.mark.parametrize("heads", [12, 32])
+def test_the_packing_launch_writes_every_padded_row(heads):
+    """q_pad comes uninitialised (here NaN): the packing launch puts each sequence's queries in
+    its last rows and zeros in the rows before them, over every head group (12 heads: a partial
+    group of eight), and writes each query's flat row and each sequence's key count."""
+    n_q, lens, max_q, d = [3, 0, 16, 1, 7], [5, 9, 0, 100, 2], 16, 64
+    g = torch.Generator(device="cuda").manual_seed(heads)
+    q = torch.randn(sum(n_q), heads, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(sum(n_q), 4, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    k_cache, v_cache = (torch.zeros(len(n_q), 128, 4, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    cu = torch.tensor([0, *torch.tensor(n_q).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    cache_seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    q_pad = torch.full((len(n_q), max_q, heads, d), float("nan"), device="cuda", dtype=torch.bfloat16)
+    lengths = torch.empty(len(n_q), dtype=torch.int32, device="cuda")
+    flat = kvcache.pack_kvcache_queries(q, q_pad, lengths, k_cache, v_cache, k, v, cu, cu, cache_seqlens, None, None,
+                                        True)
+    want = torch.zeros_like(q_pad)
+    rows = []
+    for b, n in enumerate(n_q):
+        want[b, max_q - n:] = q[cu[b]:cu[b + 1]]
+        rows += [b * max_q + max_q - n + i for i in range(n)]
+    assert torch.equal(q_pad, want)
+    assert flat.tolist() == rows and lengths.tolist() == [a + n for a, n in zip(lens, n_q)]
+    for b, n in enumerate(n_q):  # the new rows at each sequence's end of the cache
+        assert torch.equal(k_cache[b, lens[b]:lens[b] + n], k[cu[b]:cu[b + 1]])
+        assert torch.equal(v_cache[b, lens[b]:lens[b] + n], v[cu[b]:cu[b + 1]])

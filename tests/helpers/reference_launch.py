@@ -89,7 +89,8 @@ class ReferenceLaunch(types.ModuleType):
                              cache_seqlens, block_table, rotary, per_row):
         """The packing launch's work (kernels/sm80/append_packed.py), sequence by sequence: new
         rows into the caches (rows outside them skipped), the queries into q_pad's last rows of
-        each sequence, rotated; lengths written; each packed query's flat row returned."""
+        each sequence, rotated, the rows before them zeroed; lengths written; each packed query's
+        flat row returned."""
         self.calls.append("pack_kvcache_queries")
         batch, max_q = q_pad.shape[:2]
         rows = q_pad.view(-1, *q_pad.shape[2:])
@@ -113,6 +114,7 @@ class ReferenceLaunch(types.ModuleType):
                     v_cache[page, row] = v[first + j]
             lengths[b] = start + new
             first, n = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1] - cu_seqlens_q[b])
+            rows[b * max_q:b * max_q + max_q - n] = 0  # the filler rows before the queries
             for i in range(n):
                 flat[first + i] = b * max_q + max_q - n + i
                 rows[flat[first + i]] = _rotated(q[first + i], rotary, start + i if per_row else start)

@@ -97,19 +97,24 @@ class AppendKV:
     @cute.jit
     def append_key(self, k_row, v_row, mKcache: cute.Tensor, mVcache: cute.Tensor, mBlockTable, mCos, mSin, row_b,
                    bidh, pos):
-        """One new key row into the cache at `pos` of cache row `row_b` (paged: of block-table
-        row `row_b`), skipped where the row, the position or its page lies outside the cache."""
+        """One new key row of head bidh into the cache at `pos` of cache row `row_b` (`to_slot`)."""
+        self.to_slot(mKcache, mVcache, mBlockTable, row_b, pos, lambda k_slot, v_slot: self.write_row(
+            k_row, v_row, k_slot[bidh, None], v_slot[bidh, None], mCos, mSin, pos))
+
+    @cute.jit
+    def to_slot(self, mKcache: cute.Tensor, mVcache: cute.Tensor, mBlockTable, row_b, pos, write):
+        """write(k_slot, v_slot) with the caches' (heads_k, d) rows at `pos` of cache row `row_b`
+        (paged: of block-table row `row_b`), skipped where the row, the position or its page lies
+        outside the cache."""
         if cutlass.const_expr(self.paged):
             page_size = mKcache.shape[1]
             if pos >= 0 and pos < mBlockTable.shape[1] * page_size:
                 page = mBlockTable[row_b, pos // page_size]
                 if page >= 0 and page < mKcache.shape[0]:
-                    self.write_row(k_row, v_row, mKcache[page, pos % page_size, bidh, None],
-                                   mVcache[page, pos % page_size, bidh, None], mCos, mSin, pos)
+                    write(mKcache[page, pos % page_size, None, None], mVcache[page, pos % page_size, None, None])
         else:
             if row_b >= 0 and row_b < mKcache.shape[0] and pos >= 0 and pos < mKcache.shape[1]:
-                self.write_row(k_row, v_row, mKcache[row_b, pos, bidh, None], mVcache[row_b, pos, bidh, None], mCos,
-                               mSin, pos)
+                write(mKcache[row_b, pos, None, None], mVcache[row_b, pos, None, None])
 
     @cute.jit
     def write_row(self, k_row, v_row, k_dst, v_dst, mCos, mSin, pos):
@@ -122,34 +127,42 @@ class AppendKV:
     def rotate(self, src, dst, mCos, mSin, pos):
         """dst = src rotated at position `pos` (or copied when rotary is off)."""
         tidx, _, _ = cute.arch.thread_idx()
-        half = None
-        if cutlass.const_expr(self.rotary):
-            half = mCos.shape[1]
-            pos = clamp(pos, 0, mCos.shape[0] - 1)
+        half, pos = self.angles(mCos, pos)
         for c in cutlass.range(tidx, src.shape[0], NUM_THREADS, unroll=1):
-            if cutlass.const_expr(not self.rotary):
-                dst[c] = src[c]
-            else:
-                if c < 2 * half:
-                    val = src[c].to(cutlass.Float32)
-                    if cutlass.const_expr(self.interleaved):
-                        cos = mCos[pos, c // 2].to(cutlass.Float32)
-                        sin = mSin[pos, c // 2].to(cutlass.Float32)
-                        if c % 2 == 0:
-                            dst[c] = (val * cos - src[c + 1].to(cutlass.Float32) * sin).to(self.dtype)
-                        else:
-                            dst[c] = (val * cos + src[c - 1].to(cutlass.Float32) * sin).to(self.dtype)
+            self.rotate_element(src, dst, c, mCos, mSin, pos, half)
+
+    def angles(self, mCos, pos):
+        """(rotary_dim / 2, `pos` clamped into the cos / sin table) with rotary, else (None, pos)."""
+        if cutlass.const_expr(not self.rotary):
+            return None, pos
+        return mCos.shape[1], clamp(pos, 0, mCos.shape[0] - 1)
+
+    @cute.jit
+    def rotate_element(self, src, dst, c, mCos, mSin, pos, half):
+        """dst[c] = element c of the row src rotated at position `pos` (`angles`), or copied."""
+        if cutlass.const_expr(not self.rotary):
+            dst[c] = src[c]
+        else:
+            if c < 2 * half:
+                val = src[c].to(cutlass.Float32)
+                if cutlass.const_expr(self.interleaved):
+                    cos = mCos[pos, c // 2].to(cutlass.Float32)
+                    sin = mSin[pos, c // 2].to(cutlass.Float32)
+                    if c % 2 == 0:
+                        dst[c] = (val * cos - src[c + 1].to(cutlass.Float32) * sin).to(self.dtype)
                     else:
-                        if c < half:
-                            cos = mCos[pos, c].to(cutlass.Float32)
-                            sin = mSin[pos, c].to(cutlass.Float32)
-                            dst[c] = (val * cos - src[c + half].to(cutlass.Float32) * sin).to(self.dtype)
-                        else:
-                            cos = mCos[pos, c - half].to(cutlass.Float32)
-                            sin = mSin[pos, c - half].to(cutlass.Float32)
-                            dst[c] = (val * cos + src[c - half].to(cutlass.Float32) * sin).to(self.dtype)
+                        dst[c] = (val * cos + src[c - 1].to(cutlass.Float32) * sin).to(self.dtype)
                 else:
-                    dst[c] = src[c]
+                    if c < half:
+                        cos = mCos[pos, c].to(cutlass.Float32)
+                        sin = mSin[pos, c].to(cutlass.Float32)
+                        dst[c] = (val * cos - src[c + half].to(cutlass.Float32) * sin).to(self.dtype)
+                    else:
+                        cos = mCos[pos, c - half].to(cutlass.Float32)
+                        sin = mSin[pos, c - half].to(cutlass.Float32)
+                        dst[c] = (val * cos + src[c - half].to(cutlass.Float32) * sin).to(self.dtype)
+            else:
+                dst[c] = src[c]
 
 
 def entry(config: AppendConfig):

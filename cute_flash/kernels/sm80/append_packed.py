@@ -1,14 +1,18 @@
 """Packed queries in `flash_attn_with_kvcache` (`cu_seqlens_q`, `cu_seqlens_k_new`;
 `cute_flash.kvcache_varlen`), in one launch: sequence b's new keys and values into its cache rows
 from cache_seqlens[b] (k rotated at those positions), its queries (rotated as the fixed-length
-call rotates them) into the last rows of its max_seqlen_q rows of the padded query batch, each
-packed query's row there (`flat`, for the unpad), and the keys the padded call sees
-(cache_seqlens[b] + the new keys). Where a torch version took about thirty small launches.
+call rotates them) into the last rows of its max_seqlen_q rows of the padded query batch (the
+rows before them zeroed), each packed query's row there (`flat`, for the unpad), and the keys
+the padded call sees (cache_seqlens[b] + the new keys). Where a torch version took about thirty
+small launches.
 
-One CTA per (row, head) of three runs of rows: the new keys' (heads past heads_k idle), the
-queries', then one per sequence for its length (head 0). A row finds its sequence by a binary
-search of the prefix sums. The rotation and the bad-metadata rules are the append kernel's
-(`AppendKV`: a key row whose position or page lies outside the cache is skipped).
+One CTA per (row, group of HEADS_PER_CTA heads) of three runs of rows: the new keys' (groups
+past heads_k idle), the queries', then one per sequence for its filler rows' zeros and its
+length (group 0). A row finds its sequence by a binary search of the prefix sums, once for its
+group of heads (a CTA per (row, head) was 34k CTAs of one element a thread at 64 sequences,
+about 500 new rows and queries and 32 heads; docs/tuning/decode.md, "Packed queries: the setup
+in one launch"). The rotation and the bad-metadata rules are the append kernel's (`AppendKV`: a
+key row whose position or page lies outside the cache is skipped).
 """
 from dataclasses import dataclass
 
@@ -18,6 +22,8 @@ import cutlass.cute as cute
 from cute_flash.kernels.common.fake import fake_stream, fake_tensor
 from cute_flash.kernels.sm80.append import NUM_THREADS, AppendKV
 from layouts.traits import element_type
+
+HEADS_PER_CTA = 8  # a CTA's heads of one row (at d 128, eight elements a thread)
 
 
 @dataclass(frozen=True)
@@ -66,7 +72,7 @@ class PackedAppend(AppendKV):
     def __call__(self, mQ: cute.Tensor, mQpad: cute.Tensor, mFlat: cute.Tensor, mLengths: cute.Tensor,
                  mCuSeqlensQ: cute.Tensor, mCacheSeqlens: cute.Tensor, mKnew, mVnew, mCuSeqlensK,
                  mKcache: cute.Tensor, mVcache: cute.Tensor, mBlockTable, mCos, mSin, stream):
-        """mQ (total_q, heads, d) -> mQpad (batch * max_seqlen_q, heads, d), zeroed by the caller;
+        """mQ (total_q, heads, d) -> mQpad (batch * max_seqlen_q, heads, d), its filler rows zeroed;
         mFlat (total_q,) int64 and mLengths (batch,) int32 written; mCuSeqlensQ (batch + 1,),
         mCacheSeqlens (batch,) int32; mKnew / mVnew (total_new, heads_k, d) and mCuSeqlensK
         (batch + 1,) int32, or None (`has_new` off); caches (batch, seqlen_cache, heads_k, d) or
@@ -75,15 +81,16 @@ class PackedAppend(AppendKV):
         rows = mQ.shape[0] + mCacheSeqlens.shape[0]
         if cutlass.const_expr(self.config.has_new):
             rows = rows + mKnew.shape[0]
+        groups = (mQ.shape[1] + HEADS_PER_CTA - 1) // HEADS_PER_CTA
         self.kernel(mQ, mQpad, mFlat, mLengths, mCuSeqlensQ, mCacheSeqlens, mKnew, mVnew, mCuSeqlensK, mKcache,
                     mVcache, mBlockTable, mCos, mSin).launch(
-            grid=[rows, mQ.shape[1], 1], block=[NUM_THREADS, 1, 1], stream=stream)
+            grid=[rows, groups, 1], block=[NUM_THREADS, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mQpad: cute.Tensor, mFlat: cute.Tensor, mLengths: cute.Tensor,
                mCuSeqlensQ: cute.Tensor, mCacheSeqlens: cute.Tensor, mKnew, mVnew, mCuSeqlensK,
                mKcache: cute.Tensor, mVcache: cute.Tensor, mBlockTable, mCos, mSin):
-        x, bidh, _ = cute.arch.block_idx()
+        x, group, _ = cute.arch.block_idx()
         tidx, _, _ = cute.arch.thread_idx()
         batch = mCacheSeqlens.shape[0]
         total_q = mQ.shape[0]
@@ -91,10 +98,10 @@ class PackedAppend(AppendKV):
         if cutlass.const_expr(self.config.has_new):
             total_new = mKnew.shape[0]
             if x < total_new:
-                if bidh < mKnew.shape[1]:
+                if group * HEADS_PER_CTA < mKnew.shape[1]:
                     b = sequence_of(mCuSeqlensK, x, batch)
-                    self.append_key(mKnew[x, bidh, None], mVnew[x, bidh, None], mKcache, mVcache, mBlockTable,
-                                    mCos, mSin, b, bidh, mCacheSeqlens[b] + x - mCuSeqlensK[b])
+                    self.append_heads(mKnew[x, None, None], mVnew[x, None, None], mKcache, mVcache, mBlockTable,
+                                      mCos, mSin, b, group, mCacheSeqlens[b] + x - mCuSeqlensK[b])
             r = x - total_new
         if r >= 0 and r < total_q:
             b = sequence_of(mCuSeqlensQ, r, batch)
@@ -104,16 +111,61 @@ class PackedAppend(AppendKV):
             pos = mCacheSeqlens[b]
             if cutlass.const_expr(self.q_per_row):
                 pos = pos + i
-            self.rotate(mQ[r, bidh, None], mQpad[row, bidh, None], mCos, mSin, pos)
-            if bidh == 0 and tidx == 0:
+            self.rotate_heads(mQ[r, None, None], mQpad[row, None, None], group, mCos, mSin, pos)
+            if group == 0 and tidx == 0:
                 mFlat[r] = cutlass.Int64(row)
         elif r >= total_q:
             b = r - total_q
-            if bidh == 0 and tidx == 0:
+            self.zero_filler(mQpad, b, mCuSeqlensQ[b + 1] - mCuSeqlensQ[b], batch, group)
+            if group == 0 and tidx == 0:
                 new = cutlass.Int32(0)
                 if cutlass.const_expr(self.config.has_new):
                     new = mCuSeqlensK[b + 1] - mCuSeqlensK[b]
                 mLengths[b] = mCacheSeqlens[b] + new
+
+    @cute.jit
+    def zero_filler(self, mQpad: cute.Tensor, b, queries, batch, group):
+        """Zeros into head group `group` of sequence b's filler rows: the first max_seqlen_q -
+        `queries` of its rows of the padded batch (its queries take the last ones)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        max_q = mQpad.shape[0] // batch
+        d = mQpad.shape[2]
+        per_row = HEADS_PER_CTA * d
+        for c in cutlass.range(tidx, (max_q - queries) * per_row, NUM_THREADS, unroll=1):
+            h = group * HEADS_PER_CTA + (c % per_row) // d
+            if h < mQpad.shape[1]:
+                mQpad[b * max_q + c // per_row, h, c % d] = self.dtype(0.0)
+
+    @cute.jit
+    def append_heads(self, k_rows, v_rows, mKcache: cute.Tensor, mVcache: cute.Tensor, mBlockTable, mCos, mSin,
+                     row_b, group, pos):
+        """Head group `group` of one new key row (heads_k, d) into the cache at `pos` of
+        sequence row_b (`AppendKV.to_slot`: skipped outside the cache)."""
+        self.to_slot(mKcache, mVcache, mBlockTable, row_b, pos, lambda k_slot, v_slot: self.write_heads(
+            k_rows, v_rows, k_slot, v_slot, group, mCos, mSin, pos))
+
+    @cute.jit
+    def write_heads(self, k_rows, v_rows, k_dst, v_dst, group, mCos, mSin, pos):
+        """v of head group `group` copied, k rotated (`rotate_heads`)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        d = v_rows.shape[1]
+        for c in cutlass.range(tidx, HEADS_PER_CTA * d, NUM_THREADS, unroll=1):
+            h = group * HEADS_PER_CTA + c // d
+            if h < v_rows.shape[0]:
+                v_dst[h, c % d] = v_rows[h, c % d]
+        self.rotate_heads(k_rows, k_dst, group, mCos, mSin, pos)
+
+    @cute.jit
+    def rotate_heads(self, src, dst, group, mCos, mSin, pos):
+        """dst = src (heads, d) rotated at `pos` for head group `group` (heads group *
+        HEADS_PER_CTA on, at most HEADS_PER_CTA), the threads walking its heads x d elements."""
+        tidx, _, _ = cute.arch.thread_idx()
+        half, pos = self.angles(mCos, pos)
+        d = src.shape[1]
+        for c in cutlass.range(tidx, HEADS_PER_CTA * d, NUM_THREADS, unroll=1):
+            h = group * HEADS_PER_CTA + c // d
+            if h < src.shape[0]:
+                self.rotate_element(src[h, None], dst[h, None], c % d, mCos, mSin, pos, half)
 
 
 def entry(config: PackedAppendConfig):
