@@ -175,7 +175,8 @@ def _flash_bwd_sm90_varlen(dout, q, k, v, out, lse, config: BwdConfig, index, cu
                                      alibi_2d(alibi_slopes, batch, h), rng_of(dropout, q.device),
                                      _semaphores(sm90, dq_accum), aux_of(mods), cu_seqlens_q, cu_seqlens_k, seqused_k,
                                      key_blocks_longest_first(cu_seqlens_q, cu_seqlens_k, total_k, t.block_m,
-                                                              t.block_n, right, sm90.dq_descending), softmax_scale,
+                                                              t.block_n, right, policy.packed_bwd_by_sequence(sm90)),
+                                     softmax_scale,
                                      *scales(softmax_scale, softcap, has_score_mod(mods)), left, right)
     dq_out = torch.zeros((total_q, h, d_pad), dtype=q.dtype, device=q.device)  # rows no sequence covers: 0
     compiled.kernel_for(DQConvertConfig.of_hopper(t, even_k, True), index)(

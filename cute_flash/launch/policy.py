@@ -55,6 +55,16 @@ def hopper_bwd_dq(traits: BwdTraits, deterministic: bool) -> dict:
     return dict(dq_path="writer")
 
 
+def packed_bwd_by_sequence(config) -> bool:
+    """The packed Hopper backward's launch order (`key_blocks_longest_first`): by sequence (the
+    sequences by their first key block's work, each one's key blocks last first) where
+    deterministic mode's dQ turns count in that order (`Sm90BwdConfig.dq_descending`), else
+    key blocks by their work, most first. docs/tuning/backward.md, "Packed batches: the launch
+    order"; `tune --bwd-dq` times both on packed batches ("The dQ paths measured": deterministic
+    mode ran 1.21x the default at mean 512, causal)."""
+    return config.dq_descending
+
+
 PERSISTENT_MAX_KEY_BLOCKS = 64
 
 

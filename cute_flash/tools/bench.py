@@ -861,15 +861,29 @@ def _dq_ways(d: int) -> dict:
     return ways
 
 
+def _by_sequence(call):
+    """`call` with the packed backward launched by sequence (`policy.packed_bwd_by_sequence`)."""
+    from unittest import mock
+
+    from cute_flash.launch import policy
+
+    def run():
+        with mock.patch.object(policy, "packed_bwd_by_sequence", lambda config: True):
+            return call()
+    return run
+
+
 def _time_ways(label: str, call, ways: dict, flops: float, rounds: int) -> dict:
-    """Each way's median backward-alone TFLOP/s over `rounds` interleaved timings, and its max
-    |dQ - bulk's dQ| (bulk against itself: the unordered adds' spread)."""
-    dq_default = call(**ways["bulk"])[0].float()
-    err = {w: (call(**kw)[0].float() - dq_default).abs().max().item() for w, kw in ways.items()}
+    """Each way's (call keywords, or a function of no arguments) median backward-alone TFLOP/s
+    over `rounds` interleaved timings, and its max |dQ - bulk's dQ| (bulk against itself: the
+    unordered adds' spread)."""
+    runs = {w: kw if callable(kw) else functools.partial(call, **kw) for w, kw in ways.items()}
+    dq_default = runs["bulk"]()[0].float()
+    err = {w: (run()[0].float() - dq_default).abs().max().item() for w, run in runs.items()}
     times = {w: [] for w in ways}
     for _ in range(rounds):
-        for w, kw in ways.items():
-            times[w].append(time_ms(functools.partial(call, **kw)))
+        for w, run in runs.items():
+            times[w].append(time_ms(run))
     tflops = {w: flops / statistics.median(t) / 1e9 for w, t in times.items()}
     print(f"{label} " + " ".join(f"{w} {tflops[w]:.0f} ({err[w]:.1e}, {tflops[w] / tflops['bulk']:.3f})"
                                  for w in ways), flush=True)
@@ -879,8 +893,9 @@ def _time_ways(label: str, call, ways: dict, flops: float, rounds: int) -> dict:
 def tune_bwd_dq(seqlens=(4096,), means=(512, 2048), rounds=3):
     """The Hopper backward's dQ paths (`Sm90BwdConfig.dq_path`: "bulk", "writer", "atomic", each
     on the bucket's tiles; at d 256 "atomic" also with two Q / dO stages in the staging tile's
-    room), deterministic mode and the policy's choice
-    (`policy.hopper_bwd_dq`), interleaved `rounds` times per cell (the median kept):
+    room), deterministic mode and the policy's choice (`policy.hopper_bwd_dq`; on packed
+    batches also launched by sequence, `policy.packed_bwd_by_sequence`, as deterministic mode
+    is under a causal mask), interleaved `rounds` times per cell (the median kept):
     backward-alone TFLOP/s at d 64 / 128 / 192 / 256, causal or not, and on packed batches at
     d 128 (the train_varlen section's lengths), each with max |dQ - bulk's dQ| and its rate over
     bulk's: `python -m cute_flash tune --bwd-dq` (sm_90 GPUs)."""
@@ -922,7 +937,7 @@ def tune_bwd_dq(seqlens=(4096,), means=(512, 2048), rounds=3):
             flops = 2.5 * sum(4 * h * d * visible_pairs(n, n, causal) for n in lengths)
             rows.append(dict(d=d, causal=causal, mean=mean, **_time_ways(
                 f"packed d{d} causal={causal!s:5} mean {mean} ({len(lengths)} seqs, longest {smax})", call,
-                _dq_ways(d), flops, rounds)))
+                _dq_ways(d) | {"policy_by_sequence": _by_sequence(call)}, flops, rounds)))
     return rows
 
 
