@@ -110,7 +110,7 @@ def _hopper_config(config: BwdConfig, hopper_variant, **fields) -> Sm90BwdConfig
                          config.has_right, config.has_alibi, config.has_softcap, config.has_dropout,
                          deterministic=config.deterministic, mods=config.mods, **fields)
     if hopper_variant is None:
-        return replace(sm90, **policy.hopper_bwd_dq(sm90.traits, sm90.deterministic))
+        return policy.with_hopper_bwd_dq(sm90)
     return replace(sm90, **hopper_variant)
 
 

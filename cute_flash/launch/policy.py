@@ -55,6 +55,12 @@ def hopper_bwd_dq(traits: BwdTraits, deterministic: bool) -> dict:
     return dict(dq_path="writer")
 
 
+def with_hopper_bwd_dq(config):
+    """An Sm90BwdConfig with the dQ path (and tiles) `hopper_bwd_dq` gives it: what the
+    dispatcher launches."""
+    return replace(config, **hopper_bwd_dq(config.traits, config.deterministic))
+
+
 def packed_bwd_by_sequence(config) -> bool:
     """The packed Hopper backward's launch order (`key_blocks_longest_first`): by sequence (the
     sequences by their first key block's work, each one's key blocks last first) where

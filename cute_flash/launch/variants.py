@@ -21,8 +21,9 @@ from cute_flash.kernels.sm90.bwd import DQ_PATHS, Sm90BwdConfig
 from cute_flash.kernels.sm90.fwd import Sm90FwdConfig
 from cute_flash.launch.policy import (DEEP_PIPELINE_MAX_SEQLEN_K, KV_MULTICAST_MIN_SEQLEN_K,
                                       SPECULATIVE_IN_PLACE_LEFT_EDGE_MIN_SEQLEN_K, SPECULATIVE_MASKED_MIN_SEQLEN_K,
-                                      SPECULATIVE_MASKED_MIN_SEQLEN_K_D64, cache_stages, dq_reduction, hopper_bwd_dq,
-                                      kv_stages, speculates_in_place, takes_kv_multicast, takes_speculative_max)
+                                      SPECULATIVE_MASKED_MIN_SEQLEN_K_D64, cache_stages, dq_reduction,
+                                      kv_stages, speculates_in_place, takes_kv_multicast, takes_speculative_max,
+                                      with_hopper_bwd_dq)
 from layouts.hopper import (BWD_HEAD_DIMS, VALUE_DIM_PAIRS, choose_hopper_bwd_traits, choose_hopper_cache_traits,
                             choose_hopper_traits, shipped_hopper_cache_traits, shipped_hopper_traits)
 from layouts.traits import DTYPES, HEAD_DIM_BUCKETS, choose_bwd_traits, choose_decode_traits, choose_fwd_traits
@@ -294,14 +295,9 @@ def bwd_variants(arch: int, full: bool = False) -> list:
     return subset + pre + convert
 
 
-def _dispatched(config: Sm90BwdConfig) -> Sm90BwdConfig:
-    """`config` with the dQ path the dispatcher gives it (`policy.hopper_bwd_dq`)."""
-    return replace(config, **hopper_bwd_dq(config.traits, config.deterministic))
-
-
 def sm90_bwd_variants(full: bool = False) -> list:
     """Hopper backward configs (main kernel and its dQ convert) the dispatcher can choose, each
-    with the policy's dQ path (`policy.hopper_bwd_dq`).
+    with the policy's dQ path (`policy.with_hopper_bwd_dq`).
 
     full: every head-dim bucket it takes x dtype x every score-flag combination, dense and packed
     (with and without seqused_k), each also deterministic. Otherwise, for CI: every bucket causal
@@ -321,7 +317,7 @@ def sm90_bwd_variants(full: bool = False) -> list:
                  for bits in itertools.product((False, True), repeat=len(flags))
                  for varlen, used in ((False, False), (True, False), (True, True))]
         mains += [replace(c, deterministic=True) for c in mains]
-        mains = [_dispatched(c) for c in mains]
+        mains = [with_hopper_bwd_dq(c) for c in mains]
         return mains + [DQConvertConfig.of_hopper(t, e, v) for t in traits for e in (False, True)
                         for v in (False, True)] + [PreprocessConfig(t.head_dim, t.dtype, e, v, t.block_m)
                                                    for t in traits for e in (False, True) for v in (False, True)]
@@ -341,7 +337,7 @@ def sm90_bwd_variants(full: bool = False) -> list:
     wide = [choose_hopper_bwd_traits(d) for d in (192, 256)]
     mains += [Sm90BwdConfig(t, **{f: True for f in flags}, varlen=v, deterministic=det)
               for t in wide for v in (False, True) for det in (False, True)]
-    mains = [_dispatched(c) for c in mains]
+    mains = [with_hopper_bwd_dq(c) for c in mains]
     # every dQ path on the bucket's tiles (`tune --bwd-dq`): every bucket causal, d 128 with every flag packed
     for path in DQ_PATHS:
         mains += [Sm90BwdConfig(t, has_right=True, dq_path=path) for t in traits]
