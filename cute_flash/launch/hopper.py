@@ -25,7 +25,8 @@ from cute_flash.launch.rng import DropoutArgs, rng_of
 from cute_flash.launch.value_dim import value_cols
 from cute_flash.launch.varlen_order import query_blocks_longest_first
 from cute_flash.launch.policy import (kv_multicast_fits, kv_stages, prefers_persistent, section_heads,
-                                      speculates_in_place, takes_kv_multicast, takes_speculative_max, takes_tall_tiles)
+                                      speculates_in_place, takes_kv_multicast, takes_packed_persistent,
+                                      takes_speculative_max, takes_tall_tiles)
 from layouts.hopper import choose_hopper_traits
 
 
@@ -93,15 +94,15 @@ def flash_fwd_sm90(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1)
 def flash_fwd_varlen_sm90(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale, causal=False,
                           window_size=(-1, -1), softcap=0.0, alibi_slopes=None, seqused_k=None, block_table=None,
                           dropout: DropoutArgs | None = None, mods: ModArgs | None = None, learnable_sink=None,
-                          persistent=False):
+                          persistent=None):
     """Packed batches on the Hopper kernel: q (total_q, h, d), k (total_k, hk, d) and v (..,
     d_v), or pages (num_pages, page_size, hk, d / d_v) through block_table (`hopper_pages_fit`),
     int32 prefix sums, seqused_k (batch,) int32 key lengths or None; returns (out (total_q, h,
     d_v), lse (h, total_q)) as `flash_fwd_varlen` does; `learnable_sink` as `flash_fwd_sm90`'s.
     The tiles with the most key blocks first (`varlen_order`), 128-row tiles at every d (192-row
-    ones ran at half speed with one CTA per tile), one CTA per tile; `persistent`: one CTA an
-    SM claiming the tiles in that order instead (built, not measured yet: docs/tuning/backward.md,
-    "Packed batches measured")."""
+    ones ran at half speed with one CTA per tile); `persistent` (None: the policy's,
+    `takes_packed_persistent`): one CTA an SM claiming the tiles in that order, else one CTA
+    per tile."""
     total_q, h, _ = q.shape
     d_v = v.shape[-1]
     q, k, v = aligned(q), aligned(k), aligned(v)
@@ -109,6 +110,8 @@ def flash_fwd_varlen_sm90(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     lse = torch.empty((h, total_q), dtype=torch.float32, device=q.device)
     left, right = window_edges(causal, window_size)
     traits = choose_hopper_traits(q.shape[-1], gpu.DTYPE_NAMES[q.dtype], head_dim_v=own_value_dim(q, v))
+    if persistent is None:
+        persistent = takes_packed_persistent(traits)
     config = Sm90FwdConfig(traits, varlen=True, persistent=persistent,
                            has_seqused_k=seqused_k is not None, paged=block_table is not None,
                            learnable_sink=learnable_sink is not None,

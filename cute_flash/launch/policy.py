@@ -61,6 +61,14 @@ def with_hopper_bwd_dq(config):
     return replace(config, **hopper_bwd_dq(config.traits, config.deterministic))
 
 
+def takes_packed_persistent(traits) -> bool:
+    """Packed forwards up to d 128 take the persistent schedule (one CTA an SM claiming the
+    launch order's tiles): 0.99-1.21x one CTA a tile in the train_varlen cells, most at mean
+    length 512, where a tile is a few key blocks; above d 128 not measured. docs/tuning/policy.md;
+    docs/tuning/backward.md, "The packed forward's schedule measured"."""
+    return traits.head_dim <= 128 and Sm90FwdConfig.fits_persistent(traits)
+
+
 def packed_bwd_by_sequence(config) -> bool:
     """The packed Hopper backward's launch order (`key_blocks_longest_first`): by sequence (the
     sequences by their first key block's work, each one's key blocks last first) where

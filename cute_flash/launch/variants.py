@@ -133,14 +133,16 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
     compile; speculative maxima, as at 1024 keys and more), d 64's 192-row tiles likewise
     (speculating in place, as under a causal mask at any length), d 64 causal with three K / V
     stages (as up to 1024 keys), d 128 in fp16, d 128 with every score flag on, dropout at d 64
-    (causal, one CTA per tile) and d 128 (persistent), packed batches (d 128 causal, in both
-    schedules, d 96 with seqused_k, d 64 fp16 with every flag, one CTA per tile and persistent,
-    d 128 causal over pages) and KV caches (d 128 plain, d
+    (causal, one CTA per tile) and d 128 (persistent), packed batches (persistent, as
+    `takes_packed_persistent` gives them, and one CTA per tile where named: d 128 causal, in
+    both schedules, d 96 with seqused_k, d 64 fp16 with every flag, in both, d 128 causal over
+    pages) and KV caches (d 128 plain, d
     64 split with softcap at its three stages, d 128 split, paged and GQA-folded, d 256 fp16
     with every flag, d 128 GQA-folded at two CTAs an SM; query folds: d 128 causal by 4, split in a
     cluster, paged and by 8, d 64 stream-K with both window edges and softcap by 4), d 128 with K / V multicast (as
     without a mask from 2048 keys), MLA's d 192 with V's 128 (`VALUE_DIM_PAIRS`), causal,
-    dense and packed, and a learnable sink (d 128 causal persistent, d 64 causal packed; KV
+    dense and packed (one CTA per tile), and a learnable sink (d 128 causal persistent, d 64
+    causal packed; KV
     caches: d 128 GQA-folded split in a cluster, d 128 split and paged, d 64 causal stream-K
     folded by 4); the full list has every variant with a sink too."""
     if full:
@@ -210,8 +212,9 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
                   Sm90FwdConfig(choose_hopper_traits(128, "bf16"), persistent=True, speculative_max=True,
                                 kv_multicast=True),
                   Sm90FwdConfig(choose_hopper_traits(128, "bf16"), has_right=True, varlen=True),
-                  Sm90FwdConfig(choose_hopper_traits(96, "bf16"), varlen=True, has_seqused_k=True),
-                  Sm90FwdConfig(choose_hopper_traits(128, "bf16"), has_right=True, varlen=True, paged=True),
+                  Sm90FwdConfig(choose_hopper_traits(96, "bf16"), varlen=True, has_seqused_k=True, persistent=True),
+                  Sm90FwdConfig(choose_hopper_traits(128, "bf16"), has_right=True, varlen=True, paged=True,
+                                persistent=True),
                   Sm90FwdConfig(choose_hopper_traits(64, "fp16"), has_left=True, has_alibi=True, has_softcap=True,
                                 has_dropout=True, varlen=True),
                   Sm90FwdConfig(choose_hopper_traits(128, "bf16"), persistent=True, has_right=True, varlen=True),
@@ -247,7 +250,8 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
                   Sm90FwdConfig(mla, has_right=True, varlen=True),
                   Sm90FwdConfig(choose_hopper_traits(128, "bf16"), persistent=True, has_right=True,
                                 speculative_max=True, learnable_sink=True),
-                  Sm90FwdConfig(choose_hopper_traits(64, "bf16"), has_right=True, varlen=True, learnable_sink=True)]
+                  Sm90FwdConfig(choose_hopper_traits(64, "bf16"), has_right=True, varlen=True, learnable_sink=True,
+                                persistent=True)]
 
 
 @functools.cache

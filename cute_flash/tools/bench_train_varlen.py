@@ -8,7 +8,7 @@ sequences of the mean length, which the packed call is held to (the bar: 0.9 of 
 above flash-attn-4). TFLOP/s count the real tokens' visible pairs, 3.5x the forward's FLOPs.
 A second table times the forward alone (which part of the step loses): ours, our SM80
 forward, and on sm_90 the Hopper launcher called directly in both schedules (one CTA per tile,
-the default, and `persistent=True`), so that their ratio carries no API overhead.
+and `persistent=True`, the policy's up to d 128), so that their ratio carries no API overhead.
 """
 from __future__ import annotations
 

@@ -105,9 +105,10 @@ def test_dense_forwards_on_sm90_default_to_the_hopper_kernel(recorder, monkeypat
 
 def test_packed_forwards_on_sm90_default_to_the_hopper_kernel(recorder, monkeypatch):
     """Without CUTE_FLASH_ARCH_PATH (or with sm90) an sm_90 packed forward over contiguous keys
-    launches the Hopper kernel's varlen entry (one CTA per tile, 128-row tiles even for d 64's
-    long keys) with the prefix sums, seqused_k and the list of query blocks, the most key blocks
-    first; pages, sm80 in the variable, or another GPU take the SM80 kernel."""
+    launches the Hopper kernel's varlen entry (persistent at d 64 and 128, whose tiles claim the
+    list's entries from the tile counter; 128-row tiles even for d 64's long keys) with the
+    prefix sums, seqused_k and the list of query blocks, the most key blocks first; pages, sm80
+    in the variable, or another GPU take the SM80 kernel."""
     from cute_flash.kernels.sm80.fwd import FwdConfig
     from cute_flash.kernels.sm90.fwd import Sm90FwdConfig
     from cute_flash.launch import flash_fwd_varlen
@@ -123,7 +124,8 @@ def test_packed_forwards_on_sm90_default_to_the_hopper_kernel(recorder, monkeypa
     flash_fwd_varlen(q, k, k, seqused_k=used, **opts)
     first, used_launch = recorder.launches
     config = first.config
-    assert isinstance(config, Sm90FwdConfig) and config.varlen and not config.persistent
+    assert isinstance(config, Sm90FwdConfig) and config.varlen and config.persistent
+    assert first["mTileCounter"] is not None and first["max_ctas"] == gpu.num_sms(0)
     assert config.traits.block_m == 128 and config.has_right and not config.has_left and not config.has_seqused_k
     assert first["mCuSeqlensQ"] is cu_q and first["mCuSeqlensK"] is cu_k
     # (sequence, query block): one block each (9 // 128 + 2 entries), both visiting all 20 key blocks
@@ -144,9 +146,9 @@ def test_packed_forwards_on_sm90_default_to_the_hopper_kernel(recorder, monkeypa
 
 
 def test_the_packed_hopper_forwards_persistent_schedule(recorder, monkeypatch):
-    """`flash_fwd_varlen_sm90(persistent=True)` launches the persistent packed variant with the
-    per-stream tile counter (zero) and the SM count as its CTA bound; one CTA per tile (the
-    default) passes no counter."""
+    """`flash_fwd_varlen_sm90(persistent=True)` (the default up to d 128) launches the persistent
+    packed variant with the per-stream tile counter (zero) and the SM count as its CTA bound;
+    one CTA per tile (`persistent=False`, the default above d 128) passes no counter."""
     from cute_flash.launch.hopper import flash_fwd_varlen_sm90, tile_counter
 
     tile_counter.cache_clear()
@@ -154,9 +156,12 @@ def test_the_packed_hopper_forwards_persistent_schedule(recorder, monkeypatch):
     k = torch.randn(500, 2, 128, dtype=torch.bfloat16)
     opts = dict(cu_seqlens_q=torch.tensor([0, 4, 9], dtype=torch.int32),
                 cu_seqlens_k=torch.tensor([0, 200, 500], dtype=torch.int32), max_seqlen_q=5, softmax_scale=0.5)
-    flash_fwd_varlen_sm90(q, k, k, causal=True, persistent=True, **opts)
     flash_fwd_varlen_sm90(q, k, k, causal=True, **opts)
-    persistent, per_tile = recorder.launches
+    flash_fwd_varlen_sm90(q, k, k, causal=True, persistent=False, **opts)
+    q256, k256 = (torch.randn(x.shape[0], x.shape[1], 256, dtype=torch.bfloat16) for x in (q, k))
+    flash_fwd_varlen_sm90(q256, k256, k256, causal=True, **opts)
+    persistent, per_tile, wide = recorder.launches
+    assert not wide.config.persistent and wide["mTileCounter"] is None
     assert persistent.config.persistent and persistent.config.varlen and persistent.config.has_right
     assert persistent["mTileCounter"] is tile_counter(q.device) and persistent["mTileCounter"].tolist() == [0, 0]
     assert persistent["max_ctas"] == gpu.num_sms(0)
