@@ -71,12 +71,12 @@ def takes_packed_persistent(traits) -> bool:
 
 def packed_bwd_by_sequence(config) -> bool:
     """The packed Hopper backward's launch order (`key_blocks_longest_first`): by sequence (the
-    sequences by their first key block's work, each one's key blocks last first) where
-    deterministic mode's dQ turns count in that order (`Sm90BwdConfig.dq_descending`), else
-    key blocks by their work, most first. docs/tuning/backward.md, "Packed batches: the launch
-    order"; `tune --bwd-dq` times both on packed batches ("The dQ paths measured": deterministic
-    mode ran 1.21x the default at mean 512, causal)."""
-    return config.dq_descending
+    sequences by their first key block's work, each one's key blocks last first) under a right
+    edge (causal: 1.27x at mean length 512, even at 2048; deterministic mode's dQ turns count in
+    that order, `Sm90BwdConfig.dq_descending`), else key blocks by their work, most first (by
+    sequence without a mask: 0.97 / 1.03). docs/tuning/backward.md, "The packed backward's
+    launch order measured"."""
+    return config.has_right
 
 
 PERSISTENT_MAX_KEY_BLOCKS = 64

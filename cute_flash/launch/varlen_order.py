@@ -66,8 +66,9 @@ def key_blocks_longest_first(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Ten
     block (the right window edge `right`, -1 for none, cuts them; the left edge is left out so
     that the count never grows with the key block, which keeps each sequence's key blocks in
     increasing order: what deterministic mode's `DqTurn` waits rely on). `descending`
-    (`Sm90BwdConfig.dq_descending`): the sequences by their first key block's work, most
-    first, each one's key blocks last first, the order its `DqTurn`s count."""
+    (`policy.packed_bwd_by_sequence`, under a right edge): the sequences by their first key
+    block's work, most first, each one's key blocks last first, the order deterministic mode's
+    `DqTurn`s then count (`Sm90BwdConfig.dq_descending`)."""
     entries = tile_bound(total_k, cu_seqlens_k.shape[0] - 1, block_n)
     if builds_on_device(cu_seqlens_k, entries):
         return _on_device(VarlenOrderConfig(True, right >= 0, descending), cu_seqlens_q, cu_seqlens_k, entries,

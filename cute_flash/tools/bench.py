@@ -862,7 +862,8 @@ def _dq_ways(d: int) -> dict:
 
 
 def _by_sequence(call):
-    """`call` with the packed backward launched by sequence (`policy.packed_bwd_by_sequence`)."""
+    """`call` with the packed backward launched by sequence whatever the mask (the policy,
+    `policy.packed_bwd_by_sequence`, takes that order under a right edge)."""
     from unittest import mock
 
     from cute_flash.launch import policy
@@ -894,8 +895,8 @@ def tune_bwd_dq(seqlens=(4096,), means=(512, 2048), rounds=3):
     """The Hopper backward's dQ paths (`Sm90BwdConfig.dq_path`: "bulk", "writer", "atomic", each
     on the bucket's tiles; at d 256 "atomic" also with two Q / dO stages in the staging tile's
     room), deterministic mode and the policy's choice (`policy.hopper_bwd_dq`; on packed
-    batches also launched by sequence, `policy.packed_bwd_by_sequence`, as deterministic mode
-    is under a causal mask), interleaved `rounds` times per cell (the median kept):
+    batches also launched by sequence whatever the mask, `policy.packed_bwd_by_sequence`),
+    interleaved `rounds` times per cell (the median kept):
     backward-alone TFLOP/s at d 64 / 128 / 192 / 256, causal or not, and on packed batches at
     d 128 (the train_varlen section's lengths), each with max |dQ - bulk's dQ| and its rate over
     bulk's: `python -m cute_flash tune --bwd-dq` (sm_90 GPUs)."""

@@ -582,8 +582,8 @@ def test_packed_backwards_on_sm90_take_the_hopper_kernel(recorder, monkeypatch):
     Hopper kernel's `call_varlen` and the packed Hopper dQ convert, the preprocess writing LSE
     (times log2 e) and D in the rows the Hopper kernel reads, padded per sequence to whole query
     blocks (`PreprocessConfig.hopper_rows`); deterministic too, with one zeroed semaphore per
-    dQaccum tile; deterministic and causal, with each sequence's key blocks listed last first
-    (`dq_descending`)."""
+    dQaccum tile; causal, deterministic or not, with each sequence's key blocks listed last first
+    (`policy.packed_bwd_by_sequence`; deterministic: `dq_descending`)."""
     from cute_flash.kernels.sm80.bwd_preprocess import PreprocessConfig
     from cute_flash.kernels.sm80.dq_convert import DQConvertConfig
     from cute_flash.kernels.sm90.bwd import Sm90BwdConfig
@@ -602,8 +602,10 @@ def test_packed_backwards_on_sm90_take_the_hopper_kernel(recorder, monkeypatch):
     assert main.config.varlen and main.config.has_right and not main.config.has_seqused_k
     assert pre.config.varlen and convert.config.varlen and convert.config.hopper
     assert main["mCuSeqlensQ"] is cu_q and main["mCuSeqlensK"] is cu_k
-    # (sequence, key block), those seen by the most query blocks first: sequence 1 has no query
+    # (sequence, key block) by sequence under the causal mask (`policy.packed_bwd_by_sequence`),
+    # those whose first key block the most query blocks see first: sequence 1 has no query
     assert main["mTiles"].tolist() == [[0, 0], [2, 0], [1, 0]]  # 90 // 128 + 3 entries, all listed
+    assert torch.equal(main["mTiles"], key_blocks_longest_first(cu_q, cu_k, 90, 128, 128, 0, descending=True))
     tiles = 75 // 128 + 3 + 1
     assert main["mLSE"].shape == main["mD"].shape == (4, tiles * 128)
     # the preprocess writes them: the forward's LSE in, LSE times log2 e and D out, padded per sequence
@@ -619,7 +621,8 @@ def test_packed_backwards_on_sm90_take_the_hopper_kernel(recorder, monkeypatch):
     main = recorder.launches[4]
     assert main.config.deterministic and main.config.varlen and main["mSemaphore"].shape == (4, tiles)
     assert main["mSemaphore"].dtype == torch.int32 and not main["mSemaphore"].any()
-    assert not main.config.dq_descending
+    assert not main.config.dq_descending  # no right edge: key blocks by their work, not by sequence
+    assert torch.equal(main["mTiles"], key_blocks_longest_first(cu_q, cu_k, 90, 128, 128, -1))
     flash_bwd_varlen(dout, q, k, k, q, lse, deterministic=True, causal=True, **lens)
     main = recorder.launches[7]
     assert main.config.dq_descending  # a right edge: each sequence's key blocks listed last first

@@ -38,7 +38,7 @@ class VarlenOrderConfig:
                               # forward's (query blocks, by the key blocks they visit)
     has_right: bool = False   # a right window edge (causal) cuts the work
     descending: bool = False  # by_key: sequences by their first block's work, each one's blocks last first
-                              # (`Sm90BwdConfig.dq_descending`)
+                              # (the packed backward's under a right edge)
 
     def __post_init__(self):
         if self.descending and not self.by_key:
