@@ -65,7 +65,7 @@ def takes_packed_persistent(traits) -> bool:
     """Packed forwards up to d 128 take the persistent schedule (one CTA an SM claiming the
     launch order's tiles): 1.05-1.22x one CTA a tile in the train_varlen cells, most at mean
     length 512, where a tile is a few key blocks, except without a mask at mean 2048 (0.95-1.01
-    over four runs); above d 128 not measured. docs/tuning/policy.md; docs/tuning/backward.md,
+    over three runs); above d 128 not measured. docs/tuning/policy.md; docs/tuning/backward.md,
     "The packed forward's schedule measured"."""
     return traits.head_dim <= 128 and Sm90FwdConfig.fits_persistent(traits)
 
