@@ -571,6 +571,18 @@ def flash_attn_with_kvcache(
                                cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q)
     if cu_seqlens_k_new is not None or max_seqlen_q is not None:
         raise ValueError("cu_seqlens_k_new and max_seqlen_q go with cu_seqlens_q (queries of their own count)")
+    return _kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+                    block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
+                    num_splits, return_softmax_lse, learnable_sink)
+
+
+def _kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+             block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
+             return_softmax_lse, learnable_sink, fold=1):
+    """The fixed-length `flash_attn_with_kvcache`. `fold` > 1 (the packed call's, from
+    `_kvcache_fold`): q's rows hold their heads in the order of the launch's query fold by
+    `fold`, and out (batch, fold x seqlen_q, nheads / fold, headdim) and softmax_lse (batch,
+    nheads / fold, fold x seqlen_q) come back so folded."""
     window_size = _validate.check_window(window_size)
     paged = block_table is not None
     compiling = torch.compiler.is_compiling()
@@ -578,7 +590,7 @@ def flash_attn_with_kvcache(
                               cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
                               rotary_interleaved, alibi_slopes, num_splits, learnable_sink)
     batch, seqlen_q, nheads, headdim = q.shape
-    seqlen_k = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    seqlen_k = _cache_keys(k_cache, block_table)
 
     lse_shape = (batch, nheads, seqlen_q)
     if batch == 0 or seqlen_q == 0 or q.is_meta:
@@ -619,6 +631,7 @@ def flash_attn_with_kvcache(
             return_lse=return_softmax_lse,
             learnable_sink=learnable_sink,
             signature=key,
+            folded_q=fold > 1,
         )
     out = no_backward("flash_attn_with_kvcache", "it is inference-only and has no backward pass (as in flash-attn)",
                       out, (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),
@@ -664,22 +677,44 @@ def _kvcache_varlen(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
     lengths = torch.empty_like(cache_seqlens)  # cache_seqlens + the new keys, written by the packing launch
     # the fixed-length call's checks, before the appends (a refused call leaves the caches as they were), under the
     # signature of that call's arguments below, which then finds them done
-    _check_kvcache_once(q_pad, k_cache, v_cache, None, None, None, None, lengths, None, None, block_table, scale,
-                        causal, window, softcap, True, alibi_slopes, num_splits, learnable_sink)
+    key = _check_kvcache_once(q_pad, k_cache, v_cache, None, None, None, None, lengths, None, None, block_table,
+                              scale, causal, window, softcap, True, alibi_slopes, num_splits, learnable_sink)
     per_row = bool(causal) or window[0] >= 0 or window[1] >= 0
     if torch.compiler.is_compiling():  # one graph node (cute_flash/ops.py), its writes declared
+        fold = 1
         flat = torch.ops.cute_flash.pack_kvcache_queries(
             q, q_pad, lengths, k_cache, v_cache, k, v, cu_seqlens_q, cu_seqlens_k_new, cache_seqlens, block_table,
             rotary_cos, rotary_sin, bool(rotary_interleaved), per_row)
     else:
+        fold = _kvcache_fold(q_pad, k_cache, v_cache, lengths, block_table, scale, causal, window, softcap,
+                             alibi_slopes, num_splits, learnable_sink, key)
         flat = _kernels().pack_kvcache_queries(q, q_pad, lengths, k_cache, v_cache, k, v, cu_seqlens_q,
-                                               cu_seqlens_k_new, cache_seqlens, block_table, rotary, per_row)
-    out, lse = flash_attn_with_kvcache(
-        q_pad, k_cache, v_cache, cache_seqlens=lengths, block_table=block_table, softmax_scale=scale, causal=causal,
-        window_size=window, softcap=softcap, alibi_slopes=alibi_slopes, num_splits=num_splits,
-        return_softmax_lse=True, learnable_sink=learnable_sink)
-    out, lse = kvcache_varlen.unpad(out, lse, flat)
+                                               cu_seqlens_k_new, cache_seqlens, block_table, rotary, per_row, fold)
+    out, lse = _kvcache(q_pad, k_cache, v_cache, None, None, None, None, lengths, None, None, block_table, scale,
+                        causal, window, softcap, True, alibi_slopes, num_splits, True, learnable_sink, fold)
+    out, lse = kvcache_varlen.unpad(out, lse, flat, fold)
     return (out, lse) if return_softmax_lse else out
+
+
+def _kvcache_fold(q_pad, k_cache, v_cache, lengths, block_table, scale, causal, window, softcap, alibi_slopes,
+                  num_splits, learnable_sink, key):
+    """The query fold the packed call's fixed-length launch takes on q_pad
+    (`launch.kvcache.kvcache_query_group`), so that the packing launch writes its queries in
+    that order; 1 where `_kvcache` launches nothing (no query row, no key)."""
+    batch, seqlen_q = q_pad.shape[:2]
+    seqlen_k = _cache_keys(k_cache, block_table)
+    if batch == 0 or seqlen_k == 0:
+        return 1
+    causal, window = _mask(causal, window, seqlen_q, seqlen_k)
+    return _kernels().kvcache_query_group(
+        q_pad, k_cache, v_cache, cache_seqlens=lengths, block_table=block_table, softmax_scale=scale, causal=causal,
+        window_size=window, softcap=float(softcap), alibi_slopes=alibi_slopes, num_splits=num_splits,
+        learnable_sink=learnable_sink, signature=key)
+
+
+def _cache_keys(k_cache, block_table) -> int:
+    """The keys a KV cache holds a sequence: its rows, or those of the block table's pages."""
+    return k_cache.shape[1] if block_table is None else block_table.shape[1] * k_cache.shape[1]
 
 
 # Signatures of flash_attn_with_kvcache calls that passed every check: a decode loop repeats one
@@ -725,9 +760,7 @@ def _check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seql
     _validate.check_learnable_sink(learnable_sink, nheads)
     if paged:
         _validate.check_block_table(block_table, batch, k_cache, "k_cache")
-        seqlen_k = block_table.shape[1] * k_cache.shape[1]
-    else:
-        seqlen_k = k_cache.shape[1]
+    seqlen_k = _cache_keys(k_cache, block_table)
     _validate.check_kvcache_args(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad,
                                  block_table, num_splits, seqlen_k)
     _validate.check_rotary(rotary_cos, rotary_sin, q, k, seqlen_k)

@@ -11,16 +11,21 @@ position cache_seqlens[b] + new_b - n_b + i, its own causal edge; the rows befor
 filler whose outputs are dropped. The appends, the rotations, the padded queries, each packed
 query's padded row and the keys each sequence then has come from one launch
 (`launch.kvcache.pack_kvcache_queries`, kernels/sm80/append_packed.py), every index computed
-on the device from the prefix sums (no host sync); the attention is the fixed-length call's,
-split-KV included; `unpad` takes the packed rows back.
+on the device from the prefix sums (no host sync), the queries in the order of the launch's
+query fold where it folds (so no copy folds them and none unfolds its output); the attention
+is the fixed-length call's, split-KV included; `unpad` takes the packed rows back.
 """
 from __future__ import annotations
 
 from torch import Tensor
 
 
-def unpad(out: Tensor, lse: Tensor, flat: Tensor) -> tuple[Tensor, Tensor]:
+def unpad(out: Tensor, lse: Tensor, flat: Tensor, fold: int = 1) -> tuple[Tensor, Tensor]:
     """The packed rows' out (total_q, heads, d) and lse (heads, total_q) from the padded call's
-    out (batch, max_q, heads, d) and lse (batch, heads, max_q)."""
-    rows = out.reshape(-1, *out.shape[2:]).index_select(0, flat)
-    return rows, lse.transpose(1, 2).reshape(-1, lse.shape[1]).index_select(0, flat).t()
+    out (batch, max_q, heads, d) and lse (batch, heads, max_q), or with `fold` > 1 from its
+    folded ones (batch, fold x max_q, heads / fold, d) and (batch, heads / fold, fold x max_q):
+    row j + fold i of K / V head kh holds query i of head kh fold + j."""
+    batch, hk, d = out.shape[0], out.shape[2], out.shape[3]
+    rows = out.reshape(-1, fold, hk, d).index_select(0, flat).transpose(1, 2).reshape(-1, hk * fold, d)
+    by_row = lse.reshape(batch, hk, -1, fold).permute(0, 2, 1, 3).reshape(-1, hk * fold)
+    return rows, by_row.index_select(0, flat).t()

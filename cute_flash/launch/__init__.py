@@ -13,7 +13,8 @@ only); the interface validates and dispatches here.
 - `variants`: the configs the dispatcher can choose: the set CI and `compile` build, and all.
 - `dense`, `hopper`: the dense and packed-varlen forwards (the SM80 and the Hopper kernel).
 - `kvcache`: `flash_attn_with_kvcache`: its per-signature call setup, the split workspace, the
-  append launch, and packed queries' (`pack_kvcache_queries`).
+  append launch, and packed queries' (`pack_kvcache_queries`, in the order of the call's query
+  fold, `kvcache_query_group`).
 - `backward`: the gradients of the dense and packed-varlen forwards.
 - `block_sparse`: a FlexAttention BlockMask as the kernels' block lists, at their tile sizes.
 
@@ -23,7 +24,8 @@ can import `rng` without the DSL.
 import importlib
 
 _ENTRIES = {"flash_fwd": "dense", "flash_fwd_varlen": "dense", "flash_fwd_kvcache": "kvcache",
-            "pack_kvcache_queries": "kvcache", "flash_bwd": "backward", "flash_bwd_varlen": "backward"}
+            "pack_kvcache_queries": "kvcache", "kvcache_query_group": "kvcache", "flash_bwd": "backward",
+            "flash_bwd_varlen": "backward"}
 
 __all__ = ["backward", *_ENTRIES]
 

@@ -16,10 +16,15 @@ def positive_scale(q, softmax_scale):
     caller's: -1, or 0 at scale 0. A positive scale costs two compares; the others a pass over
     q. (NaN passes through: the public functions refuse it, `_validate.check_softmax_scale`.)"""
     if softmax_scale < 0:
-        return torch.neg(q), -softmax_scale, -1
+        return torch.neg(q), positive_scale_value(softmax_scale), -1
     if softmax_scale == 0:
-        return torch.zeros_like(q), 1.0, 0
+        return torch.zeros_like(q), positive_scale_value(softmax_scale), 0
     return q, softmax_scale, 1
+
+
+def positive_scale_value(softmax_scale: float) -> float:
+    """The scale `positive_scale` gives the kernels: |scale|, 1 for 0."""
+    return abs(softmax_scale) if softmax_scale else 1.0
 
 
 def scales(softmax_scale, softcap, score_mod: bool = False):

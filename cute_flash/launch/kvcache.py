@@ -19,7 +19,8 @@ from cute_flash.kernels.sm80.fwd import FwdConfig
 from cute_flash.kernels.sm90.fwd import Sm90FwdConfig
 from cute_flash.launch import compiled, gpu
 from cute_flash.launch.align import aligned, is_aligned
-from cute_flash.launch.args import alibi_2d, positive_scale, scales, score_flags, sink_logits, window_edges
+from cute_flash.launch.args import (alibi_2d, positive_scale, positive_scale_value, scales, score_flags, sink_logits,
+                                   window_edges)
 from cute_flash.launch.batch_chunks import batch_chunks, chunked, rows_of, slopes_of, splits_within_grid
 from cute_flash.launch.clusters import resident_clusters
 from cute_flash.launch.per_stream import per_stream, zeroed_counters
@@ -86,7 +87,7 @@ def flash_fwd_kvcache(q, k_cache, v_cache, *, k=None, v=None, rotary_cos=None, r
                       cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                       softmax_scale, causal=False, window_size=(-1, -1), softcap=0.0,
                       rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_lse=True,
-                      learnable_sink=None, signature=None, hopper_variant=None):
+                      learnable_sink=None, signature=None, hopper_variant=None, folded_q=False):
     """`flash_attn_with_kvcache` on validated CUDA tensors: append (rotary) k/v into the caches in
     place, then split-KV attention over them, merged in the same launch. Returns (out, lse (b, h,
     sq)), lse None unless return_lse. `learnable_sink` (h,): a logit per head in each row's
@@ -96,7 +97,9 @@ def flash_fwd_kvcache(q, k_cache, v_cache, *, k=None, v=None, rotary_cos=None, r
     `hopper_variant` (tuning, `python -m cute_flash tune --decode` / `--splits`): dict(traits=
     HopperTileTraits, ctas_per_sm=1 or 2, stream_ctas=CTAs of a stream-K launch, dependent_launch=
     bool, stages=K / V pipeline depth) for the Hopper entry in place of its own choice, on a call
-    it takes."""
+    it takes. `folded_q`: each row of q holds its heads in the order of the call's query fold g
+    (`kvcache_query_group`, g > 1; the packed call's packing launch writes them so): no fold
+    copy, and out (b, g sq, h / g, d) and lse (b, h / g, g sq) come back folded."""
     b, sq, h, d = q.shape
     if chunked(b):  # launch/batch_chunks.py
         return _by_batch_chunks(q, k_cache, v_cache, k=k, v=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
@@ -107,35 +110,28 @@ def flash_fwd_kvcache(q, k_cache, v_cache, *, k=None, v=None, rotary_cos=None, r
                                 num_splits=num_splits, return_lse=return_lse, learnable_sink=learnable_sink,
                                 hopper_variant=hopper_variant)
     q, softmax_scale, _ = positive_scale(q, softmax_scale)  # rotary is linear: it commutes with -q
-    key = None if signature is None else (signature, arch_path())  # the path picks the kernel
-    call = _calls.get(key) if key is not None else None
+    call = _call_of(q, k_cache, v_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, softmax_scale,
+                    causal, window_size, softcap, alibi_slopes, rotary_cos, num_splits, learnable_sink, signature,
+                    hopper_variant)
     if call is None:
-        if not (is_aligned(k_cache) and is_aligned(v_cache)):
-            # Caches whose rows break 128-bit copies (a head dim not a multiple of 8, strides
-            # or a base address off 16 bytes): work on aligned copies, zero-padded as flash-attn
-            # pads, then copy the caches back if the call appended to them. Only appended rows
-            # differ, but a whole-cache copy needs no index built from cache_seqlens (which may
-            # be bad metadata); the cost (3-8x an aligned call) is in docs/tuning/varlen-paged.md.
-            k_al, v_al = aligned(k_cache), aligned(v_cache)
-            if d % ALIGN:
-                q, k, v = (None if x is None else aligned(x) for x in (q, k, v))
-            out, lse = flash_fwd_kvcache(
-                q, k_al, v_al, k=k, v=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
-                cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
-                block_table=block_table, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                softcap=softcap, rotary_interleaved=rotary_interleaved, alibi_slopes=alibi_slopes,
-                num_splits=num_splits, return_lse=return_lse, learnable_sink=learnable_sink)
-            if k is not None:
-                k_cache.copy_(k_al[..., :d])
-                v_cache.copy_(v_al[..., :d])
-            return out[..., :d], lse
-        call = _kvcache_call(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
-                             softmax_scale, causal, window_size, softcap, alibi_slopes, rotary_cos, num_splits,
-                             learnable_sink is not None, hopper_variant)
-        if key is not None:
-            if len(_calls) >= _CALLS_MAX:
-                _calls.clear()
-            _calls[key] = call
+        # Caches whose rows break 128-bit copies (a head dim not a multiple of 8, strides or a
+        # base address off 16 bytes): work on aligned copies, zero-padded as flash-attn pads,
+        # then copy the caches back if the call appended to them. Only appended rows differ, but
+        # a whole-cache copy needs no index built from cache_seqlens (which may be bad metadata);
+        # the cost (3-8x an aligned call) is in docs/tuning/varlen-paged.md.
+        k_al, v_al = aligned(k_cache), aligned(v_cache)
+        if d % ALIGN:
+            q, k, v = (None if x is None else aligned(x) for x in (q, k, v))
+        out, lse = flash_fwd_kvcache(
+            q, k_al, v_al, k=k, v=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+            cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
+            block_table=block_table, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+            softcap=softcap, rotary_interleaved=rotary_interleaved, alibi_slopes=alibi_slopes,
+            num_splits=num_splits, return_lse=return_lse, learnable_sink=learnable_sink)
+        if k is not None:
+            k_cache.copy_(k_al[..., :d])
+            v_cache.copy_(v_al[..., :d])
+        return out[..., :d], lse
     plan, index = call.plan, call.index
     if call.realign:
         q = aligned(q)
@@ -145,8 +141,10 @@ def flash_fwd_kvcache(q, k_cache, v_cache, *, k=None, v=None, rotary_cos=None, r
                     rotary_interleaved, call.q_per_row, index)
 
     group = plan.query_group
+    if folded_q and group == 1:
+        raise ValueError("folded_q: q's heads come in the order of a query fold this call does not take")
     if group > 1:
-        q = fold_queries(q, group)
+        q = q.view(b, sq * group, h // group, d) if folded_q else fold_queries(q, group)
     out = torch.empty((b, plan.rows, plan.heads, d) if group > 1 else (b, sq, h, d), dtype=q.dtype,
                       device=call.device)
     o_acc, lse_acc, counters, lse = _workspace(plan, call.device)
@@ -154,9 +152,45 @@ def flash_fwd_kvcache(q, k_cache, v_cache, *, k=None, v=None, rotary_cos=None, r
         lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=call.device)
     plan.launch(q, k_cache, v_cache, out, lse, o_acc, lse_acc, counters, alibi_2d(alibi_slopes, b, h),
                 sink_logits(learnable_sink), seqlens, cache_leftpad, cache_batch_idx, block_table, *call.scalars)
-    if group > 1:
+    if group > 1 and not folded_q:
         out, lse = unfold_rows(out, lse if return_lse else None, group)
     return out, (lse if return_lse else None)
+
+
+def _call_of(q, k_cache, v_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, softmax_scale,
+             causal, window_size, softcap, alibi_slopes, rotary_cos, num_splits, learnable_sink, signature,
+             hopper_variant) -> KVCacheCall | None:
+    """The call's setup (`KVCacheCall`), kept per signature and kernel path; None where the
+    caches break 128-bit copies (the call works on aligned copies of them)."""
+    key = None if signature is None else (signature, arch_path())  # the path picks the kernel
+    call = _calls.get(key) if key is not None else None
+    if call is None:
+        if not (is_aligned(k_cache) and is_aligned(v_cache)):
+            return None
+        call = _kvcache_call(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+                             softmax_scale, causal, window_size, softcap, alibi_slopes, rotary_cos, num_splits,
+                             learnable_sink is not None, hopper_variant)
+        if key is not None:
+            if len(_calls) >= _CALLS_MAX:
+                _calls.clear()
+            _calls[key] = call
+    return call
+
+
+def kvcache_query_group(q, k_cache, v_cache, *, cache_seqlens, block_table, softmax_scale, causal=False,
+                        window_size=(-1, -1), softcap=0.0, alibi_slopes=None, num_splits=0, learnable_sink=None,
+                        signature=None) -> int:
+    """The query fold g that `flash_fwd_kvcache` takes on these arguments (no new keys, no
+    rotary: the packed call's attention), 1 for none or where it works on copies (caches that
+    break 128-bit copies, batches past the grid limit): the packed call's packing launch writes
+    its queries in that order (`pack_kvcache_queries(fold=)`), and the call takes them with
+    `folded_q`. Keeps the call's setup under `signature`, which that call then finds."""
+    if chunked(q.shape[0]):
+        return 1
+    call = _call_of(q, k_cache, v_cache, None, cache_seqlens, None, None, block_table,
+                    positive_scale_value(softmax_scale), causal,
+                    window_size, softcap, alibi_slopes, None, num_splits, learnable_sink, signature, None)
+    return 1 if call is None else call.plan.query_group
 
 
 def fold_queries(q: torch.Tensor, group: int) -> torch.Tensor:
@@ -286,26 +320,30 @@ def _append(q, k, v, k_cache, v_cache, seqlens, cache_batch_idx, block_table, ro
 
 
 def pack_kvcache_queries(q, q_pad, lengths, k_cache, v_cache, k, v, cu_seqlens_q, cu_seqlens_k_new, cache_seqlens,
-                         block_table, rotary, per_row: bool):
+                         block_table, rotary, per_row: bool, fold: int = 1):
     """Packed queries' setup around the fixed-length call (`cute_flash.kvcache_varlen`), in one
     launch of the packed append (kernels/sm80/append_packed.py): k, v (total_new, heads_k, d)
     into the caches from cache_seqlens[b] (None: nothing new), q (total_q, heads, d) into
     q_pad (batch, max_seqlen_q, heads, d) at each sequence's last rows (the rows before them
     zeroed: q_pad may come uninitialised), rotated when `rotary` is (cos, sin, interleaved)
-    (query i at cache_seqlens[b] + i when `per_row`), `lengths` (batch,) int32 the keys each
-    sequence then has; returns each packed query's flat row of q_pad (int64, on the device: no
-    sync)."""
+    (query i at cache_seqlens[b] + i when `per_row`), each row's heads in the order of a query
+    fold by `fold` (`kvcache_query_group`; 1: as they come), `lengths` (batch,) int32 the keys
+    each sequence then has; returns each packed query's flat row of q_pad (int64, on the
+    device: no sync)."""
     flat = torch.empty(q.shape[0], dtype=torch.int64, device=q.device)
     if lengths.numel() == 0:  # no sequence: no row to launch for (an empty grid cannot launch)
         return flat
     has_new = k is not None
-    config = PackedAppendConfig(gpu.DTYPE_NAMES[q.dtype], block_table is not None, has_new, rotary is not None,
-                                rotary is not None and rotary[2], rotary is not None and per_row)
-    cos, sin = (None, None) if rotary is None else (rotary[0].contiguous(), rotary[1].contiguous())
+    q = q.contiguous()
     k, v = (k.contiguous(), v.contiguous()) if has_new else (None, None)
+    rows = (q, q_pad, k_cache, v_cache) + ((k, v) if has_new else ())
+    vec = ALIGN if all(is_aligned(x) for x in rows) else 1  # 16-byte copies where every row allows them
+    config = PackedAppendConfig(gpu.DTYPE_NAMES[q.dtype], block_table is not None, has_new, rotary is not None,
+                                rotary is not None and rotary[2], rotary is not None and per_row, vec)
+    cos, sin = (None, None) if rotary is None else (rotary[0].contiguous(), rotary[1].contiguous())
     compiled.kernel_for(config, gpu.device_index(q.device))(
-        q.contiguous(), q_pad.view(-1, *q_pad.shape[2:]), flat, lengths, cu_seqlens_q, cache_seqlens, k, v,
-        cu_seqlens_k_new if has_new else None, k_cache, v_cache, block_table, cos, sin)
+        q, q_pad.view(-1, *q_pad.shape[2:]), flat, lengths, cu_seqlens_q, cache_seqlens, k, v,
+        cu_seqlens_k_new if has_new else None, k_cache, v_cache, block_table, cos, sin, fold)
     return flat
 
 

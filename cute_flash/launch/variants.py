@@ -99,17 +99,18 @@ def append_variants(full: bool = False) -> list:
 def packed_append_variants(full: bool = False) -> list:
     """PackedAppendConfigs packed queries in the KV-cache call can launch (fp16 and bf16 with
     `full`, else bf16): contiguous or paged caches, with or without new keys, with or without
-    rotary (interleaving and per-row angles only with it). CI compiles four: new keys into a
-    contiguous cache without rotary, into pages with per-row rotary, interleaved rotary with no
-    new keys, and pages with neither."""
+    rotary (interleaving and per-row angles only with it), 16-byte copies or one element at a
+    time. CI compiles four: new keys into a contiguous cache without rotary and into pages with
+    per-row rotary (16-byte copies), interleaved rotary with no new keys and pages with neither
+    (one element at a time)."""
     if not full:
-        return [PackedAppendConfig("bf16", False, True, False, False, False),
-                PackedAppendConfig("bf16", True, True, True, False, True),
-                PackedAppendConfig("bf16", False, False, True, True, False),
-                PackedAppendConfig("bf16", True, False, False, False, False)]
+        return [PackedAppendConfig("bf16", False, True, False, False, False, 8),
+                PackedAppendConfig("bf16", True, True, True, False, True, 8),
+                PackedAppendConfig("bf16", False, False, True, True, False, 1),
+                PackedAppendConfig("bf16", True, False, False, False, False, 1)]
     rotary = [(False, False, False)] + [(True, i, q) for i in (False, True) for q in (False, True)]
-    return [PackedAppendConfig(dt, paged, new, *rot) for dt in DTYPES for paged in (False, True)
-            for new in (False, True) for rot in rotary]
+    return [PackedAppendConfig(dt, paged, new, *rot, vec) for dt in DTYPES for paged in (False, True)
+            for new in (False, True) for rot in rotary for vec in (1, 8)]
 
 
 BWD_FLAGS = ("has_left", "has_right", "has_alibi", "has_softcap", "has_dropout", "even_k", "deterministic")

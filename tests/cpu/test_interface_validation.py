@@ -861,7 +861,7 @@ def test_kvcache_dispatch_keywords(gpu_free, name):
         cache_seqlens=args["cache_seqlens"], cache_batch_idx=None, cache_leftpad=None,
         block_table=args.get("block_table"), softmax_scale=0.5, causal=False,  # seqlen_q == 1
         window_size=(-1, -1), softcap=0.0, rotary_interleaved=False, alibi_slopes=alibi,
-        num_splits=3, return_lse=True, learnable_sink=None,
+        num_splits=3, return_lse=True, learnable_sink=None, folded_q=False,
     )
     for key in ("k", "v", "rotary_cos", "rotary_sin", "cache_seqlens", "block_table"):
         assert kw[key] is args.get(key)

@@ -65,15 +65,19 @@ def _check_each_sequence(case, out, lse, caches, **opts):
         torch.testing.assert_close(lse[:, cu_q[b]:cu_q[b + 1]], ref_lse[0], **BF16)
 
 
+@pytest.mark.parametrize("fold", [True, False])
 @pytest.mark.parametrize("page_size", [None, 16])
 @pytest.mark.parametrize("rotary, interleaved", [(False, False), (True, False), (True, True)])
-def test_each_sequence_gets_its_own_queries_and_appends(launch, page_size, rotary, interleaved):
+def test_each_sequence_gets_its_own_queries_and_appends(launch, page_size, rotary, interleaved, fold):
+    """`fold`: the launch folds the GQA group (the packing launch writes each row's heads in the
+    fold's order, the unpad reads the folded output), or not."""
+    launch.fold_queries = fold
     case = _case([1, 4, 0, 7], [1, 4, 0, 7], [10, 0, 30, 5], page_size, rotary)
     before = [c.clone() for c in (case["k_cache"], case["v_cache"])]
     out, lse = cute_flash.flash_attn_with_kvcache(**case, causal=True, rotary_interleaved=interleaved,
                                                   return_softmax_lse=True)
     assert out.shape == case["q"].shape and lse.shape == (H, case["q"].shape[0])
-    assert launch.calls == ["pack_kvcache_queries", "flash_fwd_kvcache"]
+    assert launch.calls == ["kvcache_query_group", "pack_kvcache_queries", "flash_fwd_kvcache"]
     _check_each_sequence(case, out, lse, before, causal=True, rotary_interleaved=interleaved)
     # the appends landed where the reference puts them
     ref = case.copy()
@@ -144,7 +148,7 @@ def test_appends_past_the_cache_stay_inside_it(launch):
     as the append kernels skip such rows (docs/architecture.md, Bad metadata)."""
     case = _case([4, 1], [4, 1], [CAPACITY - 2, 0])
     cute_flash.flash_attn_with_kvcache(**case, causal=True)
-    assert launch.calls == ["pack_kvcache_queries", "flash_fwd_kvcache"]
+    assert launch.calls == ["kvcache_query_group", "pack_kvcache_queries", "flash_fwd_kvcache"]
 
 
 def test_checks_run_once_per_signature(launch, monkeypatch):

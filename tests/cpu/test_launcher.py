@@ -926,6 +926,35 @@ def test_hopper_entry_folds_several_query_rows(recorder, monkeypatch):
     assert recorder.launches[-1].config.query_group == 1
 
 
+def test_queries_written_in_the_folds_order_take_no_fold_copy(recorder, monkeypatch):
+    """`kvcache_query_group` names the fold a call takes (4 for five causal rows of 8 heads over
+    2, as above; 1 with ALiBi), under the signature the call then finds; q whose heads already
+    come in that order (`folded_q`: the packed call's packing launch writes them so) reaches the
+    kernel as a view of the same memory, and out / LSE come back folded. `folded_q` on a call
+    that does not fold is refused."""
+    from cute_flash.launch import flash_fwd_kvcache, kvcache_query_group
+    from cute_flash.launch import kvcache
+    from cute_flash.launch.kvcache import fold_queries
+
+    monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", "sm90")
+    monkeypatch.setattr(kvcache, "_calls", {})
+    q = torch.randn(2, 5, 8, 64, dtype=torch.bfloat16)
+    cache = torch.randn(2, 1000, 2, 64, dtype=torch.bfloat16)
+    seqlens = torch.tensor([999, 3], dtype=torch.int32)
+    opts = dict(cache_seqlens=seqlens, block_table=None, softmax_scale=0.125, causal=True, num_splits=1)
+    assert kvcache_query_group(q, cache, cache, signature="sig", **opts) == 4
+    assert list(kvcache._calls) == [("sig", "sm90")] and recorder.launches == []
+    assert kvcache_query_group(q, cache, cache, alibi_slopes=torch.rand(8), **opts) == 1
+    q_folded = fold_queries(q, 4).view(q.shape)
+    out, lse = flash_fwd_kvcache(q_folded, cache, cache, signature="sig", folded_q=True, **opts)
+    launch = recorder.launches[-1]
+    assert launch.config.query_group == 4 and launch["mQ"].data_ptr() == q_folded.data_ptr()
+    assert torch.equal(launch["mQ"], fold_queries(q, 4))
+    assert out is launch["mO"] and out.shape == (2, 20, 2, 64) and lse.shape == (2, 2, 20)
+    with pytest.raises(ValueError, match="folded_q"):
+        flash_fwd_kvcache(q, cache, cache, alibi_slopes=torch.rand(8), folded_q=True, **opts)
+
+
 def test_hopper_entry_splits_for_one_cta_per_sm(recorder, monkeypatch):
     """The split count of the Hopper entry (num_splits=0) fits its CTAs in one per SM (132 on
     the recorder's GPU): one sequence of 2 kv heads over 1000 keys (8 blocks of 128) splits 8
@@ -1343,8 +1372,9 @@ def test_a_transposed_lse_reaches_the_sm80_backward_dense(recorder):
 
 def test_packed_kvcache_queries_take_one_packing_launch(recorder):
     """`pack_kvcache_queries` is one launch of the packed append: its config from the call
-    (paged, new keys, rotary; interleaving and per-row angles only with rotary), q_pad viewed as
-    (batch * max_seqlen_q) rows, the int64 flat row of each packed query returned."""
+    (paged, new keys, rotary; interleaving and per-row angles only with rotary; 16-byte copies
+    where every tensor's rows allow them), q_pad viewed as (batch * max_seqlen_q) rows, the
+    int64 flat row of each packed query returned, the query fold's order a run-time argument."""
     from cute_flash.kernels.sm80.append_packed import PackedAppendConfig
     from cute_flash.launch.kvcache import pack_kvcache_queries
 
@@ -1356,17 +1386,24 @@ def test_packed_kvcache_queries_take_one_packing_launch(recorder):
     k, v = (torch.randn(5, 2, 64, dtype=torch.bfloat16) for _ in range(2))
     flat = pack_kvcache_queries(q, q_pad, lengths, k_cache, v_cache, k, v, cu, cu, lens, None, None, True)
     (launch,) = recorder.launches
-    assert launch.config == PackedAppendConfig("bf16", False, True, False, False, False)
+    assert launch.config == PackedAppendConfig("bf16", False, True, False, False, False, 8)
     assert launch["mQpad"].shape == (6, 4, 64) and launch["mQpad"].data_ptr() == q_pad.data_ptr()
     assert launch["mFlat"] is flat and flat.dtype == torch.int64 and flat.shape == (5,)
     assert launch["mLengths"] is lengths and launch["mCuSeqlensK"] is cu and launch["mBlockTable"] is None
+    assert launch["fold"] == 1  # each row's heads as they come
     table = torch.zeros(2, 4, dtype=torch.int32)
     cos, sin = (torch.randn(32, 16, dtype=torch.bfloat16) for _ in range(2))
     pack_kvcache_queries(q, q_pad, lengths, k_cache, v_cache, None, None, cu, None, lens, table, (cos, sin, True),
-                         False)
+                         False, 2)
     launch = recorder.launches[-1]
-    assert launch.config == PackedAppendConfig("bf16", True, False, True, True, False)
+    assert launch.config == PackedAppendConfig("bf16", True, False, True, True, False, 8) and launch["fold"] == 2
     assert launch["mKnew"] is None and launch["mCuSeqlensK"] is None and launch["mBlockTable"] is table
+    off = torch.randn(5 * 4 * 64 + 1, dtype=torch.bfloat16)[1:].view(5, 4, 64)  # 2 bytes past an aligned start
+    pack_kvcache_queries(off, q_pad, lengths, k_cache, v_cache, k, v, cu, cu, lens, None, None, True)
+    assert recorder.launches[-1].config.vec == 1  # one element at a time
+    wide = torch.randn(2, 16, 2, 65, dtype=torch.bfloat16)[..., :64]  # a head's row 65 elements apart
+    pack_kvcache_queries(q, q_pad, lengths, wide, v_cache, k, v, cu, cu, lens, None, None, True)
+    assert recorder.launches[-1].config.vec == 1
 
 
 def test_a_hopper_variant_reaches_the_hopper_backward(recorder, monkeypatch):

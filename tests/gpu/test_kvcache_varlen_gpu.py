@@ -40,12 +40,17 @@ def _case(n_q, lens, page_size, rotary, seed):
 
 @pytest.mark.parametrize("page_size", [None, 256])
 @pytest.mark.parametrize("rotary", [False, True])
-def test_packed_queries_against_each_sequence_alone(arch_path, kernels, page_size, rotary):
+def test_packed_queries_against_each_sequence_alone(arch_path, kernels, page_size, rotary, monkeypatch):
+    """On the Hopper path the launch folds the 16 rows' GQA groups, and the packing launch
+    writes the queries in the fold's order: no copy folds them or unfolds the output."""
     n_q = [1, 16, 3, 1, 8, 5, 2, 1]
     lens = [4000, 0, 1234, 17, 3000, 255, 4090, 64]
     case = _case(n_q, lens, page_size, rotary, seed=len(n_q) + (page_size or 0))
     before = [c.clone() for c in (case["k_cache"], case["v_cache"])]
     kvcache._calls.clear()
+    if on_path(arch_path, "fwd") == on_path("sm90", "fwd"):
+        for copy in ("fold_queries", "unfold_rows"):
+            monkeypatch.setattr(kvcache, copy, lambda *args, name=copy: pytest.fail(f"{name} ran"))
     out, lse = cute_flash.flash_attn_with_kvcache(**case, causal=True, return_softmax_lse=True)
     assert out.shape == case["q"].shape and lse.shape == (H, sum(n_q))
     assert kernels == on_path(arch_path, "fwd")
@@ -138,14 +143,18 @@ def test_appends_past_the_cache_are_skipped(packing, page_size):
         assert torch.equal(case["k_cache"][first, 100:104], case["k"][:4])
 
 
-@pytest.mark.parametrize("heads", [12, 32])
-def test_the_packing_launch_writes_every_padded_row(heads):
+@pytest.mark.parametrize("vec", [8, 1])
+@pytest.mark.parametrize("heads, fold", [(12, 1), (12, 3), (32, 1), (32, 4), (32, 8)])
+def test_the_packing_launch_writes_every_padded_row(heads, fold, vec, packing):
     """q_pad comes uninitialised (here NaN): the packing launch puts each sequence's queries in
     its last rows and zeros in the rows before them, over every head group (12 heads: a partial
-    group of eight), and writes each query's flat row and each sequence's key count."""
+    group of eight), each row's heads in the order of the query fold by `fold` (`fold_queries`'
+    rows), and writes each query's flat row and each sequence's key count; with 16-byte copies,
+    and one element at a time where q starts off a 16-byte boundary."""
     n_q, lens, max_q, d = [3, 0, 16, 1, 7], [5, 9, 0, 100, 2], 16, 64
     g = torch.Generator(device="cuda").manual_seed(heads)
-    q = torch.randn(sum(n_q), heads, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    q = torch.randn(sum(n_q) * heads * d + 8, device="cuda", dtype=torch.bfloat16, generator=g)
+    q = q[8 - vec:8 - vec + sum(n_q) * heads * d].view(sum(n_q), heads, d)  # vec 1: 14 bytes in
     k, v = (torch.randn(sum(n_q), 4, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
     k_cache, v_cache = (torch.zeros(len(n_q), 128, 4, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     cu = torch.tensor([0, *torch.tensor(n_q).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
@@ -153,13 +162,14 @@ def test_the_packing_launch_writes_every_padded_row(heads):
     q_pad = torch.full((len(n_q), max_q, heads, d), float("nan"), device="cuda", dtype=torch.bfloat16)
     lengths = torch.empty(len(n_q), dtype=torch.int32, device="cuda")
     flat = kvcache.pack_kvcache_queries(q, q_pad, lengths, k_cache, v_cache, k, v, cu, cu, cache_seqlens, None, None,
-                                        True)
+                                        True, fold)
+    assert [c.vec for c in packing] == [vec]
     want = torch.zeros_like(q_pad)
     rows = []
     for b, n in enumerate(n_q):
         want[b, max_q - n:] = q[cu[b]:cu[b + 1]]
         rows += [b * max_q + max_q - n + i for i in range(n)]
-    assert torch.equal(q_pad, want)
+    assert torch.equal(q_pad, kvcache.fold_queries(want, fold).view(want.shape))
     assert flat.tolist() == rows and lengths.tolist() == [a + n for a, n in zip(lens, n_q)]
     for b, n in enumerate(n_q):  # the new rows at each sequence's end of the cache
         assert torch.equal(k_cache[b, lens[b]:lens[b] + n], k[cu[b]:cu[b + 1]])

@@ -64,6 +64,7 @@ class ReferenceLaunch(types.ModuleType):
         self.calls = []
         self.value_dims = []  # v's head dim as each forward got it
         self.backward = self  # the custom ops call `launch.backward.flash_bwd`
+        self.fold_queries = True  # `kvcache_query_group` folds GQA groups (no ALiBi), as the Hopper entry may
 
     def flash_fwd(self, q, k, v, dropout=None, **kw):
         assert dropout is None
@@ -78,19 +79,34 @@ class ReferenceLaunch(types.ModuleType):
         self.value_dims.append(v.shape[-1])
         return attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k=seqused_k, **_forward_options(kw))
 
-    def flash_fwd_kvcache(self, q, k_cache, v_cache, *, k, v, cache_seqlens, return_lse, **kw):
+    def flash_fwd_kvcache(self, q, k_cache, v_cache, *, k, v, cache_seqlens, return_lse, folded_q=False, **kw):
+        """With `folded_q` q's heads come in the fold's order (`kvcache_query_group`), and out /
+        lse go back folded, as the launcher's are."""
         assert k is None and v is None and kw["cache_batch_idx"] is None and kw["rotary_cos"] is None
         self.calls.append("flash_fwd_kvcache")
+        b, sq, h, d = q.shape
+        g = h // k_cache.shape[2] if folded_q else 1
+        q = q.view(b, sq, g, h // g, d).transpose(2, 3).reshape(b, sq, h, d)  # heads kh g + j again
         out, lse, *_ = attention_kvcache_ref(q, k_cache, v_cache, cache_seqlens=cache_seqlens,
                                              block_table=kw["block_table"], **_forward_options(kw))
+        if folded_q:  # (b, sq g, h / g, d) and (b, h / g, sq g): row j + g i of head kh is query i of head kh g + j
+            out = out.view(b, sq, h // g, g, d).transpose(2, 3).reshape(b, sq * g, h // g, d)
+            lse = lse.view(b, h // g, g, sq).transpose(2, 3).reshape(b, h // g, sq * g)
         return out, lse
 
+    def kvcache_query_group(self, q, k_cache, v_cache, *, alibi_slopes, **kw):
+        """The GQA group where `fold_queries` is on and there is no ALiBi (the Hopper entry's rule
+        also weighs the tiles), else 1."""
+        self.calls.append("kvcache_query_group")
+        return q.shape[2] // k_cache.shape[2] if self.fold_queries and alibi_slopes is None else 1
+
     def pack_kvcache_queries(self, q, q_pad, lengths, k_cache, v_cache, k, v, cu_seqlens_q, cu_seqlens_k_new,
-                             cache_seqlens, block_table, rotary, per_row):
+                             cache_seqlens, block_table, rotary, per_row, fold=1):
         """The packing launch's work (kernels/sm80/append_packed.py), sequence by sequence: new
         rows into the caches (rows outside them skipped), the queries into q_pad's last rows of
-        each sequence, rotated, the rows before them zeroed; lengths written; each packed query's
-        flat row returned."""
+        each sequence, rotated, their heads in the fold's order (head kh fold + j at j heads_k +
+        kh), the rows before them zeroed; lengths written; each packed query's flat row
+        returned."""
         self.calls.append("pack_kvcache_queries")
         batch, max_q = q_pad.shape[:2]
         rows = q_pad.view(-1, *q_pad.shape[2:])
@@ -117,7 +133,9 @@ class ReferenceLaunch(types.ModuleType):
             rows[b * max_q:b * max_q + max_q - n] = 0  # the filler rows before the queries
             for i in range(n):
                 flat[first + i] = b * max_q + max_q - n + i
-                rows[flat[first + i]] = _rotated(q[first + i], rotary, start + i if per_row else start)
+                row = _rotated(q[first + i], rotary, start + i if per_row else start)
+                h, d = row.shape
+                rows[flat[first + i]] = row.view(h // fold, fold, d).transpose(0, 1).reshape(h, d)
         return flat
 
     def flash_bwd(self, dout, q, k, v, out, lse, *, dq=None, dk=None, dv=None, **kw):
