@@ -375,6 +375,7 @@ def test_resident_clusters_agree_with_the_dsl_query():
     from cute_flash.launch.clusters import resident_clusters
 
     index = torch.cuda.current_device()
+    torch.empty(1, device="cuda")  # the DSL's query needs a current CUDA context and makes none (alone it had none)
     hw = HardwareInfo(index)
     one = resident_clusters(index, 1, 8)
     assert one == tuple(hw.get_max_active_clusters(s) for s in range(1, 9))
