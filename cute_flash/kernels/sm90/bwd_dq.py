@@ -90,7 +90,7 @@ class DqAdds:
         count = tile.count()
         if count > 0:
             cute.arch.barrier_arrive(barrier_id=BwdBarrier.DQ_EMPTY + wg_idx, number_of_threads=128 + 32)
-        ordered = cutlass.const_expr(self.config.deterministic)
+        ordered = self.config.deterministic  # each add in the tile's turn (`DqTurn`)
         for i in cutlass.range(count, unroll=1):
             m_block = tile.m_block(i)
             turn = None
