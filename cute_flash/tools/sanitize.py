@@ -5,7 +5,8 @@ memcheck finds out-of-bounds and misaligned accesses (torch's caching allocator 
 each tensor is its own allocation and a read just past it is caught; host API errors are not
 counted: the DSL and the cluster-occupancy query probe the driver on purpose). racecheck finds
 shared-memory hazards between threads of a CTA (RAW, WAR, WAW) that neither memcheck nor a
-gradient check can see. A kernel change that moves memory accesses or synchronization is done
+gradient check can see. Both instrument our kernels alone, and each first runs a canary, a
+kernel of ours with findings on purpose, to show that its filter reaches them. A kernel change that moves memory accesses or synchronization is done
 when both report nothing (docs/architecture.md, "Sanitizers").
 
 `jobs` > 1 collects the tests and deals them round-robin to that many sanitized pytest
@@ -93,8 +94,11 @@ CUDA_ERROR_AT = re.compile(r"^(\S+\.py:\d+): (?:torch\.)?AcceleratorError$")
 SYNC_LIMIT = 4
 
 TOOLS = {
-    # torch's caching allocator off: each tensor its own allocation, so a read just past one is caught
-    "memcheck": Tool("memcheck", ("--report-api-errors", "no"), r"ERROR SUMMARY: (\d+) error", "errors",
+    # torch's caching allocator off: each tensor its own allocation, so a write just past one is caught.
+    # Our kernels alone: torch's SDPA FLASH kernel, run by the tests' references, writes 4 bytes past an
+    # allocation and the process aborts (docs/tuning/gpu-suite.md, "Seventeenth session")
+    "memcheck": Tool("memcheck", ("--report-api-errors", "no", "--kernel-name", f"kns={OUR_KERNELS}"),
+                     r"ERROR SUMMARY: (\d+) error", "errors", canary="cute_flash.tools.overrun_canary",
                      env=(("PYTORCH_NO_CUDA_MEMORY_CACHING", "1"),)),
     # `analysis`: one line per pair of racing instructions (kernel + offset), hazards counted beside it.
     # Our kernels alone: with every kernel instrumented (the tests' torch references too) no test of the
@@ -441,11 +445,11 @@ def pytest_collection_finish(session):
 
 
 def _canary_sings(tool: Tool, sanitizer: str, env: dict) -> bool:
-    """Run the tool's canary, a kernel with hazards on purpose: True when the tool reports them."""
+    """Run the tool's canary, a kernel with findings on purpose: True when the tool reports them."""
     done = subprocess.run(tool.canary_command(sanitizer), capture_output=True, text=True, env=env)
     found = re.search(tool.summary, done.stdout)
     count = int(found.group(1)) if found else 0
-    print(f"{tool.name} canary ({tool.canary}, hazards on purpose): {count} reported", flush=True)
+    print(f"{tool.name} canary ({tool.canary}, {tool.noun} on purpose): {count} reported", flush=True)
     if not count:
         print(done.stdout[-4000:] + done.stderr[-4000:])
         print(f"{tool.name}: the canary reported nothing, so the tool does not see our kernels; no test was run")

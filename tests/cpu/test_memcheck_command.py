@@ -50,15 +50,16 @@ def fake_machine(tmp_path, monkeypatch):
     # Drop the sanitizer's options (through --error-exitcode N), run the command, report like
     # compute-sanitizer: the tool's summary with FINDINGS (default 0) findings, none where
     # NO_SUMMARY is set, after the sanitizer's own abort line where ABORT is set (or where the
-    # command names every test id in ABORT_WHEN). racecheck's canary is not run (it needs a
-    # GPU): CANARY_FINDINGS (default 3) hazards.
+    # command names every test id in ABORT_WHEN). A tool's canary is not run (it needs a GPU):
+    # CANARY_FINDINGS (default 3) findings.
     _script(bin_dir / "compute-sanitizer",
             'case "$1" in --help) echo "  --force-blocking-launches arg"; [ -z "$OLD_SANITIZER" ] && '
             'echo "  --force-synchronization-limit arg"; exit 0;; esac\n'
             'tool=$2; while [ "$1" != --error-exitcode ]; do shift; done; shift 2\n'
+            'case "$*" in *_canary*) n=${CANARY_FINDINGS:-3}\n'
+            '  if [ "$tool" = racecheck ]; then echo "========= RACECHECK SUMMARY: $n hazards displayed ($n errors, '
+            '0 warnings)"; else echo "========= ERROR SUMMARY: $n errors"; fi; exit 86;; esac\n'
             '[ -n "$HOLD" ] && echo $$ >> "$RECORD_DIR/pids" && sleep "$HOLD"\n'
-            'case "$*" in *race_canary*) n=${CANARY_FINDINGS:-3}\n'
-            '  echo "========= RACECHECK SUMMARY: $n hazards displayed ($n errors, 0 warnings)"; exit 86;; esac\n'
             '[ -n "$ABORT" ] && echo "========= Internal Sanitizer Error: The Sanitizer failed to handle a hardware '
             'exception."\n'
             'if [ -n "$ABORT_WHEN" ]; then hit=1; for t in $ABORT_WHEN; do case "$*" in *"$t"*) ;; *) hit=0;; esac; '
@@ -115,19 +116,23 @@ def test_a_process_without_a_summary_fails_the_command(fake_machine, monkeypatch
     assert sanitize.run("racecheck", ["-q", "-p", "no:cacheprovider", tests], jobs=2) == 1
 
 
-def test_racecheck_shows_its_canary_first(fake_machine, capsys):
+@pytest.mark.parametrize("tool, canary, noun", [("memcheck", "overrun_canary", "errors"),
+                                                ("racecheck", "race_canary", "hazards")])
+def test_each_tool_shows_its_canary_first(fake_machine, capsys, tool, canary, noun):
     tests, _ = fake_machine
-    assert sanitize.run("racecheck", ["-q", "-p", "no:cacheprovider", tests], jobs=2) == 0
+    assert sanitize.run(tool, ["-q", "-p", "no:cacheprovider", tests], jobs=2) == 0
     out = capsys.readouterr().out
-    assert "racecheck canary (cute_flash.tools.race_canary, hazards on purpose): 3 reported" in out
+    assert f"{tool} canary (cute_flash.tools.{canary}, {noun} on purpose): 3 reported" in out
+    assert f"--kernel-name kns={sanitize.OUR_KERNELS}" in out
     assert out.index("canary") < out.index("sanitized processes")
 
 
-def test_a_silent_canary_fails_racecheck_before_any_test(fake_machine, monkeypatch, capsys):
-    """A kernel filter that matches none of our kernels would report 0 hazards on any suite."""
+@pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
+def test_a_silent_canary_fails_the_tool_before_any_test(fake_machine, monkeypatch, capsys, tool):
+    """A kernel filter that matches none of our kernels would report nothing on any suite."""
     tests, record = fake_machine
     monkeypatch.setenv("CANARY_FINDINGS", "0")
-    assert sanitize.run("racecheck", ["-q", "-p", "no:cacheprovider", tests], jobs=2) == 1
+    assert sanitize.run(tool, ["-q", "-p", "no:cacheprovider", tests], jobs=2) == 1
     assert "does not see our kernels; no test was run" in capsys.readouterr().out
     assert not list(record.iterdir())
 
