@@ -12,7 +12,7 @@ import cutlass.cute as cute
 from cute_flash.compile.registry import compile_tvm_ffi
 from cute_flash.kernels.common.fake import fake_stream, fake_tensor
 
-THREADS = 128  # 512 bytes of int32: a whole allocation granule, so the write past it is out of bounds
+THREADS = 128  # out's words, one a thread
 
 
 @cute.kernel

@@ -6,8 +6,9 @@ each tensor is its own allocation and a read just past it is caught; host API er
 counted: the DSL and the cluster-occupancy query probe the driver on purpose). racecheck finds
 shared-memory hazards between threads of a CTA (RAW, WAR, WAW) that neither memcheck nor a
 gradient check can see. Both instrument our kernels alone, and each first runs a canary, a
-kernel of ours with findings on purpose, to show that its filter reaches them. A kernel change that moves memory accesses or synchronization is done
-when both report nothing (docs/architecture.md, "Sanitizers").
+kernel of ours with findings on purpose, to show that its filter reaches them. A kernel change
+that moves memory accesses or synchronization is done when both report nothing
+(docs/architecture.md, "Sanitizers").
 
 `jobs` > 1 collects the tests and deals them round-robin to that many sanitized pytest
 processes, spread over the visible GPUs (run it from the repository root: the collected ids are
