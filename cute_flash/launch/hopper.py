@@ -24,8 +24,8 @@ from cute_flash.launch.mods import ModArgs, aux_of, has_score_mod, mod_flags
 from cute_flash.launch.rng import DropoutArgs, rng_of
 from cute_flash.launch.value_dim import value_cols
 from cute_flash.launch.varlen_order import query_blocks_longest_first
-from cute_flash.launch.policy import (kv_multicast_fits, kv_stages, prefers_persistent, section_heads,
-                                      speculates_in_place, takes_kv_multicast, takes_packed_persistent,
+from cute_flash.launch.policy import (kv_multicast_fits, kv_stages, prefers_persistent, schedules_as_masked,
+                                      section_heads, speculates_in_place, takes_kv_multicast, takes_packed_persistent,
                                       takes_speculative_max, takes_tall_tiles)
 from layouts.hopper import choose_hopper_traits
 
@@ -58,10 +58,11 @@ def flash_fwd_sm90(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1)
     lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
     left, right = window_edges(causal, window_size)
     masked = left >= 0 or right >= 0  # a causal or local mask
+    uneven = schedules_as_masked(masked, block_mask is not None)
     traits = traits or choose_hopper_traits(q.shape[-1], gpu.DTYPE_NAMES[q.dtype],
-                                            takes_tall_tiles(k.shape[1], masked, dropout), own_value_dim(q, v))
+                                            takes_tall_tiles(k.shape[1], uneven, dropout), own_value_dim(q, v))
     if persistent is None:
-        persistent = prefers_persistent(traits, k.shape[1], masked)
+        persistent = prefers_persistent(traits, k.shape[1], uneven)
     if speculative_max is None:
         speculative_max = (mods is None or mods.mods.score_mod is None) and takes_speculative_max(
             traits, k.shape[1], left >= 0, right >= 0, dropout, alibi_slopes is not None)
@@ -83,7 +84,7 @@ def flash_fwd_sm90(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1)
     index = gpu.device_index(q.device)
     num_sms = gpu.num_sms(index)
     if sections is None:
-        sections = section_heads(q, k, persistent and masked, traits.block_m, num_sms)
+        sections = section_heads(q, k, persistent and uneven, traits.block_m, num_sms)
     compiled.kernel_for(config, index)(q, k, v, out, lse, alibi_2d(alibi_slopes, b, h), sink_logits(learnable_sink),
                                        rng_of(dropout, q.device), aux_of(mods), sparse, tile_counter(q.device),
                                        *scales(softmax_scale, softcap, has_score_mod(mods)), left, right,

@@ -89,6 +89,14 @@ L2_SECTION_BYTES = 32 << 20  # K / V bytes a scheduling section's heads may span
 ONE_WAVE_MAX_M_BLOCKS = 8  # up to this many query blocks a pair, a section is one wave's pairs (section_heads)
 
 
+def schedules_as_masked(masked: bool, block_sparse: bool) -> bool:
+    """A launch whose tiles differ in length, scheduled as a causal / local mask's
+    (`takes_tall_tiles`, `prefers_persistent`, `section_heads`): a mask's, or block-sparse
+    lists', which differ per query block (causal as a mask_mod 1.02-1.08x, a document mask
+    1.05x that way; docs/tuning/policy.md)."""
+    return masked or block_sparse
+
+
 def prefers_persistent(traits, seqlen_k: int, masked: bool) -> bool:
     """The persistent kernel (one CTA per SM, tiles claimed from a counter) where it measured
     faster than one CTA per tile: always without a causal / local mask, under one up to

@@ -135,6 +135,26 @@ def test_either_forward_gets_the_lists_at_its_tiles(recorder, monkeypatch, path)
     assert pc.shape == (1, 1, -(-300 // t.block_m)) and pi.shape == (1, 1, -(-300 // t.block_m), -(-300 // t.block_n))
 
 
+@pytest.mark.parametrize("d, seqlen", [(128, 2048), (128, 16384), (64, 4096)])
+def test_the_hopper_block_sparse_forward_takes_the_masks_schedule(recorder, monkeypatch, d, seqlen):
+    """Block-sparse tiles differ in length, as a causal mask's: the launch takes the causal
+    flag's tiles, schedule and longest-first sections, not the unmasked call's."""
+    from cute_flash.launch.dense import flash_fwd
+
+    monkeypatch.delenv("CUTE_FLASH_ARCH_PATH")
+    q = torch.randn(16384 // seqlen, seqlen, 2048 // d, d, dtype=torch.bfloat16)
+    block_mask = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, 1, 1, seqlen, seqlen, device="cpu")
+    flash_fwd(q, q, q, softmax_scale=0.5, causal=True)
+    flash_fwd(q, q, q, softmax_scale=0.5, mods=(None, causal, None), block_mask=block_mask)
+    flash_fwd(q, q, q, softmax_scale=0.5)
+    flag, sparse, unmasked = recorder.launches
+    assert sparse.config.traits == flag.config.traits
+    assert sparse.config.persistent == flag.config.persistent
+    assert sparse["section_heads"] == flag["section_heads"]
+    assert (sparse.config.persistent, sparse["section_heads"]) != (unmasked.config.persistent,
+                                                                   unmasked["section_heads"])
+
+
 def test_the_block_sparse_config_refuses_what_it_cannot_list():
     from cute_flash.kernels.common.user_mods import UserMod, UserMods
     from cute_flash.kernels.sm90.fwd import Sm90FwdConfig

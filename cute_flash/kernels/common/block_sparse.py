@@ -31,11 +31,15 @@ class BlockSparse:
         return None if tensors is None else BlockSparse(*tensors)
 
     @cute.jit
-    def row(self, bidb, bidh, row) -> "SparseRow":
+    def row(self, bidb, bidh, row, counts=None) -> "SparseRow":
+        """Row `row` of (bidb, bidh); counts: its (partial, full) counts where the caller has
+        them (a consumer, from the producer's announcement: no global load before its first
+        block), else read here."""
         b = cutlass.min(bidb, self.mPartialCnt.shape[0] - 1)
         h = cutlass.min(bidh, self.mPartialCnt.shape[1] - 1)
-        return SparseRow(self.mPartialCnt[b, h, row], self.mFullCnt[b, h, row],
-                         self.mPartialIdx[b, h, row, None], self.mFullIdx[b, h, row, None])
+        if cutlass.const_expr(counts is None):
+            counts = (self.mPartialCnt[b, h, row], self.mFullCnt[b, h, row])
+        return SparseRow(counts[0], counts[1], self.mPartialIdx[b, h, row, None], self.mFullIdx[b, h, row, None])
 
 
 @dataclass(frozen=True)

@@ -223,9 +223,16 @@ class Sm90FwdConfig:
     @staticmethod
     def smem_for(traits: HopperTileTraits, stages: int, persistent: bool) -> int:
         """The tiles (O's own where `owns_o_tile`), the mbarriers (8 bytes each: Q's full and empty
-        ones, a full and an empty one per stage of K and of V) and the tile slot (4 int32)."""
+        ones, a full and an empty one per stage of K and of V) and the tile slot (4 int32; a
+        block-sparse launch's 2 more lie in the padding before the 1024-byte aligned tiles)."""
         o_tile = ELEMENT_BYTES * traits.block_m * traits.dv if Sm90FwdConfig.owns_o_tile(traits, persistent) else 0
         return traits.smem_bytes(stages) + o_tile + 8 * (2 + 4 * stages) + 16
+
+    @property
+    def tile_slot_words(self) -> int:
+        """The tile slot's int32 words (`Pipes.tile_slot`): index, m_block, bidh, bidb, and a
+        block-sparse row's partial and full counts."""
+        return 6 if self.block_sparse else 4
 
     @property
     def smem_bytes(self) -> int:
@@ -352,7 +359,8 @@ class FlashFwdSm90(TileScheduler, Producer, Consumer, Epilogue):
                                                   hopper.WGMMA_M, t.dv)
 
         fields = {"q_barriers": (cutlass.Int64, 2, None), "k_barriers": (cutlass.Int64, 2 * stages, None),
-                  "v_barriers": (cutlass.Int64, 2 * stages, None), "tile_slot": (cutlass.Int32, 4, None),
+                  "v_barriers": (cutlass.Int64, 2 * stages, None),
+                  "tile_slot": (cutlass.Int32, self.config.tile_slot_words, None),
                   "sQ": (self.dtype, cute.cosize(sQ_layout), 1024), "sK": (self.dtype, cute.cosize(sKV_layout), 1024),
                   "sV": (self.dtype, cute.cosize(sV_layout), 1024)}
         if cutlass.const_expr(self.config.own_o_tile):
@@ -427,7 +435,8 @@ class FlashFwdSm90(TileScheduler, Producer, Consumer, Epilogue):
             # is read or written before it has. The next one may start once these CTAs all run.
             cute.arch.griddepcontrol_wait()
             cute.arch.griddepcontrol_launch_dependents()
-        pipes = Pipes(q_full, q_empty, k_pipe, v_pipe, storage.tile_slot.get_tensor(cute.make_layout(4)))
+        tile_slot = storage.tile_slot.get_tensor(cute.make_layout(cfg.tile_slot_words))
+        pipes = Pipes(q_full, q_empty, k_pipe, v_pipe, tile_slot)
         sQ = storage.sQ.get_tensor(recipe.sQ_layout.outer, swizzle=recipe.sQ_layout.inner)    # (bm, d)
         sK = storage.sK.get_tensor(recipe.sKV_layout.outer, swizzle=recipe.sKV_layout.inner)  # (bn, d, stages)
         sV = storage.sV.get_tensor(recipe.sV_layout.outer, swizzle=recipe.sV_layout.inner)  # (bn, dv, stages)

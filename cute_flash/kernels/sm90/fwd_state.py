@@ -133,7 +133,8 @@ class Pipes:
     q_empty: object
     k: object
     v: object
-    tile_slot: cute.Tensor  # (4,) int32 in smem: the tile Q's full barrier announces: index, m_block, bidh, bidb
+    tile_slot: cute.Tensor  # (4,) int32 in smem: the tile Q's full barrier announces: index, m_block, bidh, bidb;
+                            # (6,) block-sparse: then the row's partial and full counts
 
 
 @dataclass(frozen=True)

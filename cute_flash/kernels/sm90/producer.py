@@ -83,6 +83,9 @@ class Producer:
                     pipes.tile_slot[1] = tile.m_block
                     pipes.tile_slot[2] = tile.bidh
                     pipes.tile_slot[3] = tile.bidb
+                    if cutlass.const_expr(tile.sparse is not None):  # the consumers' counts, not reloaded
+                        pipes.tile_slot[4] = tile.sparse.partial
+                        pipes.tile_slot[5] = tile.sparse.full
             if cutlass.const_expr(q_bytes > 0):
                 cute.arch.mbarrier_arrive_and_expect_tx(pipes.q_full, q_bytes)
             else:

@@ -114,10 +114,11 @@ class TileScheduler:
 
     @cute.jit
     def tile_at(self, args: Sm90Tensors, scalars: Sm90Scalars, m_block, bidh, bidb, split_idx=0,
-                stream_share=None) -> Tile:
+                stream_share=None, sparse_counts=None) -> Tile:
         """The tile of query block m_block of (bidb, bidh): its key blocks (none past a packed
         sequence's end; a split's share of them). stream_share: (StreamSplit, cta, tile index,
-        CTAs sharing the tile) of a stream-K CTA, else None."""
+        CTAs sharing the tile) of a stream-K CTA, else None. sparse_counts: a block-sparse
+        row's (partial, full) counts where known (`announced`), else read from its lists."""
         cfg, t = self.config, self.t
         rows_k = args.tma_mK.shape[0]  # the keys, packed keys or a cache row's capacity
         if cutlass.const_expr(cfg.paged):
@@ -147,7 +148,7 @@ class TileScheduler:
                 count = cutlass.Int32(0)
         sparse = None
         if cutlass.const_expr(args.sparse is not None):  # the row's listed blocks, every other one skipped
-            sparse = args.sparse.row(bidb, bidh, m_block)
+            sparse = args.sparse.row(bidb, bidh, m_block, sparse_counts)
             count = sparse.count()
         return Tile(m_block, bidh, bidb, seq, n_block_max, count, split_idx, num_splits, sparse)
 
@@ -157,4 +158,8 @@ class TileScheduler:
         divisions of `tile` are the producer's alone (d 64 causal: 180 instructions before a
         tile's first wgmma, SASS). KV caches (split-KV's only users) take theirs from the block
         index (`cache_tile`, `stream_tile`)."""
-        return self.tile_at(args, scalars, pipes.tile_slot[1], pipes.tile_slot[2], pipes.tile_slot[3])
+        counts = None
+        if cutlass.const_expr(args.sparse is not None):  # its block-sparse row's, loaded by the producer
+            counts = (pipes.tile_slot[4], pipes.tile_slot[5])
+        return self.tile_at(args, scalars, pipes.tile_slot[1], pipes.tile_slot[2], pipes.tile_slot[3],
+                            sparse_counts=counts)
