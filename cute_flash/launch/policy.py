@@ -149,9 +149,10 @@ SPECULATIVE_IN_PLACE_LEFT_EDGE_MIN_SEQLEN_K = 8192
 
 def takes_speculative_max(traits, seqlen_k: int, has_left: bool, has_right: bool, dropout, alibi: bool) -> bool:
     """P from the kept row maxima first (`OnlineSoftmax.update_speculative`): not with dropout
-    (its calls need the registers) nor with ALiBi where P goes over S (ptxas spilled there), and
-    under a mask from the key counts above, where it measured faster than `update` (docs/tuning/policy.md;
-    docs/tuning/hopper-forward.md, Hopper steps 16-18)."""
+    (its calls need the registers) nor with ALiBi where P goes over S (ptxas spilled there) or
+    without a mask (a row's maximum moves with the diagonal, and the votes fail), and under a
+    mask from the key counts above, where it measured faster than `update` (docs/tuning/policy.md;
+    docs/tuning/hopper-forward.md, Hopper steps 16-18; docs/tuning/mods.md for ALiBi)."""
     in_place = speculates_in_place(traits)
     if in_place:
         min_masked = SPECULATIVE_IN_PLACE_LEFT_EDGE_MIN_SEQLEN_K if has_left else 0
@@ -160,7 +161,8 @@ def takes_speculative_max(traits, seqlen_k: int, has_left: bool, has_right: bool
     else:
         min_masked = SPECULATIVE_MASKED_MIN_SEQLEN_K
     masked = has_left or has_right
-    return dropout is None and not (alibi and in_place) and (not masked or seqlen_k >= min_masked)
+    return (dropout is None and not (alibi and (in_place or not masked))
+            and (not masked or seqlen_k >= min_masked))
 
 
 def speculates_in_place(traits) -> bool:

@@ -306,6 +306,8 @@ def test_backwards_pad_a_value_head_dim_of_their_own(recorder, monkeypatch):
     (64, 4096, dict(), 192, True, True),
     (64, 4096, dict(dropout_p=0.1), 128, True, False),  # with dropout 192-row tiles spill: 128
     (64, 4096, dict(alibi=True), 192, True, False),    # with ALiBi P over S spills: no speculation
+    (128, 4096, dict(alibi=True), 128, True, False),   # ALiBi with no mask: maxima move along the row
+    (128, 4096, dict(alibi=True, causal=True), 128, True, True),  # ... under a causal mask they hold
     (128, 2048, dict(window_size=(50, 50)), 128, True, True),
     (128, 1023, dict(causal=True), 128, True, False),  # masked: speculative maxima from 1024 keys
     (128, 1024, dict(causal=True), 128, True, True),
@@ -316,8 +318,9 @@ def test_backwards_pad_a_value_head_dim_of_their_own(recorder, monkeypatch):
     (256, 512, dict(), 128, False, True),              # no room for O's own tile
 ], ids=["d64-511-keys-causal", "d64-512-keys-causal", "d64-2047-keys-causal", "d64-2048-keys-causal",
         "d64-8191-keys-window", "d64-8192-keys-window", "d64-1023-keys", "d64-1024-keys", "d64-long",
-        "d64-long-dropout", "d64-long-alibi", "d128-window", "d128-1023-keys-causal", "d128-1024-keys-causal",
-        "d128-64-blocks-causal", "d128-65-blocks-causal", "d128-long", "d128-short", "d256"])
+        "d64-long-dropout", "d64-long-alibi", "d128-long-alibi", "d128-long-alibi-causal", "d128-window",
+        "d128-1023-keys-causal", "d128-1024-keys-causal", "d128-64-blocks-causal", "d128-65-blocks-causal",
+        "d128-long", "d128-short", "d256"])
 def test_hopper_forward_tiles_and_schedule(recorder, monkeypatch, d, sk, opts, block_m, persistent, speculative):
     """The tiles, schedule, speculative maxima (and where P goes) and tile order the sm_90
     launcher picks (the rules measured in docs/tuning/hopper-forward.md: longest tiles first only for the
@@ -333,7 +336,8 @@ def test_hopper_forward_tiles_and_schedule(recorder, monkeypatch, d, sk, opts, b
     if "dropout_p" in opts:
         opts, masked = dict(dropout=DropoutArgs.seeded(opts["dropout_p"], 1, 2, "cpu")), False
     if "alibi" in opts:
-        opts, masked = dict(alibi_slopes=torch.ones(2)), False
+        opts = dict(alibi_slopes=torch.ones(2), causal=opts.get("causal", False))
+        masked = opts["causal"]
     q = torch.randn(1, 3, 2, d, dtype=torch.bfloat16)
     k = v = torch.randn(1, sk, 2, d, dtype=torch.bfloat16)
     flash_fwd(q, k, v, softmax_scale=0.5, **opts)
