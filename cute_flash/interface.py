@@ -593,9 +593,10 @@ def _kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, c
     seqlen_k = _cache_keys(k_cache, block_table)
 
     lse_shape = (batch, nheads, seqlen_q)
-    if batch == 0 or seqlen_q == 0 or q.is_meta:
+    skipped = _kvcache_skips(q, seqlen_k)
+    if skipped == "empty":
         out, lse = _empty(q, lse_shape)
-    elif seqlen_k == 0:
+    elif skipped == "no keys":
         out, lse = sinks.fold(*_no_keys(q, lse_shape), learnable_sink)
     else:
         if paged and isinstance(cache_seqlens, torch.Tensor) and not compiling and not (
@@ -700,16 +701,24 @@ def _kvcache_fold(q_pad, k_cache, v_cache, lengths, block_table, scale, causal, 
                   num_splits, learnable_sink, key):
     """The query fold the packed call's fixed-length launch takes on q_pad
     (`launch.kvcache.kvcache_query_group`), so that the packing launch writes its queries in
-    that order; 1 where `_kvcache` launches nothing (no query row, no key)."""
-    batch, seqlen_q = q_pad.shape[:2]
+    that order; 1 where `_kvcache` launches nothing (`_kvcache_skips`)."""
     seqlen_k = _cache_keys(k_cache, block_table)
-    if batch == 0 or seqlen_k == 0:
+    if _kvcache_skips(q_pad, seqlen_k) is not None:
         return 1
-    causal, window = _mask(causal, window, seqlen_q, seqlen_k)
+    causal, window = _mask(causal, window, q_pad.shape[1], seqlen_k)
     return _kernels().kvcache_query_group(
         q_pad, k_cache, v_cache, cache_seqlens=lengths, block_table=block_table, softmax_scale=scale, causal=causal,
         window_size=window, softcap=float(softcap), alibi_slopes=alibi_slopes, num_splits=num_splits,
         learnable_sink=learnable_sink, signature=key)
+
+
+def _kvcache_skips(q, seqlen_k: int):
+    """Why the fixed-length KV-cache call launches no kernel for q (batch, seqlen_q, nheads,
+    headdim): "empty" (no query row, or a meta q), "no keys" (every row sees none); None where
+    it launches one. `_kvcache` and the packed call's fold (`_kvcache_fold`) both ask here."""
+    if q.shape[0] == 0 or q.shape[1] == 0 or q.is_meta:
+        return "empty"
+    return "no keys" if seqlen_k == 0 else None
 
 
 def _cache_keys(k_cache, block_table) -> int:

@@ -162,3 +162,13 @@ def test_checks_run_once_per_signature(launch, monkeypatch):
     for _ in range(2):
         cute_flash.flash_attn_with_kvcache(**_case([2, 3], [2, 3], [4, 9]), causal=True)
     assert checks == [(2, 3, H, D)]  # the padded queries' call, once
+
+
+def test_a_cache_without_keys_gives_each_query_no_key(launch):
+    """No key in the caches: the fixed-length call launches nothing (`_kvcache_skips`), so the
+    packed queries are not folded either, and every row comes back 0 with LSE +inf."""
+    case = _case([2, 3], None, [0, 0])
+    case.update(k_cache=case["k_cache"][:, :0], v_cache=case["v_cache"][:, :0])
+    out, lse = cute_flash.flash_attn_with_kvcache(**case, causal=True, return_softmax_lse=True)
+    assert out.shape == case["q"].shape and lse.shape == (H, 5)
+    assert (out == 0).all() and (lse == float("inf")).all()
