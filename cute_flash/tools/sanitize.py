@@ -46,7 +46,7 @@ class Tool:
     options: tuple
     summary: str  # a regex whose group 1 is the process's count of findings
     noun: str  # what it finds
-    canary: str | None = None  # a module whose run must report findings: the tool sees our kernels
+    canary: str | None = None  # a kernel of tools/canaries.py whose run must report findings: the tool sees ours
     env: tuple = ()  # (name, value) pairs its processes need
     leaves_out: str | None = None  # a pytest mark whose tests this tool cannot run
 
@@ -59,7 +59,7 @@ class Tool:
         return self._under(sanitizer, ["pytest", "-m", self.marks, *shard])
 
     def canary_command(self, sanitizer: str) -> list:
-        return self._under(sanitizer, [self.canary])
+        return self._under(sanitizer, ["cute_flash.tools.canaries", self.canary])
 
     def _under(self, sanitizer: str, module_args: list) -> list:
         return [sanitizer, "--tool", self.name, *self.options, "--error-exitcode", "86",
@@ -99,7 +99,7 @@ TOOLS = {
     # Our kernels alone: torch's SDPA FLASH kernel, run by the tests' references, writes 4 bytes past an
     # allocation and the process aborts (docs/tuning/gpu-suite.md, "Seventeenth session")
     "memcheck": Tool("memcheck", ("--report-api-errors", "no", "--kernel-name", f"kns={OUR_KERNELS}"),
-                     r"ERROR SUMMARY: (\d+) error", "errors", canary="cute_flash.tools.overrun_canary",
+                     r"ERROR SUMMARY: (\d+) error", "errors", canary="overrun",
                      env=(("PYTORCH_NO_CUDA_MEMORY_CACHING", "1"),)),
     # `analysis`: one line per pair of racing instructions (kernel + offset), hazards counted beside it.
     # Our kernels alone: with every kernel instrumented (the tests' torch references too) no test of the
@@ -107,7 +107,7 @@ TOOLS = {
     # torch's first fp16/bf16 GEMM (cuBLAS, no kernel of ours running: "seventh session"), so the
     # reference runs its input-dtype GEMMs in float32, and tests with a bf16 model are left out
     "racecheck": Tool("racecheck", ("--racecheck-report", "analysis", "--kernel-name", f"kns={OUR_KERNELS}"),
-                      r"RACECHECK SUMMARY: (\d+) hazard", "hazards", canary="cute_flash.tools.race_canary",
+                      r"RACECHECK SUMMARY: (\d+) hazard", "hazards", canary="race",
                       env=((ROUNDED_FP32_GEMMS, "1"),), leaves_out="lowp_gemm"),
 }
 

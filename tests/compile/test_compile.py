@@ -17,8 +17,7 @@ from cute_flash.kernels.sm80.fwd import FwdConfig
 from cute_flash.launch.variants import (BWD_FLAGS, append_variants, bwd_variants, fwd_variants, order_variants,
                                        packed_append_variants,
                                        sm90_bwd_variants)
-from cute_flash.tools.overrun_canary import compile_overrun
-from cute_flash.tools.race_canary import compile_race
+from cute_flash.tools.canaries import compile_canary
 from cute_flash.tools.sanitize import OUR_KERNELS
 from layouts.traits import SMEM_LIMIT, shipped_fwd_traits
 from tests.helpers.roundtrip import OPERANDS, TileRoundTrip
@@ -345,9 +344,9 @@ def test_launch_order_kernel_compiles(config, tmp_path):
 
 @pytest.mark.parametrize("arch", [80, 90])
 def test_race_canary_compiles_with_shared_memory_accesses(arch, tmp_path):
-    """racecheck's canary (`tools/race_canary.py`): one kernel, named as ours, whose shared-memory
-    store and load survive compilation (nothing for racecheck to see otherwise)."""
-    compile_race(arch, f"--keep-ptx --dump-dir={tmp_path}")
+    """racecheck's canary (`tools/canaries.py`, "race"): one kernel, named as ours, whose
+    shared-memory store and load survive compilation (nothing for racecheck to see otherwise)."""
+    compile_canary("race", arch, f"--keep-ptx --dump-dir={tmp_path}")
     _assert_one_kernel_for(arch, tmp_path)
     text = next(tmp_path.glob("*.ptx")).read_text()
     assert "st.shared" in text and "ld.shared" in text and "bar.sync" not in text
@@ -355,8 +354,8 @@ def test_race_canary_compiles_with_shared_memory_accesses(arch, tmp_path):
 
 @pytest.mark.parametrize("arch", [80, 90])
 def test_overrun_canary_compiles_with_its_global_store(arch, tmp_path):
-    """memcheck's canary (`tools/overrun_canary.py`): one kernel, named as ours, whose global store
-    past the tensor's end survives compilation (nothing for memcheck to see otherwise)."""
-    compile_overrun(arch, f"--keep-ptx --dump-dir={tmp_path}")
+    """memcheck's canary (`tools/canaries.py`, "overrun"): one kernel, named as ours, whose global
+    store past the tensor's end survives compilation (nothing for memcheck to see otherwise)."""
+    compile_canary("overrun", arch, f"--keep-ptx --dump-dir={tmp_path}")
     _assert_one_kernel_for(arch, tmp_path)
     assert "st.global" in next(tmp_path.glob("*.ptx")).read_text()

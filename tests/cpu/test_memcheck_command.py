@@ -56,7 +56,7 @@ def fake_machine(tmp_path, monkeypatch):
             'case "$1" in --help) echo "  --force-blocking-launches arg"; [ -z "$OLD_SANITIZER" ] && '
             'echo "  --force-synchronization-limit arg"; exit 0;; esac\n'
             'tool=$2; while [ "$1" != --error-exitcode ]; do shift; done; shift 2\n'
-            'case "$*" in *_canary*) n=${CANARY_FINDINGS:-3}\n'
+            'case "$*" in *tools.canaries*) n=${CANARY_FINDINGS:-3}\n'
             '  if [ "$tool" = racecheck ]; then echo "========= RACECHECK SUMMARY: $n hazards displayed ($n errors, '
             '0 warnings)"; else echo "========= ERROR SUMMARY: $n errors"; fi; exit 86;; esac\n'
             '[ -n "$HOLD" ] && echo $$ >> "$RECORD_DIR/pids" && sleep "$HOLD"\n'
@@ -116,13 +116,12 @@ def test_a_process_without_a_summary_fails_the_command(fake_machine, monkeypatch
     assert sanitize.run("racecheck", ["-q", "-p", "no:cacheprovider", tests], jobs=2) == 1
 
 
-@pytest.mark.parametrize("tool, canary, noun", [("memcheck", "overrun_canary", "errors"),
-                                                ("racecheck", "race_canary", "hazards")])
+@pytest.mark.parametrize("tool, canary, noun", [("memcheck", "overrun", "errors"), ("racecheck", "race", "hazards")])
 def test_each_tool_shows_its_canary_first(fake_machine, capsys, tool, canary, noun):
     tests, _ = fake_machine
     assert sanitize.run(tool, ["-q", "-p", "no:cacheprovider", tests], jobs=2) == 0
     out = capsys.readouterr().out
-    assert f"{tool} canary (cute_flash.tools.{canary}, {noun} on purpose): 3 reported" in out
+    assert f"{tool} canary ({canary}, {noun} on purpose): 3 reported" in out
     assert f"--kernel-name kns={sanitize.OUR_KERNELS}" in out
     assert out.index("canary") < out.index("sanitized processes")
 
