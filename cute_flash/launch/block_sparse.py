@@ -53,14 +53,15 @@ def block_lists(block_mask, batch: int, heads: int, seqlen_q: int, seqlen_k: int
                 block_n: int, by_key: bool = False) -> list:
     """[partial_cnt, partial_idx, full_cnt, full_idx] int32 at (block_m, block_n) tiles, per
     query block (the forward's), or per key block (`by_key`: the backward's); batch and heads
-    extents are the mask's (the call's or 1)."""
+    extents are the mask's (the call's or 1). The forward's key block that the sequence's end
+    cuts is never full (`_cut_by_the_end`)."""
     check_block_mask(block_mask, batch, heads, seqlen_q, seqlen_k)
     memo = block_mask.__dict__.setdefault("_cute_flash_lists", {})
     key = (block_m, block_n, by_key)
     if key not in memo:
         status = _status(block_mask)
         status = _retile(status, block_mask.BLOCK_SIZE, (block_m, block_n), seqlen_q, seqlen_k)
-        memo[key] = _lists(status.transpose(-1, -2) if by_key else status)
+        memo[key] = _lists(status.transpose(-1, -2) if by_key else _cut_by_the_end(status, seqlen_k, block_n))
     return memo[key]
 
 
@@ -120,6 +121,18 @@ def _fold(x, dim, per_tile, pad, fill, reduce):
     shape = list(x.shape)
     shape[dim:dim + 1] = [shape[dim] // per_tile, per_tile]
     return reduce(x.reshape(shape), dim=dim + 1)
+
+
+def _cut_by_the_end(status: torch.Tensor, seqlen_k: int, block_n: int) -> torch.Tensor:
+    """The forward's statuses with the key block past seqlen_k's end partial where full: the
+    kernels then mask a full block with neither the mask_mod nor the sequence's end, and where
+    the call has no built-in mask a full block needs no mask at all
+    (`SparseRow.visit`'s `edges`)."""
+    if seqlen_k % block_n == 0:
+        return status
+    status = status.clone()
+    status[..., -1] = torch.where(status[..., -1] == FULL, PARTIAL, status[..., -1])
+    return status
 
 
 def _lists(status: torch.Tensor) -> list:

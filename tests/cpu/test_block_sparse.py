@@ -88,6 +88,19 @@ def test_causal_lists_at_the_blockmask_size():
     assert fc[0, 0].tolist() == [0, 1, 2] and fi[0, 0, 2, :2].tolist() == [0, 1]
 
 
+def test_the_forwards_never_call_the_block_the_end_cuts_full():
+    """Keys 0..319 kept whole, at 64-key BlockMask blocks (every one full) and 128-key tiles: the
+    forward's last key block, cut at 320, is partial (its kernels then mask no full block when
+    the call has no built-in mask), the backward's lists keep it full."""
+    block_mask = create_block_mask(lambda b, h, q, kv: q >= 0, 1, 1, 256, 320, device="cpu", BLOCK_SIZE=64)
+    assert (block_mask.kv_num_blocks == 0).all()  # every BlockMask block full
+    pc, pi, fc, fi = bs.block_lists(block_mask, 1, 1, 256, 320, 128, 128)
+    assert pc[0, 0].tolist() == [1, 1] and pi[0, 0, :, 0].tolist() == [2, 2]
+    assert fc[0, 0].tolist() == [2, 2] and fi[0, 0, 0, :2].tolist() == [0, 1]
+    pc, _, fc, _ = bs.block_lists(block_mask, 1, 1, 256, 320, 128, 128, by_key=True)
+    assert pc[0, 0].tolist() == [0, 0, 0] and fc[0, 0].tolist() == [2, 2, 2]
+
+
 @cute.jit
 def causal(b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
     return operator.ge(q_idx, kv_idx)

@@ -102,13 +102,13 @@ class QueryBlocks:
 
 
 @cute.jit
-def visit_key_block(sparse, i, n_block, unmasked_lo, unmasked_hi, run):
+def visit_key_block(sparse, i, n_block, unmasked_lo, unmasked_hi, run, edges: cutlass.Constexpr = True):
     """Visit i of a tile's key blocks, block n_block, as `run(masked=)` (compile time): with a
-    block-sparse row (`SparseRow`, else None), its choice, which passes `user_mask=` too;
-    otherwise the masks only where an edge crosses the block (n_block outside [unmasked_lo,
-    unmasked_hi), `BlockRange.unmasked`)."""
+    block-sparse row (`SparseRow`, else None), its choice, which passes `user_mask=` too (edges:
+    `SparseRow.visit`'s); otherwise the masks only where an edge crosses the block (n_block
+    outside [unmasked_lo, unmasked_hi), `BlockRange.unmasked`)."""
     if cutlass.const_expr(sparse is not None):
-        sparse.visit(i, n_block, unmasked_lo, unmasked_hi, run)
+        sparse.visit(i, n_block, unmasked_lo, unmasked_hi, run, edges)
     elif unmasked_lo <= n_block and n_block < unmasked_hi:
         run(masked=False)
     else:

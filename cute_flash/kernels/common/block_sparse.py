@@ -64,12 +64,17 @@ class SparseRow:
         return i < self.partial
 
     @cute.jit
-    def visit(self, i, n_block, unmasked_lo, unmasked_hi, run):
+    def visit(self, i, n_block, unmasked_lo, unmasked_hi, run, edges: cutlass.Constexpr = True):
         """Visit i, key block n_block, as `run(masked=, user_mask=)` (both compile time): a partial
         block with every mask, a full one without the mask_mod, and without the built-in masks too
-        where no edge crosses it (n_block in [unmasked_lo, unmasked_hi), `BlockRange.unmasked`)."""
+        where no edge crosses it (n_block in [unmasked_lo, unmasked_hi), `BlockRange.unmasked`).
+        edges False (a forward with no built-in mask, whose lists never call the block the
+        sequence's end cuts full: `launch/block_sparse.py`): a full block takes no mask, and
+        n_block is not read for it."""
         if self.is_partial(i):
             run(masked=True, user_mask=True)
+        elif cutlass.const_expr(not edges):
+            run(masked=False, user_mask=False)
         elif unmasked_lo <= n_block and n_block < unmasked_hi:
             run(masked=False, user_mask=False)
         else:

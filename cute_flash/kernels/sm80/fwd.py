@@ -590,15 +590,17 @@ class FlashFwd:
         loop.kv.load(False, n_first, None, loop.tKsK, True)
         cute.arch.cp_async_commit_group()
         nxt = (row.block(cutlass.min(1, count - 1)), count > 1)
+        edges = self.config.has_left or self.config.has_right  # a full block's masks (`SparseRow.visit`)
         if row.is_partial(0):
             self.step(n_first, loop, is_first=True, masked=True, nxt=nxt)
         else:
-            self.step(n_first, loop, is_first=True, masked=True, nxt=nxt, user_mask=False)
+            self.step(n_first, loop, is_first=True, masked=edges, nxt=nxt, user_mask=False)
         unmasked_lo, unmasked_hi = BlockRange.unmasked(seq, loop.m_block, bm, bn, window)
         for i in cutlass.range(1, count, unroll=1):
             n_block = row.block(i)
             nxt = (row.block(cutlass.min(i + 1, count - 1)), i + 1 < count)
-            row.visit(i, n_block, unmasked_lo, unmasked_hi, functools.partial(self.step, n_block, loop, False, nxt=nxt))
+            row.visit(i, n_block, unmasked_lo, unmasked_hi, functools.partial(self.step, n_block, loop, False, nxt=nxt),
+                      edges)
 
     @cute.jit
     def step(self, n_block, loop: LoopState, is_first: cutlass.Constexpr, masked: cutlass.Constexpr, nxt=None,

@@ -181,11 +181,12 @@ class Consumer:
         loop.pipes.k.consumer_wait(first)
         wgmma(mma_qk, loop.acc_s, loop.tSrQ, loop.tSrK[None, None, None, first.index])
         self.release_qk(loop, first, count == 1)
+        edges = self.config.has_left or self.config.has_right  # a full block's masks (`SparseRow.visit`)
         if cutlass.const_expr(tile.sparse is not None):
             if tile.sparse.is_partial(0):
                 self.scores(loop, tile.n_block(0), recipe, True, True)
             else:  # a full block: no mask_mod
-                self.scores(loop, tile.n_block(0), recipe, True, True, user_mask=False)
+                self.scores(loop, tile.n_block(0), recipe, True, edges, user_mask=False)
         else:
             self.scores(loop, tile.n_block(0), recipe, True, True)
         if cutlass.const_expr(self.config.clears_v_tail):
@@ -206,7 +207,7 @@ class Consumer:
             if cutlass.const_expr(not rescores):
                 self.release_qk(loop, k_read, i == count - 1)
             visit_key_block(tile.sparse, i, n_block, loop.unmasked_lo, loop.unmasked_hi,
-                            functools.partial(self.scores, loop, n_block, recipe, False, k_stage=k_read.index))
+                            functools.partial(self.scores, loop, n_block, recipe, False, k_stage=k_read.index), edges)
             if cutlass.const_expr(rescores):
                 self.release_qk(loop, k_read, i == count - 1)
             warpgroup.wait_group(0)
