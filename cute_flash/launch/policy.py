@@ -35,8 +35,8 @@ def takes_hopper_path(index: int) -> bool:
 
 def takes_hopper_bwd(config: BwdConfig, index: int) -> bool:
     """Dense and packed backwards on sm_90 take the Hopper kernel (kernels/sm90/bwd.py) where it
-    exists: every head-dim bucket (`layouts.hopper.BWD_SERVES`: 96 on the d 128 tiles, 160 on
-    the d 192 ones, 224 on the d 256 ones), deterministic too (dQ's adds in key-block order);
+    exists: every head-dim bucket (`layouts.hopper.BWD_SERVES`: 160 on the d 192 tiles, 224 on
+    the d 256 ones), deterministic too (dQ's adds in key-block order);
     `CUTE_FLASH_ARCH_PATH=sm80` selects the SM80 kernel.
     docs/tuning/backward.md lists what falls back and why."""
     return takes_hopper_path(index) and config.traits.head_dim in BWD_SERVES
@@ -44,7 +44,7 @@ def takes_hopper_bwd(config: BwdConfig, index: int) -> bool:
 
 def hopper_bwd_dq(traits: BwdTraits, deterministic: bool) -> dict:
     """The default mode's dQ path on the Hopper backward's tiles (Sm90BwdConfig fields): at d 64
-    and 128 (96 too) the producer's writer warps issue the bulk adds (1.03-1.05x the consumers'
+    and 128 (96 too, not measured on its own tiles) the producer's writer warps issue the bulk adds (1.03-1.05x the consumers'
     own), at d 256 (224 too) `red.global` adds from registers, the staging tile's room a second
     Q / dO stage (1.29-1.31x); d 32 (not measured), 192 (the others 0.90-0.99) and deterministic
     mode keep theirs. docs/tuning/policy.md; docs/tuning/backward.md, "The dQ paths measured"."""

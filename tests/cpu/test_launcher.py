@@ -519,8 +519,8 @@ def test_dense_backwards_on_sm90_default_to_the_hopper_kernel(recorder, monkeypa
     """Without CUTE_FLASH_ARCH_PATH an sm_90 dense backward launches the preprocess, the Hopper
     kernel and the Hopper dQ convert, with LSE (times log2 e) and D in rows padded to whole
     query blocks (+inf and 0 past seqlen_q; the preprocess writes both there), and
-    with dropout too (given the forward's Philox state), the bucket 96 on the d 128 tiles (the
-    preprocess and the convert predicating the columns), deterministic (with one zeroed
+    with dropout too (given the forward's Philox state), the bucket 96 on tiles of its own (at
+    d 80 the preprocess and the convert predicating the columns), deterministic (with one zeroed
     semaphore per dQaccum tile), the bucket 160 on the d 192 tiles (64 keys a CTA); sm80 in the
     variable, or another GPU, take the SM80 kernel."""
     from cute_flash.launch.rng import DropoutArgs
@@ -555,19 +555,20 @@ def test_dense_backwards_on_sm90_default_to_the_hopper_kernel(recorder, monkeypa
     pre, main, convert = recorder.launches[3:6]
     assert [type(x.config) for x in (pre, main, convert)] == [PreprocessConfig, Sm90BwdConfig, DQConvertConfig]
     assert main.config.has_dropout and main["mRng"] is not None and main["mSemaphore"] is None
-    q96 = torch.randn(2, 70, 4, 96, dtype=torch.bfloat16)
-    flash_bwd(q96, q96, q96, q96, q96, lse, softmax_scale=0.5)
-    pre, main, convert = recorder.launches[6:9]
-    assert main.config.traits.head_dim == 128 and main["mQ"].shape[-1] == 96
-    assert pre.config.head_dim == 128 and not pre.config.even_k and not convert.config.even_k
+    for d, even in ((96, True), (80, False)):  # the bucket 96 on tiles of its own, columns past d 80 zero
+        q96 = torch.randn(2, 70, 4, d, dtype=torch.bfloat16)
+        flash_bwd(q96, q96, q96, q96, q96, lse, softmax_scale=0.5)
+        pre, main, convert = recorder.launches[-3:]
+        assert main.config.traits.head_dim == 96 and main["mQ"].shape[-1] == d
+        assert pre.config.head_dim == 96 and pre.config.even_k == convert.config.even_k == even
     flash_bwd(dout, q, k, v, q, lse, softmax_scale=0.5, deterministic=True)
-    main = recorder.launches[10]
+    main = recorder.launches[-2]
     assert isinstance(main.config, Sm90BwdConfig) and main.config.deterministic
     assert main["mSemaphore"].dtype == torch.int32 and main["mSemaphore"].shape == (2, 4, 1)
     assert not main["mSemaphore"].any()
     q160 = torch.randn(2, 70, 4, 160, dtype=torch.bfloat16)  # the bucket 160 on the d 192 tiles
     flash_bwd(q160, q160, q160, q160, q160, lse, softmax_scale=0.5)
-    pre, main, convert = recorder.launches[12:15]
+    pre, main, convert = recorder.launches[-3:]
     assert isinstance(main.config, Sm90BwdConfig) and main.config.traits.head_dim == 192
     assert main.config.traits.block_n == 64 and main["mQ"].shape[-1] == 160
     assert pre.config.head_dim == 192 and not pre.config.even_k and not convert.config.even_k

@@ -18,7 +18,7 @@ from tests.helpers.gpu_utils import gpu_settings, only_the_hopper_kernel
 
 pytestmark = pytest.mark.gpu
 
-# head dims whose bucket (32, 64, 96, 128) the Hopper backward takes (96 on the d 128 tiles)
+# head dims whose bucket (32, 64, 96, 128) the Hopper backward takes, each on tiles of its own
 hopper_dims = st.one_of(st.sampled_from([32, 64, 96, 128]), st.integers(1, 128))
 
 
@@ -59,7 +59,8 @@ MODS = ["window", "alibi", "softcap", "all"]
 
 @pytest.mark.parametrize("mod", MODS)
 @gpu_settings(8)
-@given(rng=st.random_module(), sq=lengths, sk=lengths, hh=heads, d=st.sampled_from([32, 64, 128, 100]), data=st.data())
+@given(rng=st.random_module(), sq=lengths, sk=lengths, hh=heads, d=st.sampled_from([32, 64, 96, 128, 100]),
+       data=st.data())
 def test_score_modifiers_with_gqa(rng, mod, sq, sk, hh, d, data):
     """Window (both edges drawn), ALiBi, softcap (the tanh derivative), and all together, on
     the transposed S tile, with GQA and odd lengths."""
@@ -71,7 +72,8 @@ def test_score_modifiers_with_gqa(rng, mod, sq, sk, hh, d, data):
     (64, 700, 333, {}),
     (128, 1000, 700, dict(causal=True)),                        # several key blocks per SM, rows with no key
     (100, 257, 400, dict(window_size=(100, 20), softcap=15.0)),
-], ids=["d32-causal", "d64", "d128-causal-sq>sk", "d100-window-softcap"])
+    (96, 500, 900, dict(causal=True)),                          # 48 dQ columns a warpgroup
+], ids=["d32-causal", "d64", "d128-causal-sq>sk", "d100-window-softcap", "d96-causal"])
 def test_dropout_grads_match_reference_with_the_philox_mask(d, sq, sk, opts):
     """Dropout in the Hopper backward (`Dropout.pair_keep_bits`: lanes t and t ^ 4 split the
     Philox calls and swap keep bits): dq, dk, dv against the reference's autograd with the mask
@@ -103,13 +105,14 @@ def test_varlen_a_sequences_nan_stays_in_it():
     check_varlen_nan_stays_in_its_sequence()
 
 
+@pytest.mark.parametrize("d", [128, 96])
 @pytest.mark.parametrize("opts", [dict(causal=True), dict(window_size=(300, 40), softcap=10.0), {}],
                          ids=["causal", "window-softcap", "none"])
-def test_deterministic_grads_are_bitwise_repeatable(opts):
+def test_deterministic_grads_are_bitwise_repeatable(opts, d):
     """deterministic=True on the Hopper kernel (`DqTurn`: dQ's adds in key-block order): three
     runs equal bit for bit and within the rule, with 16 key blocks adding into each query tile,
     GQA, and a left window edge (its key blocks counted from the tile's first, not 0)."""
-    q, k, v, dout = inputs(2, 1000, 2000, 8, 2, 128)
+    q, k, v, dout = inputs(2, 1000, 2000, 8, 2, d)
     check_bitwise_repeatable(flash_attn_func, dout, q, k, v, **opts)
 
 

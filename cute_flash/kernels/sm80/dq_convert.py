@@ -85,8 +85,8 @@ class DQConvert:
     def launch(self, mdQaccum, mdQ, mCuSeqlensQ, scale, grid, stream):
         t = self.t
         sdQ_layout = lsmem.smem_layout_q(t)
-        if cutlass.const_expr(self.config.hopper and hopper.bwd_splits_head_dim(t)):
-            # the Hopper dQ partition's columns a warpgroup (d 192: 96) start on an atom of this layout
+        if cutlass.const_expr(self.config.hopper and hopper.bwd_atom_cols(t) != t.head_dim):
+            # the Hopper dQ partition's columns a warpgroup (d 96: 48, d 192: 96) start on an atom of this layout
             sdQ_layout = hopper.bwd_smem_layout(t, t.block_m)
 
         @cute.struct

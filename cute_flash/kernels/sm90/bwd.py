@@ -37,7 +37,8 @@ columns (d / 2 each). P^T and dS^T go to shared memory (two stages each), where 
 and dK += dS^T Q read them whole as A operands after the warpgroups meet; warpgroup 0 stores
 dK, warpgroup 1 dV. Q and dO take one stage at d 256 (`BwdTraits.q_stages`: two do not fit
 beside the dQ staging tile). The tiles of d 192 take 32-column swizzle atoms
-(`layouts.hopper.bwd_atom_cols`), so that each warpgroup's 96 columns start on one; the
+(`layouts.hopper.bwd_atom_cols`), so that each warpgroup's 96 columns start on one (d 96's
+16-column ones, for each warpgroup's 48 columns of dQ); the
 buckets 160 and 224 run on the d 192 and d 256 tiles.
 
 Packed batches (`call_varlen`): a CTA per (key block, head) of a list of the batch's key blocks
