@@ -348,12 +348,25 @@ def _pool(tool: Tool, sanitizer: str, env: dict, shards: list, picked: list, job
 
 def _kill_tree(pid: int) -> None:
     """SIGKILL `pid` and every process under it (found through /proc; `pid` alone where there
-    is no /proc): the sanitizer's target would outlive it otherwise."""
-    try:
-        pids = [int(name) for name in os.listdir("/proc") if name.isdigit()]
-    except OSError:
-        pids = []
-    for p in [p for p in pids if p != pid and _root_of(p, _parent_pid, {pid}) == pid] + [pid]:
+    is no /proc): the sanitizer's target would outlive it otherwise. Each is stopped first, the
+    root before its children are listed and until no new one appears, so that none forks a
+    process after the listing (a fake sanitizer's shell, its sleep killed, ran its tests)."""
+    tree = {pid}
+    while True:
+        for p in tree:
+            try:
+                os.kill(p, signal.SIGSTOP)
+            except OSError:
+                pass
+        try:
+            pids = [int(name) for name in os.listdir("/proc") if name.isdigit()]
+        except OSError:
+            pids = []
+        under = {p for p in pids if p != pid and _root_of(p, _parent_pid, {pid}) == pid}
+        if under <= tree:
+            break
+        tree |= under
+    for p in tree:
         try:
             os.kill(p, signal.SIGKILL)
         except OSError:

@@ -4,6 +4,8 @@ collected test runs in exactly one shard, shards alternate GPUs, and a failing t
 or a process without a summary fails the command."""
 import os
 import stat
+import subprocess
+import time
 
 import pytest
 
@@ -159,11 +161,11 @@ def test_the_deadline_stops_the_run_and_names_what_is_left(fake_machine, monkeyp
     run (every test run once, counting the first run's)."""
     tests, record = fake_machine
     monkeypatch.setenv("HOLD", "60")  # each fake sanitizer sleeps 60 s before its tests
-    # 8 s: the collection (a second or two) is done and the first process is in its sleep
-    assert sanitize.run("memcheck", ["-q", "-p", "no:cacheprovider", tests], jobs=1, chunk=2, deadline=8) == 1
+    # 15 s: the collection (a few seconds, more on a loaded machine) is done and the first process is in its sleep
+    assert sanitize.run("memcheck", ["-q", "-p", "no:cacheprovider", tests], jobs=1, chunk=2, deadline=15) == 1
     out = capsys.readouterr().out
     assert "[0] stopped at the deadline" in out
-    assert ("memcheck: the deadline (8 s) left 3 processes unfinished; to finish: the same command with "
+    assert ("memcheck: the deadline (15 s) left 3 processes unfinished; to finish: the same command with "
             "--only 0,1,2") in out
     held = [int(p) for p in (record / "pids").read_text().split()]
     assert len(held) == 1 and not os.path.exists(f"/proc/{held[0]}")  # the stopped sanitizer ...
@@ -347,3 +349,20 @@ def test_gpu_mib_sums_a_process_over_the_gpus_it_holds(monkeypatch):
     listing = "4242, 1000\n77, 5\n4242, 24\nnot a row\n"
     monkeypatch.setattr(sanitize, "_nvidia_smi", lambda *args: listing)
     assert sanitize.gpu_mib(4242) == 1024 and sanitize.gpu_mib(77) == 5 and sanitize.gpu_mib(1) is None
+
+
+def test_the_stop_leaves_no_process_of_a_tree_that_keeps_forking(tmp_path):
+    """The deadline's stop (`_kill_tree`) on a shell that forks children without pause: nothing
+    under it runs on after the stop (listing the children and then killing them left the shell
+    time to fork more, which outlived it)."""
+    for trial in range(3):
+        marks = tmp_path / str(trial)
+        marks.mkdir()
+        # each child leaves a mark once it has slept 0.2 s
+        shell = subprocess.Popen(["sh", "-c", f"while :; do sh -c 'sleep 0.2; touch {marks}/$$' & sleep 0.001; done"])
+        time.sleep(0.3)
+        sanitize._kill_tree(shell.pid)
+        shell.wait()
+        stopped = time.time()
+        time.sleep(0.5)  # an escaped child would leave its mark within 0.2 s
+        assert not [m for m in marks.iterdir() if m.stat().st_mtime > stopped]
