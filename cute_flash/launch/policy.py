@@ -44,10 +44,11 @@ def takes_hopper_bwd(config: BwdConfig, index: int) -> bool:
 
 def hopper_bwd_dq(traits: BwdTraits, deterministic: bool) -> dict:
     """The default mode's dQ path on the Hopper backward's tiles (Sm90BwdConfig fields): at d 64
-    and 128 (96 too, not measured on its own tiles) the producer's writer warps issue the bulk adds (1.03-1.05x the consumers'
-    own), at d 256 (224 too) `red.global` adds from registers, the staging tile's room a second
-    Q / dO stage (1.29-1.31x); d 32 (not measured), 192 (the others 0.90-0.99) and deterministic
-    mode keep theirs. docs/tuning/policy.md; docs/tuning/backward.md, "The dQ paths measured"."""
+    and 128 (96 too, not measured on its own tiles) the producer's writer warps issue the bulk
+    adds (1.03-1.05x the consumers' own), at d 256 (224 too) `red.global` adds from registers,
+    the staging tile's room a second Q / dO stage (1.29-1.31x); d 32 (not measured), 192 (the
+    others 0.90-0.99) and deterministic mode keep theirs. docs/tuning/policy.md;
+    docs/tuning/backward.md, "The dQ paths measured"."""
     if deterministic or traits.head_dim in (32, 192):
         return {}
     if traits.head_dim == 256:
