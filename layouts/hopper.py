@@ -243,7 +243,7 @@ def choose_hopper_bwd_traits(head_dim: int, dtype: str = "bf16") -> BwdTraits:
     copies): 128 keys per CTA (64 above d 128, `bwd_splits_head_dim`); query blocks of 128 rows
     at d 32, 64 above, the faster of the two at each (at d 64, 128 rows' S^T and dP^T tiles push
     ptxas to serialize the wgmmas; docs/tuning/backward.md, "The Hopper backward"); d 96 on tiles of
-    its own (1.08-1.15x the d 128 tiles it took before, backward alone: "d 96 on tiles of its own");
+    its own (1.10-1.16x the d 128 tiles it took before, backward alone: "d 96 on tiles of its own");
     the buckets 160 and 224 on the d 192 and 256 tiles (`BWD_SERVES`)."""
     d = BWD_SERVES.get(head_dim_bucket(head_dim))
     if d is None:
