@@ -351,24 +351,28 @@ def _kill_tree(pid: int) -> None:
     is no /proc): the sanitizer's target would outlive it otherwise. Each is stopped first, the
     root before its children are listed and until no new one appears, so that none forks a
     process after the listing (a fake sanitizer's shell, its sleep killed, ran its tests)."""
-    tree = {pid}
-    while True:
-        for p in tree:
-            try:
-                os.kill(p, signal.SIGSTOP)
-            except OSError:
-                pass
+    tree, new = set(), {pid}
+    while new:
+        _signal(new, signal.SIGSTOP)
+        tree |= new
+        new = _under(pid) - tree
+    _signal(tree, signal.SIGKILL)
+
+
+def _under(pid: int) -> set:
+    """The processes under `pid` (through /proc; none where there is no /proc)."""
+    try:
+        pids = [int(name) for name in os.listdir("/proc") if name.isdigit()]
+    except OSError:
+        return set()
+    return {p for p in pids if p != pid and _root_of(p, _parent_pid, {pid}) == pid}
+
+
+def _signal(pids, sig) -> None:
+    """`sig` to each of `pids`, skipping any already gone."""
+    for p in pids:
         try:
-            pids = [int(name) for name in os.listdir("/proc") if name.isdigit()]
-        except OSError:
-            pids = []
-        under = {p for p in pids if p != pid and _root_of(p, _parent_pid, {pid}) == pid}
-        if under <= tree:
-            break
-        tree |= under
-    for p in tree:
-        try:
-            os.kill(p, signal.SIGKILL)
+            os.kill(p, sig)
         except OSError:
             pass
 
