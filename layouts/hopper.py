@@ -11,7 +11,7 @@ transposed view of the same row-major tile. One warpgroup covers 64 rows per wgm
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import cutlass
 import cutlass.cute as cute
@@ -238,13 +238,20 @@ BWD_SERVES = {32: 32, 64: 64, 96: 96, 128: 128, 160: 192, 192: 192, 224: 256, 25
 
 
 @functools.lru_cache(maxsize=None)
-def choose_hopper_bwd_traits(head_dim: int, dtype: str = "bf16") -> BwdTraits:
+def choose_hopper_bwd_traits(head_dim: int, dtype: str = "bf16", head_dim_v: int | None = None) -> BwdTraits:
     """The Hopper backward's tiles (BwdTraits; its SM80 warp grids only shape the dQ convert's
     copies): 128 keys per CTA (64 above d 128, `bwd_splits_head_dim`); query blocks of 128 rows
     at d 32, 64 above, the faster of the two at each (at d 64, 128 rows' S^T and dP^T tiles push
     ptxas to serialize the wgmmas; docs/tuning/backward.md, "The Hopper backward"); d 96 on tiles of
     its own (1.10-1.16x the d 128 tiles it took before, backward alone: "d 96 on tiles of its own");
-    the buckets 160 and 224 on the d 192 and 256 tiles (`BWD_SERVES`)."""
+    the buckets 160 and 224 on the d 192 and 256 tiles (`BWD_SERVES`). A V head dim of its own
+    (`head_dim_v`, a pair of `VALUE_DIM_PAIRS`): the tiles of head_dim, V's, dO's and dV's
+    `head_dim_v` wide."""
+    if head_dim_v is not None and head_dim_bucket(head_dim_v) != head_dim_bucket(head_dim):
+        pair = (head_dim_bucket(head_dim), head_dim_bucket(head_dim_v))
+        if pair not in VALUE_DIM_PAIRS:
+            raise ValueError(f"the Hopper backward takes a V head dim of its own in {VALUE_DIM_PAIRS}, not {pair}")
+        return replace(choose_hopper_bwd_traits(head_dim, dtype), head_dim_v=pair[1])
     d = BWD_SERVES.get(head_dim_bucket(head_dim))
     if d is None:
         raise ValueError(f"the Hopper backward takes head-dim buckets {tuple(BWD_SERVES)}, not "
@@ -257,7 +264,8 @@ def choose_hopper_bwd_traits(head_dim: int, dtype: str = "bf16") -> BwdTraits:
 
 
 def shipped_hopper_bwd_traits() -> list[BwdTraits]:
-    return [choose_hopper_bwd_traits(d, dt) for d in BWD_HEAD_DIMS for dt in DTYPES]
+    return ([choose_hopper_bwd_traits(d, dt) for d in BWD_HEAD_DIMS for dt in DTYPES]
+            + [choose_hopper_bwd_traits(d, dt, dv) for d, dv in VALUE_DIM_PAIRS for dt in DTYPES])
 
 
 def bwd_splits_head_dim(traits) -> bool:
@@ -268,23 +276,26 @@ def bwd_splits_head_dim(traits) -> bool:
     return traits.head_dim > 128
 
 
-def bwd_atom_cols(traits) -> int:
-    """The columns the backward's Q, dO, K and V tiles pick their swizzle atom for: a
-    warpgroup's share of the head dim where the warpgroups split it (its wgmma operands must
-    start on an atom: d 192's 96 columns take 32-column atoms), d 96's share of dQ (48 columns:
-    16-column atoms, K being dQ's B operand), else the head dim."""
-    if traits.head_dim == 96:
+def bwd_atom_cols(traits, cols: int | None = None) -> int:
+    """The columns a backward tile `cols` wide (the head dim unless given: V's and dO's are
+    `dv`) picks its swizzle atom for: a warpgroup's share where the warpgroups split the head
+    dim (its wgmma operands must start on an atom: d 192's 96 columns take 32-column atoms),
+    d 96's share of dQ (48 columns: 16-column atoms, K being dQ's B operand), else `cols`."""
+    cols = cols or traits.head_dim
+    if cols == 96 and not bwd_splits_head_dim(traits):
         return 48
-    return traits.head_dim // 2 if bwd_splits_head_dim(traits) else traits.head_dim
+    return cols // 2 if bwd_splits_head_dim(traits) else cols
 
 
-def bwd_smem_layout(traits, rows: int, stages: int | None = None):
-    """(rows, head_dim) or (rows, head_dim, stages) row-major tile of the backward in the swizzle
-    atom of `bwd_atom_cols` columns (up to d 128 `smem_layout` / `smem_layout_staged`'s)."""
-    atom = row_major_atom(element_type(traits), bwd_atom_cols(traits))
+def bwd_smem_layout(traits, rows: int, stages: int | None = None, cols: int | None = None):
+    """(rows, cols) or (rows, cols, stages) row-major tile of the backward (cols the head dim
+    unless given) in the swizzle atom of `bwd_atom_cols` (up to d 128 `smem_layout` /
+    `smem_layout_staged`'s)."""
+    cols = cols or traits.head_dim
+    atom = row_major_atom(element_type(traits), bwd_atom_cols(traits, cols))
     if stages is None:
-        return cute.tile_to_shape(atom, (rows, traits.head_dim), order=(0, 1))
-    return cute.tile_to_shape(atom, (rows, traits.head_dim, stages), order=(0, 1, 2))
+        return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
+    return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
 
 
 def bwd_smem_bytes(traits, staging: bool = True) -> int:
@@ -293,7 +304,7 @@ def bwd_smem_bytes(traits, staging: bool = True) -> int:
     (q_stages each) and the mbarriers."""
     t = traits
     staged = 2 if bwd_splits_head_dim(t) else 1  # dS^T, and P^T
-    tiles = ELEMENT_BYTES * (2 * t.q_stages * t.block_m * t.head_dim + 2 * t.block_n * t.head_dim
+    tiles = ELEMENT_BYTES * ((t.q_stages * t.block_m + t.block_n) * (t.head_dim + t.dv)
                              + staged * BWD_STAGES * t.block_n * t.block_m)
     dq = 4 * t.block_m * t.head_dim if staging else 0
     return tiles + dq + 4 * 2 * t.q_stages * t.block_m + 8 * (1 + 4 * t.q_stages)
@@ -322,17 +333,18 @@ def tiled_mma_sdp_t(traits):
                                        cutlass.Float32, atoms, tiler)
 
 
-def tiled_mma_dkv(traits):
-    """dV += P^T dO and dK += dS^T Q: (block_n, head_dim), A from registers (the converted S^T /
-    dP^T accumulators; above d 128 from their shared-memory tiles), B = dO^T / Q^T read MN-major
-    from their row-major tiles."""
+def tiled_mma_dkv(traits, cols: int | None = None):
+    """dV += P^T dO and dK += dS^T Q: (block_n, cols), cols the head dim unless given (dV's are
+    `dv`); A from registers (the converted S^T / dP^T accumulators; above d 128 from their
+    shared-memory tiles), B = dO^T / Q^T read MN-major from their row-major tiles."""
     dtype = element_type(traits)
+    cols = cols or traits.head_dim
     if bwd_splits_head_dim(traits):  # A = P^T / dS^T whole from shared memory, half the columns each
         return sm90.make_trivial_tiled_mma(dtype, dtype, cute.nvgpu.OperandMajorMode.K,
                                            cute.nvgpu.OperandMajorMode.MN, cutlass.Float32, (1, 2, 1),
-                                           (WGMMA_M, traits.head_dim // 2))
+                                           (WGMMA_M, cols // 2))
     return sm90.make_trivial_tiled_mma(dtype, dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
-                                       cutlass.Float32, (bwd_warpgroups(traits), 1, 1), (WGMMA_M, traits.head_dim),
+                                       cutlass.Float32, (bwd_warpgroups(traits), 1, 1), (WGMMA_M, cols),
                                        a_source=warpgroup.OperandSource.RMEM)
 
 

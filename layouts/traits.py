@@ -143,7 +143,9 @@ class BwdTraits:
     kBlockM-row query blocks. The three GEMM shapes get their own warp grids: S and dP
     (block_m x block_n, `atom_m_sdp` warps along M), dK and dV (block_n x head_dim,
     `atom_n_dkv` warps along N-of-keys), dQ (block_m x head_dim, `atom_m_dq` warps along M).
-    `q_stages` 2 double-buffers Q and dO so the next query block loads under this one's math."""
+    `q_stages` 2 double-buffers Q and dO so the next query block loads under this one's math.
+    `head_dim_v`: V's, dO's and dV's head dim where it is not head_dim's (MLA's 192 / 128, the
+    Hopper backward only), else None."""
     head_dim: int
     block_m: int
     block_n: int
@@ -153,9 +155,14 @@ class BwdTraits:
     atom_m_dq: int
     q_stages: int = 2
     dtype: str = "bf16"
+    head_dim_v: int | None = None
 
     def __post_init__(self):
         check_bucket_and_dtype(self.head_dim, self.dtype)
+        if self.head_dim_v is not None:
+            check_bucket_and_dtype(self.head_dim_v, self.dtype)
+            if self.head_dim_v == self.head_dim:
+                raise ValueError("head_dim_v is V's head dim where it differs from head_dim; leave it None otherwise")
         if self.q_stages not in (1, 2):
             raise ValueError("q_stages is 1 or 2")
         for atom, (rows, cols) in ((self.atom_m_sdp, (self.block_m, self.block_n)),
@@ -172,6 +179,11 @@ class BwdTraits:
     gmem_threads_per_row = FwdTraits.gmem_threads_per_row
 
     @property
+    def dv(self) -> int:
+        """V's, dO's and dV's head dim."""
+        return self.head_dim if self.head_dim_v is None else self.head_dim_v
+
+    @property
     def block_k_pds(self) -> int:
         """Swizzle-atom width of the P / dS tiles (block_m x block_n, keys contiguous)."""
         return 64 if self.block_n % 64 == 0 else 32
@@ -186,7 +198,8 @@ class BwdTraits:
 
     @property
     def name(self) -> str:
-        return (f"bwd_d{self.head_dim}_m{self.block_m}_n{self.block_n}_w{self.num_warps}_"
+        value = "" if self.head_dim_v is None else f"_v{self.head_dim_v}"
+        return (f"bwd_d{self.head_dim}{value}_m{self.block_m}_n{self.block_n}_w{self.num_warps}_"
                 f"{self.atom_m_sdp}{self.atom_n_dkv}{self.atom_m_dq}_s{self.q_stages}_{self.dtype}")
 
 

@@ -113,8 +113,8 @@ def staging_checks(traits, tile_rows: int, warpgroups: int, head_dim: int | None
     def run():
         rows = hopper.WGMMA_M
         if bwd:
-            atom = hopper.swizzle_atom(traits, hopper.bwd_atom_cols(traits))
-            tile = HostLayout.of(hopper.bwd_smem_layout(traits, tile_rows))
+            atom = hopper.swizzle_atom(traits, hopper.bwd_atom_cols(traits, head_dim))
+            tile = HostLayout.of(hopper.bwd_smem_layout(traits, tile_rows, cols=head_dim))
         else:
             atom = hopper.swizzle_atom(traits, head_dim)
             tile = HostLayout.of(hopper.smem_layout(traits, tile_rows, head_dim))
@@ -150,26 +150,29 @@ def o_copy_checks(traits: HopperTileTraits, coord=None) -> dict:
 
 def bwd_checks(traits: BwdTraits) -> dict:
     """The Hopper backward's recipes (layouts/hopper.py, kernels/sm90/bwd.py) for one tile:
-    - Q / dO (q_stages), K / V and dS^T (two stages) are bijections, stages 1024-byte aligned;
+    - Q / dO (q_stages), K / V and dS^T (two stages) are bijections, stages 1024-byte aligned
+      (dO and V at V's head dim `dv`);
     - the S^T and dP^T accumulators, re-viewed by `acc_as_operand_a`, are the register A
       operands of dV += P^T dO and dK += dS^T Q, thread by thread (up to d 128; above it
       P^T and dS^T reach those GEMMs through shared memory, `bwd_splits_head_dim`);
-    - the C partitions cover S^T (block_n, block_m), dK / dV (block_n, d) and dQ (block_m, d)
-      exactly once;
+    - the C partitions cover S^T (block_n, block_m), dK (block_n, d), dV (block_n, dv) and dQ
+      (block_m, d) exactly once;
     - dQ's warpgroup runs: `chunk_index` (group 128, 16-byte vectors), where DQConvert reads
       each value, puts every thread's values at distinct places of the block_m x d chunk,
       filling it, and `run_layout` from each thread's first value, what add_dq stores through,
       agrees with it;
-    - each warpgroup's TMA store boxes of dK / dV read its own 64 rows of the (block_n, d) tile
-      (above d 128 one warpgroup stores each whole 64-row tile)."""
+    - each warpgroup's TMA store boxes of dK / dV read its own 64 rows of the (block_n, d) and
+      (block_n, dv) tiles (above d 128 one warpgroup stores each whole 64-row tile)."""
 
-    bm, bn, d = traits.block_m, traits.block_n, traits.head_dim
+    bm, bn, d, dv = traits.block_m, traits.block_n, traits.head_dim, traits.dv
     split = hopper.bwd_splits_head_dim(traits)
 
     def run():
         out = {}
         for name, layout in (("sQ", hopper.bwd_smem_layout(traits, bm, traits.q_stages)),
-                             ("sKV", hopper.bwd_smem_layout(traits, bn)),
+                             ("sdO", hopper.bwd_smem_layout(traits, bm, traits.q_stages, dv)),
+                             ("sK", hopper.bwd_smem_layout(traits, bn)),
+                             ("sV", hopper.bwd_smem_layout(traits, bn, cols=dv)),
                              ("sdS", hopper.smem_layout_ds(traits, hopper.BWD_STAGES))):
             host = HostLayout.of(layout)
             out[name] = is_bijection(host(np.arange(host.size)))
@@ -177,9 +180,12 @@ def bwd_checks(traits: BwdTraits) -> dict:
                 stage = ELEMENT_BYTES * cute.cosize(cute.slice_(layout, (None, None, 0)))
                 out[f"{name}_stage_aligned"] = stage % STAGE_ALIGN == 0
         sdp, dkv, dq = hopper.tiled_mma_sdp_t(traits), hopper.tiled_mma_dkv(traits), hopper.tiled_mma_dq(traits)
+        dv_mma = hopper.tiled_mma_dkv(traits, dv)
         if not split:
-            out["operand_a"] = operand_a_check(sdp, dkv, (bn, bm))["ok"]
-        for name, mma, tile in (("S^T", sdp, (bn, bm)), ("dKV", dkv, (bn, d)), ("dQ", dq, (bm, d))):
+            out["operand_a"] = (operand_a_check(sdp, dkv, (bn, bm))["ok"]
+                                and operand_a_check(sdp, dv_mma, (bn, bm))["ok"])
+        for name, mma, tile in (("S^T", sdp, (bn, bm)), ("dK", dkv, (bn, d)), ("dV", dv_mma, (bn, dv)),
+                                ("dQ", dq, (bm, d))):
             out[f"cover_{name}"] = covers_once(mma, tile)
         per_thread = bm * d // dq.size
         where = np.array([[dq_order.chunk_index(i, t, per_thread, dq_order.HOPPER_VEC, 128) for i in range(per_thread)]
@@ -190,7 +196,8 @@ def bwd_checks(traits: BwdTraits) -> dict:
         return out
 
     out = in_arch_trace("sm_90a", run)
-    out["dkv_staging"] = staging_checks(traits, bn, 1 if split else hopper.bwd_warpgroups(traits), bwd=True)["ok"]
+    out["dkv_staging"] = all(staging_checks(traits, bn, 1 if split else hopper.bwd_warpgroups(traits), cols,
+                                            bwd=True)["ok"] for cols in {d, dv})
     out["ok"] = all(out.values())
     return out
 

@@ -50,11 +50,11 @@ def _grid_x(config: BwdConfig, max_seqlen_k, batch, nheads, index):
     return max(1, min(n_blocks, -(-gpu.num_sms(index) // (batch * nheads))))
 
 
-def _finish(dq, dk, dv, d, nheads_k, grads, dot):
-    """dQ, dK, dV cut to d, dK/dV summed over each GQA group; written into the caller's tensors
-    where given (`grads`: dq, dk, dv or None). Returns (dq, dk, dv, softmax_d), flash-attn's C++
-    backward's result."""
-    dq, dk, dv = dq[..., :d], dk[..., :d], dv[..., :d]
+def _finish(dq, dk, dv, d, nheads_k, grads, dot, d_v=None):
+    """dQ and dK cut to d, dV to d_v (d unless given), dK/dV summed over each GQA group; written
+    into the caller's tensors where given (`grads`: dq, dk, dv or None). Returns (dq, dk, dv,
+    softmax_d), flash-attn's C++ backward's result."""
+    dq, dk, dv = dq[..., :d], dk[..., :d], dv[..., :d_v or d]
     nheads = dk.shape[-2]
     if nheads != nheads_k:
         g = nheads // nheads_k
@@ -101,42 +101,44 @@ def _semaphores(config: Sm90BwdConfig, dq_accum: torch.Tensor):
     return torch.zeros(dq_accum.shape[1:-1], dtype=torch.int32, device=dq_accum.device)
 
 
-def _hopper_config(config: BwdConfig, hopper_variant, **fields) -> Sm90BwdConfig:
+def _hopper_config(config: BwdConfig, hopper_variant, d_v: int, **fields) -> Sm90BwdConfig:
     """The Hopper backward's config of a call the dispatcher gave `config` (its score flags,
-    deterministic mode, mods; the bucket's Hopper tiles), with `fields`, then the policy's dQ
-    path (`policy.hopper_bwd_dq`) or, where the caller gives them, its `hopper_variant` fields
-    instead."""
-    sm90 = Sm90BwdConfig(choose_hopper_bwd_traits(config.traits.head_dim, config.traits.dtype), config.has_left,
-                         config.has_right, config.has_alibi, config.has_softcap, config.has_dropout,
-                         deterministic=config.deterministic, mods=config.mods, **fields)
+    deterministic mode, mods; the bucket's Hopper tiles, V's `d_v` wide), with `fields`, then the
+    policy's dQ path (`policy.hopper_bwd_dq`) or, where the caller gives them, its
+    `hopper_variant` fields instead."""
+    traits = choose_hopper_bwd_traits(config.traits.head_dim, config.traits.dtype, d_v)
+    sm90 = Sm90BwdConfig(traits, config.has_left, config.has_right, config.has_alibi, config.has_softcap,
+                         config.has_dropout, deterministic=config.deterministic, mods=config.mods, **fields)
     if hopper_variant is None:
         return policy.with_hopper_bwd_dq(sm90)
     return replace(sm90, **hopper_variant)
 
 
 def _flash_bwd_sm90(dout, q, k, v, out, lse, config: BwdConfig, index, softmax_scale, softcap, alibi_slopes, left,
-                    right, grads, d, dropout, mods: ModArgs | None = None, block_mask=None, hopper_variant=None):
-    """The Hopper backward on aligned tensors. LSE (times log2 e) and D go in rows padded to
-    whole query blocks, +inf and 0 past seqlen_q (the preprocess writes them there,
+                    right, grads, d, d_v, dropout, mods: ModArgs | None = None, block_mask=None,
+                    hopper_variant=None):
+    """The Hopper backward on aligned tensors (v, out and dout d_v wide before alignment: MLA's
+    at that width, `policy.takes_hopper_bwd_value_dim`). LSE (times log2 e) and D go in rows
+    padded to whole query blocks, +inf and 0 past seqlen_q (the preprocess writes them there,
     `PreprocessConfig.hopper_rows`), so the kernel's bulk copies of a block's values need no
-    bounds and its rows past the sequence get P = 0. A block mask's lists (by key
-    block) skip the query blocks it leaves empty, except in deterministic mode, whose dQ turns
-    count every key block of a query block."""
+    bounds and its rows past the sequence get P = 0. A block mask's lists (by key block) skip
+    the query blocks it leaves empty, except in deterministic mode, whose dQ turns count every
+    key block of a query block."""
     b, sq, h, d_pad = q.shape
-    sk, hk = k.shape[1], k.shape[2]
+    sk, hk, dv_pad = k.shape[1], k.shape[2], v.shape[-1]
     sparse = block_mask is not None and not config.deterministic
-    sm90 = _hopper_config(config, hopper_variant, block_sparse=sparse)
+    sm90 = _hopper_config(config, hopper_variant, dv_pad, block_sparse=sparse)
     t = sm90.traits
     even_k = d_pad == t.head_dim  # 96, 160, 224 run on the d 128 / 192 / 256 tiles
     sq_pad = -(-sq // t.block_m) * t.block_m
     lse_log2, dot_pad = (torch.empty((b, h, sq_pad), dtype=torch.float32, device=q.device) for _ in range(2))
     dot = dot_pad[..., :sq]
-    compiled.kernel_for(PreprocessConfig(t.head_dim, t.dtype, even_k, hopper_rows=t.block_m), index)(
+    compiled.kernel_for(PreprocessConfig(t.dv, t.dtype, dv_pad == t.dv, hopper_rows=t.block_m), index)(
         out, dout, dot, lse, lse_log2, dot_pad)
     dq_accum = torch.zeros((1, b, h, sq_pad // t.block_m, t.block_m * t.head_dim), dtype=torch.float32,
                            device=q.device)
     dk_h = torch.empty((b, sk, h, d_pad), dtype=q.dtype, device=q.device)
-    dv_h = torch.empty((b, sk, h, d_pad), dtype=q.dtype, device=q.device)
+    dv_h = torch.empty((b, sk, h, dv_pad), dtype=q.dtype, device=q.device)
     lists = block_lists(block_mask, b, h, sq, sk, t.block_m, t.block_n, by_key=True) if sparse else None
     compiled.kernel_for(sm90, index)(q, k, v, dout, lse_log2, dot_pad, dq_accum, dk_h, dv_h,
                                      alibi_2d(alibi_slopes, b, h), rng_of(dropout, q.device),
@@ -145,11 +147,11 @@ def _flash_bwd_sm90(dout, q, k, v, out, lse, config: BwdConfig, index, softmax_s
     dq_out = torch.empty((b, sq, h, d_pad), dtype=q.dtype, device=q.device)
     compiled.kernel_for(DQConvertConfig.of_hopper(t, even_k, False), index)(
         dq_accum, dq_out, softmax_scale)
-    return _finish(dq_out, dk_h, dv_h, d, hk, grads, dot)
+    return _finish(dq_out, dk_h, dv_h, d, hk, grads, dot, d_v)
 
 
 def _flash_bwd_sm90_varlen(dout, q, k, v, out, lse, config: BwdConfig, index, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                           max_seqlen_q, softmax_scale, softcap, alibi_slopes, left, right, grads, d,
+                           max_seqlen_q, softmax_scale, softcap, alibi_slopes, left, right, grads, d, d_v,
                            dropout, mods: ModArgs | None = None, hopper_variant=None):
     """The Hopper backward of a packed batch on aligned tensors: LSE (times log2 e), D and
     dQaccum in rows padded per sequence to whole query blocks (sequence b's from tile
@@ -157,20 +159,20 @@ def _flash_bwd_sm90_varlen(dout, q, k, v, out, lse, config: BwdConfig, index, cu
     and D there, `PreprocessConfig.hopper_rows`), so the kernel's bulk copies need no bounds,
     as in the dense call; its CTAs take the key blocks longest first (`varlen_order`)."""
     total_q, h, d_pad = q.shape
-    total_k, hk = k.shape[0], k.shape[1]
+    total_k, hk, dv_pad = k.shape[0], k.shape[1], v.shape[-1]
     batch = cu_seqlens_q.shape[0] - 1
-    sm90 = _hopper_config(config, hopper_variant, varlen=True, has_seqused_k=seqused_k is not None)
+    sm90 = _hopper_config(config, hopper_variant, dv_pad, varlen=True, has_seqused_k=seqused_k is not None)
     t = sm90.traits
     even_k = d_pad == t.head_dim  # 96, 160, 224 run on the d 128 / 192 / 256 tiles
     tiles = varlen_dq_tiles(total_q, batch, t.block_m)
     dot = torch.empty((h, total_q), dtype=torch.float32, device=q.device)
     # rows between the sequences' padded runs and in the last tile: never read
     lse_log2, dot_pad = (torch.empty((h, tiles * t.block_m), dtype=torch.float32, device=q.device) for _ in range(2))
-    compiled.kernel_for(PreprocessConfig(t.head_dim, t.dtype, even_k, True, hopper_rows=t.block_m), index)(
+    compiled.kernel_for(PreprocessConfig(t.dv, t.dtype, dv_pad == t.dv, True, hopper_rows=t.block_m), index)(
         out, dout, dot, cu_seqlens_q, max_seqlen_q, lse, lse_log2, dot_pad)
     dq_accum = torch.zeros((1, h, tiles, t.block_m * t.head_dim), dtype=torch.float32, device=q.device)
     dk_h = torch.zeros((total_k, h, d_pad), dtype=q.dtype, device=q.device)  # keys no sequence covers (or past
-    dv_h = torch.zeros((total_k, h, d_pad), dtype=q.dtype, device=q.device)  # seqused_k) get a zero gradient
+    dv_h = torch.zeros((total_k, h, dv_pad), dtype=q.dtype, device=q.device)  # seqused_k) get a zero gradient
     compiled.kernel_for(sm90, index)(q, k, v, dout, lse_log2, dot_pad, dq_accum, dk_h, dv_h,
                                      alibi_2d(alibi_slopes, batch, h), rng_of(dropout, q.device),
                                      _semaphores(sm90, dq_accum), aux_of(mods), cu_seqlens_q, cu_seqlens_k, seqused_k,
@@ -181,7 +183,7 @@ def _flash_bwd_sm90_varlen(dout, q, k, v, out, lse, config: BwdConfig, index, cu
     dq_out = torch.zeros((total_q, h, d_pad), dtype=q.dtype, device=q.device)  # rows no sequence covers: 0
     compiled.kernel_for(DQConvertConfig.of_hopper(t, even_k, True), index)(
         dq_accum, dq_out, cu_seqlens_q, max_seqlen_q, softmax_scale)
-    return _finish(dq_out, dk_h, dv_h, d, hk, grads, dot)
+    return _finish(dq_out, dk_h, dv_h, d, hk, grads, dot, d_v)
 
 
 def flash_bwd(dout, q, k, v, out, lse, *, softmax_scale, causal=False, window_size=(-1, -1), softcap=0.0,
@@ -202,8 +204,9 @@ def flash_bwd(dout, q, k, v, out, lse, *, softmax_scale, causal=False, window_si
     mods = ModArgs.of(mods)
     if b == 0 or sq == 0 or sk == 0:
         return _zeros(q, k, v, (b, h, sq), (dq, dk, dv))
-    if v.shape[-1] != d:  # v's head dim of its own: the backward kernels take one
-        return padded_backward(functools.partial(
+    d_v = v.shape[-1]
+    if d_v != d and not (variant is None and policy.takes_hopper_bwd_value_dim(d, d_v, gpu.device_index(q.device))):
+        return padded_backward(functools.partial(  # v's head dim of its own, on a kernel that takes one
             flash_bwd, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
             alibi_slopes=alibi_slopes, deterministic=deterministic, variant=variant, dropout=dropout, mods=mods,
             block_mask=block_mask, hopper_variant=hopper_variant), dout, q, k, v, out, lse, dq, dk, dv)
@@ -228,7 +231,7 @@ def flash_bwd(dout, q, k, v, out, lse, *, softmax_scale, causal=False, window_si
                      dropout, mods)
     if variant is None and policy.takes_hopper_bwd(config, index):
         return _signed_dq(_flash_bwd_sm90(dout, q, k, v, out, lse, config, index, softmax_scale, softcap,
-                                          alibi_slopes, left, right, (dq, dk, dv), d, dropout, mods, block_mask,
+                                          alibi_slopes, left, right, (dq, dk, dv), d, d_v, dropout, mods, block_mask,
                                           hopper_variant),
                           dq_sign)
     config = replace(config, **(variant or {}), block_sparse=block_mask is not None)
@@ -265,8 +268,9 @@ def flash_bwd_varlen(dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max
     batch = cu_seqlens_q.shape[0] - 1
     if batch == 0 or total_q == 0 or total_k == 0 or max_seqlen_q == 0 or max_seqlen_k == 0:
         return _zeros(q, k, v, (h, total_q), (dq, dk, dv))  # the forward computed nothing either
-    if v.shape[-1] != d:  # v's head dim of its own: the backward kernels take one
-        return padded_backward(functools.partial(
+    d_v = v.shape[-1]
+    if d_v != d and (chunked(batch) or not policy.takes_hopper_bwd_value_dim(d, d_v, gpu.device_index(q.device))):
+        return padded_backward(functools.partial(  # v's head dim of its own, on a kernel that takes one
             flash_bwd_varlen, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
             max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
             softcap=softcap, alibi_slopes=alibi_slopes, seqused_k=seqused_k, deterministic=deterministic,
@@ -287,7 +291,7 @@ def flash_bwd_varlen(dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max
     if policy.takes_hopper_bwd(config, index) and not chunked(batch):
         return _signed_dq(_flash_bwd_sm90_varlen(dout, q, k, v, out, lse, config, index, cu_seqlens_q, cu_seqlens_k,
                                                  seqused, max_seqlen_q, softmax_scale, softcap,
-                                                 alibi_slopes, left, right, (dq, dk, dv), d, dropout, mods,
+                                                 alibi_slopes, left, right, (dq, dk, dv), d, d_v, dropout, mods,
                                                  hopper_variant),
                           dq_sign)
     grid_x = _grid_x(config, max_seqlen_k, batch, h, index)

@@ -13,8 +13,8 @@ from cute_flash.kernels.sm80.bwd import DQ_STAGE_BYTES, BwdConfig
 from cute_flash.kernels.sm90.fwd import Sm90FwdConfig
 from cute_flash.launch import gpu
 from layouts.hopper import (BWD_SERVES, TALL_D64_MIN_SEQLEN_K, TALL_D64_UNMASKED_MIN_SEQLEN_K, TWO_CTAS_MAX_HEAD_DIM,
-                            choose_hopper_traits)
-from layouts.traits import SMEM_LIMIT, BwdTraits, tile_arch
+                            VALUE_DIM_PAIRS, choose_hopper_traits)
+from layouts.traits import SMEM_LIMIT, BwdTraits, head_dim_bucket, tile_arch
 
 PAGE_ROWS = 16  # pages of a multiple of this many rows take the page-run / shared-page-id copies
 
@@ -40,6 +40,15 @@ def takes_hopper_bwd(config: BwdConfig, index: int) -> bool:
     `CUTE_FLASH_ARCH_PATH=sm80` selects the SM80 kernel.
     docs/tuning/backward.md lists what falls back and why."""
     return takes_hopper_path(index) and config.traits.head_dim in BWD_SERVES
+
+
+def takes_hopper_bwd_value_dim(head_dim: int, head_dim_v: int, index: int) -> bool:
+    """A V head dim of its own (MLA's 192 / 128, `VALUE_DIM_PAIRS`) runs on the Hopper backward as
+    it is, V, dO and dV at V's width: 1.07-1.15x forward + backward over padding to one head dim
+    (docs/tuning/policy.md; docs/tuning/backward.md, "MLA at V's own head dim"); other pairs and
+    the SM80 kernel pad (`launch/value_dim.py`)."""
+    pair = (head_dim_bucket(head_dim), head_dim_bucket(head_dim_v))
+    return takes_hopper_path(index) and pair in VALUE_DIM_PAIRS
 
 
 def hopper_bwd_dq(traits: BwdTraits, deterministic: bool) -> dict:

@@ -1,7 +1,8 @@
 """A value head dim of its own (MLA's 192 / 128) for the kernels that take one head dim (the
-SM80 forward, both backwards): zero columns make the dims equal, and the extra columns of the
-results are cut off after. The Hopper forward takes V's head dim as it is
-(`HopperTileTraits.head_dim_v`)."""
+SM80 forward and backward, the Hopper backward but for MLA's pair): zero columns make the dims
+equal, and the extra columns of the results are cut off after. The Hopper forward takes V's
+head dim as it is (`HopperTileTraits.head_dim_v`), and the Hopper backward MLA's pair
+(`BwdTraits.head_dim_v`, `policy.takes_hopper_bwd_value_dim`)."""
 import torch
 
 

@@ -304,12 +304,14 @@ def sm90_bwd_variants(full: bool = False) -> list:
     """Hopper backward configs (main kernel and its dQ convert) the dispatcher can choose, each
     with the policy's dQ path (`policy.with_hopper_bwd_dq`).
 
-    full: every head-dim bucket it takes x dtype x every score-flag combination, dense and packed
-    (with and without seqused_k), each also deterministic. Otherwise, for CI: every bucket causal
+    full: every head-dim bucket it takes (and MLA's V head dim of its own, `VALUE_DIM_PAIRS`) x
+    dtype x every score-flag combination, dense and packed (with and without seqused_k), each
+    also deterministic. Otherwise, for CI: every bucket causal
     (bf16), at d 128 no flag, each other flag alone, all together, and fp16; packed, every bucket
     causal and d 128 with every flag and seqused_k; deterministic at d 64 causal and d 128 with
     every flag, dense and packed; d 192 and 256 (the head dim split) with every flag, dense and
-    packed, each also deterministic; every dQ path (`DQ_PATHS`, on the bucket's tiles: `tune
+    packed, each also deterministic; MLA's 192 / 128 causal and with every flag, dense and packed,
+    deterministic too; every dQ path (`DQ_PATHS`, on the bucket's tiles: `tune
     --bwd-dq`) at every bucket causal and at d 128 with every flag, packed; the converts of
     every bucket's tiles, dense and packed, and with a padded head dim at d 128, 192 and 256;
     the preprocess writing each bucket's padded LSE / D rows (`PreprocessConfig.hopper_rows`),
@@ -318,14 +320,16 @@ def sm90_bwd_variants(full: bool = False) -> list:
     flags = ("has_left", "has_right", "has_alibi", "has_softcap", "has_dropout")
     if full:
         traits = [choose_hopper_bwd_traits(d, dt) for d in BWD_HEAD_DIMS for dt in DTYPES]
+        traits += [choose_hopper_bwd_traits(d, dt, dv) for d, dv in VALUE_DIM_PAIRS for dt in DTYPES]
         mains = [Sm90BwdConfig(t, **dict(zip(flags, bits)), varlen=varlen, has_seqused_k=used) for t in traits
                  for bits in itertools.product((False, True), repeat=len(flags))
                  for varlen, used in ((False, False), (True, False), (True, True))]
         mains += [replace(c, deterministic=True) for c in mains]
         mains = [with_hopper_bwd_dq(c) for c in mains]
-        return mains + [DQConvertConfig.of_hopper(t, e, v) for t in traits for e in (False, True)
-                        for v in (False, True)] + [PreprocessConfig(t.head_dim, t.dtype, e, v, t.block_m)
-                                                   for t in traits for e in (False, True) for v in (False, True)]
+        converts = [DQConvertConfig.of_hopper(t, e, v) for t in traits for e in (False, True) for v in (False, True)]
+        pre = [PreprocessConfig(dim, t.dtype, e, v, t.block_m) for t in traits for dim in {t.head_dim, t.dv}
+               for e in (False, True) for v in (False, True)]
+        return mains + list(dict.fromkeys(converts + pre))
     traits = [choose_hopper_bwd_traits(d) for d in BWD_HEAD_DIMS]
     pivot = choose_hopper_bwd_traits(128)
     mains = [Sm90BwdConfig(t, has_right=True) for t in traits]
@@ -342,6 +346,11 @@ def sm90_bwd_variants(full: bool = False) -> list:
     wide = [choose_hopper_bwd_traits(d) for d in (192, 256)]
     mains += [Sm90BwdConfig(t, **{f: True for f in flags}, varlen=v, deterministic=det)
               for t in wide for v in (False, True) for det in (False, True)]
+    # MLA's V head dim of its own: causal and with every flag, dense and packed, deterministic too
+    mla = [choose_hopper_bwd_traits(d, "bf16", dv) for d, dv in VALUE_DIM_PAIRS]
+    mains += [Sm90BwdConfig(t, has_right=True, varlen=v) for t in mla for v in (False, True)]
+    mains += [Sm90BwdConfig(t, **{f: True for f in flags}, varlen=v, deterministic=det)
+              for t in mla for v in (False, True) for det in (False, True)]
     mains = [with_hopper_bwd_dq(c) for c in mains]
     # every dQ path on the bucket's tiles (`tune --bwd-dq`): every bucket causal, d 128 with every flag packed
     for path in DQ_PATHS:

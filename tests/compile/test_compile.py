@@ -300,8 +300,8 @@ def test_hopper_forward_wgmma_not_serialized(config, tmp_path):
 def test_hopper_backward_compiles_to_wgmma(config, tmp_path):
     """The Hopper backward (the sm_90 default for dense backwards at d 32 / 64 / 128) and its dQ
     convert build for sm_90a and fit in shared memory. The main kernel's five GEMMs are wgmma,
-    one per 16-wide k step: S^T and dP^T over the head dim, dV and dK over the query block, dQ
-    over the 128 keys. With dropout each Philox call's four words are decided by four bf16x2
+    one per 16-wide k step: S^T over the head dim and dP^T over V's (`dv`), dV and dK over the
+    query block, dQ over the block's keys. With dropout each Philox call's four words are decided by four bf16x2
     compares to masks (`Dropout.pair_keep_bits`). Deterministic variants order dQ's adds with an
     acquire load and a release add (`DqTurn`), the others have neither; those that hand dQ to
     writer warps (deterministic, `dq_path` "writer") meet them at 160-thread barriers (a
@@ -316,7 +316,7 @@ def test_hopper_backward_compiles_to_wgmma(config, tmp_path):
         t = config.traits
         (ptx,) = tmp_path.glob("*.ptx")
         text = ptx.read_text()
-        assert text.count("wgmma.mma_async") == 2 * t.head_dim // 16 + 2 * t.block_m // 16 + t.block_n // 16
+        assert text.count("wgmma.mma_async") == (t.head_dim + t.dv) // 16 + 2 * t.block_m // 16 + t.block_n // 16
         compares = text.count("set.lt.u32.bf16x2")
         assert (compares > 0) == config.has_dropout and compares % 4 == 0
         # deterministic: each warpgroup's first thread spins on its tile's count, then counts its adds

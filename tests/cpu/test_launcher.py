@@ -264,23 +264,27 @@ def test_a_value_head_dim_of_its_own_on_either_kernel(recorder, monkeypatch):
 
 
 def test_backwards_pad_a_value_head_dim_of_their_own(recorder, monkeypatch):
-    """The backward kernels take one head dim: a backward with v 128 wide beside q / k 64 runs
-    the Hopper backward on q and k padded with zero columns to 128, and returns dq / dk 64 wide;
-    with q / k 192 and v 128 (the Hopper backward's d 192 tiles), v, out and dout are padded to
-    192, dv 128 wide; packed batches alike."""
+    """The backward kernels take one head dim but for MLA's pair: a backward with v 128 wide
+    beside q / k 64 runs the Hopper backward on q and k padded with zero columns to 128, and
+    returns dq / dk 64 wide; the SM80 backward pads q / k 192 beside v 128 likewise (v, out and
+    dout to 192, dv 128 wide), dense and packed."""
+    from cute_flash.kernels.sm80.bwd import BwdConfig
     from cute_flash.kernels.sm90.bwd import Sm90BwdConfig
     from cute_flash.launch.backward import flash_bwd, flash_bwd_varlen
 
-    monkeypatch.delenv("CUTE_FLASH_ARCH_PATH", raising=False)
     lse = torch.randn(2, 4, 5)
-    for d, d_v in ((64, 128), (192, 128)):
+    for d, d_v, path, kind in ((64, 128, None, Sm90BwdConfig), (192, 128, "sm80", BwdConfig)):
+        if path is None:
+            monkeypatch.delenv("CUTE_FLASH_ARCH_PATH", raising=False)
+        else:
+            monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", path)
         q = torch.randn(2, 5, 4, d, dtype=torch.bfloat16)
         k = torch.randn(2, 7, 2, d, dtype=torch.bfloat16)
         v = torch.randn(2, 7, 2, d_v, dtype=torch.bfloat16)
         out, dout = (torch.randn(2, 5, 4, d_v, dtype=torch.bfloat16) for _ in range(2))
         start = len(recorder.launches)
         dq, dk, dv, _ = flash_bwd(dout, q, k, v, out, lse, softmax_scale=0.5, causal=True)
-        (main,) = [x for x in recorder.launches[start:] if isinstance(x.config, Sm90BwdConfig)]
+        (main,) = [x for x in recorder.launches[start:] if isinstance(x.config, kind)]
         wide = max(d, d_v)
         assert all(main[name].shape[-1] == wide for name in ("mQ", "mK", "mV", "mdO"))
         narrow = ("mQ", "mK") if d < d_v else ("mV", "mdO")
@@ -290,7 +294,38 @@ def test_backwards_pad_a_value_head_dim_of_their_own(recorder, monkeypatch):
     dq, dk, dv, _ = flash_bwd_varlen(dout[0], q[0], k[0, :5], v[0, :5], out[0], lse[0], cu_seqlens_q=cu,
                                      cu_seqlens_k=cu, max_seqlen_q=3, max_seqlen_k=3, softmax_scale=0.5)
     assert (dq.shape, dk.shape, dv.shape) == ((5, 4, 192), (5, 2, 192), (5, 2, 128))
-    assert recorder.launches[-2]["mV"].shape[-1] == 192
+    (main,) = [x for x in recorder.launches[-3:] if isinstance(x.config, BwdConfig)]
+    assert main["mV"].shape[-1] == 192
+
+
+def test_the_hopper_backward_takes_mla_values_as_they_are(recorder, monkeypatch):
+    """MLA's q / k 192 with v 128 on the Hopper backward, dense and packed: traits with
+    head_dim_v 128, v, dout, dv and the preprocess's O / dO at 128 columns (no pad), q, k, dk and
+    dq at 192; the dQ convert that of the plain d 192 tiles."""
+    from cute_flash.kernels.sm80.bwd_preprocess import PreprocessConfig
+    from cute_flash.kernels.sm80.dq_convert import DQConvertConfig
+    from cute_flash.kernels.sm90.bwd import Sm90BwdConfig
+    from cute_flash.launch.backward import flash_bwd, flash_bwd_varlen
+    from layouts.hopper import choose_hopper_bwd_traits
+
+    monkeypatch.delenv("CUTE_FLASH_ARCH_PATH", raising=False)
+    q, k = torch.randn(2, 5, 4, 192, dtype=torch.bfloat16), torch.randn(2, 7, 2, 192, dtype=torch.bfloat16)
+    v = torch.randn(2, 7, 2, 128, dtype=torch.bfloat16)
+    out, dout = (torch.randn(2, 5, 4, 128, dtype=torch.bfloat16) for _ in range(2))
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+    dense = flash_bwd(dout, q, k, v, out, torch.randn(2, 4, 5), softmax_scale=0.5, causal=True)
+    packed = flash_bwd_varlen(dout[0], q[0], k[0, :5], v[0, :5], out[0], torch.randn(4, 5), cu_seqlens_q=cu,
+                              cu_seqlens_k=cu, max_seqlen_q=3, max_seqlen_k=3, softmax_scale=0.5)
+    assert [type(x.config) for x in recorder.launches] == [PreprocessConfig, Sm90BwdConfig, DQConvertConfig] * 2
+    for (pre, main, convert), (dq, dk, dv, _), x in zip((recorder.launches[:3], recorder.launches[3:]),
+                                                        (dense, packed), (q, q[0])):
+        assert (main.config.traits.head_dim, main.config.traits.head_dim_v) == (192, 128)
+        assert pre.config.head_dim == 128 and pre["mO"].shape[-1] == pre["mdO"].shape[-1] == 128
+        assert all(main[name].shape[-1] == 128 for name in ("mV", "mdO", "mdV"))
+        assert all(main[name].shape[-1] == 192 for name in ("mQ", "mK", "mdK"))
+        assert convert.config == DQConvertConfig.of_hopper(choose_hopper_bwd_traits(192), True, convert.config.varlen)
+        assert (dq.shape[-1], dk.shape[-1], dv.shape[-1]) == (192, 192, 128) and dq.shape[:-1] == x.shape[:-1]
+    assert dense[2].shape == v.shape
 
 
 @pytest.mark.parametrize("d, sk, opts, block_m, persistent, speculative", [

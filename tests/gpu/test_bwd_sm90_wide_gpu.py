@@ -1,8 +1,9 @@
 """The Hopper backward above d 128 (kernels/sm90/bwd.py, `layouts.hopper.bwd_splits_head_dim`:
 64 keys a CTA, the two consumer warpgroups splitting the head dim, P^T and dS^T through shared
-memory, Q and dO one stage at d 256; the bucket 160 on the d 192 tiles, 224 on the d 256 ones)
-against `cute_flash.reference` by the backward's rule (tests/helpers/backward.py). Each test
-also checks that every backward it ran took the Hopper kernel."""
+memory, Q and dO one stage at d 256; the bucket 160 on the d 192 tiles, 224 on the d 256 ones;
+MLA's q / k 192 with v 128 on the d 192 tiles at V's own width) against `cute_flash.reference`
+by the backward's rule (tests/helpers/backward.py). Each test also checks that every backward
+it ran took the Hopper kernel."""
 import pytest
 import torch
 from hypothesis import given
@@ -12,7 +13,7 @@ from cute_flash import flash_attn_func
 from tests.helpers.backward import (assert_grads_match, check_bitwise_repeatable, check_dropout_grads,
                                     check_score_modifiers, check_varlen_bitwise_repeatable, check_varlen_grads, inputs,
                                     ours)
-from tests.helpers.gpu_utils import gpu_settings, only_the_hopper_kernel
+from tests.helpers.gpu_utils import config_lookups, gpu_settings, only_the_hopper_kernel
 
 pytestmark = pytest.mark.gpu
 
@@ -86,3 +87,55 @@ def test_varlen_deterministic_grads_are_bitwise_repeatable():
     """Packed batches, deterministic, with a window: equal bit for bit over three runs, and the
     reference rule per sequence."""
     check_varlen_bitwise_repeatable(256)
+
+
+@pytest.fixture
+def mla_values(monkeypatch):
+    """V's head dim (`traits.head_dim_v`) of every Hopper backward the test's calls looked up:
+    MLA's 192 / 128 runs at V's own width, not padded to one head dim."""
+    from cute_flash.kernels.sm90.bwd import Sm90BwdConfig
+
+    seen = config_lookups(monkeypatch, Sm90BwdConfig, lambda config: config.traits.head_dim_v)
+    yield
+    assert seen and set(seen) == {128}, seen
+
+
+MLA_MODS = [dict(causal=True), {}, dict(window_size=(100, 20), softcap=15.0), dict(causal=True, alibi=True)]
+MLA_MOD_IDS = ["causal", "none", "window-softcap", "causal-alibi"]
+
+
+@pytest.mark.parametrize("opts", MLA_MODS, ids=MLA_MOD_IDS)
+def test_mla_backward_with_score_modifiers(mla_values, opts):
+    """MLA's q / k 192 with v 128 (`BwdTraits.head_dim_v`: V, dO and dV 128 wide, two
+    warpgroups splitting dV's 128 columns and dK's 192), GQA 6:2, odd lengths, each modifier."""
+    q, k, v, dout = inputs(2, 333, 517, 6, 2, 192, d_v=128)
+    opts = dict(opts)
+    if opts.pop("alibi", False):
+        opts["alibi_slopes"] = torch.rand(2, 6, device="cuda", dtype=torch.float32)
+    out, grads = ours(flash_attn_func, dout, q, k, v, **opts)
+    assert out.shape[-1] == 128 and [g.shape[-1] for g in grads] == [192, 192, 128]
+    assert_grads_match(grads, q, k, v, dout, out=out, **opts)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_mla_many_blocks(mla_values, causal):
+    """More CTAs than SMs and 16 query blocks a CTA: dO's 128-column stages wrap many times."""
+    q, k, v, dout = inputs(3, 1000, 700, 12, 4, 192, d_v=128)
+    out, grads = ours(flash_attn_func, dout, q, k, v, causal=causal)
+    assert_grads_match(grads, q, k, v, dout, out=out, causal=causal)
+
+
+def test_mla_dropout_grads_match_reference_with_the_philox_mask(mla_values):
+    check_dropout_grads(192, 257, 400, (6, 2), dict(causal=True), d_v=128)
+
+
+@pytest.mark.parametrize("used", [False, True], ids=["", "seqused_k"])
+def test_mla_varlen_grads_match_reference(mla_values, used):
+    """Packed: V's and dO's rows of the next sequence cleared at 128 columns, dV copied out 128
+    wide by warpgroup 1."""
+    check_varlen_grads([(0, 40), (77, 1), (300, 257), (130, 129), (1, 60)], (6, 2), 192, True, used, d_v=128)
+
+
+def test_mla_deterministic_grads_are_bitwise_repeatable(mla_values):
+    q, k, v, dout = inputs(2, 1000, 1500, 8, 2, 192, d_v=128)
+    check_bitwise_repeatable(flash_attn_func, dout, q, k, v, causal=True)

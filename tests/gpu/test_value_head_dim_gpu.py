@@ -1,8 +1,9 @@
 """A value head dim of its own on the kernels (MLA's q / k 192 with v 128, and the other way):
 outputs and gradients of the dense and packed calls against the reference by the criterion of
 docs/semantics.md, on the Hopper path and the SM80 one, each asserting which kernels ran and,
-on the Hopper forward, its V head dim (`HopperTileTraits.head_dim_v`); the backwards pad to one
-head dim (tests/cpu/test_launcher.py checks the padding on the CPU)."""
+on the Hopper forward and backward, its V head dim (`traits.head_dim_v`); the SM80 kernels, and
+the Hopper backward but for MLA's pair, pad to one head dim (tests/cpu/test_launcher.py checks
+the padding on the CPU)."""
 import pytest
 import torch
 
@@ -26,8 +27,10 @@ def _inputs(shape_q, shape_k, d, d_v, seed):
     return q, k, v, dout
 
 
-@pytest.mark.parametrize("d, d_v, causal", [(192, 128, True), (192, 128, False), (64, 128, True), (128, 64, False)])
-def test_dense_call_with_a_value_head_dim_of_its_own(arch_path, kernels, hopper_value_dims, d, d_v, causal):
+@pytest.mark.parametrize("d, d_v, causal", [(192, 128, True), (192, 128, False), (64, 128, True), (128, 64, False),
+                                             (176, 120, True)])
+def test_dense_call_with_a_value_head_dim_of_its_own(arch_path, kernels, hopper_value_dims, hopper_bwd_value_dims, d,
+                                                     d_v, causal):
     q, k, v, dout = _inputs((2, 300, 16), (2, 300, 4), d, d_v, seed=d + d_v)
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     out, lse, _ = cute_flash.flash_attn_func(*leaves, causal=causal, return_attn_probs=True)
@@ -37,10 +40,13 @@ def test_dense_call_with_a_value_head_dim_of_its_own(arch_path, kernels, hopper_
     assert_grads_match([x.grad for x in leaves], q, k, v, dout, out=out, causal=causal)
     assert kernels == on_path(arch_path, "fwd") | backward_on_path(arch_path, max(d, d_v))
     if "sm90_fwd" in kernels:
-        assert hopper_value_dims == [d_v]  # the buckets differ in each case
+        assert hopper_value_dims == [head_dim_bucket(d_v)]  # the buckets differ in each case
+    if "sm90_bwd" in kernels:  # MLA's pair of buckets at V's own width, the others padded
+        mla = (head_dim_bucket(d), head_dim_bucket(d_v)) == (192, 128)
+        assert hopper_bwd_value_dims == [128 if mla else None]
 
 
-def test_packed_call_with_a_value_head_dim_of_its_own(arch_path, kernels):
+def test_packed_call_with_a_value_head_dim_of_its_own(arch_path, kernels, hopper_bwd_value_dims):
     lengths = [300, 1, 129, 64]
     cu, total = cu_seqlens(lengths), sum(lengths)
     q, k, v, dout = _inputs((total, 16), (total, 4), 192, 128, seed=5)
@@ -54,6 +60,16 @@ def test_packed_call_with_a_value_head_dim_of_its_own(arch_path, kernels):
     out.backward(dout)
     assert_grads_match([x.grad for x in leaves], q, k, v, dout, out=out, ref_fn=ref_fn, causal=True)
     assert kernels == on_path(arch_path, "fwd") | backward_on_path(arch_path, 192)
+    if "sm90_bwd" in kernels:
+        assert hopper_bwd_value_dims == [128]
+
+
+@pytest.fixture
+def hopper_bwd_value_dims(monkeypatch):
+    """The V head dims (`traits.head_dim_v`) of the Hopper backwards the test's calls looked up."""
+    from cute_flash.kernels.sm90.bwd import Sm90BwdConfig
+
+    return config_lookups(monkeypatch, Sm90BwdConfig, lambda config: config.traits.head_dim_v)
 
 
 @pytest.fixture

@@ -68,14 +68,15 @@ def assert_grads_match(got, q, k, v, dout, *, out, ref_fn=attention_ref, **opts)
         assert err <= bar, f"{name}: max abs error {err:.3e} > {bar:.3e}"
 
 
-def inputs(b, sq, sk, h, hk, d, dtype=torch.bfloat16, layout="bshd"):
-    """q, k, v and dout on the GPU; layout "bhsd": (b, h, s, d) storage viewed as (b, s, h, d)."""
-    def make(s, heads):
+def inputs(b, sq, sk, h, hk, d, dtype=torch.bfloat16, layout="bshd", d_v=None):
+    """q, k, v and dout on the GPU (v and dout d_v wide where given); layout "bhsd": (b, h, s,
+    d) storage viewed as (b, s, h, d)."""
+    def make(s, heads, cols=d):
         if layout == "bhsd":
-            return torch.randn(b, heads, s, d, device="cuda", dtype=dtype).transpose(1, 2)
-        return torch.randn(b, s, heads, d, device="cuda", dtype=dtype)
+            return torch.randn(b, heads, s, cols, device="cuda", dtype=dtype).transpose(1, 2)
+        return torch.randn(b, s, heads, cols, device="cuda", dtype=dtype)
 
-    return make(sq, h), make(sk, hk), make(sk, hk), make(sq, h)
+    return make(sq, h), make(sk, hk), make(sk, hk, d_v or d), make(sq, h, d_v or d)
 
 
 def check_score_modifiers(mod, sq, sk, hh, d, data):
@@ -93,19 +94,21 @@ def check_score_modifiers(mod, sq, sk, hh, d, data):
     assert_grads_match(grads, q, k, v, dout, out=out, **opts)
 
 
-def packed_inputs(lq, lk, h, hk, d, dtype=torch.bfloat16):
-    """q, k, v, dout of a packed batch of query lengths lq and key lengths lk (lists)."""
-    q, dout = (torch.randn(sum(lq), h, d, device="cuda", dtype=dtype) for _ in range(2))
-    k, v = (torch.randn(sum(lk), hk, d, device="cuda", dtype=dtype) for _ in range(2))
+def packed_inputs(lq, lk, h, hk, d, dtype=torch.bfloat16, d_v=None):
+    """q, k, v, dout of a packed batch of query lengths lq and key lengths lk (lists); v and
+    dout d_v wide where given."""
+    q, dout = (torch.randn(sum(lq), h, cols, device="cuda", dtype=dtype) for cols in (d, d_v or d))
+    k, v = (torch.randn(sum(lk), hk, cols, device="cuda", dtype=dtype) for cols in (d, d_v or d))
     return q, k, v, dout
 
 
-def check_varlen_grads(lens, hh, d, causal, used):
+def check_varlen_grads(lens, hh, d, causal, used, d_v=None):
     """Packed gradients of sequences of (query, key) lengths `lens` (zeros allowed), seqused_k
-    half of each key length when `used`, against the reference per sequence."""
+    half of each key length when `used`, against the reference per sequence (v d_v wide where
+    given)."""
     lq, lk = [a for a, _ in lens], [b for _, b in lens]
     h, hk = hh
-    q, k, v, dout = packed_inputs(lq, lk, h, hk, d)
+    q, k, v, dout = packed_inputs(lq, lk, h, hk, d, d_v=d_v)
     cu_q, cu_k = cu_seqlens(lq), cu_seqlens(lk)
     seqused = torch.tensor([n // 2 for n in lk], device="cuda", dtype=torch.int32) if used else None
     out, grads = ours(lambda q, k, v, **o: flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lq), max(lk),
@@ -154,10 +157,11 @@ varlen_lengths = st.lists(st.tuples(st.integers(0, 300), st.integers(0, 300)), m
     lambda lens: sum(a for a, _ in lens) > 0 and sum(b for _, b in lens) > 0)
 
 
-def check_dropout_grads(d, sq, sk, hh, opts):
+def check_dropout_grads(d, sq, sk, hh, opts, d_v=None):
     """dq, dk, dv of a dropout forward's backward (p 0.2, a fixed seed and offset) against the
     reference's autograd with the mask `philox.keep_mask` draws for that seed and offset: a
-    wrong bit, word or partner in any element moves a gradient far past the rule."""
+    wrong bit, word or partner in any element moves a gradient far past the rule (v d_v wide
+    where given)."""
     import functools
 
     from cute_flash.launch.backward import flash_bwd
@@ -167,7 +171,7 @@ def check_dropout_grads(d, sq, sk, hh, opts):
 
     p, seed, offset = 0.2, 0xC0FFEE_1234, 9
     drop = DropoutArgs.seeded(p, seed, offset, "cuda")
-    q, k, v, dout = inputs(2, sq, sk, *hh, d)
+    q, k, v, dout = inputs(2, sq, sk, *hh, d, d_v=d_v)
     out, lse = flash_fwd(q, k, v, softmax_scale=d ** -0.5, dropout=drop, **opts)
     poison_allocator()
     dq, dk, dv, _ = flash_bwd(dout, q, k, v, out, lse, softmax_scale=d ** -0.5, dropout=drop, **opts)

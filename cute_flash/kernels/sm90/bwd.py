@@ -39,7 +39,9 @@ dK, warpgroup 1 dV. Q and dO take one stage at d 256 (`BwdTraits.q_stages`: two 
 beside the dQ staging tile). The tiles of d 192 take 32-column swizzle atoms
 (`layouts.hopper.bwd_atom_cols`), so that each warpgroup's 96 columns start on one (d 96's
 16-column ones, for each warpgroup's 48 columns of dQ); the
-buckets 160 and 224 run on the d 192 and d 256 tiles.
+buckets 160 and 224 run on the d 192 and d 256 tiles. MLA's q / k 192 with v 128
+(`BwdTraits.head_dim_v`): V, dO and dV are 128 wide (dP^T over 128 columns, dV's warpgroups 64
+columns each), Q, K, dK and dQ 192.
 
 Packed batches (`call_varlen`): a CTA per (key block, head) of a list of the batch's key blocks
 in launch order (`VarlenTiles`: the host puts those with the most query blocks first); an entry
@@ -177,7 +179,8 @@ class Sm90BwdConfig:
         modes += "-B" if self.block_sparse else ""
         if self.mods is not None:
             modes += "-M" + "".join(m.digest for m in (self.mods.score_mod, self.mods.mask_mod) if m is not None)
-        return (f"sm90_bwd_d{t.head_dim}_m{t.block_m}_n{t.block_n}_q{t.q_stages}_{t.dtype}-{score_letters(self)}"
+        value = "" if t.head_dim_v is None else f"_v{t.head_dim_v}"
+        return (f"sm90_bwd_d{t.head_dim}{value}_m{t.block_m}_n{t.block_n}_q{t.q_stages}_{t.dtype}-{score_letters(self)}"
                 f"{modes}")
 
 
@@ -196,8 +199,8 @@ class FlashBwdSm90(DqAdds, BwdEpilogue):
                  aux_tensors, block_sparse, softmax_scale: cutlass.Float32, scale_log2: cutlass.Float32,
                  score_premul: cutlass.Float32,
                  alibi_div: cutlass.Float32, window_left: cutlass.Int32, window_right: cutlass.Int32, stream):
-        """mQ / mdO (batch, seqlen_q, heads, d), mK / mV (batch, seqlen_k, heads_k, d), mdK / mdV
-        (batch, seqlen_k, heads, d), mLSE / mD (batch, heads, seqlen_q_pad) fp32 (see
+        """mQ / mdO (batch, seqlen_q, heads, d / dv), mK / mV (batch, seqlen_k, heads_k, d / dv),
+        mdK / mdV (batch, seqlen_k, heads, d / dv), mLSE / mD (batch, heads, seqlen_q_pad) fp32 (see
         Sm90BwdTensors), mdQaccum (1, batch, heads, seqlen_q_pad / bm, bm * d) fp32 zeroed; mRng
         (4,) uint32, the forward's dropout state, or None; mSemaphore (batch, heads, seqlen_q_pad /
         bm) int32 zeroed when deterministic, else None; block_sparse the lists by key block of
@@ -214,8 +217,8 @@ class FlashBwdSm90(DqAdds, BwdEpilogue):
                     mTiles: cute.Tensor,
                     softmax_scale: cutlass.Float32, scale_log2: cutlass.Float32, score_premul: cutlass.Float32,
                     alibi_div: cutlass.Float32, window_left: cutlass.Int32, window_right: cutlass.Int32, stream):
-        """Packed batches: mQ / mdO (total_q, heads, d), mK / mV (total_k, heads_k, d), mdK / mdV
-        (total_k, heads, d) zeroed, mLSE / mD (heads, tiles * bm) and mdQaccum (1, heads, tiles, bm
+        """Packed batches: mQ / mdO (total_q, heads, d / dv), mK / mV (total_k, heads_k, d / dv),
+        mdK / mdV (total_k, heads, d / dv) zeroed, mLSE / mD (heads, tiles * bm) and mdQaccum (1, heads, tiles, bm
         * d) in rows padded per sequence to whole query blocks (`dq_accum.first_tile`),
         cu_seqlens (batch + 1,) int32, seqused_k (batch,) int32 or None, mSemaphore (heads, tiles)
         int32 zeroed when deterministic, mTiles (entries, 2) int32 (sequence, key block) in launch
@@ -232,26 +235,29 @@ class FlashBwdSm90(DqAdds, BwdEpilogue):
                varlen, grid, scalars: BwdScalars, stream, aux_tensors=None, sparse=None):
         """The TMA atoms, shared storage and recipe of either entry, then the kernel on `grid`."""
         t = self.t
-        bm, bn, d = t.block_m, t.block_n, t.head_dim
+        bm, bn, d, dv = t.block_m, t.block_n, t.head_dim, t.dv
         sQ_layout = hopper.bwd_smem_layout(t, bm, self.q_stages)
-        sKV_layout = hopper.bwd_smem_layout(t, bn)
+        sdO_layout = hopper.bwd_smem_layout(t, bm, self.q_stages, dv)
+        sK_layout = hopper.bwd_smem_layout(t, bn)
+        sV_layout = hopper.bwd_smem_layout(t, bn, cols=dv)
         sdS_layout = hopper.smem_layout_ds(t, STAGES)
-        s64_layout = hopper.bwd_smem_layout(t, hopper.WGMMA_M)
-        sQ_stage = cute.slice_(sQ_layout, (None, None, 0))
-        tma_q, tma_mQ = hopper.tma_load_atom(t, seq_first(mQ), sQ_stage, bm)
-        tma_do, tma_mdO = hopper.tma_load_atom(t, seq_first(mdO), sQ_stage, bm)
-        tma_k, tma_mK = hopper.tma_load_atom(t, seq_first(mK), sKV_layout, bn)
-        tma_v, tma_mV = hopper.tma_load_atom(t, seq_first(mV), sKV_layout, bn)
-        tma_dk, tma_mdK = hopper.tma_store_atom(t, seq_first(mdK), s64_layout, hopper.WGMMA_M)
-        tma_dv, tma_mdV = hopper.tma_store_atom(t, seq_first(mdV), s64_layout, hopper.WGMMA_M)
+        tma_q, tma_mQ = hopper.tma_load_atom(t, seq_first(mQ), cute.slice_(sQ_layout, (None, None, 0)), bm)
+        tma_do, tma_mdO = hopper.tma_load_atom(t, seq_first(mdO), cute.slice_(sdO_layout, (None, None, 0)), bm,
+                                               cols=dv)
+        tma_k, tma_mK = hopper.tma_load_atom(t, seq_first(mK), sK_layout, bn)
+        tma_v, tma_mV = hopper.tma_load_atom(t, seq_first(mV), sV_layout, bn, cols=dv)
+        tma_dk, tma_mdK = hopper.tma_store_atom(t, seq_first(mdK), hopper.bwd_smem_layout(t, hopper.WGMMA_M),
+                                                hopper.WGMMA_M)
+        tma_dv, tma_mdV = hopper.tma_store_atom(t, seq_first(mdV), hopper.bwd_smem_layout(t, hopper.WGMMA_M, cols=dv),
+                                                hopper.WGMMA_M, cols=dv)
 
-        qdo = (self.dtype, cute.cosize(sQ_layout), 1024)
-        kv = (self.dtype, cute.cosize(sKV_layout), 1024)
         stat = (cutlass.Float32, bm * self.q_stages, 128)
         fields = {
             "kv_barrier": (cutlass.Int64, 1, None), "q_barriers": (cutlass.Int64, 2 * self.q_stages, None),
             "do_barriers": (cutlass.Int64, 2 * self.q_stages, None),
-            "sQ": qdo, "sdO": qdo, "sK": kv, "sV": kv, "sdS": (self.dtype, cute.cosize(sdS_layout), 1024),
+            "sQ": (self.dtype, cute.cosize(sQ_layout), 1024), "sdO": (self.dtype, cute.cosize(sdO_layout), 1024),
+            "sK": (self.dtype, cute.cosize(sK_layout), 1024), "sV": (self.dtype, cute.cosize(sV_layout), 1024),
+            "sdS": (self.dtype, cute.cosize(sdS_layout), 1024),
             "sdQaccum": (cutlass.Float32, bm * d, 1024), "sLSE": stat, "sD": stat}
         if cutlass.const_expr(not self.config.stages_dq):
             del fields["sdQaccum"]
@@ -259,8 +265,9 @@ class FlashBwdSm90(DqAdds, BwdEpilogue):
             fields["sP"] = (self.dtype, cute.cosize(sdS_layout), 1024)
         SharedStorage = lsmem.smem_struct(fields)
 
-        recipe = Sm90BwdRecipe(sQ_layout, sKV_layout, sdS_layout, tma_q, tma_do, tma_k, tma_v, tma_dk, tma_dv,
-                               hopper.tiled_mma_sdp_t(t), hopper.tiled_mma_dkv(t), hopper.tiled_mma_dq(t))
+        recipe = Sm90BwdRecipe(sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, tma_q, tma_do, tma_k, tma_v,
+                               tma_dk, tma_dv, hopper.tiled_mma_sdp_t(t), hopper.tiled_mma_dkv(t),
+                               hopper.tiled_mma_dkv(t, dv), hopper.tiled_mma_dq(t))
         args = Sm90BwdTensors(tma_mQ, tma_mK, tma_mV, tma_mdO, tma_mdK, tma_mdV, mLSE, mD, mdQaccum, mAlibi, mRng,
                               mSemaphore, varlen, aux_tensors, sparse)
         self.kernel(args, scalars, recipe, SharedStorage).launch(
@@ -287,13 +294,13 @@ class FlashBwdSm90(DqAdds, BwdEpilogue):
                 cpasync.prefetch_descriptor(atom)
         if tidx == 0:
             cute.arch.mbarrier_init(kv_full, 1)
-        stage_bytes = cute.size_in_bytes(self.dtype, cute.slice_(recipe.sQ_layout, (None, None, 0))) + 4 * t.block_m
         consumer_threads = pipeline.CooperativeGroup(pipeline.Agent.Thread, 128 * self.wgs)  # all arrive: `release`
         q_pipe, do_pipe = (pipeline.PipelineTmaAsync.create(
             barrier_storage=barriers, num_stages=self.q_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread), consumer_group=consumer_threads,
-            tx_count=stage_bytes, defer_sync=True) for barriers in (storage.q_barriers.data_ptr(),
-                                                                    storage.do_barriers.data_ptr()))
+            tx_count=cute.size_in_bytes(self.dtype, cute.slice_(layout, (None, None, 0))) + 4 * t.block_m,
+            defer_sync=True) for barriers, layout in ((storage.q_barriers.data_ptr(), recipe.sQ_layout),
+                                                      (storage.do_barriers.data_ptr(), recipe.sdO_layout)))
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
         pipes = Sm90BwdPipes(kv_full, q_pipe, do_pipe)
@@ -303,9 +310,9 @@ class FlashBwdSm90(DqAdds, BwdEpilogue):
             sP = storage.sP.get_tensor(recipe.sdS_layout.outer, swizzle=recipe.sdS_layout.inner)
         smem = Sm90BwdSmem(
             storage.sQ.get_tensor(recipe.sQ_layout.outer, swizzle=recipe.sQ_layout.inner),
-            storage.sdO.get_tensor(recipe.sQ_layout.outer, swizzle=recipe.sQ_layout.inner),
-            storage.sK.get_tensor(recipe.sKV_layout.outer, swizzle=recipe.sKV_layout.inner),
-            storage.sV.get_tensor(recipe.sKV_layout.outer, swizzle=recipe.sKV_layout.inner),
+            storage.sdO.get_tensor(recipe.sdO_layout.outer, swizzle=recipe.sdO_layout.inner),
+            storage.sK.get_tensor(recipe.sK_layout.outer, swizzle=recipe.sK_layout.inner),
+            storage.sV.get_tensor(recipe.sV_layout.outer, swizzle=recipe.sV_layout.inner),
             storage.sdS.get_tensor(recipe.sdS_layout.outer, swizzle=recipe.sdS_layout.inner),
             storage.sLSE.get_tensor(stat_layout), storage.sD.get_tensor(stat_layout),
             storage.sdQaccum.get_tensor(cute.make_layout(t.block_m * t.head_dim)) if cfg.stages_dq else None, sP)
@@ -347,23 +354,24 @@ class FlashBwdSm90(DqAdds, BwdEpilogue):
         of their pipelines (a TMA copy is issued by the whole warp: it elects one lane itself;
         LSE and D, contiguous runs of block_m floats, by one lane's bulk copy)."""
         t = self.t
-        bm, bn, d = t.block_m, t.block_n, t.head_dim
+        bm, bn, d, dv = t.block_m, t.block_n, t.head_dim, t.dv
         heads = args.tma_mQ.shape[2]
         bidh_kv = tile.bidh // (heads // args.tma_mK.shape[2])
         one = cute.make_layout(1)
         with cute.arch.elect_one():
-            cute.arch.mbarrier_arrive_and_expect_tx(pipes.kv_full,
-                                                    2 * cute.size_in_bytes(self.dtype, recipe.sKV_layout))
-        for atom, src, dst in ((recipe.tma_k, args.tma_mK, smem.sK), (recipe.tma_v, args.tma_mV, smem.sV)):
-            g = cute.local_tile(tma_rows(src, tile.seq.sum_s_k, bidh_kv, tile.bidb), (bn, d),
-                                (tile.n_block, 0))  # (bn, d)
+            cute.arch.mbarrier_arrive_and_expect_tx(pipes.kv_full, cute.size_in_bytes(self.dtype, recipe.sK_layout)
+                                                    + cute.size_in_bytes(self.dtype, recipe.sV_layout))
+        for atom, src, dst, cols in ((recipe.tma_k, args.tma_mK, smem.sK, d), (recipe.tma_v, args.tma_mV, smem.sV, dv)):
+            g = cute.local_tile(tma_rows(src, tile.seq.sum_s_k, bidh_kv, tile.bidb), (bn, cols),
+                                (tile.n_block, 0))  # (bn, d) K's, (bn, dv) V's
             tXsX, tXgX = cpasync.tma_partition(atom, 0, one, cute.group_modes(dst, 0, 2),
                                                cute.group_modes(g, 0, 2))  # (TMA,), (TMA,)
             cute.copy(atom, tXgX, tXsX, tma_bar_ptr=pipes.kv_full)
 
         gQ = cute.local_tile(tma_rows(args.tma_mQ, tile.seq.sum_s_q, tile.bidh, tile.bidb), (bm, d),
                              (None, 0))  # (bm, d, m_blocks)
-        gdO = cute.local_tile(tma_rows(args.tma_mdO, tile.seq.sum_s_q, tile.bidh, tile.bidb), (bm, d), (None, 0))
+        gdO = cute.local_tile(tma_rows(args.tma_mdO, tile.seq.sum_s_q, tile.bidh, tile.bidb), (bm, dv),
+                              (None, 0))  # (bm, dv, m_blocks)
         tQsQ, tQgQ = cpasync.tma_partition(recipe.tma_q, 0, one, cute.group_modes(smem.sQ, 0, 2),
                                            cute.group_modes(gQ, 0, 2))  # (TMA, stages), (TMA, m_blocks)
         tdOsdO, tdOgdO = cpasync.tma_partition(recipe.tma_do, 0, one, cute.group_modes(smem.sdO, 0, 2),
@@ -408,28 +416,29 @@ class FlashBwdSm90(DqAdds, BwdEpilogue):
         """A consumer warpgroup: dK and dV of its 64 keys, and its share of each query block's
         dQ (mma_tidx: the thread's index among the consumers)."""
         cfg, t = self.config, self.t
-        bm, bn, d = t.block_m, t.block_n, t.head_dim
+        bm, bn, d, dv = t.block_m, t.block_n, t.head_dim, t.dv
         wg_idx = mma_tidx // 128
         wg = cute.make_layout(self.wgs, stride=128)  # A / B partitions are per warpgroup: its first thread
         wg_sdp = recipe.mma_sdp.get_slice(wg(wg_idx))
         wg_dkv = recipe.mma_dkv.get_slice(wg(wg_idx))
+        wg_dv = recipe.mma_dv.get_slice(wg(wg_idx))
         wg_dq = recipe.mma_dq.get_slice(wg(wg_idx))
         tSrK = recipe.mma_sdp.make_fragment_A(wg_sdp.partition_A(smem.sK))     # (MMA, MMA_M, MMA_K)
         tSrQ = recipe.mma_sdp.make_fragment_B(wg_sdp.partition_B(smem.sQ))     # (MMA, MMA_N, MMA_K, stages)
         tdPrV = recipe.mma_sdp.make_fragment_A(wg_sdp.partition_A(smem.sV))    # (MMA, MMA_M, MMA_K)
         tdPrdO = recipe.mma_sdp.make_fragment_B(wg_sdp.partition_B(smem.sdO))  # (MMA, MMA_N, MMA_K, stages)
-        tdVrdO = recipe.mma_dkv.make_fragment_B(wg_dkv.partition_B(lsmem.transposed_view(smem.sdO)))  # (.., stages)
+        tdVrdO = recipe.mma_dv.make_fragment_B(wg_dv.partition_B(lsmem.transposed_view(smem.sdO)))    # (.., stages)
         tdKrQ = recipe.mma_dkv.make_fragment_B(wg_dkv.partition_B(lsmem.transposed_view(smem.sQ)))    # (.., stages)
         tdQrdS = recipe.mma_dq.make_fragment_A(wg_dq.partition_A(lsmem.transposed_view(smem.sdS)))    # (.., stages)
         tdQrK = recipe.mma_dq.make_fragment_B(wg_dq.partition_B(lsmem.transposed_view(smem.sK)))      # (MMA, N, K)
         tdVsP = tdKsdS = None  # above d 128: dV's and dK's A operands, P^T and dS^T whole from shared memory
         if cutlass.const_expr(self.split):
-            tdVsP = recipe.mma_dkv.make_fragment_A(wg_dkv.partition_A(smem.sP))    # (MMA, MMA_M, MMA_K, stages)
+            tdVsP = recipe.mma_dv.make_fragment_A(wg_dv.partition_A(smem.sP))      # (MMA, MMA_M, MMA_K, stages)
             tdKsdS = recipe.mma_dkv.make_fragment_A(wg_dkv.partition_A(smem.sdS))  # (MMA, MMA_M, MMA_K, stages)
         acc_s = cute.make_rmem_tensor(wg_sdp.partition_shape_C((bn, bm)), cutlass.Float32)  # (MMA, MMA_M, MMA_N)
         acc_dp = cute.make_rmem_tensor(wg_sdp.partition_shape_C((bn, bm)), cutlass.Float32)
         acc_dk = cute.make_rmem_tensor(wg_dkv.partition_shape_C((bn, d)), cutlass.Float32)  # (MMA, MMA_M, MMA_N)
-        acc_dv = cute.make_rmem_tensor(wg_dkv.partition_shape_C((bn, d)), cutlass.Float32)
+        acc_dv = cute.make_rmem_tensor(wg_dv.partition_shape_C((bn, dv)), cutlass.Float32)
         acc_dq = cute.make_rmem_tensor(wg_dq.partition_shape_C((bm, d)), cutlass.Float32)
         acc_dk.fill(0.0)
         acc_dv.fill(0.0)
@@ -460,7 +469,7 @@ class FlashBwdSm90(DqAdds, BwdEpilogue):
             # MMAs of this iteration's own: wgmma sets an MMA's accumulate field, state that
             # must not escape the loop it was set in.
             mma_s, mma_dp = hopper.tiled_mma_sdp_t(t), hopper.tiled_mma_sdp_t(t)
-            mma_dv, mma_dk, mma_dq = hopper.tiled_mma_dkv(t), hopper.tiled_mma_dkv(t), hopper.tiled_mma_dq(t)
+            mma_dv, mma_dk, mma_dq = hopper.tiled_mma_dkv(t, dv), hopper.tiled_mma_dkv(t), hopper.tiled_mma_dq(t)
             pipes.q.consumer_wait(read)
             if cutlass.const_expr(packed):  # the next sequence's queries in the block's last rows: zeroed
                 pipes.do.consumer_wait(read)
@@ -547,14 +556,15 @@ class FlashBwdSm90(DqAdds, BwdEpilogue):
 
     @cute.jit
     def clear_rows(self, tiles, first_row, rows: cutlass.Constexpr, mma_tidx):
-        """Packed batches: zero rows first_row .. rows - 1 of each (rows, d) shared-memory tile in
-        `tiles` (rows of the next sequence, which may hold NaN: P = 0 or dS = 0 times a NaN is
-        NaN), 16 bytes at a time by every consumer thread, then meet before any wgmma reads them."""
+        """Packed batches: zero rows first_row .. rows - 1 of each (rows, d) or (rows, dv)
+        shared-memory tile in `tiles` (rows of the next sequence, which may hold NaN: P = 0 or dS
+        = 0 times a NaN is NaN), 16 bytes at a time by every consumer thread, then meet before any
+        wgmma reads them."""
         vec = 16 // ELEMENT_BYTES
-        chunks = self.t.head_dim // vec
         zeros = cute.make_rmem_tensor((vec,), self.dtype)
         zeros.fill(0.0)
         for s in tiles:
+            chunks = cute.size(s, mode=[1]) // vec
             for c in cutlass.range(mma_tidx, (rows - first_row) * chunks, 128 * self.wgs, unroll=1):
                 chunk = cute.local_tile(s[first_row + c // chunks, None], (vec,), (c % chunks,))  # (vec,)
                 cute.autovec_copy(zeros, chunk)

@@ -28,11 +28,10 @@ class BwdEpilogue:
         for j in cutlass.range(cute.size(acc_dk), unroll_full=True):
             acc_dk[j] = acc_dk[j] * scalars.softmax_scale
         cute.arch.barrier(barrier_id=BwdBarrier.KV_DONE, number_of_threads=128 * self.wgs)
-        c_dkv = recipe.mma_dkv.get_slice(mma_tidx)
-        for acc, dst in ((acc_dk, smem.sK), (acc_dv, smem.sV)):
+        for acc, dst, mma in ((acc_dk, smem.sK, recipe.mma_dkv), (acc_dv, smem.sV, recipe.mma_dv)):
             r = cute.make_rmem_tensor(acc.layout, self.dtype)  # (MMA, MMA_M, MMA_N)
             r.store(acc.load().to(self.dtype))
-            cute.autovec_copy(r, c_dkv.partition_C(dst))
+            cute.autovec_copy(r, mma.get_slice(mma_tidx).partition_C(dst))
         cute.arch.fence_view_async_shared()  # the generic-proxy writes, before TMA (async proxy) reads them
         if cutlass.const_expr(self.split):
             # each warpgroup wrote half the columns of both tiles: warpgroup 0 stores dK, 1 dV
@@ -46,13 +45,13 @@ class BwdEpilogue:
                        mma_tidx):
         """Up to d 128: this warpgroup's 64 rows of dK and dV, once its own writes are in, by one
         warp's TMA stores (packed batches: `store_dkv_rows`)."""
-        d = self.t.head_dim
         cute.arch.barrier(barrier_id=BwdBarrier.STORE + wg_idx, number_of_threads=128)
         if cutlass.const_expr(args.varlen is not None):
             self.store_dkv_rows(smem, args.varlen, tile, wg_idx, mma_tidx % 128)
         elif mma_tidx % 128 < 32:
             for atom, src, dst in ((recipe.tma_dk, smem.sK, args.tma_mdK), (recipe.tma_dv, smem.sV, args.tma_mdV)):
-                s_wg = cute.local_tile(src, (hopper.WGMMA_M, d), (wg_idx, 0))  # (64, d) this warpgroup's rows
+                s_wg = cute.local_tile(src, (hopper.WGMMA_M, cute.size(src, mode=[1])),
+                                       (wg_idx, 0))  # (64, d) or (64, dv): this warpgroup's rows
                 self.tma_store(atom, s_wg, dst, tile, tile.n_block * self.wgs + wg_idx)
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # shared memory outlives the bulk reads
@@ -63,13 +62,13 @@ class BwdEpilogue:
         """Above d 128 (one warpgroup's 64 rows, both warpgroups' columns): warpgroup 0 stores the
         whole dK tile from sK, warpgroup 1 dV from sV, by TMA (its first warp) or, packed, by
         `copy_rows`."""
-        d = self.t.head_dim
         if cutlass.const_expr(args.varlen is not None):
             row0 = tile.n_block * self.t.block_n
             for w, (src, mX) in enumerate(((smem.sK, args.varlen.mdK), (smem.sV, args.varlen.mdV))):
                 if wg_idx == w:
                     g = cute.domain_offset((tile.seq.sum_s_k, 0), mX[None, tile.bidh, None])  # (seqlen_k, d) this head
-                    copy_rows(src, 0, g, row0, tile.seq.seqlen_k - row0, mX.shape[2], wg_tidx, d)
+                    copy_rows(src, 0, g, row0, tile.seq.seqlen_k - row0, mX.shape[2], wg_tidx,
+                              cute.size(src, mode=[1]))
         elif wg_tidx < 32:
             for w, (atom, src, dst) in enumerate(((recipe.tma_dk, smem.sK, args.tma_mdK),
                                                   (recipe.tma_dv, smem.sV, args.tma_mdV))):
@@ -80,10 +79,10 @@ class BwdEpilogue:
 
     @cute.jit
     def tma_store(self, atom, s: cute.Tensor, mX: cute.Tensor, tile: KeyTile, block):
-        """One TMA store of the (64, d) shared-memory tile `s` into 64-row block `block` of mX's
-        rows of this (head, batch)."""
-        g = cute.local_tile(mX[None, None, tile.bidh, tile.bidb], (hopper.WGMMA_M, self.t.head_dim),
-                            (block, 0))  # (64, d)
+        """One TMA store of the (64, d) or (64, dv) shared-memory tile `s` into 64-row block `block`
+        of mX's rows of this (head, batch)."""
+        g = cute.local_tile(mX[None, None, tile.bidh, tile.bidb], (hopper.WGMMA_M, cute.size(s, mode=[1])),
+                            (block, 0))  # (64, d) or (64, dv)
         tXsX, tXgX = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2),
                                            cute.group_modes(g, 0, 2))  # (TMA,), (TMA,)
         cute.copy(atom, tXsX, tXgX)
@@ -97,4 +96,4 @@ class BwdEpilogue:
         for src, mX in ((smem.sK, varlen.mdK), (smem.sV, varlen.mdV)):
             g = cute.domain_offset((tile.seq.sum_s_k, 0), mX[None, tile.bidh, None])  # (seqlen_k, d) this head
             copy_rows(src, wg_idx * hopper.WGMMA_M, g, row0, tile.seq.seqlen_k - row0, mX.shape[2], wg_tidx,
-                      self.t.head_dim)
+                      cute.size(src, mode=[1]))

@@ -14,17 +14,20 @@ from cute_flash.kernels.common.varlen_tiles import VarlenTiles
 @dataclass(frozen=True)
 class Sm90BwdRecipe:
     """Compile-time layouts, TMA atoms and TiledMMAs (layouts/hopper.py)."""
-    sQ_layout: cute.ComposedLayout    # (bm, d, q_stages), also dO's
-    sKV_layout: cute.ComposedLayout   # (bn, d)
+    sQ_layout: cute.ComposedLayout    # (bm, d, q_stages)
+    sdO_layout: cute.ComposedLayout   # (bm, dv, q_stages)
+    sK_layout: cute.ComposedLayout    # (bn, d)
+    sV_layout: cute.ComposedLayout    # (bn, dv)
     sdS_layout: cute.ComposedLayout   # (bn, bm, stages): dS^T, also P^T's above d 128
     tma_q: cute.CopyAtom
     tma_do: cute.CopyAtom
     tma_k: cute.CopyAtom
     tma_v: cute.CopyAtom
-    tma_dk: cute.CopyAtom             # stores one warpgroup's (64, d) rows
-    tma_dv: cute.CopyAtom
+    tma_dk: cute.CopyAtom             # stores one warpgroup's (64, d) rows (above d 128, all 64 rows)
+    tma_dv: cute.CopyAtom             # (64, dv)
     mma_sdp: cute.TiledMma
-    mma_dkv: cute.TiledMma
+    mma_dkv: cute.TiledMma            # dK's: (bn, d)
+    mma_dv: cute.TiledMma             # dV's: (bn, dv)
     mma_dq: cute.TiledMma
 
 
@@ -35,7 +38,7 @@ class Sm90BwdVarlen:
     mCuSeqlensK: cute.Tensor  # (batch + 1,) int32
     mSeqUsedK: object         # (batch,) int32 or None
     mdK: cute.Tensor          # (total_k, heads, d): per query head
-    mdV: cute.Tensor
+    mdV: cute.Tensor          # (total_k, heads, dv)
     tiles: VarlenTiles        # (sequence, key block) of each CTA
 
 
@@ -43,10 +46,10 @@ class Sm90BwdVarlen:
 class Sm90BwdTensors:
     tma_mQ: cute.Tensor    # (seqlen_q, d, heads, batch) TMA coordinates; packed (total_q, d, heads)
     tma_mK: cute.Tensor    # (seqlen_k, d, heads_k, batch); packed (total_k, d, heads_k)
-    tma_mV: cute.Tensor
-    tma_mdO: cute.Tensor   # like tma_mQ
+    tma_mV: cute.Tensor    # (seqlen_k, dv, heads_k, batch); packed (total_k, dv, heads_k)
+    tma_mdO: cute.Tensor   # like tma_mQ, dv wide
     tma_mdK: cute.Tensor   # (seqlen_k, d, heads, batch): per query head
-    tma_mdV: cute.Tensor
+    tma_mdV: cute.Tensor   # (seqlen_k, dv, heads, batch)
     mLSE: cute.Tensor      # (batch, heads, seqlen_q_pad) fp32: LSE * log2(e), +inf past seqlen_q; packed (heads, rows)
     mD: cute.Tensor        # (batch, heads, seqlen_q_pad) fp32: rowsum(dO * O), 0 past seqlen_q; packed (heads, rows)
     mdQaccum: cute.Tensor  # (1, batch, heads, tiles, bm * d) fp32, zeroed; packed (1, heads, tiles, bm * d)
@@ -61,9 +64,9 @@ class Sm90BwdTensors:
 @dataclass(frozen=True)
 class Sm90BwdSmem:
     sQ: cute.Tensor        # (bm, d, q_stages)
-    sdO: cute.Tensor       # (bm, d, q_stages)
+    sdO: cute.Tensor       # (bm, dv, q_stages)
     sK: cute.Tensor        # (bn, d)
-    sV: cute.Tensor        # (bn, d)
+    sV: cute.Tensor        # (bn, dv)
     sdS: cute.Tensor       # (bn, bm, stages): dS^T
     sLSE: cute.Tensor      # (bm, q_stages) fp32
     sD: cute.Tensor        # (bm, q_stages) fp32
