@@ -359,3 +359,27 @@ def test_overrun_canary_compiles_with_its_global_store(arch, tmp_path):
     compile_canary("overrun", arch, f"--keep-ptx --dump-dir={tmp_path}")
     _assert_one_kernel_for(arch, tmp_path)
     assert "st.global" in next(tmp_path.glob("*.ptx")).read_text()
+
+
+def _alibi_configs():
+    from cute_flash.kernels.sm90.bwd import Sm90BwdConfig
+    from cute_flash.kernels.sm90.fwd import Sm90FwdConfig
+    from layouts.hopper import choose_hopper_bwd_traits, choose_hopper_traits
+    from layouts.traits import choose_fwd_traits
+
+    return [pytest.param(90, Sm90FwdConfig(choose_hopper_traits(128), has_alibi=True, has_right=True),
+                         id="sm90-fwd-causal"),
+            pytest.param(90, Sm90BwdConfig(choose_hopper_bwd_traits(128), has_alibi=True), id="sm90-bwd"),
+            pytest.param(80, FwdConfig(choose_fwd_traits(128, "bf16", 80), has_alibi=True), id="sm80-fwd")]
+
+
+@pytest.mark.parametrize("arch, config", _alibi_configs())
+def test_alibi_converts_coordinates_per_tile_not_per_score(arch, config, tmp_path):
+    """ALiBi's distance is fp32 math on one converted (row, column) per thread
+    (`score_mods.apply_alibi`): int-to-float conversions at most an eighth of the exponentials
+    (one per score converted 132-192 a kernel, against 196-200 exponentials)."""
+    build(config, arch, f"--keep-ptx --dump-dir={tmp_path}")
+    (ptx,) = tmp_path.glob("*.ptx")
+    text = ptx.read_text()
+    exps = text.count("ex2.approx")
+    assert exps > 0 and text.count("cvt.rn.f32.s32") * 8 <= exps
