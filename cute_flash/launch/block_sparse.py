@@ -54,14 +54,18 @@ def block_lists(block_mask, batch: int, heads: int, seqlen_q: int, seqlen_k: int
     """[partial_cnt, partial_idx, full_cnt, full_idx] int32 at (block_m, block_n) tiles, per
     query block (the forward's), or per key block (`by_key`: the backward's); batch and heads
     extents are the mask's (the call's or 1). The forward's key block that the sequence's end
-    cuts is never full (`_cut_by_the_end`)."""
+    cuts is never full (`_cut_by_the_end`); its lists go from the last key block down, the
+    order the dense forward walks, the backward's query blocks up."""
     check_block_mask(block_mask, batch, heads, seqlen_q, seqlen_k)
     memo = block_mask.__dict__.setdefault("_cute_flash_lists", {})
     key = (block_m, block_n, by_key)
     if key not in memo:
         status = _status(block_mask)
         status = _retile(status, block_mask.BLOCK_SIZE, (block_m, block_n), seqlen_q, seqlen_k)
-        memo[key] = _lists(status.transpose(-1, -2) if by_key else _cut_by_the_end(status, seqlen_k, block_n))
+        if by_key:
+            memo[key] = _lists(status.transpose(-1, -2), descending=False)
+        else:
+            memo[key] = _lists(_cut_by_the_end(status, seqlen_k, block_n), descending=True)
     return memo[key]
 
 
@@ -135,11 +139,16 @@ def _cut_by_the_end(status: torch.Tensor, seqlen_k: int, block_n: int) -> torch.
     return status
 
 
-def _lists(status: torch.Tensor) -> list:
-    """Each row's partial and full key blocks first, in increasing order, with their counts."""
+def _lists(status: torch.Tensor, descending: bool) -> list:
+    """Each row's partial and full blocks first, in increasing order or from the last down
+    (`descending`), with their counts."""
     out = []
+    last = status.shape[-1] - 1
     for value in (PARTIAL, FULL):
         hit = status == value
-        order = torch.argsort((~hit).to(torch.int8), dim=-1, stable=True)
+        if descending:
+            order = last - torch.argsort((~hit.flip(-1)).to(torch.int8), dim=-1, stable=True)
+        else:
+            order = torch.argsort((~hit).to(torch.int8), dim=-1, stable=True)
         out += [hit.sum(-1, dtype=torch.int32).contiguous(), order.to(torch.int32).contiguous()]
     return out

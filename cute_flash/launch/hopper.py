@@ -60,7 +60,8 @@ def flash_fwd_sm90(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1)
     masked = left >= 0 or right >= 0  # a causal or local mask
     uneven = schedules_as_masked(masked, block_mask is not None)
     traits = traits or choose_hopper_traits(q.shape[-1], gpu.DTYPE_NAMES[q.dtype],
-                                            takes_tall_tiles(k.shape[1], uneven, dropout), own_value_dim(q, v))
+                                            takes_tall_tiles(k.shape[1], uneven, dropout, mods and mods.mods),
+                                            own_value_dim(q, v))
     if persistent is None:
         persistent = prefers_persistent(traits, k.shape[1], uneven)
     if speculative_max is None:

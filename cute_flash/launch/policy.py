@@ -135,11 +135,16 @@ def kv_stages(traits, seqlen_k: int, persistent: bool) -> int:
     return 3 if deep else 2
 
 
-def takes_tall_tiles(seqlen_k: int, masked: bool, dropout) -> bool:
+def takes_tall_tiles(seqlen_k: int, masked: bool, dropout, mods=None) -> bool:
     """d 64's 192-row tiles (`choose_hopper_traits`' long_keys) from TALL_D64_MIN_SEQLEN_K keys
     under a causal / local mask and TALL_D64_UNMASKED_MIN_SEQLEN_K without one, where they
     measured faster; never with dropout, whose calls spill in the 160 registers a thread that
-    three consumer warpgroups leave (docs/tuning/policy.md; docs/tuning/hopper-forward.md)."""
+    three consumer warpgroups leave (docs/tuning/policy.md; docs/tuning/hopper-forward.md), nor
+    with a mask_mod beside an aux tensor of a value per position (rank 2 and up, as the document
+    mask's ids; `mods` the call's UserMods): the document forward spilled there and ran at 0.43
+    of 128-row tiles (docs/tuning/mods.md, "The d 64 document forward on 128-row tiles")."""
+    if mods is not None and mods.mask_mod is not None and any(rank >= 2 for _, rank in mods.aux):
+        return False
     return dropout is None and seqlen_k >= (TALL_D64_MIN_SEQLEN_K if masked else TALL_D64_UNMASKED_MIN_SEQLEN_K)
 
 

@@ -4,6 +4,7 @@ plumbing; the API's refusals; the block-sparse Hopper kernels compile."""
 import operator
 
 import cute_flash.launch.block_sparse as bs
+from cute_flash import mods
 import cutlass.cute as cute
 import pytest
 import torch
@@ -81,11 +82,16 @@ def test_lists_are_kept_on_the_block_mask_per_tile_size():
 
 
 def test_causal_lists_at_the_blockmask_size():
-    """Causal, 384 x 384 at 128 x 128: each row's diagonal block partial, the blocks left of it full."""
+    """Causal, 384 x 384 at 128 x 128: each row's diagonal block partial, the blocks left of it
+    full, from the last down (the dense forward's order); the backward's lists by key block,
+    query blocks up."""
     block_mask = create_block_mask(lambda b, h, q, kv: q >= kv, 1, 1, 384, 384, device="cpu")
     pc, pi, fc, fi = bs.block_lists(block_mask, 1, 1, 384, 384, 128, 128)
     assert pc[0, 0].tolist() == [1, 1, 1] and [pi[0, 0, i, 0].item() for i in range(3)] == [0, 1, 2]
-    assert fc[0, 0].tolist() == [0, 1, 2] and fi[0, 0, 2, :2].tolist() == [0, 1]
+    assert fc[0, 0].tolist() == [0, 1, 2] and fi[0, 0, 2, :2].tolist() == [1, 0]
+    pc, pi, fc, fi = bs.block_lists(block_mask, 1, 1, 384, 384, 128, 128, by_key=True)
+    assert pc[0, 0].tolist() == [1, 1, 1] and fc[0, 0].tolist() == [2, 1, 0]
+    assert fi[0, 0, 0, :2].tolist() == [1, 2]
 
 
 def test_the_forwards_never_call_the_block_the_end_cuts_full():
@@ -96,7 +102,7 @@ def test_the_forwards_never_call_the_block_the_end_cuts_full():
     assert (block_mask.kv_num_blocks == 0).all()  # every BlockMask block full
     pc, pi, fc, fi = bs.block_lists(block_mask, 1, 1, 256, 320, 128, 128)
     assert pc[0, 0].tolist() == [1, 1] and pi[0, 0, :, 0].tolist() == [2, 2]
-    assert fc[0, 0].tolist() == [2, 2] and fi[0, 0, 0, :2].tolist() == [0, 1]
+    assert fc[0, 0].tolist() == [2, 2] and fi[0, 0, 0, :2].tolist() == [1, 0]
     pc, _, fc, _ = bs.block_lists(block_mask, 1, 1, 256, 320, 128, 128, by_key=True)
     assert pc[0, 0].tolist() == [0, 0, 0] and fc[0, 0].tolist() == [2, 2, 2]
 
@@ -267,3 +273,19 @@ def test_block_sparse_hopper_backwards_compile(d):
     with pytest.raises(ValueError, match="deterministic"):
         Sm90BwdConfig(config.traits, block_sparse=True, deterministic=True, mods=config.mods)
     build(config, 90)
+
+
+def test_d64_takes_128_row_tiles_beside_a_mask_reading_positions(recorder, monkeypatch):
+    """d 64 at 4096 keys under a mask takes 192-row tiles, but not with a mask_mod beside an aux
+    tensor of a value per position (the document mask's ids, rank 2: the 192-row kernel spilled
+    and ran at 0.43 of 128-row tiles); a per-batch aux (prefix LM's, rank 1) keeps them."""
+    from cute_flash.launch.dense import flash_fwd
+
+    monkeypatch.delenv("CUTE_FLASH_ARCH_PATH")
+    q = torch.randn(4, 4096, 4, 64, dtype=torch.bfloat16)
+    for spec in (mods.document_mask(torch.zeros(4, 4096, dtype=torch.int32)),
+                 mods.prefix_lm(torch.full((4,), 100, dtype=torch.int32))):
+        flash_fwd(q, q, q, softmax_scale=0.5, mods=(spec.score_mod, spec.mask_mod, spec.aux_tensors),
+                  block_mask=causal_block_mask(sq=4096, sk=4096))
+    flash_fwd(q, q, q, softmax_scale=0.5, mods=(None, causal, None), block_mask=causal_block_mask(sq=4096, sk=4096))
+    assert [x.config.traits.block_m for x in recorder.launches] == [128, 192, 192]
