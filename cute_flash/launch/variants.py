@@ -306,17 +306,16 @@ def sm90_bwd_variants(full: bool = False) -> list:
 
     full: every head-dim bucket it takes (and MLA's V head dim of its own, `VALUE_DIM_PAIRS`) x
     dtype x every score-flag combination, dense and packed (with and without seqused_k), each
-    also deterministic. Otherwise, for CI: every bucket causal
-    (bf16), at d 128 no flag, each other flag alone, all together, and fp16; packed, every bucket
-    causal and d 128 with every flag and seqused_k; deterministic at d 64 causal and d 128 with
-    every flag, dense and packed; d 192 and 256 (the head dim split) with every flag, dense and
-    packed, each also deterministic; MLA's 192 / 128 causal and with every flag, dense and packed,
-    deterministic too; every dQ path (`DQ_PATHS`, on the bucket's tiles: `tune
-    --bwd-dq`) at every bucket causal and at d 128 with every flag, packed; the converts of
-    every bucket's tiles, dense and packed, and with a padded head dim at d 128, 192 and 256;
-    the preprocess writing each bucket's padded LSE / D rows (`PreprocessConfig.hopper_rows`),
-    dense and packed, and at d 128, 192 and 256 with a padded head dim (full: every traits, all
-    four)."""
+    also deterministic. Otherwise, for CI: every bucket causal (bf16), at d 128 no flag, each
+    other flag alone, all together, and fp16; packed, every bucket causal and d 128 with every
+    flag and seqused_k; deterministic at d 64 causal and d 128 with every flag, dense and
+    packed; d 192 and 256 (the head dim split) with every flag, dense and packed, each also
+    deterministic; MLA's 192 / 128 causal and with every flag, dense and packed, deterministic
+    too; every dQ path (`DQ_PATHS`, on the bucket's tiles: `tune --bwd-dq`) at every bucket
+    causal and at d 128 with every flag, packed; the converts of every bucket's tiles, dense and
+    packed, and with a padded head dim at d 128, 192 and 256; the preprocess writing each
+    bucket's padded LSE / D rows (`PreprocessConfig.hopper_rows`), dense and packed, and at d
+    128, 192 and 256 with a padded head dim (full: every traits, all four)."""
     flags = ("has_left", "has_right", "has_alibi", "has_softcap", "has_dropout")
     if full:
         traits = [choose_hopper_bwd_traits(d, dt) for d in BWD_HEAD_DIMS for dt in DTYPES]
