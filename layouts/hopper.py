@@ -19,8 +19,8 @@ import cutlass.utils.hopper_helpers as sm90
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from layouts.traits import (DTYPES, ELEMENT_BYTES, HEAD_DIM_BUCKETS, BwdTraits, check_bucket_and_dtype, element_type,
-                            head_dim_bucket)
+from layouts.traits import (DTYPES, ELEMENT_BYTES, HEAD_DIM_BUCKETS, SMEM_LIMIT, BwdTraits, check_bucket_and_dtype,
+                            element_type, head_dim_bucket)
 
 WGMMA_M = 64  # rows of one warpgroup's wgmma
 
@@ -228,7 +228,8 @@ def acc_as_operand_a(acc):
 # on the wgmma's M), so each warpgroup's P^T and dS^T sit in its accumulators in the layout of
 # the register A operand of dV += P^T dO and dK += dS^T Q: neither goes through shared memory
 # for those GEMMs. dQ = dS K needs dS whole (every key of the block): dS^T goes to a (block_n,
-# block_m) row-major tile, read back transposed as dQ's MN-major A operand.
+# block_m) row-major tile, read back transposed as dQ's MN-major A operand. MLA's 96-key tiles
+# (`bwd_keys_on_n`) compute S and dP with the queries on M and dK^T, dV^T with the head dim on M.
 
 BWD_STAGES = 2  # dS^T (and P^T), and the Q and dO pipelines unless the traits' q_stages is 1
 BWD_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
@@ -240,27 +241,32 @@ BWD_SERVES = {32: 32, 64: 64, 96: 96, 128: 128, 160: 192, 192: 192, 224: 256, 25
 @functools.lru_cache(maxsize=None)
 def choose_hopper_bwd_traits(head_dim: int, dtype: str = "bf16", head_dim_v: int | None = None) -> BwdTraits:
     """The Hopper backward's tiles (BwdTraits; its SM80 warp grids only shape the dQ convert's
-    copies): 128 keys per CTA (64 above d 128, `bwd_splits_head_dim`); query blocks of 128 rows
-    at d 32, 64 above, the faster of the two at each (at d 64, 128 rows' S^T and dP^T tiles push
-    ptxas to serialize the wgmmas; docs/tuning/backward.md, "The Hopper backward"); d 96 on tiles of
-    its own (1.10-1.16x the d 128 tiles it took before, backward alone: "d 96 on tiles of its own");
-    the buckets 160 and 224 on the d 192 and 256 tiles (`BWD_SERVES`). A V head dim of its own
+    copies): 128 keys per CTA (64 above d 128, `bwd_splits_head_dim`; 96 for MLA's 192 / 128,
+    `bwd_keys_on_n`: 1.09-1.17x forward + backward, where d 192 with V 192 ran 1.01x at best,
+    docs/tuning/backward.md, "d 192 on 96-key tiles"); query blocks of 128 rows at d 32, 64
+    above, the faster of the two at each (at d 64, 128 rows' S^T and dP^T tiles push ptxas to
+    serialize the wgmmas; docs/tuning/backward.md, "The Hopper backward"); d 96 on tiles of its
+    own (1.10-1.16x the d 128 tiles it took before, backward alone: "d 96 on tiles of its
+    own"); the buckets 160 and 224 on the d 192 and 256 tiles (`BWD_SERVES`). Q and dO take two
+    stages where they fit beside the dQ staging tile, else one. A V head dim of its own
     (`head_dim_v`, a pair of `VALUE_DIM_PAIRS`): the tiles of head_dim, V's, dO's and dV's
     `head_dim_v` wide."""
+    dv = None
     if head_dim_v is not None and head_dim_bucket(head_dim_v) != head_dim_bucket(head_dim):
-        pair = (head_dim_bucket(head_dim), head_dim_bucket(head_dim_v))
-        if pair not in VALUE_DIM_PAIRS:
-            raise ValueError(f"the Hopper backward takes a V head dim of its own in {VALUE_DIM_PAIRS}, not {pair}")
-        return replace(choose_hopper_bwd_traits(head_dim, dtype), head_dim_v=pair[1])
+        dv = head_dim_bucket(head_dim_v)
+        if (head_dim_bucket(head_dim), dv) not in VALUE_DIM_PAIRS:
+            raise ValueError(f"the Hopper backward takes a V head dim of its own in {VALUE_DIM_PAIRS}, not "
+                             f"{(head_dim_bucket(head_dim), dv)}")
     d = BWD_SERVES.get(head_dim_bucket(head_dim))
     if d is None:
         raise ValueError(f"the Hopper backward takes head-dim buckets {tuple(BWD_SERVES)}, not "
                          f"{head_dim_bucket(head_dim)}")
     if d == 32:
-        return BwdTraits(d, 128, 128, 8, 4, 4, 4, dtype=dtype)
-    if d > 128:  # 64 keys; at d 256 Q and dO one stage each (two do not fit 227 KB beside the dQ staging tile)
-        return BwdTraits(d, 64, 64, 8, 4, 2, 2, q_stages=1 if d == 256 else 2, dtype=dtype)
-    return BwdTraits(d, 64, 128, 8, 2, 4, 4 if d in (64, 96) else 2, dtype=dtype)  # d 96: flash-attn 2's grids
+        return BwdTraits(d, 128, 128, 8, 4, 4, 4, dtype=dtype, head_dim_v=dv)
+    if d > 128:  # 64 keys; MLA's 192 / 128 96 (FA3's tiles, `bwd_keys_on_n`)
+        t = BwdTraits(d, 64, 96 if dv is not None else 64, 8, 4, 2, 2, dtype=dtype, head_dim_v=dv)
+        return t if bwd_smem_bytes(t) <= SMEM_LIMIT[90] else replace(t, q_stages=1)
+    return BwdTraits(d, 64, 128, 8, 2, 4, 4 if d in (64, 96) else 2, dtype=dtype, head_dim_v=dv)  # d 96: FA2's grids
 
 
 def shipped_hopper_bwd_traits() -> list[BwdTraits]:
@@ -270,10 +276,26 @@ def shipped_hopper_bwd_traits() -> list[BwdTraits]:
 
 def bwd_splits_head_dim(traits) -> bool:
     """Above d 128 one warpgroup cannot hold dK and dV of 64 keys (2 x 64 x d fp32 over 128
-    threads: 256 registers at d 256), so a CTA owns 64 keys and its two warpgroups split every
-    GEMM along N: S^T and dP^T by queries, dK, dV and dQ by head-dim columns. P^T and dS^T go
-    through shared memory, where dV and dK read them whole as their A operands."""
+    threads: 256 registers at d 256), so two warpgroups share a CTA's keys: 64 keys, every GEMM
+    split along N (S^T and dP^T by queries, dK, dV and dQ by head-dim columns), or 96 keys
+    (`bwd_keys_on_n`). P^T and dS^T go through shared memory, where dV and dK read them as
+    operands."""
     return traits.head_dim > 128
+
+
+def bwd_keys_on_n(traits) -> bool:
+    """96 keys a CTA (MLA's 192 / 128, FA3's tiles), not a multiple of a warpgroup's 64 rows: S
+    and dP with queries on wgmma's M and the keys on N, 48 a warpgroup; dK^T and dV^T with the
+    head dim on M and the warpgroup's 48 keys on N (P^T and dS^T from shared memory as B
+    operands); dQ split by head-dim columns as on the 64-key tiles."""
+    return traits.block_n % WGMMA_M != 0
+
+
+def bwd_ds_stages(traits) -> int:
+    """Stages of dS^T (and P^T): one on the 96-key tiles (two do not fit beside two Q / dO
+    stages and the dQ staging tile; a named barrier orders a stage's reuse), else
+    `BWD_STAGES`."""
+    return 1 if bwd_keys_on_n(traits) else BWD_STAGES
 
 
 def bwd_atom_cols(traits, cols: int | None = None) -> int:
@@ -299,13 +321,13 @@ def bwd_smem_layout(traits, rows: int, stages: int | None = None, cols: int | No
 
 
 def bwd_smem_bytes(traits, staging: bool = True) -> int:
-    """The backward's shared memory: Q and dO (q_stages each), K, V, dS^T (`BWD_STAGES`; P^T too
-    above d 128), the fp32 dQ staging tile unless dQ goes out by atomics (`staging`), LSE and D
-    (q_stages each) and the mbarriers."""
+    """The backward's shared memory: Q and dO (q_stages each), K, V, dS^T (`bwd_ds_stages`; P^T
+    too above d 128), the fp32 dQ staging tile unless dQ goes out by atomics (`staging`), LSE
+    and D (q_stages each) and the mbarriers."""
     t = traits
     staged = 2 if bwd_splits_head_dim(t) else 1  # dS^T, and P^T
     tiles = ELEMENT_BYTES * ((t.q_stages * t.block_m + t.block_n) * (t.head_dim + t.dv)
-                             + staged * BWD_STAGES * t.block_n * t.block_m)
+                             + staged * bwd_ds_stages(t) * t.block_n * t.block_m)
     dq = 4 * t.block_m * t.head_dim if staging else 0
     return tiles + dq + 4 * 2 * t.q_stages * t.block_m + 8 * (1 + 4 * t.q_stages)
 
@@ -324,21 +346,39 @@ def smem_layout_ds(traits, stages: int):
 
 def tiled_mma_sdp_t(traits):
     """S^T = K Q^T and dP^T = V dO^T: (block_n, block_m) tiles, both operands K-major (the head
-    dim contiguous), a warpgroup per 64 keys."""
+    dim contiguous), a warpgroup per 64 keys. On the 96-key tiles (`bwd_keys_on_n`) S = Q K^T
+    and dP = dO V^T instead: (block_m, block_n), the warpgroups taking half the keys each."""
     dtype = element_type(traits)
     atoms, tiler = (bwd_warpgroups(traits), 1, 1), (WGMMA_M, traits.block_m)
-    if bwd_splits_head_dim(traits):  # the warpgroups take half the queries each
+    if bwd_keys_on_n(traits):
+        atoms, tiler = (1, 2, 1), (WGMMA_M, traits.block_n // 2)
+    elif bwd_splits_head_dim(traits):  # the warpgroups take half the queries each
         atoms, tiler = (1, 2, 1), (WGMMA_M, traits.block_m // 2)
     return sm90.make_trivial_tiled_mma(dtype, dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
                                        cutlass.Float32, atoms, tiler)
 
 
+def bwd_scores_shape(traits) -> tuple:
+    """The (M, N) tile of `tiled_mma_sdp_t`: (block_n, block_m) keys by queries, or on the
+    96-key tiles (block_m, block_n)."""
+    if bwd_keys_on_n(traits):
+        return traits.block_m, traits.block_n
+    return traits.block_n, traits.block_m
+
+
 def tiled_mma_dkv(traits, cols: int | None = None):
     """dV += P^T dO and dK += dS^T Q: (block_n, cols), cols the head dim unless given (dV's are
     `dv`); A from registers (the converted S^T / dP^T accumulators; above d 128 from their
-    shared-memory tiles), B = dO^T / Q^T read MN-major from their row-major tiles."""
+    shared-memory tiles), B = dO^T / Q^T read MN-major from their row-major tiles. On the
+    96-key tiles (`bwd_keys_on_n`) transposed: dV^T += dO^T P and dK^T += Q^T dS, (cols,
+    block_n), A = dO^T / Q^T MN-major, B = P / dS from the P^T / dS^T tiles (K-major), each
+    warpgroup its own 48 keys."""
     dtype = element_type(traits)
     cols = cols or traits.head_dim
+    if bwd_keys_on_n(traits):
+        return sm90.make_trivial_tiled_mma(dtype, dtype, cute.nvgpu.OperandMajorMode.MN,
+                                           cute.nvgpu.OperandMajorMode.K, cutlass.Float32, (1, 2, 1),
+                                           (WGMMA_M, traits.block_n // 2))
     if bwd_splits_head_dim(traits):  # A = P^T / dS^T whole from shared memory, half the columns each
         return sm90.make_trivial_tiled_mma(dtype, dtype, cute.nvgpu.OperandMajorMode.K,
                                            cute.nvgpu.OperandMajorMode.MN, cutlass.Float32, (1, 2, 1),
@@ -346,6 +386,13 @@ def tiled_mma_dkv(traits, cols: int | None = None):
     return sm90.make_trivial_tiled_mma(dtype, dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
                                        cutlass.Float32, (bwd_warpgroups(traits), 1, 1), (WGMMA_M, cols),
                                        a_source=warpgroup.OperandSource.RMEM)
+
+
+def bwd_dkv_shape(traits, cols: int | None = None) -> tuple:
+    """The (M, N) tile of `tiled_mma_dkv(traits, cols)`: (block_n, cols), or (cols, block_n)
+    on the 96-key tiles."""
+    cols = cols or traits.head_dim
+    return (cols, traits.block_n) if bwd_keys_on_n(traits) else (traits.block_n, cols)
 
 
 def tiled_mma_dq(traits):

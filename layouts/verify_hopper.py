@@ -105,13 +105,13 @@ def o_staging_checks(traits: HopperTileTraits) -> dict:
 
 def staging_checks(traits, tile_rows: int, warpgroups: int, head_dim: int | None = None, bwd: bool = False) -> dict:
     """`o_staging_checks` for a (tile_rows, head_dim) tile (default the traits' head dim)
-    written by `warpgroups` warpgroups of 64 rows each (O in the forward, `hopper.smem_layout`;
-    dK and dV in sK / sV in the backward, `bwd`: `hopper.bwd_smem_layout`, its atom picked for
-    `bwd_atom_cols`)."""
+    stored by `warpgroups` boxes of tile_rows / warpgroups rows each (O in the forward,
+    `hopper.smem_layout`; dK and dV in sK / sV in the backward, `bwd`: `hopper.bwd_smem_layout`,
+    its atom picked for `bwd_atom_cols`)."""
     head_dim = head_dim or traits.head_dim
 
     def run():
-        rows = hopper.WGMMA_M
+        rows = tile_rows // warpgroups
         if bwd:
             atom = hopper.swizzle_atom(traits, hopper.bwd_atom_cols(traits, head_dim))
             tile = HostLayout.of(hopper.bwd_smem_layout(traits, tile_rows, cols=head_dim))
@@ -150,19 +150,19 @@ def o_copy_checks(traits: HopperTileTraits, coord=None) -> dict:
 
 def bwd_checks(traits: BwdTraits) -> dict:
     """The Hopper backward's recipes (layouts/hopper.py, kernels/sm90/bwd.py) for one tile:
-    - Q / dO (q_stages), K / V and dS^T (two stages) are bijections, stages 1024-byte aligned
-      (dO and V at V's head dim `dv`);
+    - Q / dO (q_stages), K / V and dS^T (`bwd_ds_stages`) are bijections, stages 1024-byte
+      aligned (dO and V at V's head dim `dv`);
     - the S^T and dP^T accumulators, re-viewed by `acc_as_operand_a`, are the register A
       operands of dV += P^T dO and dK += dS^T Q, thread by thread (up to d 128; above it
       P^T and dS^T reach those GEMMs through shared memory, `bwd_splits_head_dim`);
     - the C partitions cover S^T (block_n, block_m), dK (block_n, d), dV (block_n, dv) and dQ
-      (block_m, d) exactly once;
+      (block_m, d) exactly once (on the 96-key tiles S, dK^T and dV^T, `bwd_keys_on_n`);
     - dQ's warpgroup runs: `chunk_index` (group 128, 16-byte vectors), where DQConvert reads
       each value, puts every thread's values at distinct places of the block_m x d chunk,
       filling it, and `run_layout` from each thread's first value, what add_dq stores through,
       agrees with it;
     - each warpgroup's TMA store boxes of dK / dV read its own 64 rows of the (block_n, d) and
-      (block_n, dv) tiles (above d 128 one warpgroup stores each whole 64-row tile)."""
+      (block_n, dv) tiles (above d 128 one warpgroup stores each whole tile)."""
 
     bm, bn, d, dv = traits.block_m, traits.block_n, traits.head_dim, traits.dv
     split = hopper.bwd_splits_head_dim(traits)
@@ -173,7 +173,7 @@ def bwd_checks(traits: BwdTraits) -> dict:
                              ("sdO", hopper.bwd_smem_layout(traits, bm, traits.q_stages, dv)),
                              ("sK", hopper.bwd_smem_layout(traits, bn)),
                              ("sV", hopper.bwd_smem_layout(traits, bn, cols=dv)),
-                             ("sdS", hopper.smem_layout_ds(traits, hopper.BWD_STAGES))):
+                             ("sdS", hopper.smem_layout_ds(traits, hopper.bwd_ds_stages(traits)))):
             host = HostLayout.of(layout)
             out[name] = is_bijection(host(np.arange(host.size)))
             if cute.rank(layout.shape) == 3:
@@ -184,8 +184,9 @@ def bwd_checks(traits: BwdTraits) -> dict:
         if not split:
             out["operand_a"] = (operand_a_check(sdp, dkv, (bn, bm))["ok"]
                                 and operand_a_check(sdp, dv_mma, (bn, bm))["ok"])
-        for name, mma, tile in (("S^T", sdp, (bn, bm)), ("dK", dkv, (bn, d)), ("dV", dv_mma, (bn, dv)),
-                                ("dQ", dq, (bm, d))):
+        for name, mma, tile in (("S^T", sdp, hopper.bwd_scores_shape(traits)),
+                                ("dK", dkv, hopper.bwd_dkv_shape(traits)),
+                                ("dV", dv_mma, hopper.bwd_dkv_shape(traits, dv)), ("dQ", dq, (bm, d))):
             out[f"cover_{name}"] = covers_once(mma, tile)
         per_thread = bm * d // dq.size
         where = np.array([[dq_order.chunk_index(i, t, per_thread, dq_order.HOPPER_VEC, 128) for i in range(per_thread)]

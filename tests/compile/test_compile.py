@@ -19,6 +19,7 @@ from cute_flash.launch.variants import (BWD_FLAGS, append_variants, bwd_variants
                                        sm90_bwd_variants)
 from cute_flash.tools.canaries import compile_canary
 from cute_flash.tools.sanitize import OUR_KERNELS
+from layouts import hopper
 from layouts.traits import SMEM_LIMIT, shipped_fwd_traits
 from tests.helpers.roundtrip import OPERANDS, TileRoundTrip
 
@@ -298,15 +299,16 @@ def test_hopper_forward_wgmma_not_serialized(config, tmp_path):
 
 @pytest.mark.parametrize("config", sm90_bwd_variants(), ids=lambda c: c.name)
 def test_hopper_backward_compiles_to_wgmma(config, tmp_path):
-    """The Hopper backward (the sm_90 default for dense backwards at d 32 / 64 / 128) and its dQ
-    convert build for sm_90a and fit in shared memory. The main kernel's five GEMMs are wgmma,
-    one per 16-wide k step: S^T over the head dim and dP^T over V's (`dv`), dV and dK over the
-    query block, dQ over the block's keys. With dropout each Philox call's four words are decided by four bf16x2
-    compares to masks (`Dropout.pair_keep_bits`). Deterministic variants order dQ's adds with an
-    acquire load and a release add (`DqTurn`), the others have neither; those that hand dQ to
-    writer warps (deterministic, `dq_path` "writer") meet them at 160-thread barriers (a
-    warpgroup and its writer warp), the others have none; the "atomic" dQ path adds with vector
-    atomics and no bulk reduce, the others the reverse."""
+    """The Hopper backward (the sm_90 default backward) and its dQ convert build for sm_90a and
+    fit in shared memory. The main kernel's five GEMMs are wgmma, one per 16-wide k step: S^T
+    over the head dim and dP^T over V's (`dv`), dV and dK over the query block (on the 96-key
+    tiles dV^T and dK^T, one per 64 head-dim rows too), dQ over the block's keys. With dropout
+    each Philox call's four words are decided by four bf16x2 compares (to masks,
+    `Dropout.pair_keep_bits`; on the 96-key tiles to predicates, `keep_pair`). Deterministic
+    variants order dQ's adds with an acquire load and a release add (`DqTurn`), the others have
+    neither; those that hand dQ to writer warps (deterministic, `dq_path` "writer") meet them at
+    160-thread barriers (a warpgroup and its writer warp), the others have none; the "atomic" dQ
+    path adds with vector atomics and no bulk reduce, the others the reverse."""
     from cute_flash.kernels.sm90.bwd import Sm90BwdConfig
 
     assert config.smem_bytes <= SMEM_LIMIT[90]
@@ -316,8 +318,11 @@ def test_hopper_backward_compiles_to_wgmma(config, tmp_path):
         t = config.traits
         (ptx,) = tmp_path.glob("*.ptx")
         text = ptx.read_text()
-        assert text.count("wgmma.mma_async") == (t.head_dim + t.dv) // 16 + 2 * t.block_m // 16 + t.block_n // 16
-        compares = text.count("set.lt.u32.bf16x2")
+        dkv = 2 * t.block_m // 16  # dV and dK: a k step each 16 queries
+        if hopper.bwd_keys_on_n(t):  # dV^T and dK^T: a k step each 16 queries each 64 head-dim rows
+            dkv = (t.head_dim + t.dv) // hopper.WGMMA_M * t.block_m // 16
+        assert text.count("wgmma.mma_async") == (t.head_dim + t.dv) // 16 + dkv + t.block_n // 16
+        compares = text.count("set.lt.u32.bf16x2") + text.count("setp.lt.bf16x2")  # `keep_halves`, `keep_pair`
         assert (compares > 0) == config.has_dropout and compares % 4 == 0
         # deterministic: each warpgroup's first thread spins on its tile's count, then counts its adds
         assert ("ld.acquire.gpu.global" in text) == ("atom.global.release.add" in text) == config.deterministic

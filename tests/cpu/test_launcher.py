@@ -328,6 +328,32 @@ def test_the_hopper_backward_takes_mla_values_as_they_are(recorder, monkeypatch)
     assert dense[2].shape == v.shape
 
 
+def test_mla_backward_takes_96_key_blocks(recorder, monkeypatch):
+    """MLA's 192 / 128 on FA3's 96-key tiles (`bwd_keys_on_n`), dense and packed, two Q / dO
+    stages beside the dQ staging tile: a grid of 96-key blocks, the packed launch order's
+    (sequence, key block) entries at 96 keys; d 192 with V 192 (and the bucket 160) keeps the
+    64-key tiles."""
+    from cute_flash.kernels.sm90.bwd import Sm90BwdConfig
+    from cute_flash.launch.backward import flash_bwd, flash_bwd_varlen
+
+    monkeypatch.delenv("CUTE_FLASH_ARCH_PATH", raising=False)
+    q, k = torch.randn(1, 300, 4, 192, dtype=torch.bfloat16), torch.randn(1, 300, 2, 192, dtype=torch.bfloat16)
+    v = torch.randn(1, 300, 2, 128, dtype=torch.bfloat16)
+    out, dout = (torch.randn(1, 300, 4, 128, dtype=torch.bfloat16) for _ in range(2))
+    cu = torch.tensor([0, 100, 300], dtype=torch.int32)
+    flash_bwd(dout, q, k, v, out, torch.randn(1, 4, 300), softmax_scale=0.5, causal=True)
+    flash_bwd_varlen(dout[0], q[0], k[0], v[0], out[0], torch.randn(4, 300), cu_seqlens_q=cu, cu_seqlens_k=cu,
+                     max_seqlen_q=200, max_seqlen_k=200, softmax_scale=0.5)
+    for d in (192, 160):
+        x = torch.randn(1, 300, 4, d, dtype=torch.bfloat16)
+        flash_bwd(x, x, x, x, x, torch.randn(1, 4, 300), softmax_scale=0.5)
+    dense, packed, *plain = [x.config for x in recorder.launches if isinstance(x.config, Sm90BwdConfig)]
+    assert all((c.traits.block_n, c.traits.q_stages, c.dq_path) == (96, 2, "bulk") for c in (dense, packed))
+    assert [c.traits.block_n for c in plain] == [64, 64]
+    entries = {tuple(e) for e in recorder.launches[4]["mTiles"].tolist()}  # (sequence, key block)
+    assert {(0, 0), (0, 1), (1, 0), (1, 2)} <= entries and (1, 3) not in entries and (0, 2) not in entries
+
+
 @pytest.mark.parametrize("d, sk, opts, block_m, persistent, speculative", [
     (64, 511, dict(causal=True), 128, True, False),    # masked: speculative maxima from 512 keys at d 64
     (64, 512, dict(causal=True), 128, True, True),

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cute_flash.launch.variants import sm90_traits_stages
-from layouts import copy, smem, verify, verify_bwd
+from layouts import copy, hopper, smem, verify, verify_bwd
 from layouts.hopper import (HopperTileTraits, choose_hopper_cache_traits, choose_hopper_traits,
                             shipped_hopper_bwd_traits, shipped_hopper_cache_traits, shipped_hopper_traits)
 from layouts.traits import (DTYPES, ELEMENT_BYTES, HEAD_DIM_BUCKETS, SMEM_LIMIT, FwdTraits, choose_bwd_traits,
@@ -420,7 +420,6 @@ def test_hopper_report_covers_every_shipped_traits():
 def test_hopper_p_operand_check_catches_a_wrong_view(monkeypatch):
     """The P->A check is not vacuous: swapping two register groups of the view fails it for
     every thread."""
-    from layouts import hopper
     from layouts.verify_hopper import p_operand_checks
 
     monkeypatch.setattr(hopper, "acc_as_operand_a", _swapped_operand_view)
@@ -461,7 +460,6 @@ def test_hopper_o_copy_check_catches_row_stepping(head_dim):
     """The O copy check is not vacuous: the first version of the packed O copy stepped rows by
     128 // (d / 8) threads, which leaves rows out wherever d / 8 does not divide 128 (what the
     H200 run of 2026-12-01 failed on at d 96)."""
-    from layouts import hopper
     from layouts.verify_hopper import o_copy_checks
 
     def row_stepping(thread, step, d):
@@ -476,7 +474,6 @@ def test_hopper_o_copy_check_catches_row_stepping(head_dim):
 def test_hopper_o_staging_check_catches_a_tile_in_another_order(monkeypatch):
     """The O staging check is not vacuous: a (block_m, d) tile whose swizzle atoms run along the
     head dim first puts a warpgroup's 64 rows in no box-shaped region."""
-    from layouts import hopper
     from layouts.verify_hopper import o_staging_checks
 
     def head_dim_first(traits, rows, cols=None):
@@ -513,7 +510,6 @@ def test_dropout_words_sm80_forward(traits):
 
 @pytest.mark.parametrize("traits", shipped_hopper_traits()[::2], ids=lambda t: t.name)
 def test_dropout_words_hopper(traits):
-    from layouts import hopper
     from layouts.verify import in_arch_trace
     from layouts.verify_dropout import word_groups
 
@@ -537,13 +533,27 @@ def test_dropout_word_check_catches_the_backward_s_tile():
     assert result["bad_threads"] == result["threads"]
 
 
-@pytest.mark.parametrize("traits", shipped_hopper_bwd_traits(), ids=lambda t: t.name)
+@pytest.mark.parametrize("traits", [t for t in shipped_hopper_bwd_traits() if hopper.bwd_keys_on_n(t)],
+                         ids=lambda t: t.name)
+def test_dropout_words_hopper_backward_on_96_keys(traits):
+    """The 96-key tiles' S (queries on M, `dropout_ds_qk`): the forward's groups, one Philox
+    call per 8 values at static steps of 16 rows and columns from each thread's first value,
+    each warpgroup's 48 keys included."""
+    from layouts.verify import in_arch_trace
+    from layouts.verify_dropout import word_groups
+
+    tile = hopper.bwd_scores_shape(traits)  # (block_m, block_n): queries on M
+    result = in_arch_trace("sm_90a", lambda: word_groups(hopper.tiled_mma_sdp_t(traits), tile, wgmma=True))
+    assert result["ok"], result
+
+
+@pytest.mark.parametrize("traits", [t for t in shipped_hopper_bwd_traits() if not hopper.bwd_keys_on_n(t)],
+                         ids=lambda t: t.name)
 def test_dropout_pair_exchange_hopper_backward(traits):
     """The Hopper backward's S^T tile: lanes t and t ^ 4 share every Philox counter they touch,
     each holding 4 values at one half of the same 4 words, where `Dropout.pair_keep_bits` puts
     them (one Philox call per 8 values, as the forward, and one shuffle of keep bits); with lane
     t ^ 1 (the other columns) the pairing fails for every thread."""
-    from layouts import hopper
     from layouts.verify import in_arch_trace
     from layouts.verify_dropout import pair_exchange
 

@@ -1,9 +1,9 @@
 """The Hopper backward above d 128 (kernels/sm90/bwd.py, `layouts.hopper.bwd_splits_head_dim`:
 64 keys a CTA, the two consumer warpgroups splitting the head dim, P^T and dS^T through shared
 memory, Q and dO one stage at d 256; the bucket 160 on the d 192 tiles, 224 on the d 256 ones;
-MLA's q / k 192 with v 128 on the d 192 tiles at V's own width) against `cute_flash.reference`
-by the backward's rule (tests/helpers/backward.py). Each test also checks that every backward
-it ran took the Hopper kernel."""
+MLA's q / k 192 with v 128 at V's own width on 96-key tiles, as in test_bwd_sm90_keys96_gpu.py)
+against `cute_flash.reference` by the backward's rule (tests/helpers/backward.py). Each test
+also checks that every backward it ran took the Hopper kernel."""
 import pytest
 import torch
 from hypothesis import given
@@ -106,8 +106,8 @@ MLA_MOD_IDS = ["causal", "none", "window-softcap", "causal-alibi"]
 
 @pytest.mark.parametrize("opts", MLA_MODS, ids=MLA_MOD_IDS)
 def test_mla_backward_with_score_modifiers(mla_values, opts):
-    """MLA's q / k 192 with v 128 (`BwdTraits.head_dim_v`: V, dO and dV 128 wide, two
-    warpgroups splitting dV's 128 columns and dK's 192), GQA 6:2, odd lengths, each modifier."""
+    """MLA's q / k 192 with v 128 (`BwdTraits.head_dim_v`: V, dO and dV 128 wide; dV^T 128
+    rows and dK^T 192 on the 96-key tiles), GQA 6:2, odd lengths, each modifier."""
     q, k, v, dout = inputs(2, 333, 517, 6, 2, 192, d_v=128)
     opts = dict(opts)
     if opts.pop("alibi", False):

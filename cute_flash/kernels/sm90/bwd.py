@@ -4,7 +4,7 @@ here). Device code only; its state dataclasses are in bwd_state.py, its dQ adds 
 bwd_dq.py, its dK / dV epilogue (`BwdEpilogue`) in bwd_epilogue.py.
 
 One CTA owns block_n = 128 keys of one (batch, head); consumer warpgroup w owns keys
-64 w .. 64 w + 63 of them (above d 128, below, 64 keys shared by both). The producer loads K
+64 w .. 64 w + 63 of them (above d 128, below, 64 or 96 keys shared by both). The producer loads K
 and V once, then Q (with LSE) and dO (with D) of each query block that sees a key of the
 block into two-stage pipelines. Per query block, each consumer warpgroup:
 
@@ -31,17 +31,25 @@ dQaccum holds each query tile in warpgroup-run order (kernels/common/dq_accum.py
 host sums a group's heads, as on the SM80 path.
 
 Above d 128 (`layouts.hopper.bwd_splits_head_dim`) one warpgroup's dK and dV of 64 keys would
-take 256 registers a thread (d 256), so a CTA owns 64 keys and its two warpgroups split each
-GEMM along N: S^T and dP^T by queries (64 keys x block_m / 2 each), dV, dK and dQ by head-dim
-columns (d / 2 each). P^T and dS^T go to shared memory (two stages each), where dV += P^T dO
-and dK += dS^T Q read them whole as A operands after the warpgroups meet; warpgroup 0 stores
-dK, warpgroup 1 dV. Q and dO take one stage at d 256 (`BwdTraits.q_stages`: two do not fit
-beside the dQ staging tile). The tiles of d 192 take 32-column swizzle atoms
-(`layouts.hopper.bwd_atom_cols`), so that each warpgroup's 96 columns start on one (d 96's
-16-column ones, for each warpgroup's 48 columns of dQ); the
-buckets 160 and 224 run on the d 192 and d 256 tiles. MLA's q / k 192 with v 128
-(`BwdTraits.head_dim_v`): V, dO and dV are 128 wide (dP^T over 128 columns, dV's warpgroups 64
-columns each), Q, K, dK and dQ 192.
+take 256 registers a thread (d 256), so the two warpgroups share a CTA's keys. A CTA owns 64
+keys and its warpgroups split each GEMM along N: S^T and dP^T by queries (64 keys x
+block_m / 2 each), dV, dK and dQ by head-dim columns (d / 2 each). P^T and dS^T go to shared
+memory (two stages each), where dV += P^T dO and dK += dS^T Q read them whole as A operands
+after the warpgroups meet; warpgroup 0 stores dK, warpgroup 1 dV. Q and dO take one stage
+at d 256 (`BwdTraits.q_stages`: two do not fit beside the dQ staging tile).
+
+MLA's q / k 192 with v 128 takes 96 keys a CTA (FA3's tiles, `layouts.hopper.bwd_keys_on_n`),
+not a multiple of a warpgroup's 64 rows, so S = Q K^T and dP = dO V^T put the queries on
+wgmma's M and each warpgroup's 48 keys on N; P and dS go into the P^T / dS^T tiles (one
+stage: a `DS_FREE` barrier holds the next block's stores until both warpgroups' dQ has read
+them), where dV^T += dO^T P and dK^T += Q^T dS, the head dim on M, read the warpgroup's own 48
+keys as B operands, and dQ reads dS whole; the epilogue writes the transposed accumulators into
+sK / sV through transposed views. Dropout draws its keep mask on S as the forward does
+(`dropout_ds_qk`). V, dO and dV are 128 wide there (`BwdTraits.head_dim_v`: dP over 128
+columns, dV^T 128 rows), Q, K, dK and dQ 192. The tiles of d 192 take 32-column swizzle atoms
+(`layouts.hopper.bwd_atom_cols`), so that each warpgroup's 96 columns of dK, dV or dQ start on
+one (d 96's 16-column ones, for each warpgroup's 48 columns of dQ); the buckets 160 and 224 run
+on the d 192 and d 256 tiles.
 
 Packed batches (`call_varlen`): a CTA per (key block, head) of a list of the batch's key blocks
 in launch order (`VarlenTiles`: the host puts those with the most query blocks first); an entry
@@ -75,7 +83,7 @@ from cute_flash.kernels.common.dq_accum import fake_dq_accum, first_tile
 from cute_flash.kernels.common.fake import fake_stream, fake_tensor
 from cute_flash.kernels.common.flags import score_letters
 from cute_flash.kernels.common.gemm import wgmma_issue
-from cute_flash.kernels.common.philox import Dropout, keep_bit
+from cute_flash.kernels.common.philox import Dropout, keep_bit, wgmma_groups
 from cute_flash.kernels.common.score_mods import BwdScalars, Mask, apply_alibi, softcap_with_derivative
 from cute_flash.kernels.common.seq_info import SeqInfo
 from cute_flash.kernels.common.user_mods import ModCall, check_mods
@@ -92,7 +100,6 @@ from layouts import smem as lsmem
 from layouts.traits import ALIGN, COPY_BYTES, ELEMENT_BYTES, SMEM_LIMIT, BwdTraits, element_type
 
 REGISTERS = (24, 240)  # (producer, consumer) per thread: 128 x 24 + 256 x 240 <= 64K
-STAGES = hopper.BWD_STAGES  # dS^T (and P^T); Q and dO take the traits' q_stages
 
 
 # the default mode's dQ adds -> the name's letters: "bulk", each consumer warpgroup stages its run
@@ -123,10 +130,10 @@ class Sm90BwdConfig:
                                  # evaluated on the partial ones (kernels/common/block_sparse.py)
 
     def __post_init__(self):
-        keys = 64 if hopper.bwd_splits_head_dim(self.traits) else 128
-        if self.traits.block_n != keys or self.traits.block_m % 64:
-            raise ValueError("the Hopper backward takes 128 keys per CTA (64 above d 128) and query blocks of 64 "
-                             "rows or more")
+        keys = (64, 96) if hopper.bwd_splits_head_dim(self.traits) else (128,)
+        if self.traits.block_n not in keys or self.traits.block_m % 64:
+            raise ValueError("the Hopper backward takes 128 keys per CTA (64 or 96 above d 128) and query blocks of "
+                             "64 rows or more")
         if self.has_seqused_k and not self.varlen:
             raise ValueError("has_seqused_k belongs to packed batches (varlen)")
         check_mods(self.mods, False, self.has_softcap, self.has_alibi, backward=True)
@@ -192,6 +199,8 @@ class FlashBwdSm90(DqAdds, BwdEpilogue):
         self.wgs = hopper.bwd_warpgroups(config.traits)
         self.split = hopper.bwd_splits_head_dim(config.traits)
         self.q_stages = config.traits.q_stages  # Q / dO / LSE / D stages
+        self.keys_on_n = hopper.bwd_keys_on_n(config.traits)
+        self.ds_stages = hopper.bwd_ds_stages(config.traits)  # dS^T (and P^T)
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
@@ -240,16 +249,16 @@ class FlashBwdSm90(DqAdds, BwdEpilogue):
         sdO_layout = hopper.bwd_smem_layout(t, bm, self.q_stages, dv)
         sK_layout = hopper.bwd_smem_layout(t, bn)
         sV_layout = hopper.bwd_smem_layout(t, bn, cols=dv)
-        sdS_layout = hopper.smem_layout_ds(t, STAGES)
+        sdS_layout = hopper.smem_layout_ds(t, self.ds_stages)
         tma_q, tma_mQ = hopper.tma_load_atom(t, seq_first(mQ), cute.slice_(sQ_layout, (None, None, 0)), bm)
         tma_do, tma_mdO = hopper.tma_load_atom(t, seq_first(mdO), cute.slice_(sdO_layout, (None, None, 0)), bm,
                                                cols=dv)
         tma_k, tma_mK = hopper.tma_load_atom(t, seq_first(mK), sK_layout, bn)
         tma_v, tma_mV = hopper.tma_load_atom(t, seq_first(mV), sV_layout, bn, cols=dv)
-        tma_dk, tma_mdK = hopper.tma_store_atom(t, seq_first(mdK), hopper.bwd_smem_layout(t, hopper.WGMMA_M),
-                                                hopper.WGMMA_M)
-        tma_dv, tma_mdV = hopper.tma_store_atom(t, seq_first(mdV), hopper.bwd_smem_layout(t, hopper.WGMMA_M, cols=dv),
-                                                hopper.WGMMA_M, cols=dv)
+        rows = bn if self.split else hopper.WGMMA_M  # what one TMA store of dK / dV covers
+        tma_dk, tma_mdK = hopper.tma_store_atom(t, seq_first(mdK), hopper.bwd_smem_layout(t, rows), rows)
+        tma_dv, tma_mdV = hopper.tma_store_atom(t, seq_first(mdV), hopper.bwd_smem_layout(t, rows, cols=dv), rows,
+                                                cols=dv)
 
         stat = (cutlass.Float32, bm * self.q_stages, 128)
         fields = {
@@ -413,8 +422,8 @@ class FlashBwdSm90(DqAdds, BwdEpilogue):
     @cute.jit
     def consume(self, args: Sm90BwdTensors, scalars: BwdScalars, recipe: Sm90BwdRecipe, pipes: Sm90BwdPipes,
                 smem: Sm90BwdSmem, tile: KeyTile, window: Window, mma_tidx):
-        """A consumer warpgroup: dK and dV of its 64 keys, and its share of each query block's
-        dQ (mma_tidx: the thread's index among the consumers)."""
+        """A consumer warpgroup: dK and dV of its keys (64; 48 on the 96-key tiles), and its share
+        of each query block's dQ (mma_tidx: the thread's index among the consumers)."""
         cfg, t = self.config, self.t
         bm, bn, d, dv = t.block_m, t.block_n, t.head_dim, t.dv
         wg_idx = mma_tidx // 128
@@ -423,22 +432,36 @@ class FlashBwdSm90(DqAdds, BwdEpilogue):
         wg_dkv = recipe.mma_dkv.get_slice(wg(wg_idx))
         wg_dv = recipe.mma_dv.get_slice(wg(wg_idx))
         wg_dq = recipe.mma_dq.get_slice(wg(wg_idx))
-        tSrK = recipe.mma_sdp.make_fragment_A(wg_sdp.partition_A(smem.sK))     # (MMA, MMA_M, MMA_K)
-        tSrQ = recipe.mma_sdp.make_fragment_B(wg_sdp.partition_B(smem.sQ))     # (MMA, MMA_N, MMA_K, stages)
-        tdPrV = recipe.mma_sdp.make_fragment_A(wg_sdp.partition_A(smem.sV))    # (MMA, MMA_M, MMA_K)
-        tdPrdO = recipe.mma_sdp.make_fragment_B(wg_sdp.partition_B(smem.sdO))  # (MMA, MMA_N, MMA_K, stages)
-        tdVrdO = recipe.mma_dv.make_fragment_B(wg_dv.partition_B(lsmem.transposed_view(smem.sdO)))    # (.., stages)
-        tdKrQ = recipe.mma_dkv.make_fragment_B(wg_dkv.partition_B(lsmem.transposed_view(smem.sQ)))    # (.., stages)
-        tdQrdS = recipe.mma_dq.make_fragment_A(wg_dq.partition_A(lsmem.transposed_view(smem.sdS)))    # (.., stages)
-        tdQrK = recipe.mma_dq.make_fragment_B(wg_dq.partition_B(lsmem.transposed_view(smem.sK)))      # (MMA, N, K)
-        tdVsP = tdKsdS = None  # above d 128: dV's and dK's A operands, P^T and dS^T whole from shared memory
-        if cutlass.const_expr(self.split):
-            tdVsP = recipe.mma_dv.make_fragment_A(wg_dv.partition_A(smem.sP))      # (MMA, MMA_M, MMA_K, stages)
-            tdKsdS = recipe.mma_dkv.make_fragment_A(wg_dkv.partition_A(smem.sdS))  # (MMA, MMA_M, MMA_K, stages)
-        acc_s = cute.make_rmem_tensor(wg_sdp.partition_shape_C((bn, bm)), cutlass.Float32)  # (MMA, MMA_M, MMA_N)
-        acc_dp = cute.make_rmem_tensor(wg_sdp.partition_shape_C((bn, bm)), cutlass.Float32)
-        acc_dk = cute.make_rmem_tensor(wg_dkv.partition_shape_C((bn, d)), cutlass.Float32)  # (MMA, MMA_M, MMA_N)
-        acc_dv = cute.make_rmem_tensor(wg_dv.partition_shape_C((bn, dv)), cutlass.Float32)
+        tdVsP = tdKsdS = None  # above d 128: P^T and dS^T from shared memory (dV's, dK's A; B on 96 keys)
+        if cutlass.const_expr(self.keys_on_n):  # S = Q K^T, dP = dO V^T; dV^T += dO^T P, dK^T += Q^T dS
+            tSrQ = recipe.mma_sdp.make_fragment_A(wg_sdp.partition_A(smem.sQ))     # (MMA, MMA_M, MMA_K, stages)
+            tSrK = recipe.mma_sdp.make_fragment_B(wg_sdp.partition_B(smem.sK))     # (MMA, MMA_N, MMA_K)
+            tdPrdO = recipe.mma_sdp.make_fragment_A(wg_sdp.partition_A(smem.sdO))  # (MMA, MMA_M, MMA_K, stages)
+            tdPrV = recipe.mma_sdp.make_fragment_B(wg_sdp.partition_B(smem.sV))    # (MMA, MMA_N, MMA_K)
+            tdVrdO = recipe.mma_dv.make_fragment_A(wg_dv.partition_A(lsmem.transposed_view(smem.sdO)))  # (.., stages)
+            tdKrQ = recipe.mma_dkv.make_fragment_A(wg_dkv.partition_A(lsmem.transposed_view(smem.sQ)))  # (.., stages)
+            tdQrdS = recipe.mma_dq.make_fragment_A(wg_dq.partition_A(lsmem.transposed_view(smem.sdS)))  # (.., stages)
+            tdQrK = recipe.mma_dq.make_fragment_B(wg_dq.partition_B(lsmem.transposed_view(smem.sK)))    # (MMA, N, K)
+            tdVsP = recipe.mma_dv.make_fragment_B(wg_dv.partition_B(smem.sP))      # (MMA, MMA_N, MMA_K, stages)
+            tdKsdS = recipe.mma_dkv.make_fragment_B(wg_dkv.partition_B(smem.sdS))  # (MMA, MMA_N, MMA_K, stages)
+        else:
+            tSrK = recipe.mma_sdp.make_fragment_A(wg_sdp.partition_A(smem.sK))     # (MMA, MMA_M, MMA_K)
+            tSrQ = recipe.mma_sdp.make_fragment_B(wg_sdp.partition_B(smem.sQ))     # (MMA, MMA_N, MMA_K, stages)
+            tdPrV = recipe.mma_sdp.make_fragment_A(wg_sdp.partition_A(smem.sV))    # (MMA, MMA_M, MMA_K)
+            tdPrdO = recipe.mma_sdp.make_fragment_B(wg_sdp.partition_B(smem.sdO))  # (MMA, MMA_N, MMA_K, stages)
+            tdVrdO = recipe.mma_dv.make_fragment_B(wg_dv.partition_B(lsmem.transposed_view(smem.sdO)))  # (.., stages)
+            tdKrQ = recipe.mma_dkv.make_fragment_B(wg_dkv.partition_B(lsmem.transposed_view(smem.sQ)))  # (.., stages)
+            tdQrdS = recipe.mma_dq.make_fragment_A(wg_dq.partition_A(lsmem.transposed_view(smem.sdS)))  # (.., stages)
+            tdQrK = recipe.mma_dq.make_fragment_B(wg_dq.partition_B(lsmem.transposed_view(smem.sK)))    # (MMA, N, K)
+            if cutlass.const_expr(self.split):
+                tdVsP = recipe.mma_dv.make_fragment_A(wg_dv.partition_A(smem.sP))      # (MMA, MMA_M, MMA_K, stages)
+                tdKsdS = recipe.mma_dkv.make_fragment_A(wg_dkv.partition_A(smem.sdS))  # (MMA, MMA_M, MMA_K, stages)
+        scores = hopper.bwd_scores_shape(t)  # (bn, bm), or (bm, bn) on the 96-key tiles
+        acc_s = cute.make_rmem_tensor(wg_sdp.partition_shape_C(scores), cutlass.Float32)  # (MMA, MMA_M, MMA_N)
+        acc_dp = cute.make_rmem_tensor(wg_sdp.partition_shape_C(scores), cutlass.Float32)
+        acc_dk = cute.make_rmem_tensor(wg_dkv.partition_shape_C(hopper.bwd_dkv_shape(t)),
+                                       cutlass.Float32)  # (MMA, MMA_M, MMA_N)
+        acc_dv = cute.make_rmem_tensor(wg_dv.partition_shape_C(hopper.bwd_dkv_shape(t, dv)), cutlass.Float32)
         acc_dq = cute.make_rmem_tensor(wg_dq.partition_shape_C((bm, d)), cutlass.Float32)
         acc_dk.fill(0.0)
         acc_dv.fill(0.0)
@@ -452,7 +475,7 @@ class FlashBwdSm90(DqAdds, BwdEpilogue):
             user = ModCall.make(cfg.mods, tile.bidb, tile.bidh, tile.seq, args.aux, scalars.score_premul)
         dropout = None
         if cutlass.const_expr(cfg.has_dropout):
-            dropout = Dropout.load(args.mRng, tile.bidb, tile.bidh, args.tma_mQ.shape[2])
+            dropout = Dropout.load(args.mRng, tile.bidb, tile.bidh, args.tma_mQ.shape[2], packed=self.keys_on_n)
         cute.arch.mbarrier_wait(pipes.kv_full, 0)
         packed = cutlass.const_expr(args.varlen is not None)
         if cutlass.const_expr(packed):  # the next sequence's keys in the block's last rows: zeroed
@@ -464,8 +487,8 @@ class FlashBwdSm90(DqAdds, BwdEpilogue):
             m_block = tile.m_block(i)
             read = use_state(i, self.q_stages, producer=False)
             ds = read.index  # the dS^T (and P^T) stage
-            if cutlass.const_expr(self.q_stages != STAGES):
-                ds = i % STAGES
+            if cutlass.const_expr(self.q_stages != self.ds_stages):
+                ds = i % self.ds_stages
             # MMAs of this iteration's own: wgmma sets an MMA's accumulate field, state that
             # must not escape the loop it was set in.
             mma_s, mma_dp = hopper.tiled_mma_sdp_t(t), hopper.tiled_mma_sdp_t(t)
@@ -477,9 +500,14 @@ class FlashBwdSm90(DqAdds, BwdEpilogue):
                 if queries < bm:
                     self.clear_rows((smem.sQ[None, None, read.index], smem.sdO[None, None, read.index]), queries,
                                     bm, mma_tidx)
-            wgmma_issue(mma_s, acc_s, tSrK, tSrQ[None, None, None, read.index])
-            pipes.do.consumer_wait(read)
-            wgmma_issue(mma_dp, acc_dp, tdPrV, tdPrdO[None, None, None, read.index])
+            if cutlass.const_expr(self.keys_on_n):
+                wgmma_issue(mma_s, acc_s, tSrQ[None, None, None, read.index], tSrK)
+                pipes.do.consumer_wait(read)
+                wgmma_issue(mma_dp, acc_dp, tdPrdO[None, None, None, read.index], tdPrV)
+            else:
+                wgmma_issue(mma_s, acc_s, tSrK, tSrQ[None, None, None, read.index])
+                pipes.do.consumer_wait(read)
+                wgmma_issue(mma_dp, acc_dp, tdPrV, tdPrdO[None, None, None, read.index])
             warpgroup.wait_group(1)  # S^T landed; dP^T may still run
 
             dtanh = None
@@ -494,19 +522,22 @@ class FlashBwdSm90(DqAdds, BwdEpilogue):
                 self.modify, acc_s, mask, slope, m_block, tile.n_block, mma_tidx, recipe, user=user))
 
             c_sdp = recipe.mma_sdp.get_slice(mma_tidx)
-            tLSE = lmma.acc_mn_view(c_sdp.partition_C(self.by_column(smem.sLSE, read.index)))  # (keys, queries)
-            tD = lmma.acc_mn_view(c_sdp.partition_C(self.by_column(smem.sD, read.index)))
-            acc_s_mn = lmma.acc_mn_view(acc_s)  # (keys, queries)
-            acc_dp_mn = lmma.acc_mn_view(acc_dp)
+            tLSE = self.keys_by_queries(c_sdp.partition_C(self.by_query(smem.sLSE, read.index)))  # (keys, queries)
+            tD = self.keys_by_queries(c_sdp.partition_C(self.by_query(smem.sD, read.index)))
+            acc_s_mn = self.keys_by_queries(acc_s)  # (keys, queries)
+            acc_dp_mn = self.keys_by_queries(acc_dp)
             for c in cutlass.range_constexpr(cute.size(acc_s_mn.shape[1])):
                 lse = tLSE[0, c]
                 for r in cutlass.range_constexpr(cute.size(acc_s_mn.shape[0])):
                     acc_s_mn[r, c] = cute.math.exp2(acc_s_mn[r, c] * scalars.scale_log2 - lse, fastmath=True)
             warpgroup.wait_group(0)  # dP^T landed
-            if cutlass.const_expr(cfg.has_dropout):
+            if cutlass.const_expr(cfg.has_dropout and self.keys_on_n):
+                self.dropout_ds_qk(dropout, recipe, mma_tidx, m_block, tile.n_block, acc_s, acc_dp,
+                                   c_sdp.partition_C(self.by_query(smem.sD, read.index)))
+            elif cutlass.const_expr(cfg.has_dropout):
                 keep_bits = dropout.pair_keep_bits(recipe.mma_sdp, mma_tidx, m_block * bm, tile.n_block * bn, (bn, bm))
                 self.dropout_ds(dropout, keep_bits, acc_s, acc_dp,
-                                c_sdp.partition_C(self.by_column(smem.sD, read.index)))
+                                c_sdp.partition_C(self.by_query(smem.sD, read.index)))
             else:
                 for c in cutlass.range_constexpr(cute.size(acc_s_mn.shape[1])):
                     dot = tD[0, c]
@@ -517,31 +548,46 @@ class FlashBwdSm90(DqAdds, BwdEpilogue):
                     acc_dp[j] = acc_dp[j] * dtanh[j]
             if cutlass.const_expr(pre is not None):
                 tScS = self.query_key_coords(recipe, mma_tidx)
-                user.backward(transposed(lmma.acc_mn_view(acc_dp)), transposed(lmma.acc_mn_view(pre)), tScS,
+                user.backward(transposed(self.keys_by_queries(acc_dp)), transposed(self.keys_by_queries(pre)), tScS,
                               m_block * bm, tile.n_block * bn)
 
-            if cutlass.const_expr(self.split):  # P^T and dS^T to shared memory: dV and dK read them whole
+            if cutlass.const_expr(self.keys_on_n):  # P and dS into the P^T / dS^T tiles: B of dV^T and dK^T
+                # one stage: both warpgroups' dQ has read the last dS^T (each waited for its wgmmas)
+                cute.arch.barrier(barrier_id=BwdBarrier.DS_FREE, number_of_threads=128 * self.wgs)
+                for acc, dst in ((acc_s, smem.sP), (acc_dp, smem.sdS)):
+                    r = cute.make_rmem_tensor(acc.layout, self.dtype)  # (MMA, MMA_M, MMA_N): P or dS
+                    r.store(acc.load().to(self.dtype))
+                    cute.autovec_copy(r, c_sdp.partition_C(lsmem.transposed_view(dst[None, None, ds])))
+                cute.arch.fence_view_async_shared()  # the P / dS stores, before wgmma (async proxy) reads them
+                cute.arch.barrier(barrier_id=BwdBarrier.DS, number_of_threads=128 * self.wgs)
+                wgmma_issue(mma_dv, acc_dv, tdVrdO[None, None, None, read.index], tdVsP[None, None, None, ds],
+                            accumulate=True)
+                wgmma_issue(mma_dq, acc_dq, tdQrdS[None, None, None, ds], tdQrK)
+                wgmma_issue(mma_dk, acc_dk, tdKrQ[None, None, None, read.index], tdKsdS[None, None, None, ds],
+                            accumulate=True)
+            elif cutlass.const_expr(self.split):  # P^T and dS^T to shared memory: dV and dK read them whole
                 rP = cute.make_rmem_tensor(acc_s.layout, self.dtype)  # (MMA, MMA_M, MMA_N): P^T
                 rP.store(acc_s.load().to(self.dtype))
                 cute.autovec_copy(rP, c_sdp.partition_C(smem.sP[None, None, ds]))
             else:
                 tdVrP = hopper.p_operand(acc_s, self.dtype)  # ((2, 2, 2), MMA_M, MMA_K): P^T as dV's A
                 wgmma_issue(mma_dv, acc_dv, tdVrP, tdVrdO[None, None, None, read.index], accumulate=True)
-            rdS = cute.make_rmem_tensor(acc_dp.layout, self.dtype)  # (MMA, MMA_M, MMA_N): dS^T
-            rdS.store(acc_dp.load().to(self.dtype))
-            cute.autovec_copy(rdS, c_sdp.partition_C(smem.sdS[None, None, ds]))
-            cute.arch.fence_view_async_shared()  # the P^T / dS^T stores, before wgmma (async proxy) reads them
-            cute.arch.barrier(barrier_id=BwdBarrier.DS, number_of_threads=128 * self.wgs)
-            if cutlass.const_expr(self.split):
-                wgmma_issue(mma_dv, acc_dv, tdVsP[None, None, None, ds], tdVrdO[None, None, None, read.index],
-                            accumulate=True)
-                wgmma_issue(mma_dq, acc_dq, tdQrdS[None, None, None, ds], tdQrK)
-                wgmma_issue(mma_dk, acc_dk, tdKsdS[None, None, None, ds], tdKrQ[None, None, None, read.index],
-                            accumulate=True)
-            else:
-                wgmma_issue(mma_dq, acc_dq, tdQrdS[None, None, None, ds], tdQrK)
-                wgmma_issue(mma_dk, acc_dk, hopper.acc_as_operand_a(rdS), tdKrQ[None, None, None, read.index],
-                            accumulate=True)
+            if cutlass.const_expr(not self.keys_on_n):
+                rdS = cute.make_rmem_tensor(acc_dp.layout, self.dtype)  # (MMA, MMA_M, MMA_N): dS^T
+                rdS.store(acc_dp.load().to(self.dtype))
+                cute.autovec_copy(rdS, c_sdp.partition_C(smem.sdS[None, None, ds]))
+                cute.arch.fence_view_async_shared()  # the P^T / dS^T stores, before wgmma (async proxy) reads them
+                cute.arch.barrier(barrier_id=BwdBarrier.DS, number_of_threads=128 * self.wgs)
+                if cutlass.const_expr(self.split):
+                    wgmma_issue(mma_dv, acc_dv, tdVsP[None, None, None, ds], tdVrdO[None, None, None, read.index],
+                                accumulate=True)
+                    wgmma_issue(mma_dq, acc_dq, tdQrdS[None, None, None, ds], tdQrK)
+                    wgmma_issue(mma_dk, acc_dk, tdKsdS[None, None, None, ds], tdKrQ[None, None, None, read.index],
+                                accumulate=True)
+                else:
+                    wgmma_issue(mma_dq, acc_dq, tdQrdS[None, None, None, ds], tdQrK)
+                    wgmma_issue(mma_dk, acc_dk, hopper.acc_as_operand_a(rdS), tdKrQ[None, None, None, read.index],
+                                accumulate=True)
             warpgroup.wait_group(1)  # dV and dQ landed; dK runs under dQ's staging and bulk add
             self.release(pipes.do, read)
             if cutlass.const_expr(cfg.writes_dq_apart):
@@ -599,12 +645,36 @@ class FlashBwdSm90(DqAdds, BwdEpilogue):
                     acc_dp[v] = p * (acc_dp[v] * z - tD[v])
 
     @cute.jit
-    def by_column(self, s: cute.Tensor, stage):
-        """Stage `stage` of a (bm, stages) per-query vector as a (bn, bm) tile whose every row is
-        the vector: partitioned like S^T, it gives each accumulator column its query's value."""
+    def dropout_ds_qk(self, dropout: Dropout, recipe: Sm90BwdRecipe, mma_tidx, m_block, n_block, acc_s: cute.Tensor,
+                      acc_dp: cute.Tensor, tD: cute.Tensor):
+        """`dropout_ds` on the 96-key tiles' S and dP (queries on M, the forward's orientation):
+        each value's factor Z / P(keep) from the forward's `Dropout.apply` on a tile of 1 / P(keep)
+        (the same Philox counters, (query, key) of the head, so the same mask)."""
+        bm, bn = self.t.block_m, self.t.block_n
+        z = cute.make_fragment_like(acc_s, cutlass.Float32)  # (MMA, MMA_M, MMA_N)
+        z.fill(dropout.scale())
+        dropout.apply(recipe.mma_sdp, z, wgmma_groups(z.shape), mma_tidx, m_block * bm, n_block * bn, (bm, bn), True)
+        for j in cutlass.range(cute.size(acc_s), unroll_full=True):
+            p = acc_s[j]
+            acc_s[j] = p * z[j]
+            acc_dp[j] = p * (acc_dp[j] * z[j] - tD[j])
+
+    @cute.jit
+    def by_query(self, s: cute.Tensor, stage):
+        """Stage `stage` of a (bm, stages) per-query vector as a tile of S^T's shape (bn, bm)
+        whose every row is the vector (on the 96-key tiles S's (bm, bn), every column):
+        partitioned like the scores, it gives each accumulator value its query's value."""
         bm = self.t.block_m
-        return cute.make_tensor(s.iterator + cute.assume(stage * bm, divby=bm),
-                                cute.make_layout((self.t.block_n, bm), stride=(0, 1)))
+        layout = cute.make_layout((self.t.block_n, bm), stride=(0, 1))
+        if cutlass.const_expr(self.keys_on_n):
+            layout = cute.make_layout((bm, self.t.block_n), stride=(1, 0))
+        return cute.make_tensor(s.iterator + cute.assume(stage * bm, divby=bm), layout)
+
+    def keys_by_queries(self, acc: cute.Tensor) -> cute.Tensor:
+        """A (MMA, MMA_M, MMA_N) tile partitioned like the scores as a (keys, queries) view: its
+        `acc_mn_view`, transposed on the 96-key tiles (queries on M)."""
+        mn = lmma.acc_mn_view(acc)
+        return transposed(mn) if self.keys_on_n else mn
 
     @cute.jit
     def modify(self, acc_s: cute.Tensor, mask: Mask, slope, m_block, n_block, mma_tidx, recipe: Sm90BwdRecipe,
@@ -616,7 +686,7 @@ class FlashBwdSm90(DqAdds, BwdEpilogue):
         if cutlass.const_expr(user is not None and not user_mask and self.config.mods.score_mod is None):
             user = None  # nothing of the mods to run here
         if cutlass.const_expr(masked or self.config.has_alibi or user is not None):
-            acc_qk = transposed(lmma.acc_mn_view(acc_s))  # (queries, keys)
+            acc_qk = transposed(self.keys_by_queries(acc_s))  # (queries, keys)
             tScS = self.query_key_coords(recipe, mma_tidx)
             row0, col0 = m_block * bm, n_block * bn
             if cutlass.const_expr(self.config.has_alibi):
@@ -627,9 +697,11 @@ class FlashBwdSm90(DqAdds, BwdEpilogue):
                 mask.apply(acc_qk, tScS, row0, col0)
 
     def query_key_coords(self, recipe: Sm90BwdRecipe, mma_tidx) -> cute.Tensor:
-        """The (query, key) coordinates in the tile of this thread's S^T values, as a (queries,
-        keys) view."""
+        """The (query, key) coordinates in the tile of this thread's S^T (or S) values, as a
+        (queries, keys) view."""
         cS = cute.make_identity_tensor((self.t.block_m, self.t.block_n))  # (query, key) coordinates
+        if self.keys_on_n:
+            return lmma.acc_mn_view(recipe.mma_sdp.get_slice(mma_tidx).partition_C(cS))
         cSt = cute.make_tensor(cS.iterator, cute.select(cS.layout, mode=[1, 0]))  # (bn, bm) -> (query, key)
         return transposed(lmma.acc_mn_view(recipe.mma_sdp.get_slice(mma_tidx).partition_C(cSt)))
 
