@@ -23,11 +23,11 @@ class Sm90BwdRecipe:
     tma_do: cute.CopyAtom
     tma_k: cute.CopyAtom
     tma_v: cute.CopyAtom
-    tma_dk: cute.CopyAtom             # stores one warpgroup's (64, d) rows (above d 128, all 64 rows)
-    tma_dv: cute.CopyAtom             # (64, dv)
-    mma_sdp: cute.TiledMma
-    mma_dkv: cute.TiledMma            # dK's: (bn, d)
-    mma_dv: cute.TiledMma             # dV's: (bn, dv)
+    tma_dk: cute.CopyAtom             # stores one warpgroup's (64, d) rows (above d 128, all bn rows)
+    tma_dv: cute.CopyAtom             # (64, dv) (above d 128, (bn, dv))
+    mma_sdp: cute.TiledMma            # S^T's: (bn, bm); on the 96-key tiles S's, (bm, bn)
+    mma_dkv: cute.TiledMma            # dK's: (bn, d); on the 96-key tiles dK^T's, (d, bn)
+    mma_dv: cute.TiledMma             # dV's: (bn, dv); on the 96-key tiles dV^T's, (dv, bn)
     mma_dq: cute.TiledMma
 
 
