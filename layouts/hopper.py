@@ -339,7 +339,13 @@ def bwd_warpgroups(traits) -> int:
 
 def smem_layout_ds(traits, stages: int):
     """(block_n, block_m, stages): dS^T, keys as rows, each row's block_m queries contiguous and
-    swizzled as a GMMA row-major tile (the S^T accumulators' own orientation)."""
+    swizzled as a GMMA row-major tile (the S^T accumulators' own orientation). On the 96-key
+    tiles (`bwd_keys_on_n`) (block_m, block_n, stages): dS itself, as the S accumulators lie,
+    each row's keys contiguous in atoms of a warpgroup's 48 (32-byte swizzle, 16 keys an atom),
+    so that each warpgroup's keys start on an atom: pairs of keys go out as 32-bit stores."""
+    if bwd_keys_on_n(traits):
+        return cute.tile_to_shape(row_major_atom(element_type(traits), traits.block_n // 2),
+                                  (traits.block_m, traits.block_n, stages), order=(0, 1, 2))
     return cute.tile_to_shape(row_major_atom(element_type(traits), traits.block_m),
                               (traits.block_n, traits.block_m, stages), order=(0, 1, 2))
 
@@ -371,13 +377,13 @@ def tiled_mma_dkv(traits, cols: int | None = None):
     `dv`); A from registers (the converted S^T / dP^T accumulators; above d 128 from their
     shared-memory tiles), B = dO^T / Q^T read MN-major from their row-major tiles. On the
     96-key tiles (`bwd_keys_on_n`) transposed: dV^T += dO^T P and dK^T += Q^T dS, (cols,
-    block_n), A = dO^T / Q^T MN-major, B = P / dS from the P^T / dS^T tiles (K-major), each
-    warpgroup its own 48 keys."""
+    block_n), A = dO^T / Q^T MN-major, B = P / dS MN-major from their (block_m, block_n) tiles
+    (`smem_layout_ds`), each warpgroup its own 48 keys."""
     dtype = element_type(traits)
     cols = cols or traits.head_dim
     if bwd_keys_on_n(traits):
         return sm90.make_trivial_tiled_mma(dtype, dtype, cute.nvgpu.OperandMajorMode.MN,
-                                           cute.nvgpu.OperandMajorMode.K, cutlass.Float32, (1, 2, 1),
+                                           cute.nvgpu.OperandMajorMode.MN, cutlass.Float32, (1, 2, 1),
                                            (WGMMA_M, traits.block_n // 2))
     if bwd_splits_head_dim(traits):  # A = P^T / dS^T whole from shared memory, half the columns each
         return sm90.make_trivial_tiled_mma(dtype, dtype, cute.nvgpu.OperandMajorMode.K,
@@ -396,14 +402,15 @@ def bwd_dkv_shape(traits, cols: int | None = None) -> tuple:
 
 
 def tiled_mma_dq(traits):
-    """dQ = dS K: (block_m, head_dim), A = dS (the dS^T tile read MN-major), B = K^T (MN-major).
-    The warpgroups split dQ's rows where there are 64 per warpgroup (block_m 128), else its
-    columns."""
+    """dQ = dS K: (block_m, head_dim), A = dS (the dS^T tile read MN-major; on the 96-key tiles
+    the dS tile, K-major), B = K^T (MN-major). The warpgroups split dQ's rows where there are
+    64 per warpgroup (block_m 128), else its columns."""
     dtype = element_type(traits)
     wgs = bwd_warpgroups(traits)
     if traits.block_m >= WGMMA_M * wgs:
         atoms, tiler = (wgs, 1, 1), (WGMMA_M, traits.head_dim)
     else:
         atoms, tiler = (1, wgs, 1), (WGMMA_M, traits.head_dim // wgs)
-    return sm90.make_trivial_tiled_mma(dtype, dtype, cute.nvgpu.OperandMajorMode.MN, cute.nvgpu.OperandMajorMode.MN,
-                                       cutlass.Float32, atoms, tiler)
+    a_major = cute.nvgpu.OperandMajorMode.K if bwd_keys_on_n(traits) else cute.nvgpu.OperandMajorMode.MN
+    return sm90.make_trivial_tiled_mma(dtype, dtype, a_major, cute.nvgpu.OperandMajorMode.MN, cutlass.Float32, atoms,
+                                       tiler)

@@ -308,7 +308,8 @@ def test_hopper_backward_compiles_to_wgmma(config, tmp_path):
     variants order dQ's adds with an acquire load and a release add (`DqTurn`), the others have
     neither; those that hand dQ to writer warps (deterministic, `dq_path` "writer") meet them at
     160-thread barriers (a warpgroup and its writer warp), the others have none; the "atomic" dQ
-    path adds with vector atomics and no bulk reduce, the others the reverse."""
+    path adds with vector atomics and no bulk reduce, the others the reverse. On the 96-key
+    tiles P and dS reach shared memory as pairs of keys, in 32-bit stores."""
     from cute_flash.kernels.sm90.bwd import Sm90BwdConfig
 
     assert config.smem_bytes <= SMEM_LIMIT[90]
@@ -322,6 +323,8 @@ def test_hopper_backward_compiles_to_wgmma(config, tmp_path):
         if hopper.bwd_keys_on_n(t):  # dV^T and dK^T: a k step each 16 queries each 64 head-dim rows
             dkv = (t.head_dim + t.dv) // hopper.WGMMA_M * t.block_m // 16
         assert text.count("wgmma.mma_async") == (t.head_dim + t.dv) // 16 + dkv + t.block_n // 16
+        if hopper.bwd_keys_on_n(t):  # a thread's share of P and of dS, two keys a store
+            assert text.count("st.shared.b32") >= t.block_m * t.block_n // (128 * hopper.bwd_warpgroups(t))
         compares = text.count("set.lt.u32.bf16x2") + text.count("setp.lt.bf16x2")  # `keep_halves`, `keep_pair`
         assert (compares > 0) == config.has_dropout and compares % 4 == 0
         # deterministic: each warpgroup's first thread spins on its tile's count, then counts its adds

@@ -40,10 +40,11 @@ at d 256 (`BwdTraits.q_stages`: two do not fit beside the dQ staging tile).
 
 MLA's q / k 192 with v 128 takes 96 keys a CTA (FA3's tiles, `layouts.hopper.bwd_keys_on_n`),
 not a multiple of a warpgroup's 64 rows, so S = Q K^T and dP = dO V^T put the queries on
-wgmma's M and each warpgroup's 48 keys on N; P and dS go into the P^T / dS^T tiles (one
-stage: a `DS_FREE` barrier holds the next block's stores until both warpgroups' dQ has read
-them), where dV^T += dO^T P and dK^T += Q^T dS, the head dim on M, read the warpgroup's own 48
-keys as B operands, and dQ reads dS whole; the epilogue writes the transposed accumulators into
+wgmma's M and each warpgroup's 48 keys on N; P and dS go into (block_m, 96) tiles as the
+accumulators lie, two keys a 32-bit store, P while dP's wgmma runs (one stage: a `DS_FREE`
+barrier holds the next block's stores until both warpgroups' wgmmas have read them), where
+dV^T += dO^T P and dK^T += Q^T dS, the head dim on M, read the warpgroup's own 48 keys as
+MN-major B operands, and dQ reads dS whole (K-major A); the epilogue writes the transposed accumulators into
 sK / sV through transposed views. Dropout draws its keep mask on S as the forward does
 (`dropout_ds_qk`). V, dO and dV are 128 wide there (`BwdTraits.head_dim_v`: dP over 128
 columns, dV^T 128 rows), Q, K, dK and dQ 192. The tiles of d 192 take 32-column swizzle atoms
@@ -440,10 +441,10 @@ class FlashBwdSm90(DqAdds, BwdEpilogue):
             tdPrV = recipe.mma_sdp.make_fragment_B(wg_sdp.partition_B(smem.sV))    # (MMA, MMA_N, MMA_K)
             tdVrdO = recipe.mma_dv.make_fragment_A(wg_dv.partition_A(lsmem.transposed_view(smem.sdO)))  # (.., stages)
             tdKrQ = recipe.mma_dkv.make_fragment_A(wg_dkv.partition_A(lsmem.transposed_view(smem.sQ)))  # (.., stages)
-            tdQrdS = recipe.mma_dq.make_fragment_A(wg_dq.partition_A(lsmem.transposed_view(smem.sdS)))  # (.., stages)
+            tdQrdS = recipe.mma_dq.make_fragment_A(wg_dq.partition_A(smem.sdS))  # (MMA, MMA_M, MMA_K, stages)
             tdQrK = recipe.mma_dq.make_fragment_B(wg_dq.partition_B(lsmem.transposed_view(smem.sK)))    # (MMA, N, K)
-            tdVsP = recipe.mma_dv.make_fragment_B(wg_dv.partition_B(smem.sP))      # (MMA, MMA_N, MMA_K, stages)
-            tdKsdS = recipe.mma_dkv.make_fragment_B(wg_dkv.partition_B(smem.sdS))  # (MMA, MMA_N, MMA_K, stages)
+            tdVsP = recipe.mma_dv.make_fragment_B(wg_dv.partition_B(lsmem.transposed_view(smem.sP)))     # (.., stages)
+            tdKsdS = recipe.mma_dkv.make_fragment_B(wg_dkv.partition_B(lsmem.transposed_view(smem.sdS)))  # (.., stages)
         else:
             tSrK = recipe.mma_sdp.make_fragment_A(wg_sdp.partition_A(smem.sK))     # (MMA, MMA_M, MMA_K)
             tSrQ = recipe.mma_sdp.make_fragment_B(wg_sdp.partition_B(smem.sQ))     # (MMA, MMA_N, MMA_K, stages)
@@ -530,6 +531,8 @@ class FlashBwdSm90(DqAdds, BwdEpilogue):
                 lse = tLSE[0, c]
                 for r in cutlass.range_constexpr(cute.size(acc_s_mn.shape[0])):
                     acc_s_mn[r, c] = cute.math.exp2(acc_s_mn[r, c] * scalars.scale_log2 - lse, fastmath=True)
+            if cutlass.const_expr(self.keys_on_n and not cfg.has_dropout):  # P stored while dP runs
+                self.store_pds(acc_s, smem.sP, ds, c_sdp)
             warpgroup.wait_group(0)  # dP^T landed
             if cutlass.const_expr(cfg.has_dropout and self.keys_on_n):
                 self.dropout_ds_qk(dropout, recipe, mma_tidx, m_block, tile.n_block, acc_s, acc_dp,
@@ -551,13 +554,12 @@ class FlashBwdSm90(DqAdds, BwdEpilogue):
                 user.backward(transposed(self.keys_by_queries(acc_dp)), transposed(self.keys_by_queries(pre)), tScS,
                               m_block * bm, tile.n_block * bn)
 
-            if cutlass.const_expr(self.keys_on_n):  # P and dS into the P^T / dS^T tiles: B of dV^T and dK^T
-                # one stage: both warpgroups' dQ has read the last dS^T (each waited for its wgmmas)
-                cute.arch.barrier(barrier_id=BwdBarrier.DS_FREE, number_of_threads=128 * self.wgs)
-                for acc, dst in ((acc_s, smem.sP), (acc_dp, smem.sdS)):
-                    r = cute.make_rmem_tensor(acc.layout, self.dtype)  # (MMA, MMA_M, MMA_N): P or dS
-                    r.store(acc.load().to(self.dtype))
-                    cute.autovec_copy(r, c_sdp.partition_C(lsmem.transposed_view(dst[None, None, ds])))
+            if cutlass.const_expr(self.keys_on_n):  # P and dS into their tiles: B of dV^T and dK^T, dQ's A
+                if cutlass.const_expr(cfg.has_dropout):  # the dropped P
+                    self.store_pds(acc_s, smem.sP, ds, c_sdp)
+                r = cute.make_rmem_tensor(acc_dp.layout, self.dtype)  # (MMA, MMA_M, MMA_N): dS
+                r.store(acc_dp.load().to(self.dtype))
+                cute.autovec_copy(r, c_sdp.partition_C(smem.sdS[None, None, ds]))
                 cute.arch.fence_view_async_shared()  # the P / dS stores, before wgmma (async proxy) reads them
                 cute.arch.barrier(barrier_id=BwdBarrier.DS, number_of_threads=128 * self.wgs)
                 wgmma_issue(mma_dv, acc_dv, tdVrdO[None, None, None, read.index], tdVsP[None, None, None, ds],
@@ -599,6 +601,16 @@ class FlashBwdSm90(DqAdds, BwdEpilogue):
             warpgroup.wait_group(0)
             self.release(pipes.q, read)
         self.store_dkv(acc_dk, acc_dv, scalars, recipe, args, smem, tile, mma_tidx)
+
+    @cute.jit
+    def store_pds(self, acc_s: cute.Tensor, sP: cute.Tensor, ds, c_sdp):
+        """The 96-key tiles: P (acc_s, queries on M) into stage `ds` of its (bm, bn) tile, once
+        both warpgroups' wgmmas of the last query block, which read the one P / dS stage, are
+        done (each waited for its own before arriving)."""
+        cute.arch.barrier(barrier_id=BwdBarrier.DS_FREE, number_of_threads=128 * self.wgs)
+        r = cute.make_rmem_tensor(acc_s.layout, self.dtype)  # (MMA, MMA_M, MMA_N): P
+        r.store(acc_s.load().to(self.dtype))
+        cute.autovec_copy(r, c_sdp.partition_C(sP[None, None, ds]))
 
     @cute.jit
     def clear_rows(self, tiles, first_row, rows: cutlass.Constexpr, mma_tidx):

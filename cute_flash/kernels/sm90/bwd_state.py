@@ -18,7 +18,7 @@ class Sm90BwdRecipe:
     sdO_layout: cute.ComposedLayout   # (bm, dv, q_stages)
     sK_layout: cute.ComposedLayout    # (bn, d)
     sV_layout: cute.ComposedLayout    # (bn, dv)
-    sdS_layout: cute.ComposedLayout   # (bn, bm, stages): dS^T, also P^T's above d 128
+    sdS_layout: cute.ComposedLayout   # (bn, bm, stages): dS^T, also P^T's above d 128; 96 keys: (bm, bn, 1), dS, P
     tma_q: cute.CopyAtom
     tma_do: cute.CopyAtom
     tma_k: cute.CopyAtom
@@ -67,11 +67,11 @@ class Sm90BwdSmem:
     sdO: cute.Tensor       # (bm, dv, q_stages)
     sK: cute.Tensor        # (bn, d)
     sV: cute.Tensor        # (bn, dv)
-    sdS: cute.Tensor       # (bn, bm, stages): dS^T
+    sdS: cute.Tensor       # (bn, bm, stages): dS^T; on the 96-key tiles (bm, bn, 1): dS
     sLSE: cute.Tensor      # (bm, q_stages) fp32
     sD: cute.Tensor        # (bm, q_stages) fp32
     sdQaccum: object       # (bm * d,) fp32: a run per consumer warpgroup; None on the "atomic" dQ path
-    sP: object = None      # (bn, bm, stages): P^T above d 128 (`bwd_splits_head_dim`), else None
+    sP: object = None      # (bn, bm, stages): P^T above d 128 (`bwd_splits_head_dim`; 96 keys: P), else None
 
 
 @dataclass(frozen=True)
