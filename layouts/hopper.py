@@ -229,7 +229,8 @@ def acc_as_operand_a(acc):
 # the register A operand of dV += P^T dO and dK += dS^T Q: neither goes through shared memory
 # for those GEMMs. dQ = dS K needs dS whole (every key of the block): dS^T goes to a (block_n,
 # block_m) row-major tile, read back transposed as dQ's MN-major A operand. MLA's 96-key tiles
-# (`bwd_keys_on_n`) compute S and dP with the queries on M and dK^T, dV^T with the head dim on M.
+# (`bwd_keys_on_n`) compute S and dP with the queries on M and dK^T, dV^T with the head dim on M;
+# P and dS go to (block_m, block_n) tiles as the S accumulators lie (`smem_layout_ds`).
 
 BWD_STAGES = 2  # dS^T (and P^T), and the Q and dO pipelines unless the traits' q_stages is 1
 BWD_HEAD_DIMS = (32, 64, 96, 128, 192, 256)

@@ -44,8 +44,8 @@ wgmma's M and each warpgroup's 48 keys on N; P and dS go into (block_m, 96) tile
 accumulators lie, two keys a 32-bit store, P while dP's wgmma runs (one stage: a `DS_FREE`
 barrier holds the next block's stores until both warpgroups' wgmmas have read them), where
 dV^T += dO^T P and dK^T += Q^T dS, the head dim on M, read the warpgroup's own 48 keys as
-MN-major B operands, and dQ reads dS whole (K-major A); the epilogue writes the transposed accumulators into
-sK / sV through transposed views. Dropout draws its keep mask on S as the forward does
+MN-major B operands, and dQ reads dS whole (K-major A); the epilogue writes the transposed
+accumulators into sK / sV through transposed views. Dropout draws its keep mask on S as the forward does
 (`dropout_ds_qk`). V, dO and dV are 128 wide there (`BwdTraits.head_dim_v`: dP over 128
 columns, dV^T 128 rows), Q, K, dK and dQ 192. The tiles of d 192 take 32-column swizzle atoms
 (`layouts.hopper.bwd_atom_cols`), so that each warpgroup's 96 columns of dK, dV or dQ start on
