@@ -77,13 +77,14 @@ def test_split_sweep_times_each_count_on_its_own_call(monkeypatch, capsys):
 
 def test_shapes_tables_give_each_bar_its_ratio():
     """`bench_shapes.format_shapes` on hand-made rows: ours over the better of cuDNN and FA4 for
-    MLA, sink over no sink (prefill and decode), packed queries over plain decode; a missing peer
-    as "-"."""
+    MLA (forward, forward + backward, backward alone), sink over no sink (prefill and decode),
+    packed queries over plain decode; a missing peer as "-"."""
     from cute_flash.tools.bench_shapes import format_shapes
 
     result = dict(
         mla=[dict(seqlen=4096, causal=True, batch=4, nheads=16, ours_fwd=500.0, cudnn_fwd=400.0, fa4_fwd=None,
-                  ours_fwdbwd=300.0, cudnn_fwdbwd=350.0, fa4_fwdbwd=None)],
+                  ours_fwdbwd=300.0, cudnn_fwdbwd=350.0, fa4_fwdbwd=None, ours_bwd=200.0, cudnn_bwd=None,
+                  fa4_bwd=250.0)],
         sinks=[dict(seqlen=4096, causal=True, batch=4, nheads=32, ours_fwd_ms=1.0, ours_sink_fwd_ms=1.02,
                     fa4_sink_fwd_ms=None, ours_fwdbwd_ms=3.0, ours_sink_fwdbwd_ms=3.3, fa4_sink_fwdbwd_ms=2.9)],
         varlen_decode=[dict(batch=64, cache=4096, new_tokens=500, packed_gbs=3600.0, decode_gbs=4000.0,
@@ -91,7 +92,7 @@ def test_shapes_tables_give_each_bar_its_ratio():
                        dict(batch=64, cache=8192, new_tokens=500, packed_gbs=3000.0, decode_gbs=4000.0,
                             decode_ms=0.5, packed_graph_gbs=None, decode_graph_gbs=None)])
     lines = format_shapes(result).splitlines()
-    assert "| 4096 | True | 4x16 | 500 | 400 | - | 300 | 350 | - | 1.250 | 0.857 |" in lines
+    assert "| 4096 | True | 4x16 | 500 | 400 | - | 300 | 350 | - | 200 | - | 250 | 1.250 | 0.857 | 0.800 |" in lines
     assert "| 4096 | True | 4x32 | 1.000 | 1.020 | - | 1.020 | 3.000 | 3.300 | 2.900 | 1.100 |" in lines
     assert "| 64 | 4096 | 500 | 3600 | 4000 | 0.900 | 3800 | 4000 | 0.950 |" in lines
     assert "| 64 | 8192 | 500 | 3000 | 4000 | 0.750 | - | - | - |" in lines  # no graph: the call refused capture
