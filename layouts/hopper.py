@@ -287,14 +287,15 @@ def bwd_splits_head_dim(traits) -> bool:
 def bwd_keys_on_n(traits) -> bool:
     """96 keys a CTA (MLA's 192 / 128, FA3's tiles), not a multiple of a warpgroup's 64 rows: S
     and dP with queries on wgmma's M and the keys on N, 48 a warpgroup; dK^T and dV^T with the
-    head dim on M and the warpgroup's 48 keys on N (P^T and dS^T from shared memory as B
-    operands); dQ split by head-dim columns as on the 64-key tiles."""
+    head dim on M and the warpgroup's 48 keys on N (P and dS from shared memory, as the S
+    accumulators lie, as MN-major B operands); dQ split by head-dim columns as on the 64-key
+    tiles."""
     return traits.block_n % WGMMA_M != 0
 
 
 def bwd_ds_stages(traits) -> int:
-    """Stages of dS^T (and P^T): one on the 96-key tiles (two do not fit beside two Q / dO
-    stages and the dQ staging tile; a named barrier orders a stage's reuse), else
+    """Stages of dS^T (and P^T): one of dS and P on the 96-key tiles (two do not fit beside two
+    Q / dO stages and the dQ staging tile; a named barrier orders a stage's reuse), else
     `BWD_STAGES`."""
     return 1 if bwd_keys_on_n(traits) else BWD_STAGES
 

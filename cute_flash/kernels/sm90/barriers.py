@@ -19,4 +19,4 @@ class BwdBarrier(IntEnum):
     CLEAR = 7      # packed batches: both consumer warpgroups' zeroing of the next sequence's rows
     DQ_FULL = 8    # 8, 9: writer warps: consumer warpgroup 0's / 1's dQ run staged for its writer warp
     DQ_EMPTY = 10  # 10, 11: writer warps: the writer warp's bulk add has read the run (`write_dq`)
-    DS_FREE = 12   # one dS^T stage (the 96-key tiles): both consumer warpgroups' dQ has read the last one
+    DS_FREE = 12   # one P / dS stage (the 96-key tiles): both consumer warpgroups' wgmmas have read the last one

@@ -433,7 +433,7 @@ class FlashBwdSm90(DqAdds, BwdEpilogue):
         wg_dkv = recipe.mma_dkv.get_slice(wg(wg_idx))
         wg_dv = recipe.mma_dv.get_slice(wg(wg_idx))
         wg_dq = recipe.mma_dq.get_slice(wg(wg_idx))
-        tdVsP = tdKsdS = None  # above d 128: P^T and dS^T from shared memory (dV's, dK's A; B on 96 keys)
+        tdVsP = tdKsdS = None  # above d 128: P^T and dS^T from shared memory (dV's, dK's A; 96 keys: P, dS as B)
         if cutlass.const_expr(self.keys_on_n):  # S = Q K^T, dP = dO V^T; dV^T += dO^T P, dK^T += Q^T dS
             tSrQ = recipe.mma_sdp.make_fragment_A(wg_sdp.partition_A(smem.sQ))     # (MMA, MMA_M, MMA_K, stages)
             tSrK = recipe.mma_sdp.make_fragment_B(wg_sdp.partition_B(smem.sK))     # (MMA, MMA_N, MMA_K)
@@ -557,9 +557,7 @@ class FlashBwdSm90(DqAdds, BwdEpilogue):
             if cutlass.const_expr(self.keys_on_n):  # P and dS into their tiles: B of dV^T and dK^T, dQ's A
                 if cutlass.const_expr(cfg.has_dropout):  # the dropped P
                     self.store_pds(acc_s, smem.sP, ds, c_sdp)
-                r = cute.make_rmem_tensor(acc_dp.layout, self.dtype)  # (MMA, MMA_M, MMA_N): dS
-                r.store(acc_dp.load().to(self.dtype))
-                cute.autovec_copy(r, c_sdp.partition_C(smem.sdS[None, None, ds]))
+                self.store_scores(acc_dp, smem.sdS, ds, c_sdp)  # dS
                 cute.arch.fence_view_async_shared()  # the P / dS stores, before wgmma (async proxy) reads them
                 cute.arch.barrier(barrier_id=BwdBarrier.DS, number_of_threads=128 * self.wgs)
                 wgmma_issue(mma_dv, acc_dv, tdVrdO[None, None, None, read.index], tdVsP[None, None, None, ds],
@@ -608,9 +606,15 @@ class FlashBwdSm90(DqAdds, BwdEpilogue):
         both warpgroups' wgmmas of the last query block, which read the one P / dS stage, are
         done (each waited for its own before arriving)."""
         cute.arch.barrier(barrier_id=BwdBarrier.DS_FREE, number_of_threads=128 * self.wgs)
-        r = cute.make_rmem_tensor(acc_s.layout, self.dtype)  # (MMA, MMA_M, MMA_N): P
-        r.store(acc_s.load().to(self.dtype))
-        cute.autovec_copy(r, c_sdp.partition_C(sP[None, None, ds]))
+        self.store_scores(acc_s, sP, ds, c_sdp)
+
+    @cute.jit
+    def store_scores(self, acc: cute.Tensor, s: cute.Tensor, ds, c_sdp):
+        """The 96-key tiles: a (bm, bn) accumulator (P or dS), converted, into stage `ds` of its
+        tile, as it lies (pairs of keys: 32-bit stores)."""
+        r = cute.make_rmem_tensor(acc.layout, self.dtype)  # (MMA, MMA_M, MMA_N)
+        r.store(acc.load().to(self.dtype))
+        cute.autovec_copy(r, c_sdp.partition_C(s[None, None, ds]))
 
     @cute.jit
     def clear_rows(self, tiles, first_row, rows: cutlass.Constexpr, mma_tidx):
