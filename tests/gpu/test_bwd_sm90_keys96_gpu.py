@@ -1,8 +1,9 @@
 """The Hopper backward's 96-key tiles, MLA's q / k 192 with v 128 (`layouts.hopper.bwd_keys_on_n`:
 S and dP with the queries on wgmma's M and each warpgroup's 48 keys on N, dK^T and dV^T with
-the head dim on M, one P / dS stage, as the S accumulators lie, reused under the `DS_FREE`
-barrier) against `cute_flash.reference` by the backward's rule (tests/helpers/backward.py).
-Each test asserts that every backward it ran took the Hopper kernel on 96-key tiles."""
+the head dim on M, one P / dS stage, as the S accumulators lie: P under its warpgroup's
+`P_READY` barrier, dS under the two warpgroups' `DS_FREE`) against `cute_flash.reference` by
+the backward's rule (tests/helpers/backward.py). Each test asserts that every backward it ran
+took the Hopper kernel on 96-key tiles."""
 import operator
 
 import cutlass.cute as cute

@@ -19,4 +19,5 @@ class BwdBarrier(IntEnum):
     CLEAR = 7      # packed batches: both consumer warpgroups' zeroing of the next sequence's rows
     DQ_FULL = 8    # 8, 9: writer warps: consumer warpgroup 0's / 1's dQ run staged for its writer warp
     DQ_EMPTY = 10  # 10, 11: writer warps: the writer warp's bulk add has read the run (`write_dq`)
-    DS_FREE = 12   # one P / dS stage (the 96-key tiles): both consumer warpgroups' wgmmas have read the last one
+    DS_FREE = 12   # one dS stage (the 96-key tiles): both consumer warpgroups' dQ wgmmas have read the last one
+    P_READY = 13   # 13, 14: the 96-key tiles: consumer warpgroup 0's / 1's P (its 48 keys) is in shared memory

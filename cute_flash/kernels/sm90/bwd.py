@@ -38,16 +38,18 @@ memory (two stages each), where dV += P^T dO and dK += dS^T Q read them whole as
 after the warpgroups meet; warpgroup 0 stores dK, warpgroup 1 dV. Q and dO take one stage
 at d 256 (`BwdTraits.q_stages`: two do not fit beside the dQ staging tile).
 
-MLA's q / k 192 with v 128 takes 96 keys a CTA (FA3's tiles, `layouts.hopper.bwd_keys_on_n`),
-not a multiple of a warpgroup's 64 rows, so S = Q K^T and dP = dO V^T put the queries on
-wgmma's M and each warpgroup's 48 keys on N; P and dS go into (block_m, 96) tiles as the
-accumulators lie, two keys a 32-bit store, P while dP's wgmma runs (one stage: a `DS_FREE`
-barrier holds the next block's stores until both warpgroups' wgmmas have read them), where
+MLA's q / k 192 with v 128 (and d 192 with v 192: `policy.hopper_bwd_dq`) takes 96 keys a CTA
+(FA3's tiles, `layouts.hopper.bwd_keys_on_n`), not a multiple of a warpgroup's 64 rows, so
+S = Q K^T and dP = dO V^T put the queries on wgmma's M and each warpgroup's 48 keys on N; P
+and dS go into (block_m, 96) tiles as the accumulators lie, two keys a 32-bit store, where
 dV^T += dO^T P and dK^T += Q^T dS, the head dim on M, read the warpgroup's own 48 keys as
-MN-major B operands, and dQ reads dS whole (K-major A); the epilogue writes the transposed
-accumulators into sK / sV through transposed views. Dropout draws its keep mask on S as the forward does
-(`dropout_ds_qk`). V, dO and dV are 128 wide there (`BwdTraits.head_dim_v`: dP over 128
-columns, dV^T 128 rows), Q, K, dK and dQ 192. The tiles of d 192 take 32-column swizzle atoms
+MN-major B operands, and dQ reads dS whole (K-major A). So P meets only its own warpgroup
+(`issue_dv`: stored and dV^T issued while dP's wgmma runs, without dropout), and dS both: one
+stage, whose next stores a `DS_FREE` barrier holds until both warpgroups' dQ has read it. The
+epilogue writes the transposed accumulators into sK / sV through transposed views. Dropout
+draws its keep mask on S as the forward does (`dropout_ds_qk`). MLA's V, dO and dV are 128
+wide (`BwdTraits.head_dim_v`: dP over 128 columns, dV^T 128 rows), Q, K, dK and dQ 192. The
+tiles of d 192 take 32-column swizzle atoms
 (`layouts.hopper.bwd_atom_cols`), so that each warpgroup's 96 columns of dK, dV or dQ start on
 one (d 96's 16-column ones, for each warpgroup's 48 columns of dQ); the buckets 160 and 224 run
 on the d 192 and d 256 tiles.
@@ -531,9 +533,12 @@ class FlashBwdSm90(DqAdds, BwdEpilogue):
                 lse = tLSE[0, c]
                 for r in cutlass.range_constexpr(cute.size(acc_s_mn.shape[0])):
                     acc_s_mn[r, c] = cute.math.exp2(acc_s_mn[r, c] * scalars.scale_log2 - lse, fastmath=True)
-            if cutlass.const_expr(self.keys_on_n and not cfg.has_dropout):  # P stored while dP runs
-                self.store_pds(acc_s, smem.sP, ds, c_sdp)
-            warpgroup.wait_group(0)  # dP^T landed
+            if cutlass.const_expr(self.keys_on_n and not cfg.has_dropout):  # P stored, dV^T issued while dP runs
+                self.issue_dv(mma_dv, acc_dv, acc_s, smem.sP, ds, c_sdp, tdVrdO[None, None, None, read.index],
+                              tdVsP[None, None, None, ds], wg_idx)
+                warpgroup.wait_group(1)  # dP landed; dV^T may still run
+            else:
+                warpgroup.wait_group(0)  # dP^T landed
             if cutlass.const_expr(cfg.has_dropout and self.keys_on_n):
                 self.dropout_ds_qk(dropout, recipe, mma_tidx, m_block, tile.n_block, acc_s, acc_dp,
                                    c_sdp.partition_C(self.by_query(smem.sD, read.index)))
@@ -554,14 +559,16 @@ class FlashBwdSm90(DqAdds, BwdEpilogue):
                 user.backward(transposed(self.keys_by_queries(acc_dp)), transposed(self.keys_by_queries(pre)), tScS,
                               m_block * bm, tile.n_block * bn)
 
-            if cutlass.const_expr(self.keys_on_n):  # P and dS into their tiles: B of dV^T and dK^T, dQ's A
-                if cutlass.const_expr(cfg.has_dropout):  # the dropped P
-                    self.store_pds(acc_s, smem.sP, ds, c_sdp)
-                self.store_scores(acc_dp, smem.sdS, ds, c_sdp)  # dS
-                cute.arch.fence_view_async_shared()  # the P / dS stores, before wgmma (async proxy) reads them
+            if cutlass.const_expr(self.keys_on_n):  # dS into its tile: dK^T's B and dQ's A
+                if cutlass.const_expr(cfg.has_dropout):  # the dropped P, dV^T's B
+                    self.issue_dv(mma_dv, acc_dv, acc_s, smem.sP, ds, c_sdp, tdVrdO[None, None, None, read.index],
+                                  tdVsP[None, None, None, ds], wg_idx)
+                # the last block's dQ wgmmas, which read every warpgroup's dS, are done (each
+                # warpgroup waited for its own before arriving)
+                cute.arch.barrier(barrier_id=BwdBarrier.DS_FREE, number_of_threads=128 * self.wgs)
+                self.store_scores(acc_dp, smem.sdS, ds, c_sdp)
+                cute.arch.fence_view_async_shared()  # the dS stores, before wgmma (async proxy) reads them
                 cute.arch.barrier(barrier_id=BwdBarrier.DS, number_of_threads=128 * self.wgs)
-                wgmma_issue(mma_dv, acc_dv, tdVrdO[None, None, None, read.index], tdVsP[None, None, None, ds],
-                            accumulate=True)
                 wgmma_issue(mma_dq, acc_dq, tdQrdS[None, None, None, ds], tdQrK)
                 wgmma_issue(mma_dk, acc_dk, tdKrQ[None, None, None, read.index], tdKsdS[None, None, None, ds],
                             accumulate=True)
@@ -601,12 +608,16 @@ class FlashBwdSm90(DqAdds, BwdEpilogue):
         self.store_dkv(acc_dk, acc_dv, scalars, recipe, args, smem, tile, mma_tidx)
 
     @cute.jit
-    def store_pds(self, acc_s: cute.Tensor, sP: cute.Tensor, ds, c_sdp):
-        """The 96-key tiles: P (acc_s, queries on M) into stage `ds` of its (bm, bn) tile, once
-        both warpgroups' wgmmas of the last query block, which read the one P / dS stage, are
-        done (each waited for its own before arriving)."""
-        cute.arch.barrier(barrier_id=BwdBarrier.DS_FREE, number_of_threads=128 * self.wgs)
+    def issue_dv(self, mma_dv: cute.TiledMma, acc_dv: cute.Tensor, acc_s: cute.Tensor, sP: cute.Tensor, ds, c_sdp,
+                 tdVrdO: cute.Tensor, tdVsP: cute.Tensor, wg_idx):
+        """The 96-key tiles: P (acc_s, queries on M) into stage `ds` of its (bm, bn) tile, then
+        dV^T += dO^T P issued. A warpgroup's P columns are its own 48 keys, which only its own
+        dV^T reads (its last one waited for at the end of the last block), so the warpgroup
+        meets itself alone."""
         self.store_scores(acc_s, sP, ds, c_sdp)
+        cute.arch.fence_view_async_shared()  # the P stores, before wgmma (async proxy) reads them
+        cute.arch.barrier(barrier_id=BwdBarrier.P_READY + wg_idx, number_of_threads=128)
+        wgmma_issue(mma_dv, acc_dv, tdVrdO, tdVsP, accumulate=True)
 
     @cute.jit
     def store_scores(self, acc: cute.Tensor, s: cute.Tensor, ds, c_sdp):
