@@ -52,14 +52,18 @@ def takes_hopper_bwd_value_dim(head_dim: int, head_dim_v: int, index: int) -> bo
 
 
 def hopper_bwd_dq(traits: BwdTraits, deterministic: bool) -> dict:
-    """The default mode's dQ path on the Hopper backward's tiles (Sm90BwdConfig fields): at d 64
-    and 128 (96 too, not measured on its own tiles) the producer's writer warps issue the bulk
-    adds (1.03-1.05x the consumers' own), at d 256 (224 too) `red.global` adds from registers,
-    the staging tile's room a second Q / dO stage (1.29-1.31x); d 32 (not measured), 192 (the
-    others 0.90-0.99) and deterministic mode keep theirs. docs/tuning/policy.md;
-    docs/tuning/backward.md, "The dQ paths measured"."""
-    if deterministic or traits.head_dim in (32, 192):
+    """The default mode's dQ path on the Hopper backward's tiles (Sm90BwdConfig fields, the tiles
+    it needs included): at d 64 and 128 (96 too, not measured on its own tiles) the producer's
+    writer warps issue the bulk adds (1.03-1.05x the consumers' own), at d 256 (224 too)
+    `red.global` adds from registers, the staging tile's room a second Q / dO stage
+    (1.29-1.31x); d 192 with V 192 (160 too) the same on 96-key tiles (MLA's, FA3's; 1.05-1.06x
+    the 64-key tiles' bulk adds); d 32 (not measured), MLA and deterministic mode keep theirs.
+    docs/tuning/policy.md; docs/tuning/backward.md, "The dQ paths measured", "d 192 with V 192
+    on the 96-key tiles"."""
+    if deterministic or traits.head_dim == 32 or (traits.head_dim == 192 and traits.head_dim_v is not None):
         return {}
+    if traits.head_dim == 192:
+        return dict(dq_path="atomic", traits=replace(traits, block_n=96, q_stages=2))
     if traits.head_dim == 256:
         return dict(dq_path="atomic", traits=replace(traits, q_stages=2))
     return dict(dq_path="writer")

@@ -76,13 +76,14 @@ def test_packed_batches(monkeypatch, causal, variant):
 @pytest.mark.parametrize("d", [64, 128, 192, 256])
 def test_the_default_path(monkeypatch, d, causal, shape):
     """With no `hopper_variant` the dispatcher's path per head dim: the writer warps' adds at
-    d 64 / 128, the consumers' bulk adds at d 192, atomics with Q and dO double-buffered at
-    d 256 (the pipelines wrap over two stages where the staged tiles have one)."""
-    path, stages = {64: ("writer", 2), 128: ("writer", 2), 192: ("bulk", 2), 256: ("atomic", 2)}[d]
+    d 64 / 128, atomics with Q and dO double-buffered at d 192 (on 96-key tiles) and d 256 (the
+    pipelines wrap over two stages where the staged tiles have one)."""
+    path, stages, keys = {64: ("writer", 2, 128), 128: ("writer", 2, 128), 192: ("atomic", 2, 96),
+                          256: ("atomic", 2, 64)}[d]
     configs = config_lookups(monkeypatch, Sm90BwdConfig)
     q, k, v, dout = inputs(*SHAPES[shape], d)
     out, lse = flash_fwd(q, k, v, softmax_scale=d ** -0.5, causal=causal)
     grads = flash_bwd(dout, q, k, v, out, lse, softmax_scale=d ** -0.5, causal=causal)[:3]
-    assert configs and all((c.dq_path, c.traits.q_stages) == (path, stages) for c in configs), \
-        [c.name for c in configs]
+    assert configs and all((c.dq_path, c.traits.q_stages, c.traits.block_n) == (path, stages, keys)
+                           for c in configs), [c.name for c in configs]
     assert_grads_match(grads, q, k, v, dout, out=out, causal=causal)
