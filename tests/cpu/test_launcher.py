@@ -331,8 +331,8 @@ def test_the_hopper_backward_takes_mla_values_as_they_are(recorder, monkeypatch)
 def test_mla_backward_takes_96_key_blocks(recorder, monkeypatch):
     """MLA's 192 / 128 on FA3's 96-key tiles (`bwd_keys_on_n`), dense and packed, two Q / dO
     stages beside the dQ staging tile: a grid of 96-key blocks, the packed launch order's
-    (sequence, key block) entries at 96 keys; d 192 with V 192 (and the bucket 160) keeps the
-    64-key tiles."""
+    (sequence, key block) entries at 96 keys; d 192 with V 192 (and the bucket 160) takes them
+    too, with vector atomic dQ adds (`policy.hopper_bwd_dq`)."""
     from cute_flash.kernels.sm90.bwd import Sm90BwdConfig
     from cute_flash.launch.backward import flash_bwd, flash_bwd_varlen
 
@@ -349,7 +349,7 @@ def test_mla_backward_takes_96_key_blocks(recorder, monkeypatch):
         flash_bwd(x, x, x, x, x, torch.randn(1, 4, 300), softmax_scale=0.5)
     dense, packed, *plain = [x.config for x in recorder.launches if isinstance(x.config, Sm90BwdConfig)]
     assert all((c.traits.block_n, c.traits.q_stages, c.dq_path) == (96, 2, "bulk") for c in (dense, packed))
-    assert [c.traits.block_n for c in plain] == [64, 64]
+    assert [(c.traits.block_n, c.traits.q_stages, c.dq_path) for c in plain] == [(96, 2, "atomic")] * 2
     entries = {tuple(e) for e in recorder.launches[4]["mTiles"].tolist()}  # (sequence, key block)
     assert {(0, 0), (0, 1), (1, 0), (1, 2)} <= entries and (1, 3) not in entries and (0, 2) not in entries
 
@@ -631,7 +631,7 @@ def test_dense_backwards_on_sm90_default_to_the_hopper_kernel(recorder, monkeypa
     flash_bwd(q160, q160, q160, q160, q160, lse, softmax_scale=0.5)
     pre, main, convert = recorder.launches[-3:]
     assert isinstance(main.config, Sm90BwdConfig) and main.config.traits.head_dim == 192
-    assert main.config.traits.block_n == 64 and main["mQ"].shape[-1] == 160
+    assert main.config.traits.block_n == 96 and main["mQ"].shape[-1] == 160
     assert pre.config.head_dim == 192 and not pre.config.even_k and not convert.config.even_k
     del recorder.launches[3:]  # the calls below all take the SM80 kernel
     monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", "sm80")
@@ -1512,19 +1512,21 @@ def test_a_hopper_variant_reaches_the_hopper_backward(recorder, monkeypatch):
 def test_the_hopper_backward_takes_the_policy_dq_path(recorder, monkeypatch, deterministic):
     """The default mode's dQ path per head dim, dense and packed (docs/tuning/backward.md, "The
     dQ paths measured"): the writer warps' bulk adds at d 64 / 96 / 128, the consumers' own at
-    d 32 and 160 / 192, vector atomics with two Q / dO stages at d 224 / 256; deterministic
-    mode keeps its turns (bulk adds, staged) and d 256's one stage. The dQ convert is keyed by
-    the tiles alone: the same config whatever the main kernel's stages."""
+    d 32, vector atomics with two Q / dO stages at d 160 / 192 (on 96-key tiles) and 224 / 256;
+    deterministic mode keeps its turns (bulk adds, staged), the 64-key tiles and d 256's one
+    stage. The dQ convert is keyed by the tiles alone: the same config whatever the main
+    kernel's stages."""
     from cute_flash.kernels.sm80.dq_convert import DQConvertConfig
     from cute_flash.kernels.sm90.bwd import Sm90BwdConfig
     from cute_flash.launch.backward import flash_bwd, flash_bwd_varlen
 
     monkeypatch.delenv("CUTE_FLASH_ARCH_PATH")
-    expected = {32: ("bulk", 2), 64: ("writer", 2), 96: ("writer", 2), 128: ("writer", 2), 160: ("bulk", 2),
-                192: ("bulk", 2), 224: ("atomic", 2), 256: ("atomic", 2)}
+    expected = {32: ("bulk", 2), 64: ("writer", 2), 96: ("writer", 2), 128: ("writer", 2), 160: ("atomic", 2),
+                192: ("atomic", 2), 224: ("atomic", 2), 256: ("atomic", 2)}
     for d, (path, stages) in expected.items():
+        keys = 96 if d in (160, 192) else (128 if d <= 128 else 64)
         if deterministic:
-            path, stages = "bulk", 1 if d > 192 else 2
+            path, stages, keys = "bulk", 1 if d > 192 else 2, 64 if d > 128 else keys
         q = torch.randn(2, 70, 4, d, dtype=torch.bfloat16)
         lse = torch.randn(2, 4, 70)
         cu = torch.tensor([0, 30, 70], dtype=torch.int32)
@@ -1535,5 +1537,6 @@ def test_the_hopper_backward_takes_the_policy_dq_path(recorder, monkeypatch, det
         mains = [x.config for x in recorder.launches if isinstance(x.config, Sm90BwdConfig)]
         converts = [x.config for x in recorder.launches if isinstance(x.config, DQConvertConfig)]
         assert [c.varlen for c in mains] == [False, True] and len(converts) == 2, d
-        assert all((c.dq_path, c.traits.q_stages) == (path, stages) for c in mains), (d, [c.name for c in mains])
+        assert all((c.dq_path, c.traits.q_stages, c.traits.block_n) == (path, stages, keys) for c in mains), \
+            (d, [c.name for c in mains])
         assert all(c.traits.q_stages == 1 for c in converts)
