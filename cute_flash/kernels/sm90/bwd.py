@@ -49,10 +49,9 @@ stage, whose next stores a `DS_FREE` barrier holds until both warpgroups' dQ has
 epilogue writes the transposed accumulators into sK / sV through transposed views. Dropout
 draws its keep mask on S as the forward does (`dropout_ds_qk`). MLA's V, dO and dV are 128
 wide (`BwdTraits.head_dim_v`: dP over 128 columns, dV^T 128 rows), Q, K, dK and dQ 192. The
-tiles of d 192 take 32-column swizzle atoms
-(`layouts.hopper.bwd_atom_cols`), so that each warpgroup's 96 columns of dK, dV or dQ start on
-one (d 96's 16-column ones, for each warpgroup's 48 columns of dQ); the buckets 160 and 224 run
-on the d 192 and d 256 tiles.
+tiles of d 192 take 32-column swizzle atoms (`layouts.hopper.bwd_atom_cols`), so that each
+warpgroup's 96 columns of dK, dV or dQ start on one (d 96's 16-column ones, for each
+warpgroup's 48 columns of dQ); the buckets 160 and 224 run on the d 192 and d 256 tiles.
 
 Packed batches (`call_varlen`): a CTA per (key block, head) of a list of the batch's key blocks
 in launch order (`VarlenTiles`: the host puts those with the most query blocks first); an entry
