@@ -572,16 +572,12 @@ class FlashBwdSm90(DqAdds, BwdEpilogue):
                 wgmma_issue(mma_dk, acc_dk, tdKrQ[None, None, None, read.index], tdKsdS[None, None, None, ds],
                             accumulate=True)
             elif cutlass.const_expr(self.split):  # P^T and dS^T to shared memory: dV and dK read them whole
-                rP = cute.make_rmem_tensor(acc_s.layout, self.dtype)  # (MMA, MMA_M, MMA_N): P^T
-                rP.store(acc_s.load().to(self.dtype))
-                cute.autovec_copy(rP, c_sdp.partition_C(smem.sP[None, None, ds]))
+                self.store_scores(acc_s, smem.sP, ds, c_sdp)
             else:
                 tdVrP = hopper.p_operand(acc_s, self.dtype)  # ((2, 2, 2), MMA_M, MMA_K): P^T as dV's A
                 wgmma_issue(mma_dv, acc_dv, tdVrP, tdVrdO[None, None, None, read.index], accumulate=True)
             if cutlass.const_expr(not self.keys_on_n):
-                rdS = cute.make_rmem_tensor(acc_dp.layout, self.dtype)  # (MMA, MMA_M, MMA_N): dS^T
-                rdS.store(acc_dp.load().to(self.dtype))
-                cute.autovec_copy(rdS, c_sdp.partition_C(smem.sdS[None, None, ds]))
+                rdS = self.store_scores(acc_dp, smem.sdS, ds, c_sdp)  # (MMA, MMA_M, MMA_N): dS^T, dK's A up to d 128
                 cute.arch.fence_view_async_shared()  # the P^T / dS^T stores, before wgmma (async proxy) reads them
                 cute.arch.barrier(barrier_id=BwdBarrier.DS, number_of_threads=128 * self.wgs)
                 if cutlass.const_expr(self.split):
@@ -619,12 +615,14 @@ class FlashBwdSm90(DqAdds, BwdEpilogue):
         wgmma_issue(mma_dv, acc_dv, tdVrdO, tdVsP, accumulate=True)
 
     @cute.jit
-    def store_scores(self, acc: cute.Tensor, s: cute.Tensor, ds, c_sdp):
-        """The 96-key tiles: a (bm, bn) accumulator (P or dS), converted, into stage `ds` of its
-        tile, as it lies (pairs of keys: 32-bit stores)."""
+    def store_scores(self, acc: cute.Tensor, s: cute.Tensor, ds, c_sdp) -> cute.Tensor:
+        """A scores-shaped accumulator (P^T or dS^T; on the 96-key tiles P or dS, as it lies:
+        pairs of keys in 32-bit stores), converted, into stage `ds` of its shared-memory tile;
+        returns the converted registers."""
         r = cute.make_rmem_tensor(acc.layout, self.dtype)  # (MMA, MMA_M, MMA_N)
         r.store(acc.load().to(self.dtype))
         cute.autovec_copy(r, c_sdp.partition_C(s[None, None, ds]))
+        return r
 
     @cute.jit
     def clear_rows(self, tiles, first_row, rows: cutlass.Constexpr, mma_tidx):
