@@ -323,15 +323,16 @@ def bwd_smem_layout(traits, rows: int, stages: int | None = None, cols: int | No
 
 
 def bwd_smem_bytes(traits, staging: bool = True) -> int:
-    """The backward's shared memory: Q and dO (q_stages each), K, V, dS^T (`bwd_ds_stages`; P^T
-    too above d 128), the fp32 dQ staging tile unless dQ goes out by atomics (`staging`), LSE
-    and D (q_stages each) and the mbarriers."""
+    """The backward's shared memory: Q and LSE (q_stages each), dO and D (`stages_do` each), K,
+    V, dS^T (`bwd_ds_stages`; P^T too above d 128), the fp32 dQ staging tile unless dQ goes out
+    by atomics (`staging`) and the mbarriers."""
     t = traits
     staged = 2 if bwd_splits_head_dim(t) else 1  # dS^T, and P^T
-    tiles = ELEMENT_BYTES * ((t.q_stages * t.block_m + t.block_n) * (t.head_dim + t.dv)
-                             + staged * bwd_ds_stages(t) * t.block_n * t.block_m)
+    tiles = ELEMENT_BYTES * (t.q_stages * t.block_m * t.head_dim + t.stages_do * t.block_m * t.dv
+                             + t.block_n * (t.head_dim + t.dv) + staged * bwd_ds_stages(t) * t.block_n * t.block_m)
     dq = 4 * t.block_m * t.head_dim if staging else 0
-    return tiles + dq + 4 * 2 * t.q_stages * t.block_m + 8 * (1 + 4 * t.q_stages)
+    stages = t.q_stages + t.stages_do
+    return tiles + dq + 4 * stages * t.block_m + 8 * (1 + 2 * stages)
 
 
 def bwd_warpgroups(traits) -> int:

@@ -145,6 +145,8 @@ class BwdTraits:
     `atom_n_dkv` warps along N-of-keys), dQ (block_m x head_dim, `atom_m_dq` warps along M).
     `q_stages` 2 double-buffers Q and dO so the next query block loads under this one's math.
     `head_dim_v`: V's, dO's and dV's head dim where it is not head_dim's (MLA's 192 / 128, the
+    Hopper backward only), else None. `do_stages`: dO's (and D's) stages where they are fewer
+    than Q's (1 beside two of Q, flash-attn-4's d 192 tiles: room for the dQ staging tile; the
     Hopper backward only), else None."""
     head_dim: int
     block_m: int
@@ -156,6 +158,7 @@ class BwdTraits:
     q_stages: int = 2
     dtype: str = "bf16"
     head_dim_v: int | None = None
+    do_stages: int | None = None
 
     def __post_init__(self):
         check_bucket_and_dtype(self.head_dim, self.dtype)
@@ -165,6 +168,8 @@ class BwdTraits:
                 raise ValueError("head_dim_v is V's head dim where it differs from head_dim; leave it None otherwise")
         if self.q_stages not in (1, 2):
             raise ValueError("q_stages is 1 or 2")
+        if self.do_stages is not None and not 1 <= self.do_stages < self.q_stages:
+            raise ValueError("do_stages is fewer than q_stages where given; leave it None otherwise")
         for atom, (rows, cols) in ((self.atom_m_sdp, (self.block_m, self.block_n)),
                                    (self.atom_n_dkv, (self.block_n, self.head_dim)),
                                    (self.atom_m_dq, (self.block_m, self.head_dim))):
@@ -182,6 +187,11 @@ class BwdTraits:
     def dv(self) -> int:
         """V's, dO's and dV's head dim."""
         return self.head_dim if self.head_dim_v is None else self.head_dim_v
+
+    @property
+    def stages_do(self) -> int:
+        """dO's and D's stages."""
+        return self.q_stages if self.do_stages is None else self.do_stages
 
     @property
     def block_k_pds(self) -> int:

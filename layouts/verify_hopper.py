@@ -150,7 +150,7 @@ def o_copy_checks(traits: HopperTileTraits, coord=None) -> dict:
 
 def bwd_checks(traits: BwdTraits) -> dict:
     """The Hopper backward's recipes (layouts/hopper.py, kernels/sm90/bwd.py) for one tile:
-    - Q / dO (q_stages), K / V and dS^T (`bwd_ds_stages`) are bijections, stages 1024-byte
+    - Q (q_stages) / dO (`stages_do`), K / V and dS^T (`bwd_ds_stages`) are bijections, stages 1024-byte
       aligned (dO and V at V's head dim `dv`);
     - the S^T and dP^T accumulators, re-viewed by `acc_as_operand_a`, are the register A
       operands of dV += P^T dO and dK += dS^T Q, thread by thread (up to d 128; above it
@@ -170,7 +170,7 @@ def bwd_checks(traits: BwdTraits) -> dict:
     def run():
         out = {}
         for name, layout in (("sQ", hopper.bwd_smem_layout(traits, bm, traits.q_stages)),
-                             ("sdO", hopper.bwd_smem_layout(traits, bm, traits.q_stages, dv)),
+                             ("sdO", hopper.bwd_smem_layout(traits, bm, traits.stages_do, dv)),
                              ("sK", hopper.bwd_smem_layout(traits, bn)),
                              ("sV", hopper.bwd_smem_layout(traits, bn, cols=dv)),
                              ("sdS", hopper.smem_layout_ds(traits, hopper.bwd_ds_stages(traits)))):

@@ -439,6 +439,25 @@ def test_hopper_backward_traits_verify(traits):
     assert result["ok"], result
 
 
+def test_hopper_backward_one_do_stage():
+    """`BwdTraits.do_stages` 1 beside two Q stages (flash-attn-4's d 192 tiles): dO's tile and D
+    take one stage, the shared memory counts one (the dQ staging tile fits beside it), the
+    recipes verify, and as many dO stages as Q's are refused (None says so)."""
+    from dataclasses import replace
+
+    from layouts.verify_hopper import bwd_checks
+
+    two = replace(hopper.choose_hopper_bwd_traits(192), block_n=96, q_stages=2)
+    one = replace(two, do_stages=1)
+    assert (two.stages_do, one.stages_do) == (2, 1)
+    do_stage = ELEMENT_BYTES * one.block_m * one.dv + 4 * one.block_m + 2 * 8  # the tile, D, two mbarriers
+    assert hopper.bwd_smem_bytes(two) - hopper.bwd_smem_bytes(one) == do_stage
+    assert hopper.bwd_smem_bytes(two) > SMEM_LIMIT[90] >= hopper.bwd_smem_bytes(one)
+    assert bwd_checks(one)["ok"]
+    with pytest.raises(ValueError, match="do_stages"):
+        replace(two, do_stages=2)
+
+
 def test_hopper_backward_checks_catch_a_wrong_view_and_a_wrong_run(monkeypatch):
     """Not vacuous: swapping two register groups of the A-operand view fails `operand_a`, and
     stores in runs of one warp's width (the SM80 kernel's) against a warpgroup's reads fail

@@ -189,7 +189,8 @@ class Sm90BwdConfig:
         if self.mods is not None:
             modes += "-M" + "".join(m.digest for m in (self.mods.score_mod, self.mods.mask_mod) if m is not None)
         value = "" if t.head_dim_v is None else f"_v{t.head_dim_v}"
-        return (f"sm90_bwd_d{t.head_dim}{value}_m{t.block_m}_n{t.block_n}_q{t.q_stages}_{t.dtype}-{score_letters(self)}"
+        stages = f"q{t.q_stages}" + ("" if t.do_stages is None else f"o{t.do_stages}")
+        return (f"sm90_bwd_d{t.head_dim}{value}_m{t.block_m}_n{t.block_n}_{stages}_{t.dtype}-{score_letters(self)}"
                 f"{modes}")
 
 
@@ -200,7 +201,8 @@ class FlashBwdSm90(DqAdds, BwdEpilogue):
         self.dtype = element_type(config.traits)
         self.wgs = hopper.bwd_warpgroups(config.traits)
         self.split = hopper.bwd_splits_head_dim(config.traits)
-        self.q_stages = config.traits.q_stages  # Q / dO / LSE / D stages
+        self.q_stages = config.traits.q_stages  # Q / LSE stages
+        self.do_stages = config.traits.stages_do  # dO / D stages
         self.keys_on_n = hopper.bwd_keys_on_n(config.traits)
         self.ds_stages = hopper.bwd_ds_stages(config.traits)  # dS^T (and P^T)
 
@@ -248,7 +250,7 @@ class FlashBwdSm90(DqAdds, BwdEpilogue):
         t = self.t
         bm, bn, d, dv = t.block_m, t.block_n, t.head_dim, t.dv
         sQ_layout = hopper.bwd_smem_layout(t, bm, self.q_stages)
-        sdO_layout = hopper.bwd_smem_layout(t, bm, self.q_stages, dv)
+        sdO_layout = hopper.bwd_smem_layout(t, bm, self.do_stages, dv)
         sK_layout = hopper.bwd_smem_layout(t, bn)
         sV_layout = hopper.bwd_smem_layout(t, bn, cols=dv)
         sdS_layout = hopper.smem_layout_ds(t, self.ds_stages)
@@ -262,14 +264,14 @@ class FlashBwdSm90(DqAdds, BwdEpilogue):
         tma_dv, tma_mdV = hopper.tma_store_atom(t, seq_first(mdV), hopper.bwd_smem_layout(t, rows, cols=dv), rows,
                                                 cols=dv)
 
-        stat = (cutlass.Float32, bm * self.q_stages, 128)
         fields = {
             "kv_barrier": (cutlass.Int64, 1, None), "q_barriers": (cutlass.Int64, 2 * self.q_stages, None),
-            "do_barriers": (cutlass.Int64, 2 * self.q_stages, None),
+            "do_barriers": (cutlass.Int64, 2 * self.do_stages, None),
             "sQ": (self.dtype, cute.cosize(sQ_layout), 1024), "sdO": (self.dtype, cute.cosize(sdO_layout), 1024),
             "sK": (self.dtype, cute.cosize(sK_layout), 1024), "sV": (self.dtype, cute.cosize(sV_layout), 1024),
             "sdS": (self.dtype, cute.cosize(sdS_layout), 1024),
-            "sdQaccum": (cutlass.Float32, bm * d, 1024), "sLSE": stat, "sD": stat}
+            "sdQaccum": (cutlass.Float32, bm * d, 1024), "sLSE": (cutlass.Float32, bm * self.q_stages, 128),
+            "sD": (cutlass.Float32, bm * self.do_stages, 128)}
         if cutlass.const_expr(not self.config.stages_dq):
             del fields["sdQaccum"]
         if cutlass.const_expr(self.split):
@@ -307,15 +309,15 @@ class FlashBwdSm90(DqAdds, BwdEpilogue):
             cute.arch.mbarrier_init(kv_full, 1)
         consumer_threads = pipeline.CooperativeGroup(pipeline.Agent.Thread, 128 * self.wgs)  # all arrive: `release`
         q_pipe, do_pipe = (pipeline.PipelineTmaAsync.create(
-            barrier_storage=barriers, num_stages=self.q_stages,
+            barrier_storage=barriers, num_stages=stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread), consumer_group=consumer_threads,
             tx_count=cute.size_in_bytes(self.dtype, cute.slice_(layout, (None, None, 0))) + 4 * t.block_m,
-            defer_sync=True) for barriers, layout in ((storage.q_barriers.data_ptr(), recipe.sQ_layout),
-                                                      (storage.do_barriers.data_ptr(), recipe.sdO_layout)))
+            defer_sync=True) for barriers, layout, stages in (
+                (storage.q_barriers.data_ptr(), recipe.sQ_layout, self.q_stages),
+                (storage.do_barriers.data_ptr(), recipe.sdO_layout, self.do_stages)))
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
         pipes = Sm90BwdPipes(kv_full, q_pipe, do_pipe)
-        stat_layout = cute.make_layout((t.block_m, self.q_stages))
         sP = None
         if cutlass.const_expr(self.split):
             sP = storage.sP.get_tensor(recipe.sdS_layout.outer, swizzle=recipe.sdS_layout.inner)
@@ -325,7 +327,8 @@ class FlashBwdSm90(DqAdds, BwdEpilogue):
             storage.sK.get_tensor(recipe.sK_layout.outer, swizzle=recipe.sK_layout.inner),
             storage.sV.get_tensor(recipe.sV_layout.outer, swizzle=recipe.sV_layout.inner),
             storage.sdS.get_tensor(recipe.sdS_layout.outer, swizzle=recipe.sdS_layout.inner),
-            storage.sLSE.get_tensor(stat_layout), storage.sD.get_tensor(stat_layout),
+            storage.sLSE.get_tensor(cute.make_layout((t.block_m, self.q_stages))),
+            storage.sD.get_tensor(cute.make_layout((t.block_m, self.do_stages))),
             storage.sdQaccum.get_tensor(cute.make_layout(t.block_m * t.head_dim)) if cfg.stages_dq else None, sP)
 
         window = Window(scalars.window_left, scalars.window_right, cfg.has_left, cfg.has_right)
@@ -390,15 +393,15 @@ class FlashBwdSm90(DqAdds, BwdEpilogue):
         lse_row, d_row = self.stat_rows(args.mLSE, tile), self.stat_rows(args.mD, tile)  # (seqlen_q_pad,)
         for i in cutlass.range(tile.count(), unroll=1):
             m_block = tile.m_block(i)
-            write = use_state(i, self.q_stages, producer=True)
+            write, write_do = use_state(i, self.q_stages, producer=True), use_state(i, self.do_stages, producer=True)
             pipes.q.producer_acquire(write)
             bar = pipes.q.producer_get_barrier(write)
             cute.copy(recipe.tma_q, tQgQ[None, m_block], tQsQ[None, write.index], tma_bar_ptr=bar)
             self.bulk_load(lse_row, smem.sLSE, m_block, write.index, bar)
-            pipes.do.producer_acquire(write)
-            bar = pipes.do.producer_get_barrier(write)
-            cute.copy(recipe.tma_do, tdOgdO[None, m_block], tdOsdO[None, write.index], tma_bar_ptr=bar)
-            self.bulk_load(d_row, smem.sD, m_block, write.index, bar)
+            pipes.do.producer_acquire(write_do)
+            bar = pipes.do.producer_get_barrier(write_do)
+            cute.copy(recipe.tma_do, tdOgdO[None, m_block], tdOsdO[None, write_do.index], tma_bar_ptr=bar)
+            self.bulk_load(d_row, smem.sD, m_block, write_do.index, bar)
 
     def stat_rows(self, mX: cute.Tensor, tile: KeyTile) -> cute.Tensor:
         """This (sequence, head)'s padded LSE or D row: dense (batch, heads, seqlen_q_pad) indexed,
@@ -488,6 +491,9 @@ class FlashBwdSm90(DqAdds, BwdEpilogue):
         for i in cutlass.range(tile.count(), unroll=1):
             m_block = tile.m_block(i)
             read = use_state(i, self.q_stages, producer=False)
+            read_do = read  # the dO / D stage
+            if cutlass.const_expr(self.do_stages != self.q_stages):
+                read_do = use_state(i, self.do_stages, producer=False)
             ds = read.index  # the dS^T (and P^T) stage
             if cutlass.const_expr(self.q_stages != self.ds_stages):
                 ds = i % self.ds_stages
@@ -497,19 +503,19 @@ class FlashBwdSm90(DqAdds, BwdEpilogue):
             mma_dv, mma_dk, mma_dq = hopper.tiled_mma_dkv(t, dv), hopper.tiled_mma_dkv(t), hopper.tiled_mma_dq(t)
             pipes.q.consumer_wait(read)
             if cutlass.const_expr(packed):  # the next sequence's queries in the block's last rows: zeroed
-                pipes.do.consumer_wait(read)
+                pipes.do.consumer_wait(read_do)
                 queries = tile.seq.seqlen_q - m_block * bm
                 if queries < bm:
-                    self.clear_rows((smem.sQ[None, None, read.index], smem.sdO[None, None, read.index]), queries,
+                    self.clear_rows((smem.sQ[None, None, read.index], smem.sdO[None, None, read_do.index]), queries,
                                     bm, mma_tidx)
             if cutlass.const_expr(self.keys_on_n):
                 wgmma_issue(mma_s, acc_s, tSrQ[None, None, None, read.index], tSrK)
-                pipes.do.consumer_wait(read)
-                wgmma_issue(mma_dp, acc_dp, tdPrdO[None, None, None, read.index], tdPrV)
+                pipes.do.consumer_wait(read_do)
+                wgmma_issue(mma_dp, acc_dp, tdPrdO[None, None, None, read_do.index], tdPrV)
             else:
                 wgmma_issue(mma_s, acc_s, tSrK, tSrQ[None, None, None, read.index])
-                pipes.do.consumer_wait(read)
-                wgmma_issue(mma_dp, acc_dp, tdPrV, tdPrdO[None, None, None, read.index])
+                pipes.do.consumer_wait(read_do)
+                wgmma_issue(mma_dp, acc_dp, tdPrV, tdPrdO[None, None, None, read_do.index])
             warpgroup.wait_group(1)  # S^T landed; dP^T may still run
 
             dtanh = None
@@ -525,7 +531,7 @@ class FlashBwdSm90(DqAdds, BwdEpilogue):
 
             c_sdp = recipe.mma_sdp.get_slice(mma_tidx)
             tLSE = self.keys_by_queries(c_sdp.partition_C(self.by_query(smem.sLSE, read.index)))  # (keys, queries)
-            tD = self.keys_by_queries(c_sdp.partition_C(self.by_query(smem.sD, read.index)))
+            tD = self.keys_by_queries(c_sdp.partition_C(self.by_query(smem.sD, read_do.index)))
             acc_s_mn = self.keys_by_queries(acc_s)  # (keys, queries)
             acc_dp_mn = self.keys_by_queries(acc_dp)
             for c in cutlass.range_constexpr(cute.size(acc_s_mn.shape[1])):
@@ -533,18 +539,18 @@ class FlashBwdSm90(DqAdds, BwdEpilogue):
                 for r in cutlass.range_constexpr(cute.size(acc_s_mn.shape[0])):
                     acc_s_mn[r, c] = cute.math.exp2(acc_s_mn[r, c] * scalars.scale_log2 - lse, fastmath=True)
             if cutlass.const_expr(self.keys_on_n and not cfg.has_dropout):  # P stored, dV^T issued while dP runs
-                self.issue_dv(mma_dv, acc_dv, acc_s, smem.sP, ds, c_sdp, tdVrdO[None, None, None, read.index],
+                self.issue_dv(mma_dv, acc_dv, acc_s, smem.sP, ds, c_sdp, tdVrdO[None, None, None, read_do.index],
                               tdVsP[None, None, None, ds], wg_idx)
                 warpgroup.wait_group(1)  # dP landed; dV^T may still run
             else:
                 warpgroup.wait_group(0)  # dP^T landed
             if cutlass.const_expr(cfg.has_dropout and self.keys_on_n):
                 self.dropout_ds_qk(dropout, recipe, mma_tidx, m_block, tile.n_block, acc_s, acc_dp,
-                                   c_sdp.partition_C(self.by_query(smem.sD, read.index)))
+                                   c_sdp.partition_C(self.by_query(smem.sD, read_do.index)))
             elif cutlass.const_expr(cfg.has_dropout):
                 keep_bits = dropout.pair_keep_bits(recipe.mma_sdp, mma_tidx, m_block * bm, tile.n_block * bn, (bn, bm))
                 self.dropout_ds(dropout, keep_bits, acc_s, acc_dp,
-                                c_sdp.partition_C(self.by_query(smem.sD, read.index)))
+                                c_sdp.partition_C(self.by_query(smem.sD, read_do.index)))
             else:
                 for c in cutlass.range_constexpr(cute.size(acc_s_mn.shape[1])):
                     dot = tD[0, c]
@@ -560,7 +566,7 @@ class FlashBwdSm90(DqAdds, BwdEpilogue):
 
             if cutlass.const_expr(self.keys_on_n):  # dS into its tile: dK^T's B and dQ's A
                 if cutlass.const_expr(cfg.has_dropout):  # the dropped P, dV^T's B
-                    self.issue_dv(mma_dv, acc_dv, acc_s, smem.sP, ds, c_sdp, tdVrdO[None, None, None, read.index],
+                    self.issue_dv(mma_dv, acc_dv, acc_s, smem.sP, ds, c_sdp, tdVrdO[None, None, None, read_do.index],
                                   tdVsP[None, None, None, ds], wg_idx)
                 # the last block's dQ wgmmas, which read every warpgroup's dS, are done (each
                 # warpgroup waited for its own before arriving)
@@ -575,13 +581,13 @@ class FlashBwdSm90(DqAdds, BwdEpilogue):
                 self.store_scores(acc_s, smem.sP, ds, c_sdp)
             else:
                 tdVrP = hopper.p_operand(acc_s, self.dtype)  # ((2, 2, 2), MMA_M, MMA_K): P^T as dV's A
-                wgmma_issue(mma_dv, acc_dv, tdVrP, tdVrdO[None, None, None, read.index], accumulate=True)
+                wgmma_issue(mma_dv, acc_dv, tdVrP, tdVrdO[None, None, None, read_do.index], accumulate=True)
             if cutlass.const_expr(not self.keys_on_n):
                 rdS = self.store_scores(acc_dp, smem.sdS, ds, c_sdp)  # (MMA, MMA_M, MMA_N): dS^T, dK's A up to d 128
                 cute.arch.fence_view_async_shared()  # the P^T / dS^T stores, before wgmma (async proxy) reads them
                 cute.arch.barrier(barrier_id=BwdBarrier.DS, number_of_threads=128 * self.wgs)
                 if cutlass.const_expr(self.split):
-                    wgmma_issue(mma_dv, acc_dv, tdVsP[None, None, None, ds], tdVrdO[None, None, None, read.index],
+                    wgmma_issue(mma_dv, acc_dv, tdVsP[None, None, None, ds], tdVrdO[None, None, None, read_do.index],
                                 accumulate=True)
                     wgmma_issue(mma_dq, acc_dq, tdQrdS[None, None, None, ds], tdQrK)
                     wgmma_issue(mma_dk, acc_dk, tdKsdS[None, None, None, ds], tdKrQ[None, None, None, read.index],
@@ -591,7 +597,7 @@ class FlashBwdSm90(DqAdds, BwdEpilogue):
                     wgmma_issue(mma_dk, acc_dk, hopper.acc_as_operand_a(rdS), tdKrQ[None, None, None, read.index],
                                 accumulate=True)
             warpgroup.wait_group(1)  # dV and dQ landed; dK runs under dQ's staging and bulk add
-            self.release(pipes.do, read)
+            self.release(pipes.do, read_do)
             if cutlass.const_expr(cfg.writes_dq_apart):
                 self.hand_dq(acc_dq, smem.sdQaccum, mma_tidx)
             elif cutlass.const_expr(not cfg.stages_dq):

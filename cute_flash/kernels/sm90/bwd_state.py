@@ -15,7 +15,7 @@ from cute_flash.kernels.common.varlen_tiles import VarlenTiles
 class Sm90BwdRecipe:
     """Compile-time layouts, TMA atoms and TiledMMAs (layouts/hopper.py)."""
     sQ_layout: cute.ComposedLayout    # (bm, d, q_stages)
-    sdO_layout: cute.ComposedLayout   # (bm, dv, q_stages)
+    sdO_layout: cute.ComposedLayout   # (bm, dv, do_stages)
     sK_layout: cute.ComposedLayout    # (bn, d)
     sV_layout: cute.ComposedLayout    # (bn, dv)
     sdS_layout: cute.ComposedLayout   # (bn, bm, stages): dS^T, also P^T's above d 128; 96 keys: (bm, bn, 1), dS, P
@@ -64,12 +64,12 @@ class Sm90BwdTensors:
 @dataclass(frozen=True)
 class Sm90BwdSmem:
     sQ: cute.Tensor        # (bm, d, q_stages)
-    sdO: cute.Tensor       # (bm, dv, q_stages)
+    sdO: cute.Tensor       # (bm, dv, do_stages)
     sK: cute.Tensor        # (bn, d)
     sV: cute.Tensor        # (bn, dv)
     sdS: cute.Tensor       # (bn, bm, stages): dS^T; on the 96-key tiles (bm, bn, 1): dS
     sLSE: cute.Tensor      # (bm, q_stages) fp32
-    sD: cute.Tensor        # (bm, q_stages) fp32
+    sD: cute.Tensor        # (bm, do_stages) fp32
     sdQaccum: object       # (bm * d,) fp32: a run per consumer warpgroup; None on the "atomic" dQ path
     sP: object = None      # (bn, bm, stages): P^T above d 128 (`bwd_splits_head_dim`; 96 keys: P), else None
 
