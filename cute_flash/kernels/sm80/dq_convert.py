@@ -39,10 +39,11 @@ class DQConvertConfig:
     def of_hopper(cls, traits: BwdTraits, even_k: bool, varlen: bool) -> DQConvertConfig:
         """The convert of a Hopper backward on `traits`, keyed by the tiles it reads: the main
         kernel's Q / dO stages (two at d 256 on the "atomic" dQ path, one beside its staging
-        tile), V's head dim (`head_dim_v`) and its key blocks (MLA's 96, `bwd_keys_on_n`) change
-        nothing here."""
+        tile; dO's own, `do_stages`), V's head dim (`head_dim_v`) and its key blocks (MLA's 96,
+        `bwd_keys_on_n`) change nothing here."""
         keys = 64 if hopper.bwd_keys_on_n(traits) else traits.block_n
-        return cls(replace(traits, q_stages=1, head_dim_v=None, block_n=keys), even_k, varlen, 4, hopper=True)
+        return cls(replace(traits, q_stages=1, do_stages=None, head_dim_v=None, block_n=keys), even_k, varlen, 4,
+                   hopper=True)
 
     @property
     def entry(self) -> str:
