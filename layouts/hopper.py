@@ -293,6 +293,13 @@ def bwd_keys_on_n(traits) -> bool:
     return traits.block_n % WGMMA_M != 0
 
 
+def bwd_dk_reads_smem(traits) -> bool:
+    """dK += dS^T Q with dS^T from its shared-memory tile (there for dQ anyway) rather than
+    from registers, on 128-row query blocks up to d 128: S^T and dP^T take 64 registers each
+    there, and dS^T's 32 more as dK's A serialized the wgmmas (ptxas C7512, d 64)."""
+    return not bwd_splits_head_dim(traits) and traits.block_m > WGMMA_M
+
+
 def bwd_ds_stages(traits) -> int:
     """Stages of dS^T (and P^T): one of dS and P on the 96-key tiles (two do not fit beside two
     Q / dO stages and the dQ staging tile; a named barrier orders a stage's reuse), else
@@ -375,13 +382,14 @@ def bwd_scores_shape(traits) -> tuple:
     return traits.block_n, traits.block_m
 
 
-def tiled_mma_dkv(traits, cols: int | None = None):
+def tiled_mma_dkv(traits, cols: int | None = None, a_smem: bool = False):
     """dV += P^T dO and dK += dS^T Q: (block_n, cols), cols the head dim unless given (dV's are
     `dv`); A from registers (the converted S^T / dP^T accumulators; above d 128 from their
     shared-memory tiles), B = dO^T / Q^T read MN-major from their row-major tiles. On the
     96-key tiles (`bwd_keys_on_n`) transposed: dV^T += dO^T P and dK^T += Q^T dS, (cols,
     block_n), A = dO^T / Q^T MN-major, B = P / dS MN-major from their (block_m, block_n) tiles
-    (`smem_layout_ds`), each warpgroup its own 48 keys."""
+    (`smem_layout_ds`), each warpgroup its own 48 keys. a_smem: A from its shared-memory tile
+    up to d 128 too (`tiled_mma_dk`)."""
     dtype = element_type(traits)
     cols = cols or traits.head_dim
     if bwd_keys_on_n(traits):
@@ -392,9 +400,14 @@ def tiled_mma_dkv(traits, cols: int | None = None):
         return sm90.make_trivial_tiled_mma(dtype, dtype, cute.nvgpu.OperandMajorMode.K,
                                            cute.nvgpu.OperandMajorMode.MN, cutlass.Float32, (1, 2, 1),
                                            (WGMMA_M, cols // 2))
+    source = {} if a_smem else dict(a_source=warpgroup.OperandSource.RMEM)
     return sm90.make_trivial_tiled_mma(dtype, dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
-                                       cutlass.Float32, (bwd_warpgroups(traits), 1, 1), (WGMMA_M, cols),
-                                       a_source=warpgroup.OperandSource.RMEM)
+                                       cutlass.Float32, (bwd_warpgroups(traits), 1, 1), (WGMMA_M, cols), **source)
+
+
+def tiled_mma_dk(traits):
+    """dK's `tiled_mma_dkv`: A = dS^T from shared memory where `bwd_dk_reads_smem`."""
+    return tiled_mma_dkv(traits, a_smem=bwd_dk_reads_smem(traits))
 
 
 def bwd_dkv_shape(traits, cols: int | None = None) -> tuple:

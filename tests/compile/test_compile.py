@@ -297,6 +297,26 @@ def test_hopper_forward_wgmma_not_serialized(config, tmp_path):
     assert not report.get("wgmma_serialized")
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_hopper_backward_128_query_rows_wgmma_not_serialized(causal, tmp_path):
+    """d 64 on 128 x 128 tiles (flash-attn-4's): S^T and dP^T take 64 registers each, and with
+    dK's A from registers ptxas serialized the wgmmas (C7512); dK reads dS^T from its
+    shared-memory tile there (`layouts.hopper.bwd_dk_reads_smem`). Needs a ptxas."""
+    from cute_flash.kernels.sm90.bwd import Sm90BwdConfig
+    from cute_flash.tools.resources import find_ptxas, ptxas_report
+    from layouts.traits import BwdTraits
+
+    if find_ptxas() is None:
+        pytest.skip("no ptxas on this machine")
+    traits = BwdTraits(64, 128, 128, 8, 4, 4, 4)
+    assert hopper.bwd_dk_reads_smem(traits) and not hopper.bwd_dk_reads_smem(hopper.choose_hopper_bwd_traits(64))
+    build(Sm90BwdConfig(traits, has_right=causal, dq_path="writer"), 90, f"--keep-ptx --dump-dir={tmp_path}")
+    (ptx,) = tmp_path.glob("*.ptx")
+    report = ptxas_report(str(ptx), 90)
+    assert report.get("registers"), "ptxas gave no resource report"
+    assert not report.get("wgmma_serialized")
+
+
 @pytest.mark.parametrize("config", sm90_bwd_variants(), ids=lambda c: c.name)
 def test_hopper_backward_compiles_to_wgmma(config, tmp_path):
     """The Hopper backward (the sm_90 default backward) and its dQ convert build for sm_90a and

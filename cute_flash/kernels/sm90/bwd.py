@@ -279,7 +279,7 @@ class FlashBwdSm90(DqAdds, BwdEpilogue):
         SharedStorage = lsmem.smem_struct(fields)
 
         recipe = Sm90BwdRecipe(sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, tma_q, tma_do, tma_k, tma_v,
-                               tma_dk, tma_dv, hopper.tiled_mma_sdp_t(t), hopper.tiled_mma_dkv(t),
+                               tma_dk, tma_dv, hopper.tiled_mma_sdp_t(t), hopper.tiled_mma_dk(t),
                                hopper.tiled_mma_dkv(t, dv), hopper.tiled_mma_dq(t))
         args = Sm90BwdTensors(tma_mQ, tma_mK, tma_mV, tma_mdO, tma_mdK, tma_mdV, mLSE, mD, mdQaccum, mAlibi, mRng,
                               mSemaphore, varlen, aux_tensors, sparse)
@@ -461,6 +461,8 @@ class FlashBwdSm90(DqAdds, BwdEpilogue):
             if cutlass.const_expr(self.split):
                 tdVsP = recipe.mma_dv.make_fragment_A(wg_dv.partition_A(smem.sP))      # (MMA, MMA_M, MMA_K, stages)
                 tdKsdS = recipe.mma_dkv.make_fragment_A(wg_dkv.partition_A(smem.sdS))  # (MMA, MMA_M, MMA_K, stages)
+            elif cutlass.const_expr(hopper.bwd_dk_reads_smem(t)):  # dS^T from shared memory: dK's A
+                tdKsdS = recipe.mma_dkv.make_fragment_A(wg_dkv.partition_A(smem.sdS))  # (MMA, MMA_M, MMA_K, stages)
         scores = hopper.bwd_scores_shape(t)  # (bn, bm), or (bm, bn) on the 96-key tiles
         acc_s = cute.make_rmem_tensor(wg_sdp.partition_shape_C(scores), cutlass.Float32)  # (MMA, MMA_M, MMA_N)
         acc_dp = cute.make_rmem_tensor(wg_sdp.partition_shape_C(scores), cutlass.Float32)
@@ -500,7 +502,7 @@ class FlashBwdSm90(DqAdds, BwdEpilogue):
             # MMAs of this iteration's own: wgmma sets an MMA's accumulate field, state that
             # must not escape the loop it was set in.
             mma_s, mma_dp = hopper.tiled_mma_sdp_t(t), hopper.tiled_mma_sdp_t(t)
-            mma_dv, mma_dk, mma_dq = hopper.tiled_mma_dkv(t, dv), hopper.tiled_mma_dkv(t), hopper.tiled_mma_dq(t)
+            mma_dv, mma_dk, mma_dq = hopper.tiled_mma_dkv(t, dv), hopper.tiled_mma_dk(t), hopper.tiled_mma_dq(t)
             pipes.q.consumer_wait(read)
             if cutlass.const_expr(packed):  # the next sequence's queries in the block's last rows: zeroed
                 pipes.do.consumer_wait(read_do)
@@ -594,8 +596,12 @@ class FlashBwdSm90(DqAdds, BwdEpilogue):
                                 accumulate=True)
                 else:
                     wgmma_issue(mma_dq, acc_dq, tdQrdS[None, None, None, ds], tdQrK)
-                    wgmma_issue(mma_dk, acc_dk, hopper.acc_as_operand_a(rdS), tdKrQ[None, None, None, read.index],
-                                accumulate=True)
+                    if cutlass.const_expr(tdKsdS is not None):  # dS^T as dK's A from its tile
+                        wgmma_issue(mma_dk, acc_dk, tdKsdS[None, None, None, ds], tdKrQ[None, None, None, read.index],
+                                    accumulate=True)
+                    else:
+                        wgmma_issue(mma_dk, acc_dk, hopper.acc_as_operand_a(rdS), tdKrQ[None, None, None, read.index],
+                                    accumulate=True)
             warpgroup.wait_group(1)  # dV and dQ landed; dK runs under dQ's staging and bulk add
             self.release(pipes.do, read_do)
             if cutlass.const_expr(cfg.writes_dq_apart):
