@@ -51,19 +51,24 @@ def takes_hopper_bwd_value_dim(head_dim: int, head_dim_v: int, index: int) -> bo
     return takes_hopper_path(index) and pair in VALUE_DIM_PAIRS
 
 
-def hopper_bwd_dq(traits: BwdTraits, deterministic: bool) -> dict:
-    """The default mode's dQ path on the Hopper backward's tiles (Sm90BwdConfig fields, the tiles
-    it needs included): at d 64 and 128 (96 too, not measured on its own tiles) the producer's
-    writer warps issue the bulk adds (1.03-1.05x the consumers' own), at d 256 (224 too)
-    `red.global` adds from registers, the staging tile's room a second Q / dO stage
-    (1.29-1.31x); d 192 with V 192 (160 too) the same on 96-key tiles (MLA's, FA3's; 1.05-1.06x
-    the 64-key tiles' bulk adds); d 32 (not measured), MLA and deterministic mode keep theirs.
-    docs/tuning/policy.md; docs/tuning/backward.md, "The dQ paths measured", "d 192 with V 192
-    on the 96-key tiles"."""
-    if deterministic or traits.head_dim == 32 or (traits.head_dim == 192 and traits.head_dim_v is not None):
+def hopper_bwd_dq(traits: BwdTraits, deterministic: bool, softcap: bool = False) -> dict:
+    """The dQ path on the Hopper backward's tiles (Sm90BwdConfig fields, the tiles it needs
+    included). Default mode: d 64 on 128 x 128 tiles (flash-attn-4's; 1.01-1.04x the 64-row
+    blocks, softcap's derivative spills there) and d 96 / 128 with the producer's writer warps'
+    bulk adds (1.03-1.05x the consumers' own); d 192 with V 192 (160 too) on 96-key tiles with
+    one dO stage, dQ by the writer warps (1.12-1.14x atomics with two dO stages), in
+    deterministic mode too (1.28-1.30x its 64-key tiles); MLA by the writer warps; d 256 (224
+    too) `red.global` adds from registers, the staging tile's room a second Q / dO stage
+    (1.29-1.31x); d 32 (not measured) and other deterministic tiles keep theirs.
+    docs/tuning/policy.md; docs/tuning/backward.md, "The dQ paths measured", "d 192 on
+    flash-attn-4's tiles", "d 64 on 128 x 128 tiles"."""
+    if traits.head_dim == 192 and traits.head_dim_v is None:
+        tiles = replace(traits, block_n=96, q_stages=2, do_stages=1)
+        return dict(traits=tiles) if deterministic else dict(dq_path="writer", traits=tiles)
+    if deterministic or traits.head_dim == 32:
         return {}
-    if traits.head_dim == 192:
-        return dict(dq_path="atomic", traits=replace(traits, block_n=96, q_stages=2))
+    if traits.head_dim == 64 and not softcap:
+        return dict(dq_path="writer", traits=replace(traits, block_m=128))
     if traits.head_dim == 256:
         return dict(dq_path="atomic", traits=replace(traits, q_stages=2))
     return dict(dq_path="writer")
@@ -72,7 +77,7 @@ def hopper_bwd_dq(traits: BwdTraits, deterministic: bool) -> dict:
 def with_hopper_bwd_dq(config):
     """An Sm90BwdConfig with the dQ path (and tiles) `hopper_bwd_dq` gives it: what the
     dispatcher launches."""
-    return replace(config, **hopper_bwd_dq(config.traits, config.deterministic))
+    return replace(config, **hopper_bwd_dq(config.traits, config.deterministic, config.has_softcap))
 
 
 def takes_packed_persistent(traits) -> bool:

@@ -356,6 +356,8 @@ def sm90_bwd_variants(full: bool = False) -> list:
         mains += [Sm90BwdConfig(t, has_right=True, dq_path=path) for t in traits]
         mains += [Sm90BwdConfig(pivot, **{f: True for f in flags}, varlen=True, dq_path=path)]
     mains = list(dict.fromkeys(mains))
+    # the converts and preprocesses of the tiles the policy gives a bucket too (its query rows)
+    traits = list(dict.fromkeys(traits + [c.traits for c in mains if c.traits.head_dim_v is None]))
     converts = [DQConvertConfig.of_hopper(t, True, v) for t in traits for v in (False, True)]
     converts += [DQConvertConfig.of_hopper(t, False, v) for t in (pivot, *wide) for v in (False, True)]
     # the preprocess, writing LSE and D in each bucket's padded rows, dense and packed (a padded head dim at d 128,

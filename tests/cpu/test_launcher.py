@@ -332,7 +332,7 @@ def test_mla_backward_takes_96_key_blocks(recorder, monkeypatch):
     """MLA's 192 / 128 on FA3's 96-key tiles (`bwd_keys_on_n`), dense and packed, two Q / dO
     stages beside the dQ staging tile: a grid of 96-key blocks, the packed launch order's
     (sequence, key block) entries at 96 keys; d 192 with V 192 (and the bucket 160) takes them
-    too, with vector atomic dQ adds (`policy.hopper_bwd_dq`)."""
+    too, with one dO stage (`policy.hopper_bwd_dq`); both hand dQ to the writer warps."""
     from cute_flash.kernels.sm90.bwd import Sm90BwdConfig
     from cute_flash.launch.backward import flash_bwd, flash_bwd_varlen
 
@@ -348,8 +348,8 @@ def test_mla_backward_takes_96_key_blocks(recorder, monkeypatch):
         x = torch.randn(1, 300, 4, d, dtype=torch.bfloat16)
         flash_bwd(x, x, x, x, x, torch.randn(1, 4, 300), softmax_scale=0.5)
     dense, packed, *plain = [x.config for x in recorder.launches if isinstance(x.config, Sm90BwdConfig)]
-    assert all((c.traits.block_n, c.traits.q_stages, c.dq_path) == (96, 2, "bulk") for c in (dense, packed))
-    assert [(c.traits.block_n, c.traits.q_stages, c.dq_path) for c in plain] == [(96, 2, "atomic")] * 2
+    assert all((c.traits.block_n, c.traits.stages_do, c.dq_path) == (96, 2, "writer") for c in (dense, packed))
+    assert [(c.traits.block_n, c.traits.stages_do, c.dq_path) for c in plain] == [(96, 1, "writer")] * 2
     entries = {tuple(e) for e in recorder.launches[4]["mTiles"].tolist()}  # (sequence, key block)
     assert {(0, 0), (0, 1), (1, 0), (1, 2)} <= entries and (1, 3) not in entries and (0, 2) not in entries
 
@@ -1511,9 +1511,10 @@ def test_a_hopper_variant_reaches_the_hopper_backward(recorder, monkeypatch):
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_the_hopper_backward_takes_the_policy_dq_path(recorder, monkeypatch, deterministic):
     """The default mode's dQ path per head dim, dense and packed (docs/tuning/backward.md, "The
-    dQ paths measured"): the writer warps' bulk adds at d 64 / 96 / 128, the consumers' own at
-    d 32, vector atomics with two Q / dO stages at d 160 / 192 (on 96-key tiles) and 224 / 256;
-    deterministic mode keeps its turns (bulk adds, staged), the 64-key tiles and d 256's one
+    dQ paths measured"): the consumers' own bulk adds at d 32, the writer warps' at d 64 / 96 /
+    128 and at d 160 / 192 (on 96-key tiles, one dO stage), vector atomics with two Q / dO
+    stages at d 224 / 256; 128-row query blocks at d 32 and 64. Deterministic mode keeps its
+    turns (bulk adds, staged), 64-row blocks at d 64, d 160 / 192's 96-key tiles and d 256's one
     stage. The dQ convert is keyed by the tiles alone: the same config whatever the main
     kernel's stages."""
     from cute_flash.kernels.sm80.dq_convert import DQConvertConfig
@@ -1521,12 +1522,12 @@ def test_the_hopper_backward_takes_the_policy_dq_path(recorder, monkeypatch, det
     from cute_flash.launch.backward import flash_bwd, flash_bwd_varlen
 
     monkeypatch.delenv("CUTE_FLASH_ARCH_PATH")
-    expected = {32: ("bulk", 2), 64: ("writer", 2), 96: ("writer", 2), 128: ("writer", 2), 160: ("atomic", 2),
-                192: ("atomic", 2), 224: ("atomic", 2), 256: ("atomic", 2)}
+    expected = {32: ("bulk", 2), 64: ("writer", 2), 96: ("writer", 2), 128: ("writer", 2), 160: ("writer", 2),
+                192: ("writer", 2), 224: ("atomic", 2), 256: ("atomic", 2)}
     for d, (path, stages) in expected.items():
         keys = 96 if d in (160, 192) else (128 if d <= 128 else 64)
         if deterministic:
-            path, stages, keys = "bulk", 1 if d > 192 else 2, 64 if d > 128 else keys
+            path, stages = "bulk", 1 if d > 192 else 2
         q = torch.randn(2, 70, 4, d, dtype=torch.bfloat16)
         lse = torch.randn(2, 4, 70)
         cu = torch.tensor([0, 30, 70], dtype=torch.int32)
@@ -1537,6 +1538,22 @@ def test_the_hopper_backward_takes_the_policy_dq_path(recorder, monkeypatch, det
         mains = [x.config for x in recorder.launches if isinstance(x.config, Sm90BwdConfig)]
         converts = [x.config for x in recorder.launches if isinstance(x.config, DQConvertConfig)]
         assert [c.varlen for c in mains] == [False, True] and len(converts) == 2, d
-        assert all((c.dq_path, c.traits.q_stages, c.traits.block_n) == (path, stages, keys) for c in mains), \
-            (d, [c.name for c in mains])
+        rows = 128 if d == 32 or (d == 64 and not deterministic) else 64
+        assert all((c.dq_path, c.traits.q_stages, c.traits.block_n, c.traits.block_m) == (path, stages, keys, rows)
+                   for c in mains), (d, [c.name for c in mains])
         assert all(c.traits.q_stages == 1 for c in converts)
+
+
+def test_softcap_keeps_64_query_rows_at_d64(recorder, monkeypatch):
+    """d 64 with softcap keeps 64-row query blocks: its derivative spills on the 128 x 128 tiles
+    (`policy.hopper_bwd_dq`)."""
+    from cute_flash.kernels.sm90.bwd import Sm90BwdConfig
+    from cute_flash.launch.backward import flash_bwd
+
+    monkeypatch.delenv("CUTE_FLASH_ARCH_PATH")
+    q = torch.randn(2, 70, 4, 64, dtype=torch.bfloat16)
+    lse = torch.randn(2, 4, 70)
+    flash_bwd(q, q, q, q, q, lse, softmax_scale=0.5, causal=True, softcap=5.0)
+    flash_bwd(q, q, q, q, q, lse, softmax_scale=0.5, causal=True)
+    capped, plain = [x.config for x in recorder.launches if isinstance(x.config, Sm90BwdConfig)]
+    assert (capped.has_softcap, capped.traits.block_m, plain.traits.block_m) == (True, 64, 128)

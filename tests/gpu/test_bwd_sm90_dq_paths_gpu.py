@@ -75,15 +75,16 @@ def test_packed_batches(monkeypatch, causal, variant):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d", [64, 128, 192, 256])
 def test_the_default_path(monkeypatch, d, causal, shape):
-    """With no `hopper_variant` the dispatcher's path per head dim: the writer warps' adds at
-    d 64 / 128, atomics with Q and dO double-buffered at d 192 (on 96-key tiles) and d 256 (the
-    pipelines wrap over two stages where the staged tiles have one)."""
-    path, stages, keys = {64: ("writer", 2, 128), 128: ("writer", 2, 128), 192: ("atomic", 2, 96),
-                          256: ("atomic", 2, 64)}[d]
+    """With no `hopper_variant` the dispatcher's tiles and path per head dim: the writer warps'
+    adds at d 64 (on 128 x 128 tiles) / 128 and at d 192 (on 96-key tiles, one dO stage),
+    atomics with Q and dO double-buffered at d 256 (the pipelines wrap over two stages where the
+    staged tiles have one)."""
+    expected = {64: ("writer", 128, 2, 2, 128), 128: ("writer", 64, 2, 2, 128), 192: ("writer", 64, 2, 1, 96),
+                256: ("atomic", 64, 2, 2, 64)}[d]  # path, query rows, Q stages, dO stages, keys
     configs = config_lookups(monkeypatch, Sm90BwdConfig)
     q, k, v, dout = inputs(*SHAPES[shape], d)
     out, lse = flash_fwd(q, k, v, softmax_scale=d ** -0.5, causal=causal)
     grads = flash_bwd(dout, q, k, v, out, lse, softmax_scale=d ** -0.5, causal=causal)[:3]
-    assert configs and all((c.dq_path, c.traits.q_stages, c.traits.block_n) == (path, stages, keys)
-                           for c in configs), [c.name for c in configs]
+    assert configs and all((c.dq_path, c.traits.block_m, c.traits.q_stages, c.traits.stages_do, c.traits.block_n)
+                           == expected for c in configs), [c.name for c in configs]
     assert_grads_match(grads, q, k, v, dout, out=out, causal=causal)

@@ -1,8 +1,8 @@
 """The Hopper backward above d 128 (kernels/sm90/bwd.py, `layouts.hopper.bwd_splits_head_dim`:
 64 keys a CTA, the two consumer warpgroups splitting the head dim, P^T and dS^T through shared
 memory, Q and dO one stage at d 256; the bucket 160 on the d 192 tiles, 224 on the d 256 ones;
-d 192 outside deterministic mode and MLA's q / k 192 with v 128 at V's own width on 96-key
-tiles, as in test_bwd_sm90_keys96_gpu.py)
+d 192 on 96-key tiles with one dO stage, and MLA's q / k 192 with v 128 at V's own width on
+96-key tiles, as in test_bwd_sm90_keys96_gpu.py)
 against `cute_flash.reference` by the backward's rule (tests/helpers/backward.py). Each test
 also checks that every backward it ran took the Hopper kernel."""
 import pytest
@@ -77,17 +77,24 @@ def test_varlen_long_and_short_sequences():
     check_varlen_grads([(3000, 3000), (5, 200), (130, 1), (64, 64)], (8, 2), 256, True, False)
 
 
-def test_deterministic_grads_are_bitwise_repeatable():
-    """deterministic=True: dQ's adds in key-block order (`DqTurn`, 64-key blocks here), three
-    runs equal bit for bit and within the rule."""
-    q, k, v, dout = inputs(2, 1000, 1500, 8, 2, 256)
+@pytest.mark.parametrize("d", [256, 192])
+def test_deterministic_grads_are_bitwise_repeatable(monkeypatch, d):
+    """deterministic=True: dQ's adds in key-block order (`DqTurn`; 64-key blocks at d 256, 96
+    with one dO stage at d 192), three runs equal bit for bit and within the rule."""
+    from cute_flash.kernels.sm90.bwd import Sm90BwdConfig
+
+    tiles = config_lookups(monkeypatch, Sm90BwdConfig,
+                           lambda c: (c.deterministic, c.traits.block_n, c.traits.stages_do))
+    q, k, v, dout = inputs(2, 1000, 1500, 8, 2, d)
     check_bitwise_repeatable(flash_attn_func, dout, q, k, v, causal=True)
+    assert set(tiles) == {(True, 64, 1) if d == 256 else (True, 96, 1)}, tiles
 
 
-def test_varlen_deterministic_grads_are_bitwise_repeatable():
+@pytest.mark.parametrize("d", [256, 192])
+def test_varlen_deterministic_grads_are_bitwise_repeatable(d):
     """Packed batches, deterministic, with a window: equal bit for bit over three runs, and the
     reference rule per sequence."""
-    check_varlen_bitwise_repeatable(256)
+    check_varlen_bitwise_repeatable(d)
 
 
 @pytest.fixture
