@@ -126,9 +126,10 @@ def alibi(slopes: torch.Tensor) -> ModSpec:
 
     @cute.jit
     def alibi_bias(score, b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
-        dist = q_idx[0] + seqlen_info.seqlen_k - seqlen_info.seqlen_q - kv_idx[0]
-        dist = cutlass.max(dist, -dist)
-        return score - _splat(aux_tensors[0][h_idx[0]] * cutlass.Float32(dist))
+        # each index converted on its own, a row's and a column's conversions shared by their
+        # scores; exact below 2^24, as the int distance it replaces
+        dist = cutlass.Float32(q_idx[0] + seqlen_info.seqlen_k - seqlen_info.seqlen_q) - cutlass.Float32(kv_idx[0])
+        return score - _splat(aux_tensors[0][h_idx[0]] * cute.arch.fmax(dist, -dist))
 
     def ref(score, b, h, q, k):
         shift = score.shape[-1] - score.shape[-2] if score.dim() >= 2 else 0  # FlexAttention's: one score, sq = sk
