@@ -245,8 +245,9 @@ def choose_hopper_bwd_traits(head_dim: int, dtype: str = "bf16", head_dim_v: int
     copies): 128 keys per CTA (64 above d 128, `bwd_splits_head_dim`; 96 for MLA's 192 / 128,
     `bwd_keys_on_n`: 1.09-1.17x forward + backward, where d 192 with V 192 ran 1.01x at best,
     docs/tuning/backward.md, "d 192 on 96-key tiles"); query blocks of 128 rows at d 32, 64
-    above, the faster of the two at each (at d 64, 128 rows' S^T and dP^T tiles push ptxas to
-    serialize the wgmmas; docs/tuning/backward.md, "The Hopper backward"); d 96 on tiles of its
+    above, the faster of the two at each (docs/tuning/backward.md, "The Hopper backward"; the
+    policy's tiles, `policy.hopper_bwd_dq`, may differ: d 64 on 128 rows with
+    `bwd_dk_reads_smem`, d 192 on 96 keys with one dO stage); d 96 on tiles of its
     own (1.10-1.16x the d 128 tiles it took before, backward alone: "d 96 on tiles of its
     own"); the buckets 160 and 224 on the d 192 and 256 tiles (`BWD_SERVES`). Q and dO take two
     stages where they fit beside the dQ staging tile, else one. A V head dim of its own
