@@ -296,9 +296,10 @@ def bwd_keys_on_n(traits) -> bool:
 
 def bwd_dk_reads_smem(traits) -> bool:
     """dK += dS^T Q with dS^T from its shared-memory tile (there for dQ anyway) rather than
-    from registers, on 128-row query blocks up to d 128: S^T and dP^T take 64 registers each
-    there, and dS^T's 32 more as dK's A serialized the wgmmas (ptxas C7512, d 64)."""
-    return not bwd_splits_head_dim(traits) and traits.block_m > WGMMA_M
+    from registers: above d 128 (`bwd_splits_head_dim`, dS^T read whole) and on 128-row query
+    blocks, where S^T and dP^T take 64 registers each and dS^T's 32 more as dK's A serialized
+    the wgmmas (ptxas C7512, d 64)."""
+    return bwd_splits_head_dim(traits) or traits.block_m > WGMMA_M
 
 
 def bwd_ds_stages(traits) -> int:
@@ -390,7 +391,7 @@ def tiled_mma_dkv(traits, cols: int | None = None, a_smem: bool = False):
     96-key tiles (`bwd_keys_on_n`) transposed: dV^T += dO^T P and dK^T += Q^T dS, (cols,
     block_n), A = dO^T / Q^T MN-major, B = P / dS MN-major from their (block_m, block_n) tiles
     (`smem_layout_ds`), each warpgroup its own 48 keys. a_smem: A from its shared-memory tile
-    up to d 128 too (`tiled_mma_dk`)."""
+    up to d 128 too (`tiled_mma_dk`, on 128-row query blocks)."""
     dtype = element_type(traits)
     cols = cols or traits.head_dim
     if bwd_keys_on_n(traits):

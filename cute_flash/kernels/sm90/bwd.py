@@ -460,8 +460,7 @@ class FlashBwdSm90(DqAdds, BwdEpilogue):
             tdQrK = recipe.mma_dq.make_fragment_B(wg_dq.partition_B(lsmem.transposed_view(smem.sK)))    # (MMA, N, K)
             if cutlass.const_expr(self.split):
                 tdVsP = recipe.mma_dv.make_fragment_A(wg_dv.partition_A(smem.sP))      # (MMA, MMA_M, MMA_K, stages)
-                tdKsdS = recipe.mma_dkv.make_fragment_A(wg_dkv.partition_A(smem.sdS))  # (MMA, MMA_M, MMA_K, stages)
-            elif cutlass.const_expr(hopper.bwd_dk_reads_smem(t)):  # dS^T from shared memory: dK's A
+            if cutlass.const_expr(hopper.bwd_dk_reads_smem(t)):  # dS^T from shared memory: dK's A
                 tdKsdS = recipe.mma_dkv.make_fragment_A(wg_dkv.partition_A(smem.sdS))  # (MMA, MMA_M, MMA_K, stages)
         scores = hopper.bwd_scores_shape(t)  # (bn, bm), or (bm, bn) on the 96-key tiles
         acc_s = cute.make_rmem_tensor(wg_sdp.partition_shape_C(scores), cutlass.Float32)  # (MMA, MMA_M, MMA_N)
@@ -492,10 +491,7 @@ class FlashBwdSm90(DqAdds, BwdEpilogue):
                     self.clear_rows((smem.sK, smem.sV), keys, bn, mma_tidx)
         for i in cutlass.range(tile.count(), unroll=1):
             m_block = tile.m_block(i)
-            read = use_state(i, self.q_stages, producer=False)
-            read_do = read  # the dO / D stage
-            if cutlass.const_expr(self.do_stages != self.q_stages):
-                read_do = use_state(i, self.do_stages, producer=False)
+            read, read_do = use_state(i, self.q_stages, producer=False), use_state(i, self.do_stages, producer=False)
             ds = read.index  # the dS^T (and P^T) stage
             if cutlass.const_expr(self.q_stages != self.ds_stages):
                 ds = i % self.ds_stages
@@ -596,12 +592,9 @@ class FlashBwdSm90(DqAdds, BwdEpilogue):
                                 accumulate=True)
                 else:
                     wgmma_issue(mma_dq, acc_dq, tdQrdS[None, None, None, ds], tdQrK)
-                    if cutlass.const_expr(tdKsdS is not None):  # dS^T as dK's A from its tile
-                        wgmma_issue(mma_dk, acc_dk, tdKsdS[None, None, None, ds], tdKrQ[None, None, None, read.index],
-                                    accumulate=True)
-                    else:
-                        wgmma_issue(mma_dk, acc_dk, hopper.acc_as_operand_a(rdS), tdKrQ[None, None, None, read.index],
-                                    accumulate=True)
+                    tdKrdS = (tdKsdS[None, None, None, ds] if cutlass.const_expr(tdKsdS is not None)
+                              else hopper.acc_as_operand_a(rdS))  # dK's A: dS^T from its tile or from registers
+                    wgmma_issue(mma_dk, acc_dk, tdKrdS, tdKrQ[None, None, None, read.index], accumulate=True)
             warpgroup.wait_group(1)  # dV and dQ landed; dK runs under dQ's staging and bulk add
             self.release(pipes.do, read_do)
             if cutlass.const_expr(cfg.writes_dq_apart):
