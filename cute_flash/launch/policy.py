@@ -58,13 +58,15 @@ def hopper_bwd_dq(traits: BwdTraits, deterministic: bool, softcap: bool = False)
     bulk adds (1.03-1.05x the consumers' own); d 192 with V 192 (160 too) on 96-key tiles with
     one dO stage, dQ by the writer warps (1.12-1.17x atomics with two dO stages); MLA by the
     writer warps (0.96-1.03x bulk); d 256 (224 too) `red.global` adds from registers, the
-    staging tile's room a second Q / dO stage (1.29-1.31x); d 32 (not measured) and
+    staging tile's room a second Q / dO stage (1.29-1.31x); deterministic d 192 on the same
+    96-key tiles, its turns its own (1.28-1.30x 64 keys); d 32 (not measured) and the rest of
     deterministic mode keep theirs. docs/tuning/policy.md; docs/tuning/backward.md, "The dQ
     paths measured", "d 192 on flash-attn-4's tiles", "d 64 on 128 x 128 tiles"."""
+    if traits.head_dim == 192 and traits.head_dim_v is None:
+        tiles = replace(traits, block_n=96, q_stages=2, do_stages=1)
+        return dict(traits=tiles) if deterministic else dict(dq_path="writer", traits=tiles)
     if deterministic or traits.head_dim == 32:
         return {}
-    if traits.head_dim == 192 and traits.head_dim_v is None:
-        return dict(dq_path="writer", traits=replace(traits, block_n=96, q_stages=2, do_stages=1))
     if traits.head_dim == 64 and not softcap:
         return dict(dq_path="writer", traits=replace(traits, block_m=128))
     if traits.head_dim == 256:

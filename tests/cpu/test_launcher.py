@@ -1514,8 +1514,8 @@ def test_the_hopper_backward_takes_the_policy_dq_path(recorder, monkeypatch, det
     dQ paths measured"): the consumers' own bulk adds at d 32, the writer warps' at d 64 / 96 /
     128 and at d 160 / 192 (on 96-key tiles, one dO stage), vector atomics with two Q / dO
     stages at d 224 / 256; 128-row query blocks at d 32 and 64. Deterministic mode keeps its
-    turns (bulk adds, staged), 64-row blocks at d 64, 64-key tiles above d 128 and d 256's one
-    stage. The dQ convert is keyed by the tiles alone: the same config whatever the main
+    turns (bulk adds, staged), 64-row blocks at d 64, d 160 / 192's 96-key tiles, 64-key tiles
+    above and d 256's one stage. The dQ convert is keyed by the tiles alone: the same config whatever the main
     kernel's stages."""
     from cute_flash.kernels.sm80.dq_convert import DQConvertConfig
     from cute_flash.kernels.sm90.bwd import Sm90BwdConfig
@@ -1527,7 +1527,7 @@ def test_the_hopper_backward_takes_the_policy_dq_path(recorder, monkeypatch, det
     for d, (path, stages) in expected.items():
         keys = 96 if d in (160, 192) else (128 if d <= 128 else 64)
         if deterministic:
-            path, stages, keys = "bulk", 1 if d > 192 else 2, 64 if d > 128 else keys
+            path, stages, keys = "bulk", 1 if d > 192 else 2, 64 if d > 192 else keys
         q = torch.randn(2, 70, 4, d, dtype=torch.bfloat16)
         lse = torch.randn(2, 4, 70)
         cu = torch.tensor([0, 30, 70], dtype=torch.int32)
