@@ -1515,8 +1515,8 @@ def test_the_hopper_backward_takes_the_policy_dq_path(recorder, monkeypatch, det
     128 and at d 160 / 192 (on 96-key tiles, one dO stage), vector atomics with two Q / dO
     stages at d 224 / 256; 128-row query blocks at d 32 and 64. Deterministic mode keeps its
     turns (bulk adds, staged), 64-row blocks at d 64, d 160 / 192's 96-key tiles, 64-key tiles
-    above and d 256's one stage. The dQ convert is keyed by the tiles alone: the same config whatever the main
-    kernel's stages."""
+    above and d 256's one stage. The dQ convert is keyed by the tiles alone: the same config
+    whatever the main kernel's stages."""
     from cute_flash.kernels.sm80.dq_convert import DQConvertConfig
     from cute_flash.kernels.sm90.bwd import Sm90BwdConfig
     from cute_flash.launch.backward import flash_bwd, flash_bwd_varlen
