@@ -59,9 +59,8 @@ def assert_grads_match(got, q, k, v, dout, *, out, ref_fn=attention_ref, **opts)
     backward a D that its own gradients agree with."""
     with torch.no_grad():
         assert_output_matches(out.detach(), ref_fn(q, k, v, **opts)[0], q, k, v, ref_fn, **opts)
-    want = reference(ref_fn, dout, q, k, v, stored_out=out, **opts)
+    want, floors = storage_floor(ref_fn, dout, q, k, v, out, **opts)
     lowp = reference(ref_fn, dout, q, k, v, upcast=False, **opts)
-    floors = storage_floor(ref_fn, dout, q, k, v, out, want, **opts)
     for name, g, w, lp, floor in zip(("dq", "dk", "dv"), got, want, lowp, floors):
         assert g.shape == w.shape and g.dtype == q.dtype, name
         assert not g.isnan().any(), f"{name}: NaN (an unwritten element)"
@@ -71,20 +70,26 @@ def assert_grads_match(got, q, k, v, dout, *, out, ref_fn=attention_ref, **opts)
                                                 f"(plus the storage's rounding, {floor.max().item():.3e} at most)")
 
 
-def storage_floor(ref_fn, dout, q, k, v, out, want, **opts):
-    """Per gradient and element, the rounding a correct backward adds by storing it in the
-    input dtype: half a step of the dtype at the float32 gradient (`one_step`), and with GQA,
-    for dk and dv, half a step at each query head's gradient too, which the kernels (as
-    flash-attn's) round to the dtype before summing the group (docs/semantics.md)."""
-    floors = [0.5 * one_step(w.to(q.dtype)) for w in want]
+def storage_floor(ref_fn, dout, q, k, v, out, **opts):
+    """The float32 reference's gradients given `out` (`reference`'s stored_out) and, per
+    gradient and element, the rounding a correct backward adds by storing it in the input
+    dtype: half a step of the dtype at the float32 gradient (`one_step`), and with GQA, for dk
+    and dv, half a step at each query head's gradient too, which the kernels (as flash-attn's)
+    round to the dtype before summing the group (docs/semantics.md). With GQA the reference
+    runs on k and v repeated per query head (as the reference repeats them itself), so one run
+    gives both the query heads' gradients and, summed over each group, the kv heads'."""
     group = q.shape[-2] // k.shape[-2]
-    if group > 1:
-        per_head = reference(ref_fn, dout, q, k.repeat_interleave(group, -2), v.repeat_interleave(group, -2),
-                             stored_out=out, **opts)
-        for i in (1, 2):
-            steps = one_step(per_head[i].to(q.dtype)).unflatten(-2, (k.shape[-2], group)).sum(-2)
-            floors[i] = floors[i] + 0.5 * steps
-    return floors
+    if group == 1:
+        want = reference(ref_fn, dout, q, k, v, stored_out=out, **opts)
+        return want, [0.5 * one_step(w.to(q.dtype)) for w in want]
+    dq, *per_head = reference(ref_fn, dout, q, k.repeat_interleave(group, -2), v.repeat_interleave(group, -2),
+                              stored_out=out, **opts)
+    by_group = [x.unflatten(-2, (k.shape[-2], group)) for x in per_head]  # (..., hk, group, d)
+    want = [dq] + [x.sum(-2) for x in by_group]
+    floors = [0.5 * one_step(w.to(q.dtype)) for w in want]
+    for i, x in enumerate(by_group, 1):
+        floors[i] = floors[i] + 0.5 * one_step(x.to(q.dtype)).sum(-2)
+    return want, floors
 
 
 def inputs(b, sq, sk, h, hk, d, dtype=torch.bfloat16, layout="bshd", d_v=None):
