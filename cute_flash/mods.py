@@ -139,16 +139,19 @@ def alibi(slopes: torch.Tensor) -> ModSpec:
 
 
 def softcap(cap: float) -> ModSpec:
-    """Softcap as a score_mod: cap * tanh(score / cap), what `softcap` does built in."""
+    """Softcap as a score_mod: cap * tanh(score / cap), what `softcap` does built in, and as
+    it does: a multiply by 1 / cap and the fast tanh (MUFU.TANH), not a division and the
+    precise tanh (docs/tuning/mods.md, "The softcap mod's tanh and division")."""
     cap = float(cap)
+    inv_cap = 1.0 / cap
 
     @cute.jit
     def capped(score, b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
-        return _splat(cap * cute.math.tanh(score[0] / cap))
+        return _splat(cap * cute.math.tanh(score[0] * inv_cap, fastmath=True))
 
     @cute.jit
     def capped_bwd(grad, score, b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
-        th = cute.math.tanh(score[0] / cap)
+        th = cute.math.tanh(score[0] * inv_cap, fastmath=True)
         return _splat(grad[0] * (1.0 - th * th))
 
     def ref(score, b, h, q, k):

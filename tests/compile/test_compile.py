@@ -411,3 +411,31 @@ def test_alibi_converts_coordinates_per_tile_not_per_score(arch, config, tmp_pat
     text = ptx.read_text()
     exps = text.count("ex2.approx")
     assert exps > 0 and text.count("cvt.rn.f32.s32") * 8 <= exps
+
+
+def _softcap_mod_configs():
+    from cute_flash import mods
+    from cute_flash.kernels.common.user_mods import UserMod, UserMods
+    from cute_flash.kernels.sm80.bwd import BwdConfig
+    from cute_flash.kernels.sm90.bwd import Sm90BwdConfig
+    from cute_flash.kernels.sm90.fwd import Sm90FwdConfig
+    from layouts.hopper import choose_hopper_bwd_traits, choose_hopper_traits
+    from layouts.traits import choose_bwd_traits, choose_fwd_traits
+
+    spec = mods.softcap(30.0)
+    fwd = UserMods(UserMod.of(spec.score_mod))
+    bwd = UserMods(UserMod.of(spec.score_mod), score_mod_bwd=UserMod.of(spec.score_mod_bwd))
+    return [pytest.param(90, Sm90FwdConfig(choose_hopper_traits(128), mods=fwd), id="sm90-fwd"),
+            pytest.param(90, Sm90BwdConfig(choose_hopper_bwd_traits(128), mods=bwd), id="sm90-bwd"),
+            pytest.param(80, FwdConfig(choose_fwd_traits(128, "bf16", 80), mods=fwd), id="sm80-fwd"),
+            pytest.param(80, BwdConfig(choose_bwd_traits(128, "bf16", 80), mods=bwd), id="sm80-bwd")]
+
+
+@pytest.mark.parametrize("arch, config", _softcap_mod_configs())
+def test_the_softcap_mod_takes_the_fast_tanh_and_no_division(arch, config, tmp_path):
+    """`mods.softcap` as the built-in softcap runs it: tanh.approx (one MUFU op) on the score
+    times 1 / cap; the precise tanh and a division per score tripled the forward's instructions."""
+    build(config, arch, f"--keep-ptx --dump-dir={tmp_path}")
+    (ptx,) = tmp_path.glob("*.ptx")
+    text = ptx.read_text()
+    assert "tanh.approx.f32" in text and "div.rn.f32" not in text
