@@ -28,8 +28,7 @@ HIDDEN = 2048
 # Rounds a grid cell times each column in (the median counts): single medians of
 # `triton.testing.do_bench` on an H200 fell 6-27% below their neighbours now and then, for ours
 # and flash-attn-4 alike (d 128 causal 512, five rounds in one process: ours 357.9, 361.7, 282.1,
-# 360.8, 357.2 TFLOP/s; flash-attn-4 268.9, 197.4, 199.0, 269.8, 269.6; docs/performance.md, "Latest
-# forward benchmark").
+# 360.8, 357.2 TFLOP/s; flash-attn-4 268.9, 197.4, 199.0, 269.8, 269.6; docs/tuning/hopper-forward.md).
 GRID_ROUNDS = 3
 
 
