@@ -249,6 +249,9 @@ def main(argv=None):
     b = command("bench", "TFLOP/s against torch SDPA FLASH and CUDNN (GPU)")
     b.add_argument("--quick", action="store_true")
     b.add_argument("--out", default=None, help="directory for bench.json, bench.md, bench.png")
+    b.add_argument("--mods", default=None,
+                   help="the mods section's variants, comma-separated (default: every one: document, prefix_lm, "
+                        "window_sinks, relative_bias, alibi, softcap, causal_mod)")
     b.add_argument("--sections", default="grid,extra,varlen,paged,decode,unaligned,bwd,bwd_dims,dropout,held,"
                                          "shapes,train_varlen",
                    help="comma-separated: grid (the forward grid), extra (window/softcap), varlen, paged, "
@@ -338,7 +341,8 @@ def main(argv=None):
     elif cmd == "bench":
         from cute_flash.tools.bench import main as bench
 
-        bench(args.out, args.quick, tuple(args.sections.split(",")))
+        bench(args.out, args.quick, tuple(args.sections.split(",")),
+              mods=tuple(args.mods.split(",")) if args.mods else None)
     elif cmd == "overhead":
         cmd_overhead()
     elif cmd == "coldstart":

@@ -1012,7 +1012,7 @@ SECTIONS = ("grid", "extra", "varlen", "paged", "decode", "unaligned", "bwd", "b
 BWD_DIMS = (96, 192, 256)  # the head dims of issue 61's table, at 4k tokens a sequence
 
 
-def main(out_dir=None, quick=False, sections=SECTIONS):
+def main(out_dir=None, quick=False, sections=SECTIONS, mods=None):
     import os
 
     import torch
@@ -1060,7 +1060,7 @@ def main(out_dir=None, quick=False, sections=SECTIONS):
     if "mods" in sections:
         from cute_flash.tools.bench_mods import format_mods, run_mods
 
-        result["mods"] = run_mods((128,), (4096,)) if quick else run_mods()
+        result["mods"] = run_mods((128,), (4096,), mods) if quick else run_mods(names=mods)
         text += "\n" + format_mods(result["mods"]) + "\n"
     if "held" in sections:
         from cute_flash.tools.held import HOLD_S, format_held, run_held

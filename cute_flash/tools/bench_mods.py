@@ -21,6 +21,7 @@ TOKENS = 16384
 HIDDEN = 2048
 SEQLENS = (4096, 16384)
 HEAD_DIMS = (64, 128)
+VARIANTS = ("document", "prefix_lm", "window_sinks", "relative_bias", "alibi", "softcap", "causal_mod")  # `_specs`'
 
 
 def _specs(batch: int, seqlen: int, nheads: int):
@@ -89,7 +90,8 @@ def _fa4(spec, block_mask=None):
                                            aux_tensors=aux, **sparse)[0]
 
 
-def bench_cell(d: int, seqlen: int) -> list[dict]:
+def bench_cell(d: int, seqlen: int, names=None) -> list[dict]:
+    """The variants' rows at one head dim and length (`names`: those variants only)."""
     import torch
 
     from cute_flash import flash_attn_func
@@ -100,6 +102,8 @@ def bench_cell(d: int, seqlen: int) -> list[dict]:
     work = 4 * batch * nheads * d * seqlen * seqlen
     rows = []
     for name, spec in _specs(batch, seqlen, nheads):
+        if names is not None and name not in names:
+            continue
         peers = {"ours": lambda q, k, v, s=spec: flash_attn_func(q, k, v, **s.kwargs())}
         block_mask = None
         if spec.mask_mod is not None:
@@ -136,8 +140,12 @@ def _rates(fn, leaves, dout, work):
     return work / fwd / 1e9, (3.5 * work / both / 1e9 if both else None)
 
 
-def run_mods(head_dims=HEAD_DIMS, seqlens=SEQLENS) -> list[dict]:
-    return [row for d in head_dims for s in seqlens for row in bench_cell(d, s)]
+def run_mods(head_dims=HEAD_DIMS, seqlens=SEQLENS, names=None) -> list[dict]:
+    """`bench_cell` at every head dim and length; `names` (None: every variant) picks variants."""
+    unknown = set(names or ()) - set(VARIANTS)
+    if unknown:
+        raise ValueError(f"mods bench: no variant {sorted(unknown)}; the variants: {', '.join(VARIANTS)}")
+    return [row for d in head_dims for s in seqlens for row in bench_cell(d, s, names)]
 
 
 def format_mods(rows) -> str:

@@ -142,3 +142,17 @@ def test_mods_table_gives_ours_over_each_peer():
     assert "| prefix_lm | 128 | 4096 | 500 | - | - | 250 | - | - | 2.00 | - |" in lines
     assert "| causal_mod | 64 | 16384 | 400 | 380 | 200 | 200 | 500 | 420 | 2.00 | 0.80 |" in lines
     assert "| prefix_lm | 128 | 4096 | 300 | - | - | 200 | - | - | 1.50 | - |" in lines  # forward + backward
+
+
+def test_mods_bench_names_its_variants_and_refuses_others(monkeypatch):
+    """`VARIANTS` (what `--mods` picks from) are `_specs`' names in its order (its tensors left on
+    the CPU here), and a name not among them is refused before anything runs."""
+    import pytest
+    import torch
+
+    from cute_flash.tools import bench_mods
+
+    monkeypatch.setattr(torch.Tensor, "cuda", lambda self, *args, **kwargs: self)
+    assert tuple(name for name, _ in bench_mods._specs(1, 256, 2)) == bench_mods.VARIANTS
+    with pytest.raises(ValueError, match="no variant \\['sofcap'\\]"):
+        bench_mods.run_mods(names=("softcap", "sofcap"))
