@@ -10,7 +10,7 @@ from cute_flash.launch import batch_chunks
 from cute_flash.reference import attention_ref, attention_varlen_ref
 from tests.helpers.backward import assert_grads_match, ours
 from tests.helpers.caches import run_case
-from tests.helpers.gpu_utils import assert_matches_reference, cu_seqlens
+from tests.helpers.gpu_utils import assert_matches_reference, backward_on_path, cu_seqlens, on_path
 
 pytestmark = pytest.mark.gpu
 # 65537-CTA grids: minutes each under racecheck, 6 of 8 past 7 minutes (docs/tuning/gpu-suite.md, eleventh session)
@@ -23,7 +23,7 @@ PATHS = ["sm80", "sm90"]
 @past_the_limit
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("causal", [False, True])
-def test_dense_past_the_grid_limit(path, causal, monkeypatch):
+def test_dense_past_the_grid_limit(path, causal, monkeypatch, kernels):
     monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", path)
     q, dout = (torch.randn(PAST, 3, 2, 32, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     k, v = (torch.randn(PAST, 5, 1, 32, device="cuda", dtype=torch.bfloat16) for _ in range(2))
@@ -31,11 +31,12 @@ def test_dense_past_the_grid_limit(path, causal, monkeypatch):
     assert_matches_reference(out, lse, q, k, v, causal=causal)
     out, grads = ours(flash_attn_func, dout, q, k, v, causal=causal)
     assert_grads_match(grads, q, k, v, dout, out=out, causal=causal)
+    assert kernels == on_path(path, "fwd") | backward_on_path(path, 32), kernels
 
 
 @past_the_limit
 @pytest.mark.parametrize("path", PATHS)
-def test_packed_past_the_grid_limit(path, monkeypatch):
+def test_packed_past_the_grid_limit(path, monkeypatch, kernels):
     """65537 sequences of 3 query and 5 key rows: the dense reference of the same rows."""
     monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", path)
     q, dout = (torch.randn(PAST * 3, 2, 32, device="cuda", dtype=torch.bfloat16) for _ in range(2))
@@ -54,28 +55,32 @@ def test_packed_past_the_grid_limit(path, monkeypatch):
     out, grads = ours(lambda q, k, v, **o: flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, 5, **o), dout, q, k, v,
                       causal=True)
     assert_grads_match(grads, q, k, v, dout, out=out, ref_fn=ref, causal=True)
+    assert kernels == on_path(path, "fwd") | backward_on_path(path, 32), kernels
 
 
 @past_the_limit
 @pytest.mark.parametrize("path", PATHS)
-def test_kvcache_past_the_grid_limit(path, monkeypatch):
+def test_kvcache_past_the_grid_limit(path, monkeypatch, kernels):
     """Decode over 65537 caches of 1-32 keys (run_case checks output, LSE and the caches)."""
     monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", path)
     run_case(PAST, 1, 4, 1, 64, torch.bfloat16, 32, torch.randint(1, 33, (PAST,)).tolist(), 0, 0)
+    assert kernels == on_path(path, "fwd"), kernels
 
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("layout", ["contiguous", "batch_idx", "paged"])
-def test_kvcache_append_in_chunks(path, layout, monkeypatch):
-    """The limit at 2: five sequences append two rows each and attend, in chunks of 2, 2 and 1."""
+def test_kvcache_append_in_chunks(path, layout, monkeypatch, kernels):
+    """The limit at 2: five sequences append two rows each and attend, in chunks of 2, 2 and 1
+    (cache_batch_idx on the SM80 kernel on either path: `policy.hopper_cache_fits`)."""
     monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", path)
     monkeypatch.setattr(batch_chunks, "GRID_MAX_BATCH", 2)
     run_case(5, 2, 8, 2, 128, torch.bfloat16, 512, [0, 300, 17, 128, 510], 2, 0, causal=True,
              page_size=256 if layout == "paged" else None, batch_idx=layout == "batch_idx")
+    assert kernels == on_path("sm80" if layout == "batch_idx" else path, "fwd"), kernels
 
 
 @pytest.mark.parametrize("path", PATHS)
-def test_packed_ragged_chunks(path, monkeypatch):
+def test_packed_ragged_chunks(path, monkeypatch, kernels):
     """The limit at 2: five ragged sequences in chunks of 2, 2 and 1, forward and backward."""
     monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", path)
     monkeypatch.setattr(batch_chunks, "GRID_MAX_BATCH", 2)
@@ -92,3 +97,4 @@ def test_packed_ragged_chunks(path, monkeypatch):
     out, grads = ours(lambda q, k, v, **o: flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lq), max(lk), **o),
                       dout, q, k, v)
     assert_grads_match(grads, q, k, v, dout, out=out, ref_fn=ref)
+    assert kernels == on_path(path, "fwd") | backward_on_path(path, 64), kernels

@@ -10,14 +10,17 @@ from hypothesis import strategies as st
 
 from tests.helpers.forward import (GPU_SETTINGS, check_dense_matches_reference, check_every_head_dim_bucket,
                                    dense_cases, head_dim_cases, heads, inputs, lengths, run_forward)
-from tests.helpers.gpu_utils import assert_matches_reference, poison_allocator
+from tests.helpers.gpu_utils import assert_matches_reference, on_path, poison_allocator
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(autouse=True)
-def sm80_path(monkeypatch):
+def sm80_path(monkeypatch, kernels):
+    """Every test here on the SM80 forward, and only on it (no silent fall back either way)."""
     monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", "sm80")
+    yield
+    assert kernels == on_path("sm80", "fwd"), kernels
 
 
 @dense_cases
