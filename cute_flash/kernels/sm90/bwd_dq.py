@@ -45,7 +45,7 @@ class DqAdds:
         512 consecutive bytes) -> one bulk reduce-add of the run into the same run of `chunk`,
         issued by the warpgroup's first thread once the previous one has read the run."""
         run = cute.size(acc_dq) * 128  # floats
-        wg_idx = mma_tidx // 128
+        wg_idx = cute.arch.make_warp_uniform(mma_tidx // 128)
         first = mma_tidx % 128 == 0
         if first:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
@@ -73,7 +73,7 @@ class DqAdds:
         """With writer warps: this warpgroup's dQ values into its run of sdQaccum once its writer
         warp's last bulk add has read the run (`DQ_EMPTY`), then handed to that warp (`DQ_FULL`,
         an arrive: the warpgroup waits neither for the add nor, deterministic, for its turn)."""
-        wg_idx = mma_tidx // 128
+        wg_idx = cute.arch.make_warp_uniform(mma_tidx // 128)
         cute.arch.barrier(barrier_id=BwdBarrier.DQ_EMPTY + wg_idx, number_of_threads=128 + 32)
         stage_run(acc_dq, sdQaccum, chunk_index(0, mma_tidx, cute.size(acc_dq), HOPPER_VEC, 128), HOPPER_VEC, 128)
         cute.arch.barrier_arrive(barrier_id=BwdBarrier.DQ_FULL + wg_idx, number_of_threads=128 + 32)

@@ -25,7 +25,7 @@ class BwdEpilogue:
         above d 128 its columns, or its 48 rows from dK^T / dV^T on the 96-key tiles) once both
         warpgroups are done reading them, then TMA stores of them (TMA drops rows past seqlen_k
         and columns past the tensors' head dim; packed batches: row-predicated copies)."""
-        wg_idx = mma_tidx // 128
+        wg_idx = cute.arch.make_warp_uniform(mma_tidx // 128)
         for j in cutlass.range(cute.size(acc_dk), unroll_full=True):
             acc_dk[j] = acc_dk[j] * scalars.softmax_scale
         cute.arch.barrier(barrier_id=BwdBarrier.KV_DONE, number_of_threads=128 * self.wgs)
