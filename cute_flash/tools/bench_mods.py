@@ -21,7 +21,8 @@ TOKENS = 16384
 HIDDEN = 2048
 SEQLENS = (4096, 16384)
 HEAD_DIMS = (64, 128)
-VARIANTS = ("document", "prefix_lm", "window_sinks", "relative_bias", "alibi", "softcap", "causal_mod")  # `_specs`'
+# `_specs`' variants in its order: what `bench --mods` picks among
+VARIANTS = ("document", "prefix_lm", "window_sinks", "relative_bias", "alibi", "softcap", "causal_mod")
 
 
 def _specs(batch: int, seqlen: int, nheads: int):

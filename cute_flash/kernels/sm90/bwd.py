@@ -431,7 +431,7 @@ class FlashBwdSm90(DqAdds, BwdEpilogue):
         of each query block's dQ (mma_tidx: the thread's index among the consumers)."""
         cfg, t = self.config, self.t
         bm, bn, d, dv = t.block_m, t.block_n, t.head_dim, t.dv
-        wg_idx = cute.arch.make_warp_uniform(mma_tidx // 128)  # uniform: the wgmma descriptors it offsets stay so
+        wg_idx = cute.arch.make_warp_uniform(mma_tidx // 128)  # so the wgmma descriptors it offsets stay uniform
         wg = cute.make_layout(self.wgs, stride=128)  # A / B partitions are per warpgroup: its first thread
         wg_sdp = recipe.mma_sdp.get_slice(wg(wg_idx))
         wg_dkv = recipe.mma_dkv.get_slice(wg(wg_idx))
