@@ -249,9 +249,10 @@ def main(argv=None):
     b = command("bench", "TFLOP/s against torch SDPA FLASH and CUDNN (GPU)")
     b.add_argument("--quick", action="store_true")
     b.add_argument("--out", default=None, help="directory for bench.json, bench.md, bench.png")
+    from cute_flash.tools.bench_mods import VARIANTS
+
     b.add_argument("--mods", default=None,
-                   help="the mods section's variants, comma-separated (default: every one: document, prefix_lm, "
-                        "window_sinks, relative_bias, alibi, softcap, causal_mod)")
+                   help=f"the mods section's variants, comma-separated (default: every one: {', '.join(VARIANTS)})")
     b.add_argument("--sections", default="grid,extra,varlen,paged,decode,unaligned,bwd,bwd_dims,dropout,held,"
                                          "shapes,train_varlen",
                    help="comma-separated: grid (the forward grid), extra (window/softcap), varlen, paged, "

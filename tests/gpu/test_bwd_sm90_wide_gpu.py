@@ -1,8 +1,8 @@
 """The Hopper backward above d 128 (kernels/sm90/bwd.py, `layouts.hopper.bwd_splits_head_dim`:
 64 keys a CTA, the two consumer warpgroups splitting the head dim, P^T and dS^T through shared
 memory, Q and dO one stage at d 256; the bucket 160 on the d 192 tiles, 224 on the d 256 ones;
-d 192 on 96-key tiles with one dO stage, and MLA's q / k 192 with
-v 128 at V's own width on 96-key tiles, as in test_bwd_sm90_keys96_gpu.py)
+d 192 on 96-key tiles with one dO stage, and MLA's q / k 192 with v 128 at V's own width on
+96-key tiles, as in test_bwd_sm90_keys96_gpu.py)
 against `cute_flash.reference` by the backward's rule (tests/helpers/backward.py). Each test
 also checks that every backward it ran took the Hopper kernel."""
 import pytest
