@@ -18,6 +18,9 @@ past_the_limit = pytest.mark.sanitizer_slow
 
 PAST = batch_chunks.GRID_MAX_BATCH + 2
 PATHS = ["sm80", "sm90"]
+# A packed backward in chunks runs the SM80 kernel on either path: the Hopper one's preprocess and dQ
+# conversion put the batch on a grid dimension and are not chunked (launch/backward.py:flash_bwd_varlen)
+CHUNKED_PACKED_BWD = {"sm80_bwd"}
 
 
 @past_the_limit
@@ -55,7 +58,7 @@ def test_packed_past_the_grid_limit(path, monkeypatch, kernels):
     out, grads = ours(lambda q, k, v, **o: flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, 5, **o), dout, q, k, v,
                       causal=True)
     assert_grads_match(grads, q, k, v, dout, out=out, ref_fn=ref, causal=True)
-    assert kernels == on_path(path, "fwd") | backward_on_path(path, 32), kernels
+    assert kernels == on_path(path, "fwd") | CHUNKED_PACKED_BWD, kernels
 
 
 @past_the_limit
@@ -97,4 +100,4 @@ def test_packed_ragged_chunks(path, monkeypatch, kernels):
     out, grads = ours(lambda q, k, v, **o: flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lq), max(lk), **o),
                       dout, q, k, v)
     assert_grads_match(grads, q, k, v, dout, out=out, ref_fn=ref)
-    assert kernels == on_path(path, "fwd") | backward_on_path(path, 64), kernels
+    assert kernels == on_path(path, "fwd") | CHUNKED_PACKED_BWD, kernels
