@@ -254,14 +254,15 @@ def main(argv=None):
     b.add_argument("--mods", default=None,
                    help=f"the mods section's variants, comma-separated (default: every one: {', '.join(VARIANTS)})")
     b.add_argument("--sections", default="grid,extra,varlen,paged,decode,unaligned,bwd,bwd_dims,dropout,held,"
-                                         "shapes,train_varlen",
+                                         "shapes,train_varlen,mla_decode",
                    help="comma-separated: grid (the forward grid), extra (window/softcap), varlen, paged, "
                         "decode, unaligned (caches served through aligned copies), bwd (backward alone and "
                         "forward + backward), bwd_dims (the same at d 96 / 192 / 256, 4k), dropout, held (d "
                         "128 8k / 16k and a cuBLAS GEMM held for seconds at the board's power cap), shapes "
                         "(MLA's v head dim, learnable sinks, packed queries in the KV-cache call), "
                         "train_varlen (packed batches forward + backward), mods (Python-written variants against "
-                        "FlexAttention and flash-attn-4)")
+                        "FlexAttention and flash-attn-4), mla_decode (q / cache 576 against V 512 in GB/s, against "
+                        "torch SDPA)")
     command("overhead", "host cost of a cached call vs SDPA (GPU)")
     command("coldstart", "first calls of a fresh process, empty vs warm compile cache (GPU)")
     t = command("tune", "TFLOP/s of each tile candidate per head dim (GPU)")

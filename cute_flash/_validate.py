@@ -18,6 +18,7 @@ import operator
 import torch
 
 from cute_flash.launch import block_sparse
+from layouts.traits import LATENT_DIMS
 
 MAX_HEAD_DIM = 256
 # The kernels move global memory with 128-bit copies: a base address off 16 bytes changes
@@ -155,6 +156,26 @@ def check_kvcache_shapes(q, k_cache, v_cache, k, v, paged):
         raise ValueError(
             f"k must have the nheads_k of k_cache ({k_cache.shape[2]}), got {k.shape[2]}"
         )
+
+
+def is_latent(q, k_cache, v_cache) -> bool:
+    """MLA's absorbed decode (`layouts.traits.LATENT_DIMS`): q and k_cache 576 wide, v_cache 512."""
+    return (q.shape[-1], v_cache.shape[-1]) == LATENT_DIMS and k_cache.shape[-1] == LATENT_DIMS[0]
+
+
+def check_latent_cache(k_cache, v_cache, k, rotary_cos, cache_batch_idx, cache_leftpad, num_splits):
+    """MLA decode reads V from K's rows (one latent cache): v_cache must be k_cache's first 512
+    columns, a view; what the call may add to the plain decode is refused where not built."""
+    d, d_v = LATENT_DIMS
+    if (v_cache.data_ptr() != k_cache.data_ptr() or v_cache.shape[:-1] != k_cache.shape[:-1]
+            or v_cache.stride() != k_cache.stride()):
+        raise ValueError(f"with q and k_cache {d} wide and v_cache {d_v} (MLA decode), v_cache must be "
+                         f"k_cache[..., :{d_v}]: the kernel reads V from the first {d_v} columns of K's rows")
+    unbuilt = [name for name, x in (("k / v (appended keys)", k), ("rotary_cos", rotary_cos),
+                                    ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad))
+               if x is not None] + (["num_splits > 1"] if num_splits > 1 else [])
+    if unbuilt:
+        raise ValueError(f"MLA decode ({d} / {d_v}) is not built with {', '.join(unbuilt)}")
 
 
 def check_head_dim(named):

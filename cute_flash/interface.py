@@ -595,9 +595,9 @@ def _kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, c
     lse_shape = (batch, nheads, seqlen_q)
     skipped = _kvcache_skips(q, seqlen_k)
     if skipped == "empty":
-        out, lse = _empty(q, lse_shape)
+        out, lse = _empty(q, lse_shape, v_cache.shape[-1])
     elif skipped == "no keys":
-        out, lse = sinks.fold(*_no_keys(q, lse_shape), learnable_sink)
+        out, lse = sinks.fold(*_no_keys(q, lse_shape, v_cache.shape[-1]), learnable_sink)
     else:
         if paged and isinstance(cache_seqlens, torch.Tensor) and not compiling and not (
                 cache_seqlens.is_cuda and torch.cuda.is_current_stream_capturing()):
@@ -673,6 +673,8 @@ def _kvcache_varlen(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
     scale = _scale(softmax_scale, q.shape[-1])
     _validate.check_dtypes([("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)],
                            optional=("k", "v"))
+    if _validate.is_latent(q, k_cache, v_cache):
+        raise ValueError("MLA decode (q / k_cache 576, v_cache 512) is not built with cu_seqlens_q")
     rotary = None if rotary_cos is None else (rotary_cos, rotary_sin, bool(rotary_interleaved))
     q_pad = q.new_empty(batch, max(int(max_seqlen_q), 1), *q.shape[1:])  # every row written by the packing launch
     lengths = torch.empty_like(cache_seqlens)  # cache_seqlens + the new keys, written by the packing launch
@@ -759,7 +761,10 @@ def _check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seql
     named = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)]
     _validate.check_dtypes(named, optional=("k", "v"))
     _validate.check_kvcache_shapes(q, k_cache, v_cache, k, v, paged)
-    _validate.check_head_dim(named)
+    if _validate.is_latent(q, k_cache, v_cache):  # MLA decode: v_cache is k_cache's first columns
+        _validate.check_latent_cache(k_cache, v_cache, k, rotary_cos, cache_batch_idx, cache_leftpad, num_splits)
+    else:
+        _validate.check_head_dim(named)
     _validate.check_gqa(q, k_cache, "q", "k_cache")
     _validate.check_last_dim_contiguous([("k_cache", k_cache), ("v_cache", v_cache)])
     _validate.check_softcap(softcap)

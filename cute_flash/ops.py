@@ -153,7 +153,7 @@ def _fwd_kvcache_fake(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_s
                       cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, window_left, window_right,
                       softcap, rotary_interleaved, alibi_slopes, num_splits, learnable_sink=None):
     b, sq, h, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty((b, h, sq), dtype=torch.float32)
+    return q.new_empty((b, sq, h, v_cache.shape[-1])), q.new_empty((b, h, sq), dtype=torch.float32)
 
 
 @torch.library.custom_op("cute_flash::pack_kvcache_queries", mutates_args=("q_pad", "lengths", "k_cache", "v_cache"))

@@ -19,8 +19,8 @@ import cutlass.utils.hopper_helpers as sm90
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from layouts.traits import (DTYPES, ELEMENT_BYTES, HEAD_DIM_BUCKETS, SMEM_LIMIT, BwdTraits, check_bucket_and_dtype,
-                            element_type, head_dim_bucket)
+from layouts.traits import (DTYPES, ELEMENT_BYTES, HEAD_DIM_BUCKETS, LATENT_DIMS, SMEM_LIMIT, BwdTraits,
+                            check_bucket_and_dtype, element_type, head_dim_bucket)
 
 WGMMA_M = 64  # rows of one warpgroup's wgmma
 
@@ -29,16 +29,26 @@ WGMMA_M = 64  # rows of one warpgroup's wgmma
 class HopperTileTraits:
     """Tile sizes of a Hopper attention tile: block_m query rows (a multiple of 64, one
     warpgroup per 64), block_n keys, head_dim; head_dim_v, V's and O's head dim where it is
-    not head_dim's (MLA's 192 / 128), else None."""
+    not head_dim's (MLA's 192 / 128), else None. `latent`: MLA's absorbed decode (`LATENT_DIMS`),
+    V being the first head_dim_v columns of K's rows (one latent cache), read from K's stage,
+    and two warpgroups a 64-row block, each computing its S and half of O's columns (O's 512
+    fp32 columns are 256 registers a thread on one warpgroup)."""
     head_dim: int
     block_m: int = 64
     block_n: int = 128
     dtype: str = "bf16"
     head_dim_v: int | None = None
+    latent: bool = False
 
     def __post_init__(self):
-        check_bucket_and_dtype(self.head_dim, self.dtype)
-        if self.head_dim_v is not None:
+        if self.latent:
+            if (self.head_dim, self.head_dim_v) != LATENT_DIMS or self.block_m != WGMMA_M:
+                raise ValueError(f"latent tiles are (head_dim, head_dim_v) = {LATENT_DIMS} on {WGMMA_M} rows")
+            if self.dtype not in DTYPES:
+                raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        else:
+            check_bucket_and_dtype(self.head_dim, self.dtype)
+        if self.head_dim_v is not None and not self.latent:
             check_bucket_and_dtype(self.head_dim_v, self.dtype)
             if self.head_dim_v == self.head_dim:
                 raise ValueError("head_dim_v is V's head dim where it differs from head_dim; leave it None otherwise")
@@ -48,8 +58,23 @@ class HopperTileTraits:
             raise ValueError("block_n must be a multiple of 16 in [16, 256] (a wgmma's N)")
 
     @property
-    def warpgroups(self) -> int:
+    def row_warpgroups(self) -> int:
+        """Consumer warpgroups along the rows, 64 each."""
         return self.block_m // WGMMA_M
+
+    @property
+    def col_warpgroups(self) -> int:
+        """Consumer warpgroups sharing a 64-row block, each with its share of O's columns."""
+        return 2 if self.latent else 1
+
+    @property
+    def warpgroups(self) -> int:
+        return self.row_warpgroups * self.col_warpgroups
+
+    @property
+    def dv_wg(self) -> int:
+        """O's columns a consumer warpgroup holds."""
+        return self.dv // self.col_warpgroups
 
     @property
     def num_threads(self) -> int:
@@ -61,13 +86,14 @@ class HopperTileTraits:
         return self.head_dim if self.head_dim_v is None else self.head_dim_v
 
     def smem_bytes(self, stages: int = 1) -> int:
-        """Q, and K and V tiles in `stages` stages."""
+        """Q, and K and V tiles in `stages` stages (latent: V lies in K's)."""
         q_k = (self.block_m + stages * self.block_n) * self.head_dim
-        return ELEMENT_BYTES * (q_k + stages * self.block_n * self.dv)
+        return ELEMENT_BYTES * (q_k + (0 if self.latent else stages * self.block_n * self.dv))
 
     @property
     def name(self) -> str:
         value = "" if self.head_dim_v is None else f"_v{self.head_dim_v}"
+        value += "_lat" if self.latent else ""
         return f"sm90_d{self.head_dim}{value}_m{self.block_m}_n{self.block_n}_{self.dtype}"
 
 
@@ -106,6 +132,17 @@ def choose_hopper_cache_traits(head_dim: int, dtype: str = "bf16", ctas_per_sm: 
     if ctas_per_sm == 2:
         return HopperTileTraits(head_dim_bucket(head_dim), WGMMA_M, 64, dtype)
     return HopperTileTraits(head_dim_bucket(head_dim), WGMMA_M, choose_hopper_traits(head_dim, dtype).block_n, dtype)
+
+
+def choose_hopper_latent_traits(dtype: str = "bf16") -> HopperTileTraits:
+    """MLA decode's tiles (`HopperTileTraits.latent`): 64 rows, 64 keys a block: Q (72 KB) and
+    two K stages (72 KB each) fill 216 KB of an SM's shared memory; O is staged in Q's tile."""
+    return HopperTileTraits(LATENT_DIMS[0], WGMMA_M, 64, dtype, LATENT_DIMS[1], latent=True)
+
+
+def shipped_hopper_latent_traits() -> list[HopperTileTraits]:
+    """MLA decode's latent tiles, every dtype."""
+    return [choose_hopper_latent_traits(dt) for dt in DTYPES]
 
 
 VALUE_DIM_PAIRS = ((192, 128),)  # (head_dim, head_dim_v) shipped with a V head dim of its own: MLA's
@@ -176,16 +213,16 @@ def tiled_mma_qk(traits: HopperTileTraits):
     64 rows."""
     dtype = element_type(traits)
     return sm90.make_trivial_tiled_mma(dtype, dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
-                                       cutlass.Float32, (traits.warpgroups, 1, 1), (WGMMA_M, traits.block_n))
+                                       cutlass.Float32, (traits.row_warpgroups, 1, 1), (WGMMA_M, traits.block_n))
 
 
 def tiled_mma_pv(traits: HopperTileTraits):
     """O = P V: P from registers (the S accumulators converted in place, `acc_as_operand_a`),
-    V MN-major in shared memory; N is V's head dim (`dv`)."""
+    V MN-major in shared memory; N is V's head dim (`dv`), split between `col_warpgroups`."""
     dtype = element_type(traits)
     return sm90.make_trivial_tiled_mma(dtype, dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
-                                       cutlass.Float32, (traits.warpgroups, 1, 1), (WGMMA_M, traits.dv),
-                                       a_source=warpgroup.OperandSource.RMEM)
+                                       cutlass.Float32, (traits.row_warpgroups, traits.col_warpgroups, 1),
+                                       (WGMMA_M, traits.dv_wg), a_source=warpgroup.OperandSource.RMEM)
 
 
 def p_operand(acc_s, dtype):

@@ -11,6 +11,7 @@ import functools
 from dataclasses import dataclass
 
 HEAD_DIM_BUCKETS = (32, 64, 96, 128, 160, 192, 224, 256)
+LATENT_DIMS = (576, 512)  # MLA's absorbed decode: q / k 512 latent + 64 rope columns, v the 512 latent ones
 DTYPES = ("fp16", "bf16")
 # Opt-in dynamic shared memory per CTA (bytes), as cudaDevAttrMaxSharedMemoryPerBlockOptin reports:
 # 163 KB on sm_80 and sm_87, 99 KB on sm_86 and sm_89 (consumer Ampere and Ada), 227 KB on sm_90.

@@ -14,7 +14,8 @@ What must hold for the Hopper kernels to be right, checked without a GPU:
   its atom was built for, addresses exactly that warpgroup's rows of the (block_m, d) tile
   the threads wrote, from a 1024-byte aligned base (TMA swizzles by address bits);
 - packed batches' O copy (`hopper.o_copy_coord`): a warpgroup's threads copy every 16-byte
-  chunk of its 64 rows exactly once.
+  chunk of its 64 rows exactly once;
+- latent tiles (MLA decode): K's first dv columns, stage by stage, are a (block_n, dv) V tile.
 """
 from __future__ import annotations
 
@@ -49,9 +50,24 @@ def smem_checks(traits: HopperTileTraits, stages: int = 2) -> dict:
             offsets = host(np.arange(host.size))
             bijective = bijective and bool(np.array_equal(np.sort(offsets), np.arange(offsets.size)))
         out["stages_aligned"], out["staged_bijection"] = aligned, bijective
+        if traits.latent:
+            out["sV_in_sK"] = latent_v_checks(traits, stages)
         return out
 
     return in_arch_trace("sm_90a", run)
+
+
+def latent_v_checks(traits: HopperTileTraits, stages: int) -> bool:
+    """(Inside a trace) latent tiles read V as K's first dv columns (kernels/sm90/fwd.py: a
+    `local_tile` of sK): element (key, col, stage) of K's staged tile, col < dv, lies where a
+    (block_n, dv) V tile puts (key, col), plus the stage's start, so that the wgmma descriptors
+    of that V tile address it."""
+    staged = HostLayout.of(hopper.smem_layout_staged(traits, traits.block_n, stages))
+    v_tile = HostLayout.of(hopper.smem_layout(traits, traits.block_n, traits.dv))
+    bn, d, dv = traits.block_n, traits.head_dim, traits.dv
+    r, c = (x.ravel() for x in np.meshgrid(np.arange(bn), np.arange(dv), indexing="ij"))
+    want = v_tile(r + bn * c)
+    return all(bool(np.array_equal(staged(r + bn * c + bn * d * s), want + s * bn * d)) for s in range(stages))
 
 
 def p_operand_checks(traits: HopperTileTraits) -> dict:
@@ -63,19 +79,23 @@ def p_operand_checks(traits: HopperTileTraits) -> dict:
 
 def operand_a_check(mma_c, mma_a, tile) -> dict:
     """(Inside a trace) the accumulators of `mma_c` over `tile`, re-viewed by
-    `acc_as_operand_a`, hold at A position j of every thread the element `mma_a` reads there."""
+    `acc_as_operand_a`, hold at A position j of every thread the element `mma_a` reads there
+    (where `mma_a` has more threads, the latent tiles' warpgroups sharing rows: thread t's A is
+    thread t mod mma_c's size's S)."""
     acc = cute.make_rmem_tensor(mma_c.get_slice(0).partition_shape_C(tile), cutlass.Float32)
     view = HostLayout.of(hopper.acc_as_operand_a(acc).layout)
     where = view(np.arange(view.size))
     c = partition_coords(mma_c, "partition_C", tile)[:, 0]  # (threads, values, (row, col))
     a = partition_coords(mma_a, "partition_A", tile)[:, 0]
+    c = c[np.arange(len(a)) % len(c)]
     bad = sum(int(a_xy.shape[0] != view.size or not np.array_equal(c_xy[where], a_xy)) for c_xy, a_xy in zip(c, a))
-    return {"threads": mma_c.size, "values": view.size, "mismatched_threads": bad, "ok": bad == 0}
+    return {"threads": mma_a.size, "values": view.size, "mismatched_threads": bad, "ok": bad == 0}
 
 
 def accumulator_coverage(traits: HopperTileTraits) -> dict:
     """The C partitions of all threads hold every element of S (block_m, block_n) and of O
-    (block_m, dv) exactly once: the warpgroups split the rows, nothing overlaps."""
+    (block_m, dv) exactly once: the warpgroups split the rows (latent tiles: O's columns, each
+    of their warpgroups computing the S of the one row warpgroup), nothing overlaps."""
     def run():
         out = {}
         for name, mma, tile in (("S", hopper.tiled_mma_qk(traits), (traits.block_m, traits.block_n)),
@@ -100,14 +120,15 @@ def o_staging_checks(traits: HopperTileTraits) -> dict:
     warpgroup w and atom column j: the offset of (64 w + r, j * cols + c) in the (block_m, dv)
     tile == the offset of (r, c) in a (64, cols) box of the same atom, plus one base per box,
     and that base is a multiple of 1024 bytes."""
-    return staging_checks(traits, traits.block_m, traits.warpgroups, traits.dv)
+    return staging_checks(traits, traits.block_m, traits.row_warpgroups, traits.dv)
 
 
 def staging_checks(traits, tile_rows: int, warpgroups: int, head_dim: int | None = None, bwd: bool = False) -> dict:
     """`o_staging_checks` for a (tile_rows, head_dim) tile (default the traits' head dim)
     stored by `warpgroups` boxes of tile_rows / warpgroups rows each (O in the forward,
     `hopper.smem_layout`; dK and dV in sK / sV in the backward, `bwd`: `hopper.bwd_smem_layout`,
-    its atom picked for `bwd_atom_cols`)."""
+    its atom picked for `bwd_atom_cols`). The latent tiles' two warpgroups store halves of one
+    64-row band's columns, atoms these boxes check one by one."""
     head_dim = head_dim or traits.head_dim
 
     def run():
@@ -210,7 +231,7 @@ def verify_hopper(traits: HopperTileTraits, stages: int = 2) -> dict:
     o_staging = o_staging_checks(traits)
     o_copy = o_copy_checks(traits)
     ok = (smem["sQ"] and smem["sKV"] and smem["sV"] and smem["sO"] and smem["staged_bijection"]
-          and smem["stages_aligned"] and p["ok"]
+          and smem["stages_aligned"] and smem.get("sV_in_sK", True) and p["ok"]
           and all(cover.values()) and o_staging["ok"] and o_copy["ok"])
     return {"smem": smem, "p_operand": p, "acc_coverage": cover, "o_staging": o_staging, "o_copy": o_copy,
             "ok": ok}

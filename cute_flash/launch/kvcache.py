@@ -27,8 +27,8 @@ from cute_flash.launch.per_stream import per_stream, zeroed_counters
 from cute_flash.launch.policy import (CLUSTER_MAX_SPLITS, PAGE_ROWS, arch_path, cache_stages, hopper_cache_fits,
                                       query_fold_group, split_choice, takes_dependent_launch, takes_hopper_path,
                                       takes_pack_gqa, takes_two_ctas_per_sm)
-from layouts.hopper import choose_hopper_cache_traits
-from layouts.traits import ALIGN, choose_decode_traits, tile_arch
+from layouts.hopper import choose_hopper_cache_traits, choose_hopper_latent_traits
+from layouts.traits import ALIGN, LATENT_DIMS, choose_decode_traits, tile_arch
 
 
 @dataclass(frozen=True, eq=False)
@@ -145,7 +145,8 @@ def flash_fwd_kvcache(q, k_cache, v_cache, *, k=None, v=None, rotary_cos=None, r
         raise ValueError("folded_q: q's heads come in the order of a query fold this call does not take")
     if group > 1:
         q = q.view(b, sq * group, h // group, d) if folded_q else fold_queries(q, group)
-    out = torch.empty((b, plan.rows, plan.heads, d) if group > 1 else (b, sq, h, d), dtype=q.dtype,
+    d_v = v_cache.shape[-1]
+    out = torch.empty((b, plan.rows, plan.heads, d_v) if group > 1 else (b, sq, h, d_v), dtype=q.dtype,
                       device=call.device)
     o_acc, lse_acc, counters, lse = _workspace(plan, call.device)
     if return_lse:
@@ -169,7 +170,8 @@ def _call_of(q, k_cache, v_cache, k, cache_seqlens, cache_batch_idx, cache_leftp
             return None
         call = _kvcache_call(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
                              softmax_scale, causal, window_size, softcap, alibi_slopes, rotary_cos, num_splits,
-                             learnable_sink is not None, hopper_variant)
+                             learnable_sink is not None, hopper_variant,
+                             latent=(q.shape[-1], v_cache.shape[-1]) == LATENT_DIMS)
         if key is not None:
             if len(_calls) >= _CALLS_MAX:
                 _calls.clear()
@@ -230,7 +232,9 @@ def _by_batch_chunks(q, k_cache, v_cache, *, k, v, cache_seqlens, cache_batch_id
 
 
 def _kvcache_call(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, softmax_scale,
-                  causal, window_size, softcap, alibi_slopes, rotary_cos, num_splits, sink, hopper_variant=None):
+                  causal, window_size, softcap, alibi_slopes, rotary_cos, num_splits, sink, hopper_variant=None,
+                  latent=False):
+    """`latent`: MLA decode (`layouts.traits.LATENT_DIMS`), on the Hopper entry's latent tiles only."""
     b, sq, h, d = q.shape
     device = q.device
     index = gpu.device_index(device)
@@ -247,7 +251,10 @@ def _kvcache_call(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, 
     hopper = takes_hopper_path(index)
     variant = hopper_variant or {}
     group = 1
-    if hopper:
+    if latent:
+        _latent_fits(hopper, paged, k_cache.shape[1])
+        traits = choose_hopper_latent_traits(gpu.DTYPE_NAMES[q.dtype])
+    elif hopper:
         traits = variant.get("traits") or choose_hopper_cache_traits(d, gpu.DTYPE_NAMES[q.dtype])
         hopper = hopper_cache_fits(cache_leftpad is not None, cache_batch_idx is not None,
                                    k_cache.shape[1] if paged else None, traits)
@@ -262,7 +269,9 @@ def _kvcache_call(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, 
     ctas_per_sm = variant.get("ctas_per_sm", 1) if hopper else 2
     m_blocks = -(-rows // traits.block_m)
     work_ctas, num_sms = b * heads * m_blocks, gpu.num_sms(index)
-    if hopper and not variant and num_splits <= 1 and takes_two_ctas_per_sm(work_ctas, num_sms, capacity, d):
+    if latent:
+        num_splits = 1  # the latent tiles' split partials and merges are not built (O 512 wide)
+    elif hopper and not variant and num_splits <= 1 and takes_two_ctas_per_sm(work_ctas, num_sms, capacity, d):
         traits, ctas_per_sm = choose_hopper_cache_traits(d, gpu.DTYPE_NAMES[q.dtype], ctas_per_sm=2), 2
     n_blocks = -(-capacity // traits.block_n)
     stream_ctas = variant.get("stream_ctas", 0) if hopper else 0
@@ -284,7 +293,7 @@ def _kvcache_call(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, 
         ctas = stream_ctas or work_ctas * num_splits
         keys_per_cta = -(-n_blocks * work_ctas // ctas) * traits.block_n  # a split's keys, or a stream-K share's
         pdl = takes_dependent_launch(ctas, ctas_per_sm * num_sms, keys_per_cta)
-        stages = variant.get("stages", cache_stages(traits, ctas_per_sm))
+        stages = 2 if latent else variant.get("stages", cache_stages(traits, ctas_per_sm))  # two 72 KB stages fit
         config = Sm90FwdConfig(traits, stages, kvcache=True,
                                split=num_splits > 1 or bool(stream_ctas), paged=paged,
                                pack_gqa=pack_gqa, query_group=group, ctas_per_sm=ctas_per_sm,
@@ -302,6 +311,17 @@ def _kvcache_call(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, 
     k_extra = 0 if k is None else k.shape[1]
     return KVCacheCall(plan, device, index, not is_aligned(q), seqlens, append, causal or left >= 0 or right >= 0,
                        (k_extra, stream_ctas or num_splits, *scales(softmax_scale, softcap), left, right))
+
+
+def _latent_fits(hopper: bool, paged: bool, page_size: int):
+    """MLA decode runs on the Hopper entry's latent tiles alone: on sm_90, pages of a multiple of
+    their 64-key blocks."""
+    if not hopper:
+        raise ValueError("MLA decode (q / k_cache 576, v_cache 512) runs on the Hopper KV-cache kernel only: an "
+                         "sm_90 GPU, without CUTE_FLASH_ARCH_PATH=sm80")
+    if paged and page_size % choose_hopper_latent_traits().block_n:
+        raise ValueError(f"MLA decode takes pages of a multiple of {choose_hopper_latent_traits().block_n} rows, "
+                         f"got page_size {page_size}")
 
 
 def _append(q, k, v, k_cache, v_cache, seqlens, cache_batch_idx, block_table, rotary_cos, rotary_sin,

@@ -25,7 +25,8 @@ from cute_flash.launch.policy import (DEEP_PIPELINE_MAX_SEQLEN_K, KV_MULTICAST_M
                                       kv_stages, speculates_in_place, takes_kv_multicast, takes_speculative_max,
                                       with_hopper_bwd_dq)
 from layouts.hopper import (BWD_HEAD_DIMS, VALUE_DIM_PAIRS, choose_hopper_bwd_traits, choose_hopper_cache_traits,
-                            choose_hopper_traits, shipped_hopper_cache_traits, shipped_hopper_traits)
+                            choose_hopper_latent_traits, choose_hopper_traits, shipped_hopper_cache_traits,
+                            shipped_hopper_latent_traits, shipped_hopper_traits)
 from layouts.traits import DTYPES, HEAD_DIM_BUCKETS, choose_bwd_traits, choose_decode_traits, choose_fwd_traits
 
 QUERY_GROUPS = (4, 8)  # the full list's query folds (`Sm90FwdConfig.query_group`): Llama's and Qwen's GQA groups
@@ -145,7 +146,8 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
     dense and packed (one CTA per tile), and a learnable sink (d 128 causal persistent, d 64
     causal packed; KV
     caches: d 128 GQA-folded split in a cluster, d 128 split and paged, d 64 causal stream-K
-    folded by 4); the full list has every variant with a sink too."""
+    folded by 4), MLA decode's latent tiles (paged and GQA-folded; causal with softcap, a sink
+    and a query fold by 2); the full list has every variant with a sink too."""
     if full:
         out = []
         for t in shipped_hopper_traits():
@@ -195,10 +197,20 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
                             for p in (False, True) for f in folds for g in ((1,) if f else groups)
                             # stream-K fills every slot; two CTAs an SM stream at most 4096 keys each
                             for pdl in ((False, True) if ctas == 1 and not w else (True,))]
+        for t in shipped_hopper_latent_traits():  # MLA decode: unsplit, one CTA an SM
+            for bits in itertools.product((False, True), repeat=4):
+                flags = dict(zip(("has_left", "has_right", "has_alibi", "has_softcap"), bits))
+                folds = (False,) if flags["has_left"] or flags["has_right"] or flags["has_alibi"] else (False, True)
+                groups = (1,) if flags["has_alibi"] else (1,) + QUERY_GROUPS
+                caches += [Sm90FwdConfig(t, 2, kvcache=True, paged=p, pack_gqa=f, query_group=g,
+                                         dependent_launch=pdl, **flags)
+                           for p in (False, True) for f in folds for g in ((1,) if f else groups)
+                           for pdl in (False, True)]
         return out + caches + [replace(c, learnable_sink=True) for c in caches]  # and every one with a sink
     traits = [choose_hopper_traits(d, "bf16") for d in HEAD_DIM_BUCKETS]
     d64, cache64 = choose_hopper_traits(64, "bf16"), choose_hopper_cache_traits(64, "bf16")
     (mla_d, mla_dv), = VALUE_DIM_PAIRS
+    latent = choose_hopper_latent_traits("bf16")
     mla = choose_hopper_traits(mla_d, "bf16", head_dim_v=mla_dv)
     out = [Sm90FwdConfig(t, persistent=Sm90FwdConfig.fits_persistent(t), has_right=True, speculative_max=True,
                          speculative_in_place=speculates_in_place(t))
@@ -248,6 +260,9 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
                   Sm90FwdConfig(cache64, cache_stages(cache64, 1), has_right=True, kvcache=True, split=True,
                                 stream_k=True, query_group=4, learnable_sink=True),
                   Sm90FwdConfig(mla, persistent=Sm90FwdConfig.fits_persistent(mla), has_right=True),
+                  Sm90FwdConfig(latent, 2, kvcache=True, paged=True, pack_gqa=True),
+                  Sm90FwdConfig(latent, 2, has_right=True, has_softcap=True, kvcache=True, query_group=2,
+                                learnable_sink=True),
                   Sm90FwdConfig(mla, has_right=True, varlen=True),
                   Sm90FwdConfig(choose_hopper_traits(128, "bf16"), persistent=True, has_right=True,
                                 speculative_max=True, learnable_sink=True),

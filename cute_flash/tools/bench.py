@@ -1008,7 +1008,7 @@ def plot(rows, path):
 
 
 SECTIONS = ("grid", "extra", "varlen", "paged", "decode", "unaligned", "bwd", "bwd_dims", "dropout", "held", "shapes",
-            "train_varlen", "mods")
+            "train_varlen", "mods", "mla_decode")
 BWD_DIMS = (96, 192, 256)  # the head dims of issue 61's table, at 4k tokens a sequence
 
 
@@ -1062,6 +1062,11 @@ def main(out_dir=None, quick=False, sections=SECTIONS, mods=None):
 
         result["mods"] = run_mods((128,), (4096,), mods) if quick else run_mods(names=mods)
         text += "\n" + format_mods(result["mods"]) + "\n"
+    if "mla_decode" in sections:
+        from cute_flash.tools.bench_mla import MLA_CELLS, format_mla_decode, run_mla_decode
+
+        result["mla_decode"] = run_mla_decode(MLA_CELLS[:1] if quick else MLA_CELLS)
+        text += "\n" + format_mla_decode(result["mla_decode"]) + "\n"
     if "held" in sections:
         from cute_flash.tools.held import HOLD_S, format_held, run_held
 

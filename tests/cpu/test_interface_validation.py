@@ -9,6 +9,7 @@ reach the kernels.
 
 import inspect
 import math
+import re
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import cute_flash
 from cute_flash import _validate
 from cute_flash import interface as fi
 from tests.helpers.interface import (ALL, B, CACHE, D, FIRST, H, HALF_ARGS, HALF_CASES, HK, MAXBLOCKS, NBLOCKS, PAGE,
@@ -985,3 +987,29 @@ def test_kvcache_empty(gpu_free, case):
         assert bool((out == 0).all()) and bool((lse == math.inf).all())
     for a, t in before.items():
         assert torch.equal(_bytes(args[a]), t)
+
+
+def test_mla_decode_checks(gpu_free):
+    """MLA decode (q and k_cache 576 wide, v_cache 512): v_cache must be k_cache's first 512
+    columns (the kernel reads V from K's rows); appended keys, rotary, cache_leftpad, a split
+    count and packed queries are refused by name; a call without keys answers 512 columns."""
+    q = rnd(B, 1, H, 576)
+    cache = rnd(B, CACHE, HK, 576)
+    latent = cache[..., :512]
+    with pytest.raises(ValueError, match=r"v_cache must be k_cache\[\.\.\., :512\]"):
+        call("kvcache", q=q, k_cache=cache, v_cache=latent.clone())
+    refused = [(dict(num_splits=2), "num_splits > 1"),
+               (dict(k=cache[:, :1], v=latent[:, :1], cache_seqlens=CACHE - 1), "k / v"),
+               (dict(cache_leftpad=i32(0, 1)), "cache_leftpad")]
+    for over, what in refused:
+        with pytest.raises(ValueError, match=rf"^MLA decode \(576 / 512\) is not built with .*{re.escape(what)}"):
+            call("kvcache", q=q, k_cache=cache, v_cache=latent, **over)
+    with pytest.raises(ValueError, match="not built with cu_seqlens_q"):
+        cute_flash.flash_attn_with_kvcache(rnd(3, H, 576), cache, latent, cache_seqlens=i32(1, 2),
+                                           cu_seqlens_q=i32(0, 1, 3), max_seqlen_q=2)
+    assert gpu_free.calls == []
+    out, lse = call("kvcache", q=q, k_cache=cache, v_cache=latent, return_softmax_lse=True)
+    assert [name for name, *_ in gpu_free.calls] == ["flash_fwd_kvcache"]
+    out, lse = call("kvcache", q=q, k_cache=rnd(B, 0, HK, 576), v_cache=rnd(B, 0, HK, 576)[..., :512],
+                    return_softmax_lse=True)
+    assert out.shape == (B, 1, H, 512) and bool((lse == math.inf).all())

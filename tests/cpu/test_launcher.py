@@ -1258,7 +1258,7 @@ def test_call_setup_is_kept_per_signature(recorder, monkeypatch):
 
     setups = []
     real = kvcache._kvcache_call
-    monkeypatch.setattr(kvcache, "_kvcache_call", lambda *a: setups.append(a) or real(*a))
+    monkeypatch.setattr(kvcache, "_kvcache_call", lambda *a, **kw: setups.append(a) or real(*a, **kw))
     q = torch.randn(2, 1, 8, 64, dtype=torch.float16)
     cache = torch.randn(2, 1000, 2, 64, dtype=torch.float16)
     for signature in ("sig", "sig", None, None, "other"):
@@ -1557,3 +1557,45 @@ def test_softcap_keeps_64_query_rows_at_d64(recorder, monkeypatch):
     flash_bwd(q, q, q, q, q, lse, softmax_scale=0.5, causal=True)
     capped, plain = [x.config for x in recorder.launches if isinstance(x.config, Sm90BwdConfig)]
     assert (capped.has_softcap, capped.traits.block_m, plain.traits.block_m) == (True, 64, 128)
+
+
+def test_mla_decode_takes_the_latent_tiles(recorder, monkeypatch):
+    """q / k_cache 576 wide with v_cache its first 512 columns (MLA decode): the Hopper entry's
+    latent tiles, unsplit whatever the split rule would pick, the GQA fold of 128 heads into two
+    64-row blocks, out 512 wide; under a causal mask with two query rows, the query fold; on the
+    SM80 path, or over pages of 32 rows, a ValueError (no other kernel runs the shape)."""
+    from cute_flash.kernels.sm90.fwd import Sm90FwdConfig
+    from cute_flash.launch import flash_fwd_kvcache
+
+    monkeypatch.delenv("CUTE_FLASH_ARCH_PATH")
+    cache = torch.randn(1, 8192, 1, 576, dtype=torch.bfloat16)
+    q = torch.randn(1, 1, 128, 576, dtype=torch.bfloat16)
+    out, lse = flash_fwd_kvcache(q, cache, cache[..., :512], cache_seqlens=8000, softmax_scale=0.1)
+    launch = recorder.launches[-1]
+    config = launch.config
+    assert isinstance(config, Sm90FwdConfig) and config.traits.latent and config.pack_gqa
+    assert not config.split and launch["num_splits"] == 1 and config.stages == 2
+    assert out.shape == (1, 1, 128, 512) and launch["mO"] is out and lse.shape == (1, 128, 1)
+    q2 = torch.randn(1, 2, 16, 576, dtype=torch.bfloat16)
+    out, _ = flash_fwd_kvcache(q2, cache, cache[..., :512], cache_seqlens=8000, softmax_scale=0.1, causal=True)
+    config = recorder.launches[-1].config
+    assert config.traits.latent and config.query_group > 1 and config.has_right and out.shape == (1, 2, 16, 512)
+    pages = torch.randn(4, 32, 1, 576, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        flash_fwd_kvcache(q, pages, pages[..., :512], cache_seqlens=100, softmax_scale=0.1,
+                          block_table=torch.zeros(1, 4, dtype=torch.int32))
+    monkeypatch.setenv("CUTE_FLASH_ARCH_PATH", "sm80")
+    with pytest.raises(ValueError, match="Hopper KV-cache kernel only"):
+        flash_fwd_kvcache(q, cache, cache[..., :512], cache_seqlens=8000, softmax_scale=0.1)
+
+
+def test_latent_configs_are_the_unsplit_kvcache_entrys():
+    """Latent tiles (MLA decode) compile only as the KV-cache entry, unsplit, one CTA an SM."""
+    from cute_flash.kernels.sm90.fwd import Sm90FwdConfig
+    from layouts.hopper import choose_hopper_latent_traits
+
+    latent = choose_hopper_latent_traits("bf16")
+    assert Sm90FwdConfig(latent, 2, kvcache=True, paged=True).smem_bytes <= 232448
+    for bad in (dict(), dict(kvcache=True, split=True), dict(kvcache=True, split=True, cluster_merge=True)):
+        with pytest.raises(ValueError, match="latent tiles"):
+            Sm90FwdConfig(latent, 2, **bad)

@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 from cute_flash.launch.variants import sm90_traits_stages
 from layouts import copy, hopper, smem, verify, verify_bwd
 from layouts.hopper import (HopperTileTraits, choose_hopper_cache_traits, choose_hopper_traits,
-                            shipped_hopper_bwd_traits, shipped_hopper_cache_traits, shipped_hopper_traits)
+                            shipped_hopper_bwd_traits, shipped_hopper_cache_traits, shipped_hopper_latent_traits,
+                            shipped_hopper_traits)
 from layouts.traits import (DTYPES, ELEMENT_BYTES, HEAD_DIM_BUCKETS, SMEM_LIMIT, FwdTraits, choose_bwd_traits,
                             choose_fwd_traits, head_dim_bucket, shipped_bwd_traits)
 
@@ -410,7 +411,8 @@ def test_hopper_report_covers_every_shipped_traits():
     three-stage ones the launchers choose: d <= 96 on 128-row tiles (`kv_stages`) and the
     KV-cache entry's d <= 64 at one CTA an SM (`cache_stages`)."""
     pairs = sm90_traits_stages()
-    shipped = {*shipped_hopper_traits(), *shipped_hopper_cache_traits(), *shipped_hopper_cache_traits(2)}
+    shipped = {*shipped_hopper_traits(), *shipped_hopper_cache_traits(), *shipped_hopper_cache_traits(2),
+               *shipped_hopper_latent_traits()}
     assert {t for t, _ in pairs} == shipped
     deep = {t for t, s in pairs if s == 3}
     assert choose_hopper_traits(96, "fp16") in deep and choose_hopper_cache_traits(64, "bf16") in deep
@@ -602,3 +604,23 @@ def test_dropout_atoms_backward(traits):
     result = in_arch_trace("sm_80", lambda: atom_checks(mma.tiled_mma_grid(traits, traits.atom_m_sdp),
                                                         (traits.block_m, traits.block_n)))
     assert result["ok"], result
+
+
+def test_latent_tiles_pass_the_hopper_checks(monkeypatch):
+    """MLA decode's latent tiles: every Hopper check, with V as K's first 512 columns stage by
+    stage and both warpgroups' P from the one S partition; the V check fails when K's stages
+    are laid out column-first (not vacuous)."""
+    from layouts.verify_hopper import latent_v_checks, report
+
+    traits = hopper.choose_hopper_latent_traits("bf16")
+    assert (traits.warpgroups, traits.row_warpgroups, traits.dv_wg) == (2, 1, 256)
+    row = report(traits, 2)
+    assert row["ok"] and row["smem"]["sV_in_sK"] and row["p_operand"]["threads"] == 256
+    assert row["smem_bytes"] == 64 * 576 * 2 * 3
+    staged = hopper.smem_layout_staged
+    monkeypatch.setattr(hopper, "smem_layout_staged", lambda t, rows, stages, cols=None: cute.tile_to_shape(
+        hopper.swizzle_atom(t, cols), (rows, cols or t.head_dim, stages), order=(1, 0, 2)))
+    assert not verify.in_arch_trace("sm_90a", lambda: latent_v_checks(traits, 2))
+    monkeypatch.setattr(hopper, "smem_layout_staged", staged)
+    with pytest.raises(ValueError, match="latent tiles"):
+        HopperTileTraits(576, 128, 64, "bf16", 512, latent=True)

@@ -5,7 +5,7 @@ from enum import IntEnum
 
 class FwdBarrier(IntEnum):
     SCHEDULER = 1  # 1..3: consumer warpgroup 0's..2's turn to issue GEMMs
-    EPILOGUE = 4   # 4..6: consumer warpgroup 0's..2's O tile written to smem
+    EPILOGUE = 4   # 4..6: consumer warpgroup 0's..2's O tile written to smem (latent tiles: 4, both done with sQ first)
     CLEAR_V = 7    # packed batches: every consumer warpgroup's V rows past seqlen_k zeroed
     SPLIT = 8      # split-KV: the consumer threads' arrival count and merge (SplitKV.sync)
     VOTE = 9       # 9..11: consumer warpgroup 0's..2's vote on speculative P in place

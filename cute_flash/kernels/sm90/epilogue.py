@@ -25,15 +25,21 @@ class Epilogue:
         sO, which lie in swizzle atoms of their own (so, in Q's tile, no other warpgroup's last
         Q K^T reads them), once the previous tile's TMA store has read them; one of its warps
         then stores them with TMA, which drops rows past seqlen_q and columns past the tensor's
-        head dim (packed batches: `copy_o_rows`). One thread of each quad writes its rows' LSE."""
-        bm, d = self.t.block_m, self.t.dv
+        head dim (packed batches: `copy_o_rows`). One thread of each quad writes its rows' LSE.
+        Latent tiles: the two warpgroups of the 64 rows write their halves of the columns into
+        Q's tile, once both are done reading Q."""
+        bm, d = self.t.block_m, self.t.dv_wg
         wg = mma_tidx // 128
+        wg_row, wg_col = wg % self.t.row_warpgroups, wg // self.t.row_warpgroups  # the PV MMA's warpgroup order
         store_warp = mma_tidx % 128 < 32
         rO = cute.make_rmem_tensor(acc_o.layout, self.dtype)  # (MMA, MMA_M, MMA_N)
         rO.store(acc_o.load().to(self.dtype))
         if store_warp:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
-        cute.arch.barrier(barrier_id=FwdBarrier.EPILOGUE + wg, number_of_threads=128)
+        if cutlass.const_expr(self.t.latent):
+            cute.arch.barrier(barrier_id=FwdBarrier.EPILOGUE, number_of_threads=self.t.num_threads)
+        else:
+            cute.arch.barrier(barrier_id=FwdBarrier.EPILOGUE + wg, number_of_threads=128)
         tOsO = recipe.mma_pv.get_slice(mma_tidx).partition_C(sO)  # (MMA, MMA_M, MMA_N)
         cute.autovec_copy(rO, tOsO)
         cute.arch.fence_view_async_shared()  # the generic-proxy writes, before TMA (async proxy) reads them
@@ -41,9 +47,9 @@ class Epilogue:
         if cutlass.const_expr(args.varlen is not None):
             self.copy_o_rows(sO, args.varlen.mO, tile, wg, mma_tidx % 128)
         elif store_warp:
-            sO_wg = cute.local_tile(sO, (hopper.WGMMA_M, d), (wg, 0))  # (64, dv) this warpgroup's rows
+            sO_wg = cute.local_tile(sO, (hopper.WGMMA_M, d), (wg_row, wg_col))  # (64, dv_wg) this warpgroup's
             gO = cute.local_tile(args.tma_mO[None, None, tile.bidh, tile.bidb], (hopper.WGMMA_M, d),
-                                 (tile.m_block * self.t.warpgroups + wg, 0))  # (64, dv)
+                                 (tile.m_block * self.t.row_warpgroups + wg_row, wg_col))  # (64, dv_wg)
             tOsO_tma, tOgO = cpasync.tma_partition(recipe.tma_o, 0, cute.make_layout(1),
                                                    cute.group_modes(sO_wg, 0, 2),
                                                    cute.group_modes(gO, 0, 2))  # (TMA,), (TMA,)

@@ -168,9 +168,11 @@ class Sm90FwdConfig:
         if self.ctas_per_sm == 2 and not (self.kvcache and self.traits.warpgroups == 1
                                           and 2 * (self.smem_bytes + 1024) <= SMEM_PER_SM):
             raise ValueError("two CTAs an SM: KV caches, one consumer warpgroup, and half an SM's shared memory")
-        if self.traits.head_dim_v is not None and self.kvcache:
+        if self.traits.head_dim_v is not None and self.kvcache and not self.traits.latent:
             raise ValueError("a V head dim of its own is built for dense and packed forwards, not KV caches "
-                             "(whose split-KV partials and merges take one head dim)")
+                             "(whose split-KV partials and merges take one head dim), but for MLA decode's latent tiles")
+        if self.traits.latent and not (self.kvcache and not self.split and self.ctas_per_sm == 1):
+            raise ValueError("latent tiles (MLA decode) are the KV-cache entry's, unsplit, one CTA an SM")
         if self.smem_bytes > SMEM_LIMIT[90]:  # e.g. a tuning override's stages
             raise ValueError(f"{self.stages} K / V stages of {self.traits.name} take {self.smem_bytes} bytes of "
                              f"shared memory; a CTA has at most {SMEM_LIMIT[90]}")
@@ -210,8 +212,9 @@ class Sm90FwdConfig:
 
     @staticmethod
     def owns_o_tile(traits: HopperTileTraits, persistent: bool) -> bool:
-        """O has a tile of its own: persistent, or V's head dim differs from Q's."""
-        return persistent or traits.head_dim_v is not None
+        """O has a tile of its own: persistent, or V's head dim differs from Q's (but on latent
+        tiles, whose O fits in Q's tile once both warpgroups are done with Q)."""
+        return persistent or (traits.head_dim_v is not None and not traits.latent)
 
     @staticmethod
     def fits_persistent(traits: HopperTileTraits, stages: int = 2) -> bool:
@@ -351,18 +354,21 @@ class FlashFwdSm90(TileScheduler, Producer, Consumer, Epilogue):
         kv_ctas = KV_MULTICAST_CTAS if self.config.kv_multicast else 1
         tma_k, tma_mK = hopper.tma_load_atom(t, seq_first(mK), cute.slice_(sKV_layout, (None, None, 0)), t.block_n,
                                              kv_ctas)
-        tma_v, tma_mV = hopper.tma_load_atom(t, seq_first(mV), cute.slice_(sV_layout, (None, None, 0)), t.block_n,
-                                             kv_ctas, t.dv)
+        tma_v, tma_mV = None, None  # latent tiles: V is read from K's stages, never loaded
+        if cutlass.const_expr(not t.latent):
+            tma_v, tma_mV = hopper.tma_load_atom(t, seq_first(mV), cute.slice_(sV_layout, (None, None, 0)),
+                                                 t.block_n, kv_ctas, t.dv)
         tma_o, tma_mO = None, None
-        if cutlass.const_expr(varlen is None):
-            tma_o, tma_mO = hopper.tma_store_atom(t, seq_first(mO), hopper.smem_layout(t, hopper.WGMMA_M, t.dv),
-                                                  hopper.WGMMA_M, t.dv)
+        if cutlass.const_expr(varlen is None):  # a warpgroup's (64, dv_wg) box
+            tma_o, tma_mO = hopper.tma_store_atom(t, seq_first(mO), hopper.smem_layout(t, hopper.WGMMA_M, t.dv_wg),
+                                                  hopper.WGMMA_M, t.dv_wg)
 
         fields = {"q_barriers": (cutlass.Int64, 2, None), "k_barriers": (cutlass.Int64, 2 * stages, None),
                   "v_barriers": (cutlass.Int64, 2 * stages, None),
                   "tile_slot": (cutlass.Int32, self.config.tile_slot_words, None),
-                  "sQ": (self.dtype, cute.cosize(sQ_layout), 1024), "sK": (self.dtype, cute.cosize(sKV_layout), 1024),
-                  "sV": (self.dtype, cute.cosize(sV_layout), 1024)}
+                  "sQ": (self.dtype, cute.cosize(sQ_layout), 1024), "sK": (self.dtype, cute.cosize(sKV_layout), 1024)}
+        if cutlass.const_expr(not t.latent):
+            fields["sV"] = (self.dtype, cute.cosize(sV_layout), 1024)
         if cutlass.const_expr(self.config.own_o_tile):
             fields["sO"] = (self.dtype, cute.cosize(sO_layout), 1024)
         SharedStorage = lsmem.smem_struct(fields)
@@ -404,7 +410,8 @@ class FlashFwdSm90(TileScheduler, Producer, Consumer, Epilogue):
         q_full, q_empty = storage.q_barriers.data_ptr(), storage.q_barriers.data_ptr() + 1
         if warp == 0:
             for atom in (recipe.tma_q, recipe.tma_k, recipe.tma_v):
-                cpasync.prefetch_descriptor(atom)
+                if cutlass.const_expr(atom is not None):
+                    cpasync.prefetch_descriptor(atom)
         if tidx == 0:
             cute.arch.mbarrier_init(q_full, 1)
             cute.arch.mbarrier_init(q_empty, t.num_threads)
@@ -419,12 +426,14 @@ class FlashFwdSm90(TileScheduler, Producer, Consumer, Epilogue):
         else:
             multicast = {}
             consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, t.num_threads // 32)  # lane 0 of each warp
-        k_pipe, v_pipe = (pipeline.PipelineTmaAsync.create(
+        # latent tiles: V's stage is K's, waited with it and freed after the P V that reads it
+        kv_barriers = [(storage.k_barriers.data_ptr(), k_bytes)] + (
+            [] if t.latent else [(storage.v_barriers.data_ptr(), v_bytes)])
+        kv_pipes = [pipeline.PipelineTmaAsync.create(
             barrier_storage=barriers, num_stages=cfg.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread), consumer_group=consumers,
-            tx_count=stage_bytes, defer_sync=True, **multicast)
-            for barriers, stage_bytes in ((storage.k_barriers.data_ptr(), k_bytes),
-                                          (storage.v_barriers.data_ptr(), v_bytes)))
+            tx_count=stage_bytes, defer_sync=True, **multicast) for barriers, stage_bytes in kv_barriers]
+        k_pipe, v_pipe = kv_pipes[0], kv_pipes[-1]
         cute.arch.mbarrier_init_fence()
         if cutlass.const_expr(cfg.kv_multicast):
             cluster_sync()  # the other CTA's barriers are initialised before its copies or arrivals reach them
@@ -439,10 +448,15 @@ class FlashFwdSm90(TileScheduler, Producer, Consumer, Epilogue):
         pipes = Pipes(q_full, q_empty, k_pipe, v_pipe, tile_slot)
         sQ = storage.sQ.get_tensor(recipe.sQ_layout.outer, swizzle=recipe.sQ_layout.inner)    # (bm, d)
         sK = storage.sK.get_tensor(recipe.sKV_layout.outer, swizzle=recipe.sKV_layout.inner)  # (bn, d, stages)
-        sV = storage.sV.get_tensor(recipe.sV_layout.outer, swizzle=recipe.sV_layout.inner)  # (bn, dv, stages)
+        if cutlass.const_expr(t.latent):  # K's first dv columns: the layout of a V tile as wide, K's stage stride
+            sV = cute.local_tile(sK, (t.block_n, t.dv, cfg.stages), (0, 0, 0))  # (bn, dv, stages)
+        else:
+            sV = storage.sV.get_tensor(recipe.sV_layout.outer, swizzle=recipe.sV_layout.inner)  # (bn, dv, stages)
         sO = sQ  # (bm, dv) O's staging tile: Q's, unless the variant has one of its own (`own_o_tile`)
         if cutlass.const_expr(cfg.own_o_tile):
             sO = storage.sO.get_tensor(recipe.sO_layout.outer, swizzle=recipe.sO_layout.inner)
+        elif cutlass.const_expr(t.latent):  # Q's tile as a (bm, dv) one
+            sO = storage.sQ.get_tensor(recipe.sO_layout.outer, swizzle=recipe.sO_layout.inner)
 
         merge = None
         if cutlass.const_expr(cfg.cluster_merge):

@@ -41,7 +41,8 @@ class Consumer:
         # warp-uniform, so the wgmma descriptors stay in uniform registers (d 128: 16 R2UR a key block less)
         consumer_wg = cute.arch.make_warp_uniform(mma_tidx // 128)
         wg = cute.make_layout(t.warpgroups, stride=128)  # A / B partitions are per warpgroup: its first thread
-        wg_qk = recipe.mma_qk.get_slice(wg(consumer_wg))
+        # S's partition is the row warpgroup's (latent tiles: two warpgroups compute the same S)
+        wg_qk = recipe.mma_qk.get_slice(wg(consumer_wg % t.row_warpgroups))
         wg_pv = recipe.mma_pv.get_slice(wg(consumer_wg))
         tSrQ = recipe.mma_qk.make_fragment_A(wg_qk.partition_A(sQ))  # (MMA, MMA_M, MMA_K) descriptors
         tSrK = recipe.mma_qk.make_fragment_B(wg_qk.partition_B(sK))  # (MMA, MMA_N, MMA_K, stages)
@@ -120,7 +121,8 @@ class Consumer:
         if cutlass.const_expr(cfg.mods is not None):
             user = ModCall.make(cfg.mods, tile.bidb, tile.bidh, tile.seq, args.aux, scalars.score_premul)
         mods = ScoreMods(Mask(tile.seq.seqlen_q, tile.seq.seqlen_k, window), scalars.score_premul, slope,
-                         cfg.has_softcap, cfg.has_alibi, (bm, bn), mma_tidx=mma_tidx, user=user)
+                         cfg.has_softcap, cfg.has_alibi, (bm, bn), mma_tidx=mma_tidx % (128 * t.row_warpgroups),
+                         user=user)
         lo, hi = BlockRange.unmasked(tile.seq, tile.m_block, bm, bn, window)
         dropout = None
         if cutlass.const_expr(cfg.has_dropout):
@@ -221,9 +223,10 @@ class Consumer:
 
     @cute.jit
     def release_qk(self, loop: Sm90Loop, k_read: pipeline.PipelineState, last):
-        """The warpgroup is done with this K stage, and with sQ after the tile's last block
-        (persistent; otherwise after the tile)."""
-        loop.pipes.k.consumer_release(k_read)
+        """The warpgroup is done with this K stage (latent tiles: not before the P V that reads
+        V in it), and with sQ after the tile's last block (persistent; otherwise after the tile)."""
+        if cutlass.const_expr(not self.t.latent):
+            loop.pipes.k.consumer_release(k_read)
         if cutlass.const_expr(self.config.persistent):
             if last:
                 self.release_q(loop)
@@ -247,6 +250,8 @@ class Consumer:
         t = self.t
         bn = t.block_n
         loop.pipes.v.consumer_wait(state)
+        if cutlass.const_expr(t.latent):  # V's rows are K's: the other warpgroup's Q K^T may still read them
+            cute.arch.barrier(barrier_id=FwdBarrier.CLEAR_V, number_of_threads=t.num_threads)
         vec = 16 // ELEMENT_BYTES
         chunks = t.dv // vec
         sV = loop.sV[None, None, state.index]  # (bn, dv) this stage

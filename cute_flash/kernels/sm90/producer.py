@@ -106,8 +106,7 @@ class Producer:
                              (tile.m_block, 0))  # (bm, d)
         gK = cute.local_tile(tma_rows(args.tma_mK, tile.seq.sum_s_k, bidh_kv, kv_bidb), (bn, d),
                              (None, 0))  # (bn, d, n_blocks)
-        gV = cute.local_tile(tma_rows(args.tma_mV, tile.seq.sum_s_k, bidh_kv, kv_bidb), (bn, self.t.dv),
-                             (None, 0))  # (bn, dv, n_blocks)
+        latent = self.t.latent  # V lies in K's stages: no V loads
         one = cute.make_layout(1)
         tQsQ, tQgQ = cpasync.tma_partition(recipe.tma_q, 0, one, cute.group_modes(sQ, 0, 2),
                                            cute.group_modes(gQ, 0, 2))  # (TMA,), (TMA,)
@@ -118,27 +117,36 @@ class Producer:
             kv_mask = cutlass.Int16((1 << KV_MULTICAST_CTAS) - 1)  # a DSL integer, as the copy asks
         tKsK, tKgK = cpasync.tma_partition(recipe.tma_k, kv_rank, kv_ctas, cute.group_modes(sK, 0, 2),
                                            cute.group_modes(gK, 0, 2))  # (TMA, stages), (TMA, n_blocks)
-        tVsV, tVgV = cpasync.tma_partition(recipe.tma_v, kv_rank, kv_ctas, cute.group_modes(sV, 0, 2),
-                                           cute.group_modes(gV, 0, 2))  # (TMA, stages), (TMA, n_blocks)
+        tVsV, tVgV = None, None
+        if cutlass.const_expr(not latent):
+            gV = cute.local_tile(tma_rows(args.tma_mV, tile.seq.sum_s_k, bidh_kv, kv_bidb), (bn, self.t.dv),
+                                 (None, 0))  # (bn, dv, n_blocks)
+            tVsV, tVgV = cpasync.tma_partition(recipe.tma_v, kv_rank, kv_ctas, cute.group_modes(sV, 0, 2),
+                                               cute.group_modes(gV, 0, 2))  # (TMA, stages), (TMA, n_blocks)
         if tile.count == 0:
             self.load_q(recipe, pipes, tQgQ, tQsQ, tile, tile_idx, q_loads)
         for i in cutlass.range(tile.count, unroll=1):
             n_block = tile.n_block(i)
             write = use_state(kv_uses + i, stages, producer=True)
+            v_src = None
             if cutlass.const_expr(self.config.paged):
                 k_src = self.page_source(args, recipe.tma_k, args.tma_mK, sK, bidh_kv, tile.bidb, n_block)  # (TMA,)
-                v_src = self.page_source(args, recipe.tma_v, args.tma_mV, sV, bidh_kv, tile.bidb, n_block,
-                                         self.t.dv)  # (TMA,)
+                if cutlass.const_expr(not latent):
+                    v_src = self.page_source(args, recipe.tma_v, args.tma_mV, sV, bidh_kv, tile.bidb, n_block,
+                                             self.t.dv)  # (TMA,)
             else:
-                k_src, v_src = tKgK[None, n_block], tVgV[None, n_block]  # (TMA,)
+                k_src = tKgK[None, n_block]  # (TMA,)
+                if cutlass.const_expr(not latent):
+                    v_src = tVgV[None, n_block]  # (TMA,)
             pipes.k.producer_acquire(write)
             cute.copy(recipe.tma_k, k_src, tKsK[None, write.index], tma_bar_ptr=pipes.k.producer_get_barrier(write),
                       mcast_mask=kv_mask)
             if i == 0:
                 self.load_q(recipe, pipes, tQgQ, tQsQ, tile, tile_idx, q_loads)
-            pipes.v.producer_acquire(write)
-            cute.copy(recipe.tma_v, v_src, tVsV[None, write.index], tma_bar_ptr=pipes.v.producer_get_barrier(write),
-                      mcast_mask=kv_mask)
+            if cutlass.const_expr(not latent):
+                pipes.v.producer_acquire(write)
+                cute.copy(recipe.tma_v, v_src, tVsV[None, write.index],
+                          tma_bar_ptr=pipes.v.producer_get_barrier(write), mcast_mask=kv_mask)
 
     @cute.jit
     def page_source(self, args: Sm90Tensors, tma_atom, tma_mX: cute.Tensor, sX: cute.Tensor, bidh_kv, bidb,
