@@ -170,7 +170,8 @@ class Sm90FwdConfig:
             raise ValueError("two CTAs an SM: KV caches, one consumer warpgroup, and half an SM's shared memory")
         if self.traits.head_dim_v is not None and self.kvcache and not self.traits.latent:
             raise ValueError("a V head dim of its own is built for dense and packed forwards, not KV caches "
-                             "(whose split-KV partials and merges take one head dim), but for MLA decode's latent tiles")
+                             "(whose split-KV partials and merges take one head dim), but for MLA decode's latent "
+                             "tiles")
         if self.traits.latent and not (self.kvcache and not self.split and self.ctas_per_sm == 1):
             raise ValueError("latent tiles (MLA decode) are the KV-cache entry's, unsplit, one CTA an SM")
         if self.smem_bytes > SMEM_LIMIT[90]:  # e.g. a tuning override's stages
