@@ -167,8 +167,10 @@ def check_latent_cache(k_cache, v_cache, k, rotary_cos, cache_batch_idx, cache_l
     """MLA decode reads V from K's rows (one latent cache): v_cache must be k_cache's first 512
     columns, a view; what the call may add to the plain decode is refused where not built."""
     d, d_v = LATENT_DIMS
-    if (v_cache.data_ptr() != k_cache.data_ptr() or v_cache.shape[:-1] != k_cache.shape[:-1]
-            or v_cache.stride() != k_cache.stride()):
+    # tensors without data (meta, or torch.compile's fake ones) have no address to compare
+    traced = k_cache.is_meta or torch.compiler.is_compiling()
+    if (v_cache.shape[:-1] != k_cache.shape[:-1] or v_cache.stride() != k_cache.stride()
+            or (not traced and v_cache.data_ptr() != k_cache.data_ptr())):
         raise ValueError(f"with q and k_cache {d} wide and v_cache {d_v} (MLA decode), v_cache must be "
                          f"k_cache[..., :{d_v}]: the kernel reads V from the first {d_v} columns of K's rows")
     unbuilt = [name for name, x in (("k / v (appended keys)", k), ("rotary_cos", rotary_cos),

@@ -251,9 +251,9 @@ def _kvcache_call(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, 
     hopper = takes_hopper_path(index)
     variant = hopper_variant or {}
     group = 1
-    if latent:
+    if latent:  # no tuning variant: the latent tiles are the one choice
         _latent_fits(hopper, paged, k_cache.shape[1])
-        traits = choose_hopper_latent_traits(gpu.DTYPE_NAMES[q.dtype])
+        traits, variant = choose_hopper_latent_traits(gpu.DTYPE_NAMES[q.dtype]), {}
     elif hopper:
         traits = variant.get("traits") or choose_hopper_cache_traits(d, gpu.DTYPE_NAMES[q.dtype])
         hopper = hopper_cache_fits(cache_leftpad is not None, cache_batch_idx is not None,
