@@ -51,7 +51,9 @@ its page (`page_source`); split-KV merged inside a thread-block cluster up to 8 
 (`store_cluster`), past that with the SM80 kernel's partials and merge (`store_split`). Stream-K
 (`stream_k`): a grid of any CTA count shares all tiles' key blocks evenly (`split_kv.StreamSplit`),
 each CTA running its shares of one or more tiles in turn as the persistent loop runs its tiles,
-each share merged through the workspace.
+each share merged through the workspace. MLA decode's latent tiles (`HopperTileTraits.latent`,
+one CTA per tile): V is the first 512 columns of K's stage (no V loads, V's pipeline is K's),
+and two consumer warpgroups share one 64-row block, each holding half of O's columns.
 """
 from __future__ import annotations
 
