@@ -1593,9 +1593,10 @@ def test_latent_configs_are_the_unsplit_kvcache_entrys():
     """Latent tiles (MLA decode) compile only as the KV-cache entry, unsplit, one CTA an SM."""
     from cute_flash.kernels.sm90.fwd import Sm90FwdConfig
     from layouts.hopper import choose_hopper_latent_traits
+    from layouts.traits import SMEM_LIMIT
 
     latent = choose_hopper_latent_traits("bf16")
-    assert Sm90FwdConfig(latent, 2, kvcache=True, paged=True).smem_bytes <= 232448
+    assert Sm90FwdConfig(latent, 2, kvcache=True, paged=True).smem_bytes <= SMEM_LIMIT[90]
     for bad in (dict(), dict(kvcache=True, split=True), dict(kvcache=True, split=True, cluster_merge=True)):
         with pytest.raises(ValueError, match="latent tiles"):
             Sm90FwdConfig(latent, 2, **bad)
