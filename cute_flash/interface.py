@@ -563,7 +563,8 @@ def flash_attn_with_kvcache(
     `cu_seqlens_q` / `max_seqlen_q` (FA3's, keyword-only): each sequence its own query count,
     q packed (total_q, nheads, headdim), k / v packed (total_new, nheads_k, headdim) with
     `cu_seqlens_k_new`; then out is (total_q, nheads, headdim) and softmax_lse (nheads, total_q)
-    (`cute_flash.kvcache_varlen`)."""
+    (`cute_flash.kvcache_varlen`). MLA decode (sm_90): q and k_cache 576 wide with
+    `v_cache = k_cache[..., :512]`, out 512 wide (docs/semantics.md)."""
     if cu_seqlens_q is not None:
         return _kvcache_varlen(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                                cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
