@@ -252,8 +252,8 @@ def _kvcache_call(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, 
     variant = hopper_variant or {}
     group = 1
     if latent:  # no tuning variant: the latent tiles are the one choice
-        _latent_fits(hopper, paged, k_cache.shape[1])
         traits, variant = choose_hopper_latent_traits(gpu.DTYPE_NAMES[q.dtype]), {}
+        _latent_fits(hopper, k_cache.shape[1] if paged else None, traits)
     elif hopper:
         traits = variant.get("traits") or choose_hopper_cache_traits(d, gpu.DTYPE_NAMES[q.dtype])
         hopper = hopper_cache_fits(cache_leftpad is not None, cache_batch_idx is not None,
@@ -313,15 +313,14 @@ def _kvcache_call(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, 
                        (k_extra, stream_ctas or num_splits, *scales(softmax_scale, softcap), left, right))
 
 
-def _latent_fits(hopper: bool, paged: bool, page_size: int):
-    """MLA decode runs on the Hopper entry's latent tiles alone: on sm_90, pages of a multiple of
-    their 64-key blocks."""
+def _latent_fits(hopper: bool, page_size: int | None, traits):
+    """MLA decode runs on the Hopper entry's latent tiles alone: on sm_90, and in pages the entry
+    takes (`hopper_cache_fits`; cache_leftpad and cache_batch_idx the interface refused)."""
     if not hopper:
         raise ValueError("MLA decode (q / k_cache 576, v_cache 512) runs on the Hopper KV-cache kernel only: an "
                          "sm_90 GPU, without CUTE_FLASH_ARCH_PATH=sm80")
-    if paged and page_size % choose_hopper_latent_traits().block_n:
-        raise ValueError(f"MLA decode takes pages of a multiple of {choose_hopper_latent_traits().block_n} rows, "
-                         f"got page_size {page_size}")
+    if not hopper_cache_fits(False, False, page_size, traits):
+        raise ValueError(f"MLA decode takes pages of a multiple of {traits.block_n} rows, got page_size {page_size}")
 
 
 def _append(q, k, v, k_cache, v_cache, seqlens, cache_batch_idx, block_table, rotary_cos, rotary_sin,

@@ -117,6 +117,17 @@ def packed_append_variants(full: bool = False) -> list:
 BWD_FLAGS = ("has_left", "has_right", "has_alibi", "has_softcap", "has_dropout", "even_k", "deterministic")
 
 
+def _cache_flag_sets():
+    """The Hopper KV-cache entry's score flags, each with the GQA folds (only without window
+    edges or ALiBi, launch/kvcache.py) and the query folds (without ALiBi, `query_fold_group`, at
+    common groups) they take: (flags, folds, groups)."""
+    for bits in itertools.product((False, True), repeat=4):
+        flags = dict(zip(("has_left", "has_right", "has_alibi", "has_softcap"), bits))
+        folds = (False,) if flags["has_left"] or flags["has_right"] or flags["has_alibi"] else (False, True)
+        groups = (1,) if flags["has_alibi"] else (1,) + QUERY_GROUPS
+        yield flags, folds, groups
+
+
 def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
     """The Hopper forward configs the sm_90 dispatcher can choose (launch/hopper.py).
 
@@ -183,12 +194,7 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
         caches = []
         for ctas in (1, 2):
             for t in shipped_hopper_cache_traits(ctas):
-                for bits in itertools.product((False, True), repeat=4):
-                    flags = dict(zip(("has_left", "has_right", "has_alibi", "has_softcap"), bits))
-                    # the GQA fold only without window edges or ALiBi (launch/kvcache.py)
-                    folds = (False,) if flags["has_left"] or flags["has_right"] or flags["has_alibi"] else (False, True)
-                    # ... and the query fold of several rows without ALiBi (`query_fold_group`), at common groups
-                    groups = (1,) if flags["has_alibi"] else (1,) + QUERY_GROUPS
+                for flags, folds, groups in _cache_flag_sets():
                     caches += [Sm90FwdConfig(t, cache_stages(t, ctas), kvcache=True, split=s, cluster_merge=m,
                                           stream_k=w, paged=p, pack_gqa=f, query_group=g, ctas_per_sm=ctas,
                                           dependent_launch=pdl, **flags)
@@ -198,10 +204,7 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
                             # stream-K fills every slot; two CTAs an SM stream at most 4096 keys each
                             for pdl in ((False, True) if ctas == 1 and not w else (True,))]
         for t in shipped_hopper_latent_traits():  # MLA decode: unsplit, one CTA an SM
-            for bits in itertools.product((False, True), repeat=4):
-                flags = dict(zip(("has_left", "has_right", "has_alibi", "has_softcap"), bits))
-                folds = (False,) if flags["has_left"] or flags["has_right"] or flags["has_alibi"] else (False, True)
-                groups = (1,) if flags["has_alibi"] else (1,) + QUERY_GROUPS
+            for flags, folds, groups in _cache_flag_sets():
                 caches += [Sm90FwdConfig(t, 2, kvcache=True, paged=p, pack_gqa=f, query_group=g,
                                          dependent_launch=pdl, **flags)
                            for p in (False, True) for f in folds for g in ((1,) if f else groups)
