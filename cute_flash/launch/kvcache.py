@@ -293,7 +293,7 @@ def _kvcache_call(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, 
         ctas = stream_ctas or work_ctas * num_splits
         keys_per_cta = -(-n_blocks * work_ctas // ctas) * traits.block_n  # a split's keys, or a stream-K share's
         pdl = takes_dependent_launch(ctas, ctas_per_sm * num_sms, keys_per_cta)
-        stages = 2 if latent else variant.get("stages", cache_stages(traits, ctas_per_sm))  # two 72 KB stages fit
+        stages = variant.get("stages", cache_stages(traits, ctas_per_sm))
         config = Sm90FwdConfig(traits, stages, kvcache=True,
                                split=num_splits > 1 or bool(stream_ctas), paged=paged,
                                pack_gqa=pack_gqa, query_group=group, ctas_per_sm=ctas_per_sm,

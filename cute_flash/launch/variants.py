@@ -205,7 +205,7 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
                             for pdl in ((False, True) if ctas == 1 and not w else (True,))]
         for t in shipped_hopper_latent_traits():  # MLA decode: unsplit, one CTA an SM
             for flags, folds, groups in _cache_flag_sets():
-                caches += [Sm90FwdConfig(t, 2, kvcache=True, paged=p, pack_gqa=f, query_group=g,
+                caches += [Sm90FwdConfig(t, cache_stages(t, 1), kvcache=True, paged=p, pack_gqa=f, query_group=g,
                                          dependent_launch=pdl, **flags)
                            for p in (False, True) for f in folds for g in ((1,) if f else groups)
                            for pdl in (False, True)]
@@ -263,9 +263,9 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
                   Sm90FwdConfig(cache64, cache_stages(cache64, 1), has_right=True, kvcache=True, split=True,
                                 stream_k=True, query_group=4, learnable_sink=True),
                   Sm90FwdConfig(mla, persistent=Sm90FwdConfig.fits_persistent(mla), has_right=True),
-                  Sm90FwdConfig(latent, 2, kvcache=True, paged=True, pack_gqa=True),
-                  Sm90FwdConfig(latent, 2, has_right=True, has_softcap=True, kvcache=True, query_group=2,
-                                learnable_sink=True),
+                  Sm90FwdConfig(latent, cache_stages(latent, 1), kvcache=True, paged=True, pack_gqa=True),
+                  Sm90FwdConfig(latent, cache_stages(latent, 1), has_right=True, has_softcap=True, kvcache=True,
+                                query_group=2, learnable_sink=True),
                   Sm90FwdConfig(mla, has_right=True, varlen=True),
                   Sm90FwdConfig(choose_hopper_traits(128, "bf16"), persistent=True, has_right=True,
                                 speculative_max=True, learnable_sink=True),
