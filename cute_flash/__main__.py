@@ -262,7 +262,8 @@ def main(argv=None):
                         "(MLA's v head dim, learnable sinks, packed queries in the KV-cache call), "
                         "train_varlen (packed batches forward + backward), mods (Python-written variants against "
                         "FlexAttention and flash-attn-4), mla_decode (q / cache 576 against V 512 in GB/s, against "
-                        "torch SDPA)")
+                        "torch SDPA), step_split (one training step's GPU time by kernel role, dense and packed, "
+                        "ours and flash-attn-4; not in the default list)")
     command("overhead", "host cost of a cached call vs SDPA (GPU)")
     command("coldstart", "first calls of a fresh process, empty vs warm compile cache (GPU)")
     t = command("tune", "TFLOP/s of each tile candidate per head dim (GPU)")

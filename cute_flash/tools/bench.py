@@ -1008,7 +1008,7 @@ def plot(rows, path):
 
 
 SECTIONS = ("grid", "extra", "varlen", "paged", "decode", "unaligned", "bwd", "bwd_dims", "dropout", "held", "shapes",
-            "train_varlen", "mods", "mla_decode")
+            "train_varlen", "mods", "mla_decode", "step_split")
 BWD_DIMS = (96, 192, 256)  # the head dims of issue 61's table, at 4k tokens a sequence
 
 
@@ -1057,6 +1057,11 @@ def main(out_dir=None, quick=False, sections=SECTIONS, mods=None):
 
         result["train_varlen"] = run_train_varlen((128,) if quick else (64, 128))
         text += "\n" + format_train_varlen(result["train_varlen"]) + "\n"
+    if "step_split" in sections:
+        from cute_flash.tools.bench_step_split import format_step_split, run_step_split
+
+        result["step_split"] = run_step_split((128,) if quick else (64, 128))
+        text += "\n" + format_step_split(result["step_split"]) + "\n"
     if "mods" in sections:
         from cute_flash.tools.bench_mods import format_mods, run_mods
 

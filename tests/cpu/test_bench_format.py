@@ -156,3 +156,32 @@ def test_mods_bench_names_its_variants_and_refuses_others(monkeypatch):
     assert tuple(name for name, _ in bench_mods._specs(1, 256, 2)) == bench_mods.VARIANTS
     with pytest.raises(ValueError, match="no variant \\['sofcap'\\]"):
         bench_mods.run_mods(names=("softcap", "sofcap"))
+
+
+# The step split's kernel roles, on kernel names as the DSL gives them (ours read off compiled PTX; flash-attn-4's
+# built the same way from its modules and classes) and torch's own.
+STEP_KERNELS = {
+    "kernel_cutlass_kernel_cute_flashkernelssm90fwdFlashFwdSm90_object_at__Sm90Tensorstma_mQ": "forward",
+    "kernel_cutlass_kernel_cute_flashkernelssm90bwdFlashBwdSm90_object_at__Sm90BwdTensorstma_mQ": "backward",
+    "kernel_cutlass_kernel_cute_flashkernelssm80bwd_preprocessDotDoO_object_at__tensorptrbf16": "preprocess",
+    "kernel_cutlass_kernel_cute_flashkernelssm80dq_convertDQConvert_object_at__tensorptrf32": "dq_convert",
+    "kernel_cutlass_kernel_cute_flashkernelscommonvarlen_orderVarlenOrder_object_at__tensorptri32": "other",
+    "kernel_cutlass_kernel_flash_attncuteflash_fwd_sm90FlashAttentionForwardSm90_object_at_": "forward",
+    "kernel_cutlass_kernel_flash_attncuteflash_bwd_sm90FlashAttentionBackwardSm90_object_at_": "backward",
+    "kernel_cutlass_kernel_flash_attncuteflash_bwd_preprocessFlashAttentionBackwardPreprocess_": "preprocess",
+    "kernel_cutlass_kernel_flash_attncuteflash_bwd_postprocessFlashAttentionBackwardPostprocess_": "dq_convert",
+    "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>": "other",
+}
+
+
+def test_step_split_roles_and_table():
+    from cute_flash.tools.bench_step_split import format_step_split, role_of
+
+    assert {name: role_of(name) for name in STEP_KERNELS} == STEP_KERNELS
+    kernels = {name: ms for name, ms in zip(STEP_KERNELS, (0.5, 1.25, 0.125, 0.0625, 0.03125, 0, 0, 0, 0, 0.25))}
+    row = dict(d=128, mean=2048, causal=True, layout="packed_exp", library="ours", sequences=10, longest=3811,
+               step_ms=2.5, tflops=300.0, launches=11, kernels=kernels)
+    line = [ln for ln in format_step_split([row]).splitlines() if ln.startswith("| 128 |")]
+    # forward, backward, preprocess, dq_convert, other (the list kernel and torch's fill), their sum
+    assert line == ["| 128 | True | packed_exp | 10 (3811) | ours | 2.500 | 300 | 0.500 | 1.250 | 0.125 | 0.062 "
+                    "| 0.281 | 2.219 | 11 |"]
