@@ -27,7 +27,7 @@ def role_of(kernel: str) -> str:
     modules and classes (the backward's preprocess and dQ conversion / postprocess first, as
     their names hold "bwd" too); torch's own kernels and the launch-order lists are "other"."""
     name = kernel.lower()
-    if "preprocess" in name or "dot_do" in name:
+    if "preprocess" in name:
         return "preprocess"
     if "postprocess" in name or "convert" in name:
         return "dq_convert"
@@ -120,7 +120,7 @@ def format_step_split(rows) -> str:
     out = ["One training step (forward + backward), GPU time by kernel role, ms a step:", "",
            "| d | causal | layout | sequences (longest) | library | step ms | TFLOP/s | "
            + " | ".join(ROLES) + " | kernels | launches |",
-           "|" + "---|" * (10 + len(ROLES))]
+           "|" + "---|" * (9 + len(ROLES))]
     for r in rows:
         by_role = collections.Counter()
         for name, ms in r["kernels"].items():

@@ -181,7 +181,10 @@ def test_step_split_roles_and_table():
     kernels = {name: ms for name, ms in zip(STEP_KERNELS, (0.5, 1.25, 0.125, 0.0625, 0.03125, 0, 0, 0, 0, 0.25))}
     row = dict(d=128, mean=2048, causal=True, layout="packed_exp", library="ours", sequences=10, longest=3811,
                step_ms=2.5, tflops=300.0, launches=11, kernels=kernels)
-    line = [ln for ln in format_step_split([row]).splitlines() if ln.startswith("| 128 |")]
+    lines = format_step_split([row]).splitlines()
+    header, rule = lines[2], lines[3]
+    assert header.count("|") == rule.count("|") == 15  # 14 columns
+    line = [ln for ln in lines if ln.startswith("| 128 |")]
     # forward, backward, preprocess, dq_convert, other (the list kernel and torch's fill), their sum
     assert line == ["| 128 | True | packed_exp | 10 (3811) | ours | 2.500 | 300 | 0.500 | 1.250 | 0.125 | 0.062 "
                     "| 0.281 | 2.219 | 11 |"]
