@@ -15,7 +15,7 @@ import collections
 import itertools
 
 from cute_flash.tools.bench_train_varlen import HIDDEN, TOKENS, exponential_lengths
-from cute_flash.tools.peers import time_ms, visible_pairs
+from cute_flash.tools.peers import fa4_func, fa4_varlen_func, grad_ms, visible_pairs
 
 STEPS = 20  # profiled steps a cell
 LAYOUTS = ("dense", "packed_equal", "packed_exp")
@@ -63,18 +63,15 @@ def _callables(layout, lengths, causal):
 
     from cute_flash import flash_attn_func, flash_attn_varlen_func
 
-    try:
-        from flash_attn.cute import flash_attn_func as fa4_dense, flash_attn_varlen_func as fa4_varlen
-    except ImportError:
-        fa4_dense = fa4_varlen = None
     if layout == "dense":
-        fa4 = (lambda q, k, v: fa4_dense(q, k, v, causal=causal)[0]) if fa4_dense else None
-        return (lambda q, k, v: flash_attn_func(q, k, v, causal=causal)), fa4
+        fa4 = fa4_func()
+        return (lambda q, k, v: flash_attn_func(q, k, v, causal=causal)), fa4 and (
+            lambda q, k, v: fa4(q, k, v, causal))
     cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device="cuda")
     longest = max(lengths)
-    fa4 = (lambda q, k, v: fa4_varlen(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
-                                      max_seqlen_k=longest, causal=causal)[0]) if fa4_varlen else None
-    return (lambda q, k, v: flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=causal)), fa4
+    fa4 = fa4_varlen_func()
+    return (lambda q, k, v: flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=causal)), fa4 and (
+        lambda q, k, v: fa4(q, k, v, cu, longest, causal))
 
 
 def bench_cell(d: int, mean: int, causal: bool, layout: str) -> list[dict]:
@@ -90,18 +87,10 @@ def bench_cell(d: int, mean: int, causal: bool, layout: str) -> list[dict]:
     flops = 3.5 * sum(4 * nheads * d * visible_pairs(n, n, causal) for n in lengths)
     rows = []
     for library, fn in zip(("ours", "fa4"), _callables(layout, lengths, causal)):
-        if fn is None:
+        step_ms = grad_ms(fn, leaves, dout) if fn else None  # None: absent, or it refused the call
+        if step_ms is None:
             continue
-
-        def step(fn=fn):
-            return torch.autograd.grad(fn(*leaves), leaves, dout)
-
-        try:
-            step()
-        except (RuntimeError, AssertionError, ValueError, TypeError):
-            continue
-        step_ms = time_ms(step)
-        kernels, launches = kernel_split(step)
+        kernels, launches = kernel_split(lambda fn=fn: torch.autograd.grad(fn(*leaves), leaves, dout))
         rows.append(dict(d=d, mean=mean, causal=causal, layout=layout, library=library, sequences=len(lengths),
                          longest=max(lengths), step_ms=step_ms, tflops=flops / step_ms / 1e9, launches=launches,
                          kernels=kernels))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 import random
 
-from cute_flash.tools.peers import arch_path, grad_ms, hopper_gpu, time_ms, visible_pairs
+from cute_flash.tools.peers import arch_path, fa4_varlen_func, grad_ms, hopper_gpu, time_ms, visible_pairs
 
 TOKENS = 16384
 HIDDEN = 2048
@@ -32,16 +32,6 @@ def exponential_lengths(mean: int, tokens: int = TOKENS, seed: int = 0) -> list[
         lengths.append(max(1, round(rng.expovariate(1 / mean))))
     lengths[-1] -= sum(lengths) - tokens
     return [n for n in lengths if n > 0]
-
-
-def _fa4_varlen():
-    """flash-attn-4's `flash_attn_varlen_func` as fn(q, k, v, cu, max_seqlen, causal) -> out, or None."""
-    try:
-        from flash_attn.cute import flash_attn_varlen_func
-    except ImportError:
-        return None
-    return lambda q, k, v, cu, smax, causal: flash_attn_varlen_func(
-        q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=smax, max_seqlen_k=smax, causal=causal)[0]
 
 
 def bench_cell(d: int, mean: int, causal: bool) -> dict:
@@ -80,7 +70,7 @@ def bench_cell(d: int, mean: int, causal: bool) -> dict:
             row["sm80"] = tflops(grad_ms(ours, leaves, dout))
             with torch.no_grad():
                 row["sm80_fwd"] = tflops(time_ms(lambda: ours(q, k, v)), fwd_flops)
-    fa4 = _fa4_varlen()
+    fa4 = fa4_varlen_func()
     row["fa4"] = tflops(grad_ms(lambda q, k, v: fa4(q, k, v, cu, smax, causal), leaves, dout)) if fa4 else None
     batch = TOKENS // mean
     dense = [x.view(batch, mean, nheads, d) for x in (q.detach(), k.detach(), v.detach(), dout)]

@@ -102,3 +102,14 @@ def fa4_func():
     except ImportError:
         return None
     return lambda q, k, v, causal: flash_attn_func(q, k, v, causal=causal)[0]
+
+
+def fa4_varlen_func():
+    """flash-attn-4's `flash_attn_varlen_func` when importable, as fn(q, k, v, cu_seqlens,
+    max_seqlen, causal) -> out (the same prefix sums for queries and keys), else None."""
+    try:
+        from flash_attn.cute import flash_attn_varlen_func
+    except ImportError:
+        return None
+    return lambda q, k, v, cu, smax, causal: flash_attn_varlen_func(
+        q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=smax, max_seqlen_k=smax, causal=causal)[0]
