@@ -99,12 +99,13 @@ class HopperTileTraits:
 
 TALL_D64_MIN_SEQLEN_K = 2048           # d 64 takes 192-row tiles from 16 key blocks of 128 under a mask,
 TALL_D64_UNMASKED_MIN_SEQLEN_K = 1024  # from 8 without one
+WIDE_KEYS_MAX_DIMS = (192, 128)  # (head_dim, head_dim_v) to which unmasked calls take 128 keys (no spill)
 TWO_CTAS_MAX_HEAD_DIM = 128   # the KV-cache entry's two-CTAs-an-SM tiles: ptxas spilled 0 B at d 64 / 128
 
 
 @functools.lru_cache(maxsize=None)
 def choose_hopper_traits(head_dim: int, dtype: str = "bf16", long_keys: bool = False,
-                         head_dim_v: int | None = None) -> HopperTileTraits:
+                         head_dim_v: int | None = None, unmasked: bool = False) -> HopperTileTraits:
     """The Hopper forward's tiles: 128 query rows (two warpgroups); 128 keys per block up to
     d 128, 64 above (two K / V stages then fit: 196 KB at d 256). d 64 with long_keys (a flag,
     so the cache stays small; the launcher sets it from `TALL_D64_MIN_SEQLEN_K` keys under a
@@ -112,11 +113,14 @@ def choose_hopper_traits(head_dim: int, dtype: str = "bf16", long_keys: bool = F
     warpgroups, persistent), faster than 128 rows from 2k keys under a mask and from 1k without
     one. 1k causal keeps 128 rows, which ran faster there, as does 512, where 192 rows did not
     win every A/B (docs/tuning/hopper-forward.md, Hopper steps 10-11). A V head dim of its own
-    (`head_dim_v`, bucketed): key blocks by the wider of the two, no tall tiles (untuned)."""
+    (`head_dim_v`, bucketed): key blocks by the wider of the two, no tall tiles; `unmasked` (the
+    launcher's `takes_value_dim_wide_keys`): 128 keys up to `WIDE_KEYS_MAX_DIMS`, O then staged
+    in Q's tile (`o_fits_q_tile`), one CTA a tile."""
     d = head_dim_bucket(head_dim)
     dv = None if head_dim_v is None or head_dim_bucket(head_dim_v) == d else head_dim_bucket(head_dim_v)
     if dv is not None:
-        return HopperTileTraits(d, 128, 128 if max(d, dv) <= 128 else 64, dtype, dv)
+        wide = max(d, dv) <= 128 or (unmasked and d <= WIDE_KEYS_MAX_DIMS[0] and dv <= WIDE_KEYS_MAX_DIMS[1])
+        return HopperTileTraits(d, 128, 128 if wide else 64, dtype, dv)
     if d == 64 and long_keys:
         return HopperTileTraits(d, 192, 128, dtype)
     return HopperTileTraits(d, 128, 128 if d <= 128 else 64, dtype)
@@ -151,8 +155,29 @@ VALUE_DIM_PAIRS = ((192, 128),)  # (head_dim, head_dim_v) shipped with a V head 
 def shipped_hopper_traits() -> list[HopperTileTraits]:
     same = [choose_hopper_traits(d, dt, long_keys) for d in HEAD_DIM_BUCKETS for dt in DTYPES
             for long_keys in (False, True)]
-    return list(dict.fromkeys(same + [choose_hopper_traits(d, dt, head_dim_v=dv) for d, dv in VALUE_DIM_PAIRS
-                                      for dt in DTYPES]))
+    return list(dict.fromkeys(same + [choose_hopper_traits(d, dt, head_dim_v=dv, unmasked=u)
+                                      for d, dv in VALUE_DIM_PAIRS for dt in DTYPES for u in (False, True)]))
+
+
+def wide_value_keys(traits: HopperTileTraits) -> bool:
+    """A V head dim of its own above d 128 on 128-key blocks (`choose_hopper_traits`'
+    `unmasked`): tiles for calls without a mask, packed batches or pages."""
+    return (traits.head_dim_v is not None and not traits.latent and max(traits.head_dim, traits.dv) > 128
+            and traits.block_n == 128)
+
+
+def o_fits_q_tile(traits: HopperTileTraits) -> bool:
+    """O's (block_m, dv) tile lies in Q's (block_m, head_dim) one, each element at its (row,
+    column) of Q: dv <= head_dim in the same swizzle atom, whose copies go down the rows first
+    (`smem_layout`), so O's are Q's first ones and a warpgroup's rows stay its own."""
+    return traits.dv <= traits.head_dim and atom_cols(traits) == atom_cols(traits, traits.dv)
+
+
+def atom_cols(traits: HopperTileTraits, cols: int | None = None) -> int:
+    """Columns of `swizzle_atom`'s span (cols the head dim unless given), in plain Python: the
+    widest of 128, 64 and 32 bytes that divides the row (16 bytes: no swizzle)."""
+    row_bytes = ELEMENT_BYTES * (cols or traits.head_dim)
+    return next(span for span in (128, 64, 32, 16) if row_bytes % span == 0) // ELEMENT_BYTES
 
 
 def shipped_hopper_cache_traits(ctas_per_sm: int = 1) -> list[HopperTileTraits]:

@@ -15,7 +15,9 @@ What must hold for the Hopper kernels to be right, checked without a GPU:
   the threads wrote, from a 1024-byte aligned base (TMA swizzles by address bits);
 - packed batches' O copy (`hopper.o_copy_coord`): a warpgroup's threads copy every 16-byte
   chunk of its 64 rows exactly once;
-- latent tiles (MLA decode): K's first dv columns, stage by stage, are a (block_n, dv) V tile.
+- latent tiles (MLA decode): K's first dv columns, stage by stage, are a (block_n, dv) V tile;
+- O staged in Q's tile where V's head dim is narrower (`hopper.o_fits_q_tile`): each (row,
+  col) of O's tile lies at Q's (row, col).
 """
 from __future__ import annotations
 
@@ -52,6 +54,8 @@ def smem_checks(traits: HopperTileTraits, stages: int = 2) -> dict:
         out["stages_aligned"], out["staged_bijection"] = aligned, bijective
         if traits.latent:
             out["sV_in_sK"] = latent_v_checks(traits, stages)
+        if traits.head_dim_v is not None and hopper.o_fits_q_tile(traits):
+            out["sO_in_sQ"] = o_in_q_checks(traits)
         return out
 
     return in_arch_trace("sm_90a", run)
@@ -68,6 +72,17 @@ def latent_v_checks(traits: HopperTileTraits, stages: int) -> bool:
     r, c = (x.ravel() for x in np.meshgrid(np.arange(bn), np.arange(dv), indexing="ij"))
     want = v_tile(r + bn * c)
     return all(bool(np.array_equal(staged(r + bn * c + bn * d * s), want + s * bn * d)) for s in range(stages))
+
+
+def o_in_q_checks(traits: HopperTileTraits) -> bool:
+    """(Inside a trace) where `hopper.o_fits_q_tile` stages O in Q's tile (kernels/sm90/fwd.py:
+    Q's buffer as a (block_m, dv) tile): element (row, col) of O's tile lies where Q's tile
+    puts (row, col), so a warpgroup's rows of O are its own rows of Q."""
+    q_tile = HostLayout.of(hopper.smem_layout(traits, traits.block_m))
+    o_tile = HostLayout.of(hopper.smem_layout(traits, traits.block_m, traits.dv))
+    bm = traits.block_m
+    r, c = (x.ravel() for x in np.meshgrid(np.arange(bm), np.arange(traits.dv), indexing="ij"))
+    return bool(np.array_equal(o_tile(r + bm * c), q_tile(r + bm * c)))
 
 
 def p_operand_checks(traits: HopperTileTraits) -> dict:
@@ -231,7 +246,7 @@ def verify_hopper(traits: HopperTileTraits, stages: int = 2) -> dict:
     o_staging = o_staging_checks(traits)
     o_copy = o_copy_checks(traits)
     ok = (smem["sQ"] and smem["sKV"] and smem["sV"] and smem["sO"] and smem["staged_bijection"]
-          and smem["stages_aligned"] and smem.get("sV_in_sK", True) and p["ok"]
+          and smem["stages_aligned"] and smem.get("sV_in_sK", True) and smem.get("sO_in_sQ", True) and p["ok"]
           and all(cover.values()) and o_staging["ok"] and o_copy["ok"])
     return {"smem": smem, "p_operand": p, "acc_coverage": cover, "o_staging": o_staging, "o_copy": o_copy,
             "ok": ok}

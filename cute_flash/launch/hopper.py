@@ -26,7 +26,7 @@ from cute_flash.launch.value_dim import value_cols
 from cute_flash.launch.varlen_order import query_blocks_longest_first
 from cute_flash.launch.policy import (kv_multicast_fits, kv_stages, prefers_persistent, schedules_as_masked,
                                       section_heads, speculates_in_place, takes_kv_multicast, takes_packed_persistent,
-                                      takes_speculative_max, takes_tall_tiles)
+                                      takes_speculative_max, takes_tall_tiles, takes_value_dim_wide_keys)
 from layouts.hopper import choose_hopper_traits
 
 
@@ -61,7 +61,7 @@ def flash_fwd_sm90(q, k, v, *, softmax_scale, causal=False, window_size=(-1, -1)
     uneven = schedules_as_masked(masked, block_mask is not None)
     traits = traits or choose_hopper_traits(q.shape[-1], gpu.DTYPE_NAMES[q.dtype],
                                             takes_tall_tiles(k.shape[1], uneven, dropout, mods and mods.mods),
-                                            own_value_dim(q, v))
+                                            own_value_dim(q, v), takes_value_dim_wide_keys(uneven, dropout, mods))
     if persistent is None:
         persistent = prefers_persistent(traits, k.shape[1], uneven)
     if speculative_max is None:

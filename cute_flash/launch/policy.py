@@ -13,7 +13,7 @@ from cute_flash.kernels.sm80.bwd import DQ_STAGE_BYTES, BwdConfig
 from cute_flash.kernels.sm90.fwd import Sm90FwdConfig
 from cute_flash.launch import gpu
 from layouts.hopper import (BWD_SERVES, TALL_D64_MIN_SEQLEN_K, TALL_D64_UNMASKED_MIN_SEQLEN_K, TWO_CTAS_MAX_HEAD_DIM,
-                            VALUE_DIM_PAIRS, choose_hopper_traits)
+                            VALUE_DIM_PAIRS, choose_hopper_traits, wide_value_keys)
 from layouts.traits import SMEM_LIMIT, BwdTraits, head_dim_bucket, tile_arch
 
 PAGE_ROWS = 16  # pages of a multiple of this many rows take the page-run / shared-page-id copies
@@ -157,6 +157,14 @@ def takes_tall_tiles(seqlen_k: int, masked: bool, dropout, mods=None) -> bool:
     return dropout is None and seqlen_k >= (TALL_D64_MIN_SEQLEN_K if masked else TALL_D64_UNMASKED_MIN_SEQLEN_K)
 
 
+def takes_value_dim_wide_keys(uneven: bool, dropout, mods=None) -> bool:
+    """A V head dim of its own (MLA's 192 / 128) on 128-key blocks (`choose_hopper_traits`'
+    `unmasked`) without a mask, dropout or mods: 1.03x the 64-key blocks at 4k; under a causal
+    mask they lose persistence (0.95-0.98x), dropout spills 16 bytes (docs/tuning/hopper-forward.md,
+    "MLA's forward on 128-key blocks")."""
+    return not uneven and dropout is None and mods is None
+
+
 # Under a causal / local mask speculative maxima start from this many keys: below it the blocks
 # after the diagonal one, whose few keys leave low kept maxima, are a large share and fall back
 SPECULATIVE_MASKED_MIN_SEQLEN_K = 1024
@@ -193,8 +201,9 @@ def speculates_in_place(traits) -> bool:
     """Speculative P over S (`Sm90FwdConfig.speculative_in_place`: a failed vote issues the
     warpgroup's Q K^T again) on 192-row tiles, whose 160 registers a thread have no room for P
     beside S; 128-row tiles keep P beside S, which measured faster (docs/tuning/policy.md;
-    docs/tuning/hopper-forward.md, Hopper step 17)."""
-    return traits.warpgroups == 3
+    docs/tuning/hopper-forward.md, Hopper step 17), but MLA's 128-key ones (`wide_value_keys`),
+    where P beside S spilled 160 bytes (hopper-forward.md, "MLA's forward on 128-key blocks")."""
+    return traits.warpgroups == 3 or wide_value_keys(traits)
 
 
 KV_MULTICAST_MIN_SEQLEN_K = 2048  # K / V multicast from this many keys, at d 128 (`takes_kv_multicast`)

@@ -26,7 +26,7 @@ from cute_flash.launch.policy import (DEEP_PIPELINE_MAX_SEQLEN_K, KV_MULTICAST_M
                                       with_hopper_bwd_dq)
 from layouts.hopper import (BWD_HEAD_DIMS, VALUE_DIM_PAIRS, choose_hopper_bwd_traits, choose_hopper_cache_traits,
                             choose_hopper_latent_traits, choose_hopper_traits, shipped_hopper_cache_traits,
-                            shipped_hopper_latent_traits, shipped_hopper_traits)
+                            shipped_hopper_latent_traits, shipped_hopper_traits, wide_value_keys)
 from layouts.traits import DTYPES, HEAD_DIM_BUCKETS, choose_bwd_traits, choose_decode_traits, choose_fwd_traits
 
 QUERY_GROUPS = (4, 8)  # the full list's query folds (`Sm90FwdConfig.query_group`): Llama's and Qwen's GQA groups
@@ -154,7 +154,8 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
     with every flag, d 128 GQA-folded at two CTAs an SM; query folds: d 128 causal by 4, split in a
     cluster, paged and by 8, d 64 stream-K with both window edges and softcap by 4), d 128 with K / V multicast (as
     without a mask from 2048 keys), MLA's d 192 with V's 128 (`VALUE_DIM_PAIRS`), causal,
-    dense and packed (one CTA per tile), and a learnable sink (d 128 causal persistent, d 64
+    dense and packed (one CTA per tile), and without a mask on its 128-key tiles (ALiBi,
+    softcap, a sink), and a learnable sink (d 128 causal persistent, d 64
     causal packed; KV
     caches: d 128 GQA-folded split in a cluster, d 128 split and paged, d 64 causal stream-K
     folded by 4), MLA decode's latent tiles (paged and GQA-folded; causal with softcap, a sink
@@ -173,6 +174,9 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
                          for edge in (SPECULATIVE_MASKED_MIN_SEQLEN_K, SPECULATIVE_MASKED_MIN_SEQLEN_K_D64,
                                       SPECULATIVE_IN_PLACE_LEFT_EDGE_MIN_SEQLEN_K)
                          for sk in (edge - 1, edge)}
+                masked = flags["has_left"] or flags["has_right"]
+                if wide_value_keys(t) and (masked or flags["has_dropout"]):  # unmasked calls' tiles
+                    continue
                 for spec in sorted(specs):
                     kinds = {"speculative_max": spec, "speculative_in_place": spec and speculates_in_place(t)}
                     if t.warpgroups != 3 or not Sm90FwdConfig.fits_persistent(t):
@@ -181,12 +185,11 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
                         out.append(Sm90FwdConfig(t, persistent=True, **kinds, **flags))
                     if kv_stages(t, DEEP_PIPELINE_MAX_SEQLEN_K, True) == 3:  # short keys
                         out.append(Sm90FwdConfig(t, 3, persistent=True, **kinds, **flags))
-                    masked = flags["has_left"] or flags["has_right"]
                     # multicast as the launcher takes it: two query blocks, long keys, persistent
                     if Sm90FwdConfig.fits_persistent(t) and takes_kv_multicast(
                             t, 2 * t.block_m, KV_MULTICAST_MIN_SEQLEN_K, masked, True, dropout):
                         out.append(Sm90FwdConfig(t, persistent=True, kv_multicast=True, **kinds, **flags))
-                if t.warpgroups != 3:
+                if t.warpgroups != 3 and not wide_value_keys(t):
                     out += [Sm90FwdConfig(t, varlen=True, persistent=s, has_seqused_k=u, paged=p, **flags)
                             for s in (False, True) if not s or Sm90FwdConfig.fits_persistent(t)
                             for u in (False, True) for p in (False, True)]
@@ -215,6 +218,7 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
     (mla_d, mla_dv), = VALUE_DIM_PAIRS
     latent = choose_hopper_latent_traits("bf16")
     mla = choose_hopper_traits(mla_d, "bf16", head_dim_v=mla_dv)
+    wide_mla = choose_hopper_traits(mla_d, "bf16", head_dim_v=mla_dv, unmasked=True)
     out = [Sm90FwdConfig(t, persistent=Sm90FwdConfig.fits_persistent(t), has_right=True, speculative_max=True,
                          speculative_in_place=speculates_in_place(t))
            for t in traits + [choose_hopper_traits(64, "bf16", long_keys=True)]]
@@ -267,6 +271,7 @@ def sm90_variants(full: bool = False) -> list[Sm90FwdConfig]:
                   Sm90FwdConfig(latent, cache_stages(latent, 1), has_right=True, has_softcap=True, kvcache=True,
                                 query_group=2, learnable_sink=True),
                   Sm90FwdConfig(mla, has_right=True, varlen=True),
+                  Sm90FwdConfig(wide_mla, has_alibi=True, has_softcap=True, learnable_sink=True),
                   Sm90FwdConfig(choose_hopper_traits(128, "bf16"), persistent=True, has_right=True,
                                 speculative_max=True, learnable_sink=True),
                   Sm90FwdConfig(choose_hopper_traits(64, "bf16"), has_right=True, varlen=True, learnable_sink=True,

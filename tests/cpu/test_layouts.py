@@ -406,6 +406,25 @@ def test_hopper_traits_with_a_value_head_dim_of_their_own():
         HopperTileTraits(128, 128, 128, "bf16", head_dim_v=128)
 
 
+def test_mla_unmasked_tiles_stage_o_in_q():
+    """MLA's unmasked 128-key tiles (`unmasked`): two stages fit beside Q with O in Q's tile
+    (one CTA a tile, no room for persistence), where each (row, col) of O lies at Q's; the
+    check fails where O's swizzle atom is not Q's (d 96's 32-column atoms, V's 64)."""
+    from layouts.verify_hopper import o_in_q_checks
+    from cute_flash.kernels.sm90.fwd import Sm90FwdConfig
+
+    wide = choose_hopper_traits(192, "bf16", head_dim_v=128, unmasked=True)
+    assert (wide.block_n, hopper.wide_value_keys(wide), hopper.o_fits_q_tile(wide)) == (128, True, True)
+    assert wide in shipped_hopper_traits() and not Sm90FwdConfig.fits_persistent(wide)
+    assert Sm90FwdConfig.smem_for(wide, 2, persistent=False) == 2 * (128 * 192 + 2 * 128 * (192 + 128)) + 96
+    assert choose_hopper_traits(256, "bf16", head_dim_v=128, unmasked=True).block_n == 64  # past WIDE_KEYS_MAX_DIMS
+    assert choose_hopper_traits(192, "bf16", unmasked=True).block_n == 64  # one head dim: unchanged
+    assert verify.in_arch_trace("sm_90a", lambda: o_in_q_checks(wide))
+    narrow_atoms = HopperTileTraits(96, 128, 128, "bf16", 64)
+    assert not hopper.o_fits_q_tile(narrow_atoms)
+    assert not verify.in_arch_trace("sm_90a", lambda: o_in_q_checks(narrow_atoms))
+
+
 def test_hopper_report_covers_every_shipped_traits():
     """The report's (traits, stages) pairs hold every shipped Hopper forward traits, and the
     three-stage ones the launchers choose: d <= 96 on 128-row tiles (`kv_stages`) and the

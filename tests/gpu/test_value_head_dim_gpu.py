@@ -141,3 +141,33 @@ def test_a_paged_packed_forward_takes_v_as_it_is(monkeypatch, kernels, hopper_va
         assert torch.equal(out, flat) and torch.equal(lse, flat_lse)
     assert_matches_reference(out, lse, q, k_pages, v_pages, ref_fn=attention_varlen_ref, cu_seqlens_q=cu_q,
                              cu_seqlens_k=cu_k, block_table=table, causal=True)
+
+
+@pytest.mark.parametrize("causal, opts, block_n, in_place", [
+    (False, {}, 128, True), (False, dict(softcap=20.0, learnable_sink=True), 128, True),
+    (False, dict(alibi=True), 128, False), (True, {}, 64, False)], ids=["plain", "softcap-sink", "alibi", "causal"])
+def test_mla_forward_without_a_mask_takes_128_key_blocks(monkeypatch, kernels, causal, opts, block_n, in_place):
+    """MLA's 192 / 128 without a mask on 128-key blocks (`policy.takes_value_dim_wide_keys`),
+    O staged in Q's tile, speculative maxima P over S but with ALiBi; a causal call keeps 64-key
+    blocks. 1000 keys: a partial last block of each."""
+    monkeypatch.delenv("CUTE_FLASH_ARCH_PATH", raising=False)
+    from cute_flash.kernels.sm90.fwd import Sm90FwdConfig
+
+    seen = config_lookups(monkeypatch, Sm90FwdConfig)
+    q, k, v, _ = _inputs((2, 1000, 16), (2, 1000, 4), 192, 128, seed=block_n + len(opts))
+    extra = {}
+    if opts.get("alibi"):
+        extra["alibi_slopes"] = torch.rand(16, device="cuda", dtype=torch.float32)
+    if "softcap" in opts:
+        extra["softcap"] = opts["softcap"]
+    sink = torch.randn(16, device="cuda", dtype=torch.float32) if opts.get("learnable_sink") else None
+    with torch.no_grad():
+        out, lse, _ = cute_flash.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True,
+                                                 learnable_sink=sink, **extra)
+    assert_matches_reference(out, lse, q, k, v, causal=causal, learnable_sink=sink, **extra)
+    assert kernels == on_path("default", "fwd")
+    assert len(seen) == 1
+    config, = seen
+    assert (config.traits.block_n, config.traits.head_dim_v, config.speculative_in_place) == (block_n, 128, in_place)
+    assert config.own_o_tile == config.persistent  # O in Q's tile unless persistent (never on 128-key blocks)
+    assert block_n == 64 or not config.persistent

@@ -21,7 +21,7 @@ next unclaimed one from a global counter (a dynamic scheduler, so tiles of unequ
 a causal mask balance themselves; the host may number them longest first, `tile`). Q's tile is
 released by a barrier once the consumers' last wgmma is done, O has a tile of its own, so the
 next tile's Q and K / V load during this one's last P V and epilogue. Otherwise one CTA per
-tile, O staged in Q's tile (in one of its own where V's head dim is not Q's, `own_o_tile`).
+tile, O staged in Q's tile (in one of its own where it does not lie in Q's, `own_o_tile`).
 Either way the producer announces each tile's index and coordinates
 to the consumers in shared memory, published by Q's full barrier. With `kv_multicast`
 (persistent, no mask) a cluster of two CTAs takes a head's query blocks two at a time in a
@@ -215,9 +215,11 @@ class Sm90FwdConfig:
 
     @staticmethod
     def owns_o_tile(traits: HopperTileTraits, persistent: bool) -> bool:
-        """O has a tile of its own: persistent, or V's head dim differs from Q's (but on latent
-        tiles, whose O fits in Q's tile once both warpgroups are done with Q)."""
-        return persistent or (traits.head_dim_v is not None and not traits.latent)
+        """O has a tile of its own: persistent, or V's head dim differs from Q's where O does not
+        lie in Q's tile (`hopper.o_fits_q_tile`; latent tiles' O fits once both warpgroups are
+        done with Q)."""
+        return persistent or (traits.head_dim_v is not None and not traits.latent
+                              and not hopper.o_fits_q_tile(traits))
 
     @staticmethod
     def fits_persistent(traits: HopperTileTraits, stages: int = 2) -> bool:
@@ -458,7 +460,7 @@ class FlashFwdSm90(TileScheduler, Producer, Consumer, Epilogue):
         sO = sQ  # (bm, dv) O's staging tile: Q's, unless the variant has one of its own (`own_o_tile`)
         if cutlass.const_expr(cfg.own_o_tile):
             sO = storage.sO.get_tensor(recipe.sO_layout.outer, swizzle=recipe.sO_layout.inner)
-        elif cutlass.const_expr(t.latent):  # Q's tile as a (bm, dv) one
+        elif cutlass.const_expr(t.head_dim_v is not None):  # Q's tile as a (bm, dv) one
             sO = storage.sQ.get_tensor(recipe.sO_layout.outer, swizzle=recipe.sO_layout.inner)
 
         merge = None
