@@ -159,9 +159,9 @@ def takes_tall_tiles(seqlen_k: int, masked: bool, dropout, mods=None) -> bool:
 
 def takes_value_dim_wide_keys(uneven: bool, dropout, mods=None) -> bool:
     """A V head dim of its own (MLA's 192 / 128) on 128-key blocks (`choose_hopper_traits`'
-    `unmasked`) without a mask, dropout or mods: 1.03x the 64-key blocks at 4k; under a causal
-    mask they lose persistence (0.95-0.98x), dropout spills 16 bytes (docs/tuning/hopper-forward.md,
-    "MLA's forward on 128-key blocks")."""
+    `unmasked`) without a mask, dropout or mods: 1.05-1.11x the 64-key blocks at 4k / 16k; under
+    a causal mask they lose persistence (0.95-0.98x), dropout spills 16 bytes there
+    (docs/tuning/hopper-forward.md, "MLA's forward on 128-key blocks")."""
     return not uneven and dropout is None and mods is None
 
 
