@@ -423,6 +423,9 @@ def test_mla_unmasked_tiles_stage_o_in_q():
     narrow_atoms = HopperTileTraits(96, 128, 128, "bf16", 64)
     assert not hopper.o_fits_q_tile(narrow_atoms)
     assert not verify.in_arch_trace("sm_90a", lambda: o_in_q_checks(narrow_atoms))
+    for cols in (16, 32, 48, 64, 96, 128, 160, 192, 224, 256):  # atom_cols, plain Python, is the DSL atom's
+        atom = verify.in_arch_trace("sm_90a", lambda: cute.size(hopper.swizzle_atom(wide, cols).outer, mode=[1]))
+        assert hopper.atom_cols(wide, cols) == atom
 
 
 def test_hopper_report_covers_every_shipped_traits():
