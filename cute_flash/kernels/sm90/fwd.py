@@ -215,11 +215,10 @@ class Sm90FwdConfig:
 
     @staticmethod
     def owns_o_tile(traits: HopperTileTraits, persistent: bool) -> bool:
-        """O has a tile of its own: persistent, or V's head dim differs from Q's where O does not
-        lie in Q's tile (`hopper.o_fits_q_tile`; latent tiles' O fits once both warpgroups are
-        done with Q)."""
-        return persistent or (traits.head_dim_v is not None and not traits.latent
-                              and not hopper.o_fits_q_tile(traits))
+        """O has a tile of its own: persistent, or where it does not lie in Q's tile
+        (`hopper.o_fits_q_tile`: it does at one head dim, and at MLA's pairs, the latent tiles'
+        once both warpgroups are done with Q)."""
+        return persistent or not hopper.o_fits_q_tile(traits)
 
     @staticmethod
     def fits_persistent(traits: HopperTileTraits, stages: int = 2) -> bool:
