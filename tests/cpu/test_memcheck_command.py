@@ -78,6 +78,7 @@ def fake_machine(tmp_path, monkeypatch):
                                     '*) echo 0; echo 1;; esac\n')
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setenv("RECORD_DIR", str(record))
+    monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")  # the stand-in tests need none: 2 s less a process
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     (tmp_path / "test_cases.py").write_text(TESTS)
     monkeypatch.chdir(tmp_path)  # test ids are relative to the directory the command runs in
